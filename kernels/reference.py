@@ -1,0 +1,132 @@
+"""Plain-torch reference implementations of every kernel.
+
+These define the ops' semantics. The engine calls them through
+``kernels.dispatch`` on CPU; Triton kernels with the same signatures replace
+them on CUDA, and tests check the two agree.
+
+Paged KV layout (one layer): ``k_cache``/``v_cache`` are
+``[num_blocks, block_size, num_kv_heads, head_dim]``; a sequence's token ``t``
+lives in block ``block_table[t // block_size]`` at offset ``t % block_size``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, cast back to x's dtype before the weight (as HF does)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual)."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x is [..., 2*d] holding gate then up; returns silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style RoPE. q [T, Hq, D], k [T, Hk, D]; cos_sin_cache [max_pos, D] (cos | sin)."""
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    cos = torch.cat([cos, cos], dim=-1).unsqueeze(1)
+    sin = torch.cat([sin, sin], dim=-1).unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat([-x2, x1], dim=-1)
+        return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store k/v [T, Hk, D] at flat slots (block * block_size + offset); slot -1 is padding."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = k[valid].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[valid].to(v_cache.dtype)
+
+
+def _gather_seq_kv(
+    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> torch.Tensor:
+    block_size = cache.shape[1]
+    n_blocks = (seq_len + block_size - 1) // block_size
+    return cache[block_table[:n_blocks]].flatten(0, 1)[:seq_len]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int) -> torch.Tensor:
+    """q [n, Hq, D] at positions q_offset.., k/v [S, Hk, D]; causal; float32 math."""
+    n, hq, _ = q.shape
+    s, hk, _ = k.shape
+    group = hq // hk
+    qf = q.float().transpose(0, 1)  # [Hq, n, D]
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [Hq, n, S]
+    q_pos = torch.arange(n, device=q.device).unsqueeze(1) + q_offset
+    k_pos = torch.arange(s, device=q.device).unsqueeze(0)
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, vf).transpose(0, 1).to(q.dtype)  # [n, Hq, D]
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence. q [B, Hq, D]; block_tables [B, max_blocks]; seq_lens [B]
+    (including the query token, whose K/V is already in the cache). Returns [B, Hq, D]."""
+    out = torch.empty_like(q)
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        k = _gather_seq_kv(k_cache, block_tables[i], seq_len)
+        v = _gather_seq_kv(v_cache, block_tables[i], seq_len)
+        out[i] = _attend(q[i : i + 1], k, v, scale, seq_len - 1)[0]
+    return out
+
+
+def paged_extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Varlen batch of new tokens over a paged prefix. q [T, Hq, D] packs each sequence's new
+    tokens at query_start_loc[i]:query_start_loc[i+1]; seq_lens[i] counts prefix + new tokens
+    (all already written to the cache). Full attention over the prefix, causal over new tokens."""
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        a, b = starts[i], starts[i + 1]
+        k = _gather_seq_kv(k_cache, block_tables[i], seq_len)
+        v = _gather_seq_kv(v_cache, block_tables[i], seq_len)
+        out[a:b] = _attend(q[a:b], k, v, scale, seq_len - (b - a))
+    return out

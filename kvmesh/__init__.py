@@ -1,0 +1,1 @@
+"""kvmesh: a disaggregated LLM inference server."""

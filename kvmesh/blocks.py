@@ -1,0 +1,83 @@
+"""The one definition of a KV block's name.
+
+KV is cut into blocks of ``block_size`` tokens. A *full* block is named by a
+chained hash::
+
+    h_i = blake2b(h_{i-1} || fingerprint || salt || tokens of block i)
+
+so equal names mean equal KV: the same model (fingerprint), the same tenant
+(cache salt) and the same token prefix up to and including block i. The GPU
+cache, the kvstore and the router's Redis index all use these names; every
+service imports this module rather than re-deriving it.
+
+A partial trailing block has no name: its KV is still changing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Sequence
+
+BlockHash = bytes
+"""A block's name: ``HASH_BYTES`` raw bytes (hex only for logs and Redis keys)."""
+
+HASH_BYTES = 16  # 128-bit blake2b: collision-resistant, compact in Redis.
+DEFAULT_BLOCK_SIZE = 16
+
+# The chain's root: what block 0 is chained onto.
+_ROOT = b"\x00" * HASH_BYTES
+
+
+def _h(*parts: bytes) -> bytes:
+    d = hashlib.blake2b(digest_size=HASH_BYTES)
+    for p in parts:
+        # Length-prefix each part so (a, bc) and (ab, c) never collide.
+        d.update(struct.pack("<Q", len(p)))
+        d.update(p)
+    return d.digest()
+
+
+def model_fingerprint(config: dict, dtype: str, block_size: int) -> bytes:
+    """Fingerprint of everything that changes a block's KV bytes for a given prefix.
+
+    ``config`` is the model's config.json content; weights identity is represented
+    by the architecture fields plus ``weights_id`` when the caller supplies one
+    (e.g. a checksum of the safetensors index) in ``config``.
+    """
+    canonical = json.dumps(
+        {"config": config, "dtype": dtype, "block_size": block_size},
+        sort_keys=True,
+        separators=(",", ":"),
+        default=str,
+    )
+    return _h(b"kvmesh-fingerprint-v1", canonical.encode())
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    fingerprint: bytes,
+    cache_salt: bytes = b"",
+    parent: BlockHash | None = None,
+) -> list[BlockHash]:
+    """Names of every full block of ``token_ids`` (a trailing partial block is skipped).
+
+    ``parent`` continues an existing chain: ``token_ids`` must then start at a
+    block boundary right after the block named ``parent``.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    prev = parent if parent is not None else _ROOT
+    out: list[BlockHash] = []
+    n_full = len(token_ids) // block_size
+    for i in range(n_full):
+        chunk = token_ids[i * block_size : (i + 1) * block_size]
+        prev = _h(prev, fingerprint, cache_salt, struct.pack(f"<{block_size}I", *chunk))
+        out.append(prev)
+    return out
+
+
+def hash_hex(h: BlockHash) -> str:
+    return h.hex()

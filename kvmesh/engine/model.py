@@ -1,0 +1,198 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+One forward pass takes a flat batch of new tokens from many sequences plus the
+metadata that says where each sequence's K/V lives (``AttentionMetadata``).
+Every op goes through ``kernels.dispatch``; attention reads K/V through block
+tables, never a contiguous copy of the sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels import Ops
+from kvmesh.engine.config import ModelConfig
+from kvmesh.engine.rope import rope_cos_sin_cache
+from kvmesh.engine.weights import iter_tensors
+from kvmesh.errors import ModelLoadError
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the batch's tokens go and what they attend to."""
+
+    slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks]
+    seq_lens: torch.Tensor  # [B] tokens in cache after this step (prefix + new)
+    query_start_loc: torch.Tensor  # [B+1] offsets of each sequence's new tokens in the batch
+    is_decode: bool  # every sequence has exactly one new token
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_size, self.kv_size = q_size, kv_size
+        h = cfg.hidden_size
+        self.qkv_proj = nn.Linear(h, q_size + 2 * kv_size, bias=cfg.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(q_size, h, bias=False, dtype=dtype)
+        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False, dtype=dtype)
+        self.input_norm = nn.Parameter(torch.ones(h, dtype=dtype))
+        self.post_attn_norm = nn.Parameter(torch.ones(h, dtype=dtype))
+        if cfg.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(cfg.head_dim, dtype=dtype))
+            self.k_norm = nn.Parameter(torch.ones(cfg.head_dim, dtype=dtype))
+
+    def forward(
+        self,
+        ops: Ops,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        cos_sin: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        if residual is None:
+            residual = hidden
+            hidden = ops.rms_norm(hidden, self.input_norm, eps)
+        else:
+            hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.input_norm, eps)
+
+        t = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, cfg.num_heads, cfg.head_dim)
+        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = ops.rms_norm(q, self.q_norm, eps)
+            k = ops.rms_norm(k, self.k_norm, eps)
+        q, k = ops.rotary_embedding(positions, q, k, cos_sin)
+        ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        scale = cfg.head_dim**-0.5
+        if meta.is_decode:
+            attn = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        else:
+            attn = ops.paged_extend_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+            )
+        hidden = self.o_proj(attn.reshape(t, -1))
+
+        hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.post_attn_norm, eps)
+        hidden = self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden)))
+        return hidden, residual
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.ops = Ops(device)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype))
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        )
+        cos_sin = rope_cos_sin_cache(cfg.rope, cfg.head_dim, max_positions, cfg.max_position_embeddings)
+        self.register_buffer("cos_sin", cos_sin, persistent=False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Returns float32 logits [len(logits_indices), vocab] for the rows that sample."""
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(
+                self.ops, positions, hidden, residual, kv_cache[i, 0], kv_cache[i, 1], self.cos_sin, meta
+            )
+        hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
+        hidden = hidden[logits_indices]
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.matmul(hidden, weight.t()).float()
+
+    def load_weights(self, files: list) -> None:
+        """Copy HF-named tensors into this model, fusing q/k/v and gate/up projections."""
+        cfg = self.cfg
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        qs, ks = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        fused = {  # HF suffix -> (our suffix, row offset, rows)
+            "self_attn.q_proj": ("qkv_proj", 0, qs),
+            "self_attn.k_proj": ("qkv_proj", qs, ks),
+            "self_attn.v_proj": ("qkv_proj", qs + ks, ks),
+            "mlp.gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
+            "mlp.up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
+        }
+        renamed = {
+            "self_attn.o_proj": "o_proj",
+            "mlp.down_proj": "down_proj",
+            "input_layernorm": "input_norm",
+            "post_attention_layernorm": "post_attn_norm",
+            "self_attn.q_norm": "q_norm",
+            "self_attn.k_norm": "k_norm",
+        }
+        for name, tensor in iter_tensors(files):
+            target, rows = self._map_name(name, fused, renamed)
+            if target is None:
+                continue  # e.g. rotary inv_freq buffers some checkpoints carry
+            if target not in params:
+                raise ModelLoadError(f"weight {name!r} has no place in {cfg.architecture}")
+            param = params[target]
+            dst = param.data if rows is None else param.data[rows[0] : rows[0] + rows[1]]
+            if dst.shape != tensor.shape:
+                raise ModelLoadError(f"weight {name!r}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor.to(dst.dtype))
+            loaded.add(name)
+        missing = self._expected_names(fused, renamed) - loaded
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing weights: {', '.join(sorted(missing)[:5])}")
+
+    def _map_name(self, name: str, fused: dict, renamed: dict) -> tuple[str | None, tuple[int, int] | None]:
+        if name == "model.embed_tokens.weight":
+            return "embed_tokens.weight", None
+        if name == "model.norm.weight":
+            return "norm", None
+        if name == "lm_head.weight":
+            # Some tied checkpoints still store lm_head; the embedding is the source of truth then.
+            return (None, None) if self.lm_head is None else ("lm_head.weight", None)
+        if not name.startswith("model.layers.") or "rotary_emb" in name:
+            return None, None
+        idx, rest = name[len("model.layers.") :].split(".", 1)
+        module, kind = rest.rsplit(".", 1)  # kind: weight | bias
+        if module in fused:
+            ours, off, rows = fused[module]
+            return f"layers.{idx}.{ours}.{kind}", (off, rows)
+        if module in renamed:
+            ours = renamed[module]
+            # Norm weights are bare parameters here; projections keep their .weight suffix.
+            return (f"layers.{idx}.{ours}" if "norm" in module else f"layers.{idx}.{ours}.{kind}"), None
+        return f"layers.{idx}.{module}.{kind}", None
+
+    def _expected_names(self, fused: dict, renamed: dict) -> set[str]:
+        cfg = self.cfg
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if self.lm_head is not None:
+            names.add("lm_head.weight")
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            names |= {p + m + ".weight" for m in fused}
+            names |= {p + m + ".weight" for m in renamed if cfg.qk_norm or "q_norm" not in m and "k_norm" not in m}
+            if cfg.qkv_bias:
+                names |= {p + f"self_attn.{x}_proj.bias" for x in "qkv"}
+        return names

@@ -1,0 +1,64 @@
+"""One request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kvmesh.blocks import BlockHash
+from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    cache_salt: bytes = b""
+    arrival: int = 0  # admission order, for FCFS and preemption choice
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    # Tokens whose KV is in the cache (prefix hits included).
+    num_computed: int = 0
+    # Leading blocks of block_table already named in the prefix cache.
+    num_named_blocks: int = 0
+    admissions: int = 0  # >1 after preemption
+    # Prompt tokens served from the prefix cache at (first) admission.
+    num_cached_prompt: int = 0
+    # Hashes of this sequence's full blocks, in order (extended as blocks fill).
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    detok: IncrementalDetokenizer | None = None
+    # Text already handed to the caller (stop strings are held back until resolved).
+    emitted_text_len: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
