@@ -1,0 +1,94 @@
+"""The ``kvmesh`` command: one entry point for every tool and service."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvmesh.errors import KvmeshError
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="run the engine in-process on one prompt and stream the text")
+    p.add_argument("--model", help="local Hugging Face folder (default: the embedded default model)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--repetition-limit", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: checkpoint's on CUDA, float32 on CPU)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with token_ids, text, finish_reason")
+    p.set_defaults(func=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+    from kvmesh.engine.default_model import RANDOM_MODEL_LABEL, default_model_path
+
+    model = args.model
+    if model is None:
+        model = default_model_path()
+        print(f"[kvmesh] serving the embedded default model: {RANDOM_MODEL_LABEL}", file=sys.stderr)
+    engine = LLMEngine(model, EngineConfig(device=args.device, dtype=args.dtype))
+    if engine.tokenizer is None:
+        raise KvmeshError(f"{model}/tokenizer.json: missing; `generate` needs a tokenizer for text prompts")
+    text = args.prompt
+    if args.chat:
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    prompt_ids = engine.tokenizer.encode(text, add_special_tokens=not args.chat)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=args.stop,
+        repetition_limit=args.repetition_limit,
+    )
+    rid = engine.add_request(prompt_ids, params)
+    token_ids: list[int] = []
+    parts: list[str] = []
+    reason = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id != rid:
+                continue
+            token_ids += out.new_token_ids
+            parts.append(out.text_delta)
+            if not args.json:
+                sys.stdout.write(out.text_delta)
+                sys.stdout.flush()
+            reason = out.finish_reason
+    if args.json:
+        print(json.dumps({"token_ids": token_ids, "text": "".join(parts), "finish_reason": reason}))
+    else:
+        sys.stdout.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KvmeshError as e:
+        print(f"kvmesh: error: {e.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

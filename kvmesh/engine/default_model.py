@@ -1,0 +1,144 @@
+"""The embedded default model: a small Llama checkpoint with RANDOM weights.
+
+It exists so ``kvmesh generate``/``kvmesh up`` work on a fresh machine with no
+download. Its output is noise — say so wherever it is served. It is written
+once into a cache folder as a standard Hugging Face folder (config.json,
+model.safetensors, tokenizer.json, tokenizer_config.json with a chat
+template), by this code alone: no transformers at run time.
+
+The tokenizer is a byte-level BPE trained on Python source the interpreter
+ships (the standard library), so any text round-trips and code tokenizes well.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sysconfig
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+RANDOM_MODEL_LABEL = "kvmesh-random-llama (RANDOM WEIGHTS: output is noise, for plumbing only)"
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _stdlib_corpus(max_bytes: int) -> list[str]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts, total = [], 0
+    for f in sorted(root.glob("*.py")):
+        text = f.read_text(encoding="utf-8", errors="ignore")
+        texts.append(text)
+        total += len(text)
+        if total >= max_bytes:
+            break
+    return texts
+
+
+def train_tokenizer(vocab_size: int = 1024, corpus_bytes: int = 2_000_000) -> Tokenizer:
+    """A byte-level BPE tokenizer (lossless on any UTF-8) trained on stdlib Python source."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_stdlib_corpus(corpus_bytes), trainer)
+    return tok
+
+
+def write_tokenizer(tok: Tokenizer, path: Path) -> None:
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|endoftext|>",
+                "pad_token": "<|endoftext|>",
+                "bos_token": None,
+                "chat_template": CHAT_TEMPLATE,
+                "model_max_length": 2048,
+            },
+            indent=2,
+        )
+    )
+
+
+def write_random_llama(path: Path, vocab_size: int = 1024, hidden: int = 128, layers: int = 4, seed: int = 0) -> Path:
+    """Write the random-weights default checkpoint to ``path``; returns ``path``."""
+    path.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(vocab_size)
+    write_tokenizer(tok, path)
+    eos = tok.token_to_id("<|endoftext|>")
+    heads, kv_heads, inter = 4, 2, hidden * 3
+    head_dim = hidden // heads
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": tok.get_vocab_size(),
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "eos_token_id": eos,
+        "bos_token_id": None,
+        "torch_dtype": "float32",
+        "kvmesh_label": RANDOM_MODEL_LABEL,
+    }
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.08
+
+    v = config["vocab_size"]
+    tensors = {"model.embed_tokens.weight": rand(v, hidden), "model.norm.weight": torch.ones(hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": rand(inter, hidden),
+            p + "mlp.up_proj.weight": rand(inter, hidden),
+            p + "mlp.down_proj.weight": rand(hidden, inter),
+            p + "input_layernorm.weight": torch.ones(hidden),
+            p + "post_attention_layernorm.weight": torch.ones(hidden),
+        }
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def default_model_path() -> Path:
+    """The embedded default model's folder, written on first use."""
+    cache = Path(os.environ.get("KVMESH_CACHE", Path.home() / ".cache" / "kvmesh"))
+    path = cache / "models" / "random-llama-v1"
+    if not (path / "config.json").is_file():
+        # Write aside and rename, so processes starting together never see half a folder.
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        write_random_llama(tmp)
+        try:
+            tmp.rename(path)
+        except OSError:  # another process won the race; its folder is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path

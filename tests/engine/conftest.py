@@ -1,0 +1,99 @@
+"""Tiny checkpoints written by transformers itself (random init, save_pretrained).
+
+Weights use a large init range so logits are peaked: random tiny models with
+near-flat logits would make greedy comparisons hinge on float rounding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvmesh.engine.default_model import train_tokenizer, write_tokenizer
+
+VOCAB = 512
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.5,
+    eos_token_id=0,
+)
+
+# name -> (transformers config class, model class, extra config)
+ARCHS = {
+    "llama-gqa": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama-mha-tied": ("LlamaConfig", "LlamaForCausalLM", {"num_key_value_heads": 4, "tie_word_embeddings": True}),
+    "llama3-rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {
+            "num_key_value_heads": 1,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    "llama-linear-rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"head_dim": 16, "sliding_window": None}),
+    "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", {"rope_theta": 1000000.0}),
+    "qwen2-yarn": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}},
+    ),
+    "qwen3-qknorm-tied": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "tie_word_embeddings": True}),
+}
+
+
+def write_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
+    import transformers
+
+    cfg_cls, model_cls, extra = ARCHS[arch]
+    cfg = getattr(transformers, cfg_cls)(**{**_COMMON, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: write_checkpoint(root / name, name) for name in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tokenizer_files(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tok")
+    write_tokenizer(train_tokenizer(VOCAB, corpus_bytes=300_000), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def llama_with_tokenizer(tmp_path_factory, tokenizer_files) -> Path:
+    """A llama checkpoint whose folder also has our tokenizer (for text-level tests)."""
+    import shutil
+
+    path = write_checkpoint(tmp_path_factory.mktemp("llama-tok") / "m", "llama-gqa", eos_token_id=0)
+    for f in tokenizer_files.iterdir():
+        shutil.copy(f, path / f.name)
+    return path
+
+
+PROMPTS = [
+    [1, 5, 9, 33, 2, 7, 100, 200, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13],
+    [17, 50, 60],
+    list(range(40, 90)),
+    [300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 311, 312, 313, 314, 315, 316],
+]
