@@ -101,13 +101,22 @@ def paged_decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """One query token per sequence. q [B, Hq, D]; block_tables [B, max_blocks]; seq_lens [B]
-    (including the query token, whose K/V is already in the cache). Returns [B, Hq, D]."""
-    out = torch.empty_like(q)
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        k = _gather_seq_kv(k_cache, block_tables[i], seq_len)
-        v = _gather_seq_kv(v_cache, block_tables[i], seq_len)
-        out[i] = _attend(q[i : i + 1], k, v, scale, seq_len - 1)[0]
-    return out
+    (including the query token, whose K/V is already in the cache). Returns [B, Hq, D].
+
+    Batched over sequences: each one's blocks are gathered into a padded [B, S] view and
+    positions past its length are masked, so a step costs a few ops per layer, not per sequence.
+    """
+    b, hq, d = q.shape
+    _, block_size, hk, _ = k_cache.shape
+    s = block_tables.shape[1] * block_size
+    k = k_cache[block_tables].view(b, s, hk, d).float().permute(0, 2, 3, 1)  # [B, Hk, D, S]
+    v = v_cache[block_tables].view(b, s, hk, d).float().transpose(1, 2)  # [B, Hk, S, D]
+    qf = q.float().view(b, hk, hq // hk, d)  # query heads grouped by their KV head
+    scores = torch.matmul(qf, k) * scale  # [B, Hk, G, S]
+    past_end = torch.arange(s, device=q.device).unsqueeze(0) >= seq_lens.unsqueeze(1)
+    scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [B, Hk, G, D]
+    return out.reshape(b, hq, d).to(q.dtype)
 
 
 def paged_extend_attention(

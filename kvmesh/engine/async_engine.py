@@ -1,0 +1,126 @@
+"""The engine's step loop on its own thread, fed and drained through queues.
+
+A forward pass can take tens of milliseconds; running it on the asyncio loop
+would stall every gRPC stream, health check and cancellation in the process.
+So one thread owns the ``LLMEngine`` outright: coroutines hand it commands
+(add, abort, or any function to run between steps, e.g. KV export/import)
+through a thread-safe queue, and each request's outputs come back through an
+``asyncio.Queue`` filled with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import structlog
+
+from kvmesh.engine.engine import LLMEngine, RequestOutput
+from kvmesh.engine.sampling_params import SamplingParams
+
+T = TypeVar("T")
+log = structlog.get_logger(__name__)
+
+_IDLE_WAIT_S = 0.5  # how long the idle thread blocks before re-checking for shutdown
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], concurrent.futures.Future]] = (
+            queue.SimpleQueue()
+        )
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
+        self._fatal: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        if self._fatal is not None:
+            raise RuntimeError("engine thread died") from self._fatal
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, fut))
+        return await asyncio.wrap_future(fut)
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: bytes = b"",
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Leaving the loop early (or being cancelled) aborts it."""
+        out_q: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def add(engine: LLMEngine) -> None:
+            engine.add_request(prompt_ids, params, request_id, cache_salt)
+            self._streams[request_id] = (loop, out_q)
+
+        await self.call(add)
+        finished = False
+        try:
+            while not finished:
+                item = await out_q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                await asyncio.shield(self.call(lambda e: self._abort(e, request_id)))
+
+    def _abort(self, engine: LLMEngine, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            engine.abort(request_id)
+
+    # -- engine thread -------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not engine.has_unfinished())
+                if not engine.has_unfinished():
+                    continue
+                for out in engine.step():
+                    self._deliver(out.request_id, out, out.finished)
+        except BaseException as e:  # a dead step loop must fail every waiter, not hang them
+            self._fatal = e
+            log.exception("engine step loop died")
+            for rid in list(self._streams):
+                self._deliver(rid, RuntimeError(f"engine failed: {e}"), True)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            fn, fut = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.engine))
+                except Exception as e:  # the caller gets it: e.g. InvalidArgument from add_request
+                    fut.set_exception(e)
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException, last: bool) -> None:
+        target = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, item)
