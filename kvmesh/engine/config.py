@@ -143,6 +143,8 @@ class EngineConfig:
     # Context limit; None: the model's max_position_embeddings.
     max_model_len: int | None = None
     enable_prefix_cache: bool = True
+    # Draft tokens verified per decode step when a proposer is attached (0 = no speculation).
+    num_speculative_tokens: int = 0
     seed: int = 0
 
     def resolve_dtype(self, model_dtype: torch.dtype) -> torch.dtype:

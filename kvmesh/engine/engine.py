@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -19,7 +20,7 @@ from kvmesh.engine.config import EngineConfig, ModelConfig, dtype_name
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.kv_cache import KV_LAYOUT, BlockPayload, KVCache
 from kvmesh.engine.model import AttentionMetadata, CausalLM
-from kvmesh.engine.sampler import sample
+from kvmesh.engine.sampler import token_logprobs, verify
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import ScheduledBatch, Scheduler
 from kvmesh.engine.sequence import Sequence, TokenLogprob
@@ -41,6 +42,8 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob]
     num_prompt_tokens: int
     num_cached_tokens: int
+    # Of new_token_ids, how many were speculator drafts the model accepted.
+    num_draft_accepted: int = 0
 
 
 @dataclass
@@ -53,6 +56,8 @@ class EngineStats:
     imported_blocks: int = 0
     exported_blocks: int = 0
     preemptions: int = 0
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
 
 
 @dataclass
@@ -68,8 +73,26 @@ class Completion:
     num_cached_tokens: int = 0
 
 
+class DraftProposer(Protocol):
+    """Where speculative drafts come from (the speculator service, or a local n-gram)."""
+
+    def propose(self, wants: list[tuple[Sequence, int]]) -> dict[str, list[int]]:
+        """Up to k draft tokens per (sequence, k); may return fewer or none (late answers)."""
+        ...
+
+    def finished(self, seq: Sequence) -> None:
+        """A sequence ended: its output can teach the proposer."""
+        ...
+
+
 class LLMEngine:
-    def __init__(self, model_path: str | Path, config: EngineConfig | None = None, on_block_event: BlockEventSink | None = None):
+    def __init__(
+        self,
+        model_path: str | Path,
+        config: EngineConfig | None = None,
+        on_block_event: BlockEventSink | None = None,
+        proposer: DraftProposer | None = None,
+    ):
         self.config = cfg = config or EngineConfig()
         path = Path(model_path)
         if not path.is_dir():
@@ -98,6 +121,9 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.stats = EngineStats()
+        self.proposer = proposer
+        # Outputs produced outside a step (a handed-off first token), delivered with the next one.
+        self._pending: list[RequestOutput] = []
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._default_gen = torch.Generator().manual_seed(cfg.seed)
@@ -110,8 +136,15 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: bytes = b"",
+        first_token: int | None = None,
+        first_logprob: TokenLogprob | None = None,
     ) -> str:
-        """Queue a request; raises InvalidArgument for anything it could never serve."""
+        """Queue a request; raises InvalidArgument for anything it could never serve.
+
+        ``first_token`` continues a request whose prompt was prefilled elsewhere: the token
+        that worker sampled is appended as this request's first output (stop checks and
+        streaming as usual) and the next step computes only what the cache lacks.
+        """
         arrival = next(self._arrivals)
         request_id = request_id or f"req-{arrival}"
         if request_id in self._seqs:
@@ -122,9 +155,15 @@ class LLMEngine:
             seq.generator = torch.Generator().manual_seed(params.seed)
         if self.tokenizer is not None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids)
+        if first_token is not None and not 0 <= first_token < self.model_config.vocab_size:
+            raise InvalidArgument(f"first token {first_token} is outside the vocabulary")
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         self.stats.prompt_tokens += len(prompt_ids)
+        if first_token is not None:
+            if params.logprobs is not None:
+                seq.logprobs.append(first_logprob or TokenLogprob(first_token, float("nan")))
+            self._pending.append(self._append_tokens(seq, [first_token]))
         return request_id
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -169,21 +208,53 @@ class LLMEngine:
     # -- stepping ------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        if self.proposer is not None and self.config.num_speculative_tokens:
+            self._propose_drafts()
         batch = self.scheduler.schedule()
         self.stats.preemptions = self.scheduler.num_preemptions
         self.stats.cached_prompt_tokens = self.scheduler.num_cached_prompt_tokens
         if not batch:
-            return []
+            return outputs
         sampling, logits = self._forward(batch)
-        self.scheduler.after_step(batch)
+        self.scheduler.after_forward(batch)
         self.stats.steps += 1
         self.stats.computed_tokens += sum(batch.num_new)
-        outputs = []
-        if sampling:
-            tokens = sample(logits, sampling, self._default_gen)
-            for seq, tok in zip(sampling, tokens):
-                outputs.append(self._append_token(seq, tok))
+        greedy = logits.argmax(dim=-1).tolist()
+        row = 0
+        for seq in sampling:
+            drafts, seq.draft_ids = seq.draft_ids, []
+            k = len(drafts)
+            gen = seq.generator or self._default_gen
+            rows = logits[row : row + k + 1]
+            tokens = verify(rows, drafts, seq.params, gen, greedy[row : row + k + 1])
+            row += k + 1
+            if k:
+                seq.num_draft_proposed += k
+                seq.num_draft_accepted += len(tokens) - 1
+                self.stats.draft_tokens_proposed += k
+                self.stats.draft_tokens_accepted += len(tokens) - 1
+            if seq.params.logprobs is not None:
+                seq.logprobs.extend(token_logprobs(rows, tokens, seq.params.logprobs))
+            outputs.append(self._append_tokens(seq, tokens))
+            if k and not seq.is_finished:
+                self.scheduler.accept_drafts(seq, len(tokens) - 1)
         return outputs
+
+    def _propose_drafts(self) -> None:
+        k_max = self.config.num_speculative_tokens
+        want = {}
+        for seq in self.scheduler.running:
+            # Room left under max_tokens and the context: the bonus token needs a slot too.
+            room = min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_tokens) - 1
+            if seq.is_decoding and room > 0:
+                want[seq.request_id] = (seq, min(k_max, room))
+        if not want:
+            return
+        for rid, drafts in self.proposer.propose([(s, k) for s, k in want.values()]).items():
+            seq, k = want.get(rid, (None, 0))
+            if seq is not None:
+                seq.draft_ids = [t for t in drafts[:k] if 0 <= t < self.model_config.vocab_size]
 
     def _forward(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
         bs = self.config.block_size
@@ -192,18 +263,19 @@ class LLMEngine:
         slots: list[int] = []
         starts = [0]
         seq_lens = []
-        logits_idx = []
+        logits_idx: list[int] = []
         sampling = []
         for seq, n in zip(batch.seqs, batch.num_new):
             a, b = seq.num_computed, seq.num_computed + n
-            ids.extend(seq.all_ids[a:b])
+            ids.extend((seq.all_ids + seq.draft_ids)[a:b])
             positions.extend(range(a, b))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(a, b))
             starts.append(starts[-1] + n)
             seq_lens.append(b)
-            if b == seq.num_tokens:  # the whole context is in cache: this row samples
-                logits_idx.append(starts[-1] - 1)
+            k = len(seq.draft_ids)
+            if b == seq.num_tokens + k:  # the whole context is in cache: these rows sample
+                logits_idx.extend(range(starts[-1] - 1 - k, starts[-1]))
                 sampling.append(seq)
         max_blocks = max(len(s.block_table) for s in batch.seqs)
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
@@ -224,28 +296,40 @@ class LLMEngine:
         )
         return sampling, logits.cpu()
 
-    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
-        seq.output_ids.append(token)
-        self.stats.generated_tokens += 1
-        n_lp = len(seq.logprobs)
+    def _append_tokens(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
+        """Append tokens one by one until a stop condition; returns what the caller sees."""
+        n_lp = len(seq.logprobs) - (len(tokens) if seq.params.logprobs is not None else 0)
         delta_start = seq.emitted_text_len
-        if seq.detok is not None:
-            seq.detok.add(token)
-        reason = check_stop(seq, token, self.eos_token_ids, self.max_model_len)
+        reason = None
+        appended = []
+        for token in tokens:
+            seq.output_ids.append(token)
+            appended.append(token)
+            if seq.detok is not None:
+                seq.detok.add(token)
+            reason = check_stop(seq, token, self.eos_token_ids, self.max_model_len)
+            if reason is not None:
+                break
+        self.stats.generated_tokens += len(appended)
+        if seq.params.logprobs is not None:
+            del seq.logprobs[n_lp + len(appended) :]  # logprobs of tokens cut by a stop
         text = releasable_text(seq, finished=reason is not None)
         seq.emitted_text_len = delta_start + len(text)
         if reason is not None:
             self.scheduler.finish(seq, reason)
             del self._seqs[seq.request_id]
+            if self.proposer is not None:
+                self.proposer.finished(seq)
         return RequestOutput(
             request_id=seq.request_id,
-            new_token_ids=[token],
+            new_token_ids=appended,
             text_delta=text,
             finished=reason is not None,
             finish_reason=reason,
-            new_logprobs=seq.logprobs[n_lp - 1 :] if seq.params.logprobs is not None else [],
+            new_logprobs=seq.logprobs[n_lp:] if seq.params.logprobs is not None else [],
             num_prompt_tokens=len(seq.prompt_ids),
             num_cached_tokens=seq.num_cached_prompt,
+            num_draft_accepted=len(appended) - 1 if appended else 0,
         )
 
     # -- convenience -----------------------------------------------------------
@@ -300,6 +384,16 @@ class LLMEngine:
                 out.append((h, self.kv.export_block(b)))
         self.stats.exported_blocks += len(out)
         return out
+
+    def pin_blocks(self, hashes: list[BlockHash]) -> int:
+        """Hold the leading cached ``hashes`` against eviction (a KV hand-off lease); returns how many."""
+        blocks = self.blocks.match_prefix(hashes)
+        self.blocks.acquire(blocks)
+        return len(blocks)
+
+    def unpin_blocks(self, hashes: list[BlockHash]) -> None:
+        """Drop the pins ``pin_blocks`` took on exactly these hashes."""
+        self.blocks.release([self.blocks.hash_to_block[h] for h in hashes])
 
     def import_block(self, h: BlockHash, payload: BlockPayload) -> bool:
         """Adopt a block computed elsewhere as a cached block. False if already held."""

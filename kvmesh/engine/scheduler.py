@@ -62,7 +62,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            if seq.draft_ids and seq.num_tokens - seq.num_computed + len(seq.draft_ids) > budget:
+                seq.draft_ids = []  # drafts never squeeze out a plain decode
+            n = min(seq.num_tokens - seq.num_computed + len(seq.draft_ids), budget)
             while not self._reserve(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -95,11 +97,19 @@ class Scheduler:
             budget -= n
         return batch
 
-    def after_step(self, batch: ScheduledBatch) -> None:
-        """Advance computed counts and name the blocks this step filled."""
+    def after_forward(self, batch: ScheduledBatch) -> None:
+        """Advance computed counts past the verified tokens and name the blocks they filled.
+
+        Draft tokens' KV is written too but only counts once verification accepts it
+        (``accept_drafts``); a rejected draft's slot is simply overwritten later.
+        """
         for seq, n in zip(batch.seqs, batch.num_new):
-            seq.num_computed += n
-            self._register_full_blocks(seq)
+            seq.num_computed += n - len(seq.draft_ids)
+            self.register_full_blocks(seq)
+
+    def accept_drafts(self, seq: Sequence, n_accepted: int) -> None:
+        seq.num_computed += n_accepted
+        self.register_full_blocks(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
@@ -155,7 +165,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _register_full_blocks(self, seq: Sequence) -> None:
+    def register_full_blocks(self, seq: Sequence) -> None:
         full = seq.num_computed // self.block_size
         if full <= seq.num_named_blocks:
             return

@@ -48,12 +48,21 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     detok: IncrementalDetokenizer | None = None
+    # Speculator drafts to verify in the next step (cleared after it).
+    draft_ids: list[int] = field(default_factory=list)
+    num_draft_proposed: int = 0
+    num_draft_accepted: int = 0
     # Text already handed to the caller (stop strings are held back until resolved).
     emitted_text_len: int = 0
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def is_decoding(self) -> bool:
+        """All but the last token are in the cache: the next step samples."""
+        return self.num_computed == self.num_tokens - 1
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,111 @@
+"""Speculative decoding: verification keeps greedy output identical and sampled output
+distributed exactly as without drafts."""
+
+from __future__ import annotations
+
+import torch
+
+from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.engine.sampler import verify
+
+from .conftest import PROMPTS
+
+
+class ScriptedProposer:
+    """Proposes from a fixed continuation per request (an oracle), or garbage."""
+
+    def __init__(self, continuations: dict[str, list[int]] | None = None, garbage: bool = False):
+        self.continuations = continuations or {}
+        self.garbage = garbage
+        self.finished_ids: list[str] = []
+
+    def propose(self, wants):
+        out = {}
+        for seq, k in wants:
+            if self.garbage:
+                out[seq.request_id] = [(seq.num_tokens * 7 + i) % 500 for i in range(k)]
+            else:
+                cont = self.continuations.get(seq.request_id, [])
+                done = len(seq.output_ids)
+                out[seq.request_id] = cont[done : done + k]
+        return out
+
+    def finished(self, seq):
+        self.finished_ids.append(seq.request_id)
+
+
+def _greedy(n=24):
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def test_greedy_output_identical_with_oracle_and_garbage_drafts(checkpoints):
+    path = checkpoints["llama-gqa"]
+    plain = LLMEngine(path, EngineConfig(num_blocks=128)).generate(PROMPTS, _greedy())
+    expected = [c.token_ids for c in plain]
+
+    oracle = ScriptedProposer({f"req-{i}": toks for i, toks in enumerate(expected)})
+    spec = LLMEngine(path, EngineConfig(num_blocks=128, num_speculative_tokens=4), proposer=oracle)
+    got = spec.generate(PROMPTS, _greedy())
+    assert [c.token_ids for c in got] == expected
+    assert spec.stats.draft_tokens_accepted == spec.stats.draft_tokens_proposed > 0
+    assert spec.stats.steps < plain[0].token_ids.__len__() + 5  # ~5 tokens per step
+    assert sorted(oracle.finished_ids) == sorted(f"req-{i}" for i in range(len(PROMPTS)))
+
+    bad = LLMEngine(path, EngineConfig(num_blocks=128, num_speculative_tokens=3), proposer=ScriptedProposer(garbage=True))
+    assert [c.token_ids for c in bad.generate(PROMPTS, _greedy())] == expected
+    assert bad.stats.draft_tokens_proposed > 0
+    assert bad.blocks.num_free == 128
+
+
+def test_speculation_with_tiny_pool_and_logprobs(checkpoints):
+    path = checkpoints["qwen3-qknorm-tied"]
+    params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=2)
+    plain = LLMEngine(path, EngineConfig(num_blocks=64)).generate(PROMPTS, params)
+    oracle = ScriptedProposer({f"req-{i}": c.token_ids for i, c in enumerate(plain)})
+    spec = LLMEngine(path, EngineConfig(num_blocks=10, num_speculative_tokens=4), proposer=oracle)
+    got = spec.generate(PROMPTS, params)
+    for a, b in zip(plain, got):
+        assert a.token_ids == b.token_ids
+        assert len(b.logprobs) == len(b.token_ids)
+        assert all(abs(x.logprob - y.logprob) < 1e-4 for x, y in zip(a.logprobs, b.logprobs))
+
+
+def test_rejection_sampling_preserves_the_target_distribution():
+    """Two positions, deterministic drafts: the joint law of the first two tokens equals p."""
+    torch.manual_seed(0)
+    v = 5
+    rows = torch.randn(3, v) * 1.5
+    params = SamplingParams(temperature=1.0)
+    p0 = torch.softmax(rows[0], -1)
+    p1 = torch.softmax(rows[1], -1)  # row 1 = distribution after drafts[0]
+    drafts = [int(p0.argmax()), 2]
+    gen = torch.Generator().manual_seed(1)
+    n = 40000
+    first = torch.zeros(v)
+    second_given_draft = torch.zeros(v)
+    for _ in range(n):
+        toks = verify(rows, drafts, params, gen, rows.argmax(-1).tolist())
+        first[toks[0]] += 1
+        if toks[0] == drafts[0]:
+            second_given_draft[toks[1]] += 1
+    assert torch.allclose(first / n, p0, atol=0.01)
+    assert torch.allclose(second_given_draft / second_given_draft.sum(), p1, atol=0.015)
+
+
+def test_handed_off_first_token_continues_exactly(checkpoints):
+    """Decode side of disaggregation: imported prompt blocks + the prefill's first token."""
+    path = checkpoints["llama-gqa"]
+    prompt = list(range(60, 60 + 37))
+    a = LLMEngine(path, EngineConfig(num_blocks=64))
+    full = a.generate([prompt], _greedy(12))[0].token_ids
+    b = LLMEngine(path, EngineConfig(num_blocks=64))
+    for h, payload in a.export_blocks(a.prompt_block_hashes(prompt)):
+        b.import_block(h, payload)
+    b.add_request(prompt, _greedy(12), "r", first_token=full[0])
+    toks = []
+    while b.has_unfinished():
+        for out in b.step():
+            toks += out.new_token_ids
+    assert toks == full
+    # Only the partial last block and the first token were computed, then one per step.
+    assert b.stats.computed_tokens == (37 - 32 + 1) + 10
