@@ -1,0 +1,30 @@
+# Developer commands. The buf CLI is a pinned npm devDependency (package.json),
+# installed into node_modules/ on first use.
+BUF := npx --no-install buf
+
+.PHONY: gen gen-check lint-protos breaking
+
+# Regenerate kvmesh/*/v1/ from protos/.
+gen:
+	scripts/gen_protos.sh
+
+# Fail when the generated code is stale (CI).
+gen-check:
+	scripts/check_generated.sh
+
+node_modules/.bin/buf: package.json package-lock.json
+	npm ci --no-audit --no-fund
+	touch $@
+
+lint-protos: node_modules/.bin/buf
+	$(BUF) lint protos
+
+# Breaking-change check (FILE rules) against branch main's protos/. Skipped
+# while main has no protos/buf.yaml yet (no commits, or the contracts are not
+# merged): there is nothing to break.
+breaking: node_modules/.bin/buf
+	@if git cat-file -e main:protos/buf.yaml 2>/dev/null; then \
+		$(BUF) breaking protos --against '.git#branch=main,subdir=protos'; \
+	else \
+		echo "breaking: skipped, branch main has no protos/buf.yaml to compare against"; \
+	fi

@@ -1,0 +1,40 @@
+"""gRPC transport settings shared by every server and every client in the mesh."""
+
+from __future__ import annotations
+
+import grpc
+
+from kvmesh.runtime.request_id import client_interceptors
+
+# A 1M-token prompt is ~5 MB of token ids; KV moves in chunks of at most 1 MiB,
+# so this bounds request size, not KV transfers.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+_MESSAGE_SIZE = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+SERVER_OPTIONS = [
+    *_MESSAGE_SIZE,
+    # Linux gRPC enables SO_REUSEPORT by default: a second process on the same
+    # port would silently share traffic instead of failing to bind.
+    ("grpc.so_reuseport", 0),
+    # Accept the clients' keepalive pings below (the default policy answers
+    # pings more often than every 5 minutes with GOAWAY "too_many_pings").
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+]
+
+CHANNEL_OPTIONS = [
+    *_MESSAGE_SIZE,
+    # Ping a quiet connection so a dead peer (a crashed prefill worker in the
+    # middle of PullKV) fails the call in ~40 s instead of hanging it.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+]
+
+
+def create_channel(address: str) -> grpc.aio.Channel:
+    """A channel to another kvmesh service that carries the current request id on every call."""
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=client_interceptors())

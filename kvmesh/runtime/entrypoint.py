@@ -1,0 +1,83 @@
+"""``run``: the whole life of a service process, for its ``main.py``.
+
+Flags (with env twins) -> JSON logs -> uvloop -> serve until SIGTERM/SIGINT
+-> graceful stop -> exit 0. A start-up failure exits 1; bad flags exit 2.
+A second signal during the drain exits at once, for an operator who does not
+want to wait out the grace period.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+import structlog
+import uvloop
+
+from kvmesh.runtime.flags import Flag, common_flags, parse_flags
+from kvmesh.runtime.logs import configure_logging
+from kvmesh.runtime.server import Build, Runtime
+
+log = structlog.get_logger("kvmesh.runtime")
+
+
+def run(
+    name: str,
+    build: Build,
+    *,
+    flags: Sequence[Flag] = (),
+    default_port: int,
+    default_metrics_port: int,
+    argv: Sequence[str] | None = None,
+) -> NoReturn:
+    """Parse flags, then serve ``build``'s service until a signal; never returns."""
+    args = parse_flags(f"kvmesh-{name}", [*common_flags(default_port, default_metrics_port), *flags], argv)
+    configure_logging(args.log_level)
+    sys.exit(uvloop.run(_serve_until_signal(name, build, args)))
+
+
+async def _serve_until_signal(name: str, build: Build, args: argparse.Namespace) -> int:
+    structlog.contextvars.bind_contextvars(service=name)
+    runtime = Runtime(
+        name,
+        build,
+        args,
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        grace_seconds=args.grace_seconds,
+    )
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _on_signal, sig, stopping)
+
+    # Start-up (model loading) can take minutes: a signal meanwhile cancels it.
+    starting = asyncio.create_task(runtime.start())
+    signalled = asyncio.create_task(stopping.wait())
+    await asyncio.wait({starting, signalled}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        log.info("stopped during start-up")
+        return 0
+    if starting.exception() is not None:
+        log.error("start-up failed", exc_info=starting.exception())
+        signalled.cancel()
+        return 1
+    await signalled
+    await runtime.stop()
+    return 0
+
+
+def _on_signal(sig: signal.Signals, stopping: asyncio.Event) -> None:
+    if stopping.is_set():
+        log.warning("second signal: exiting without finishing the drain", signal=sig.name)
+        os._exit(1)
+    log.info("signal received: shutting down", signal=sig.name)
+    stopping.set()

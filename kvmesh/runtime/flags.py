@@ -1,0 +1,97 @@
+"""Command-line flags with ``KVMESH_*`` environment twins.
+
+Every flag can come from the command line or from its environment variable
+(compose files and the one-command launcher configure services by env); the
+command line wins, then the environment, then the default. A required value
+that is set nowhere stops the process at once with exit code 2 and a message
+naming both spellings, instead of failing later at first use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One flag. ``type=bool`` gives ``--x/--no-x`` and accepts 1/0, true/false, yes/no, on/off from env."""
+
+    name: str  # "--router-address"
+    help: str
+    default: Any = None
+    type: Callable[[str], Any] = str
+    required: bool = False
+    choices: Sequence[Any] | None = None
+    env: str | None = None  # default: KVMESH_ + the name in upper snake case
+
+    @property
+    def dest(self) -> str:
+        return self.name.lstrip("-").replace("-", "_")
+
+    @property
+    def env_var(self) -> str:
+        return self.env or "KVMESH_" + self.dest.upper()
+
+
+def common_flags(default_port: int, default_metrics_port: int) -> list[Flag]:
+    """The flags every service has; each service picks its own default ports."""
+    return [
+        Flag("--host", "address to bind the gRPC and metrics servers to", default="127.0.0.1"),
+        Flag("--port", "gRPC port (0: any free port)", default=default_port, type=int),
+        Flag("--metrics-port", "Prometheus /metrics port (0: any free port)", default=default_metrics_port, type=int),
+        Flag("--log-level", "log level", default="info", choices=("debug", "info", "warning", "error")),
+        Flag("--grace-seconds", "on SIGTERM, how long in-flight RPCs may take to finish", default=30.0, type=float),
+    ]
+
+
+def _parse_bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"expected one of {sorted(_TRUE | _FALSE)}")
+
+
+def parse_flags(
+    prog: str,
+    flags: Sequence[Flag],
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> argparse.Namespace:
+    """Parse ``argv`` (default ``sys.argv[1:]``) with env fallbacks; exits 2 on a bad or missing value."""
+    env = os.environ if environ is None else environ
+    parser = argparse.ArgumentParser(prog=prog)
+    for f in flags:
+        shown = "" if f.default is None else f", default {f.default}"
+        kwargs: dict[str, Any] = {"dest": f.dest, "default": None, "help": f"{f.help} [env {f.env_var}{shown}]"}
+        if f.type is bool:
+            parser.add_argument(f.name, action=argparse.BooleanOptionalAction, **kwargs)
+        else:
+            parser.add_argument(f.name, type=f.type, choices=f.choices, **kwargs)
+    # argparse's own `required` cannot see the environment, so presence is checked here.
+    ns = parser.parse_args(argv)
+    for f in flags:
+        if getattr(ns, f.dest) is not None:
+            continue
+        raw = env.get(f.env_var, "")
+        if raw:  # an empty variable (`KVMESH_X=` in a compose file) counts as unset
+            try:
+                value = _parse_bool(raw) if f.type is bool else f.type(raw)
+            except ValueError as exc:
+                parser.error(f"{f.env_var}={raw!r} is not a valid {f.name}: {exc}")
+            if f.choices is not None and value not in f.choices:
+                parser.error(f"{f.env_var}={raw!r}: choose from {', '.join(map(str, f.choices))}")
+        elif f.required:
+            parser.error(f"missing required {f.name} (or set {f.env_var})")
+        else:
+            value = f.default
+        setattr(ns, f.dest, value)
+    return ns

@@ -1,0 +1,148 @@
+"""The one server interceptor every kvmesh service runs.
+
+For each call to one of the service's own RPCs it:
+- takes the request id from ``x-request-id`` metadata (or makes one) and binds
+  it, with the method, into structlog's contextvars for the whole call;
+- refuses calls with UNAVAILABLE until the service is ready;
+- maps exceptions to gRPC status: a ``KvmeshError`` to its code with its
+  message, ``NotImplementedError`` to UNIMPLEMENTED, anything else to INTERNAL with a generic message (the traceback is
+  logged here, never sent);
+- records the RPC metrics.
+
+It wraps the method handler rather than the servicer, so it covers all four
+RPC kinds. Servicer methods must be ``async def``, and streaming ones async
+generators (``yield`` responses, no ``context.write``), which is how every
+kvmesh servicer is written.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import structlog
+
+from kvmesh.errors import KvmeshError, Unavailable
+from kvmesh.runtime.metrics import RpcMetrics
+from kvmesh.runtime.request_id import new_request_id, request_id_from_metadata
+
+log = structlog.get_logger("kvmesh.rpc")
+
+
+@dataclass(frozen=True)
+class _Call:
+    service: str
+    method: str
+    full_method: str
+    request_id: str
+
+
+def status_for(exc: Exception, request_id: str) -> tuple[grpc.StatusCode, str]:
+    """The status code and wire message for an exception a servicer raised."""
+    if isinstance(exc, KvmeshError):
+        return grpc.StatusCode[exc.code], exc.message
+    if isinstance(exc, NotImplementedError):  # what generated servicer bases raise for a missing method
+        return grpc.StatusCode.UNIMPLEMENTED, "method not implemented"
+    return grpc.StatusCode.INTERNAL, f"internal error (request_id={request_id})"
+
+
+class ServerInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, service_names: Collection[str], metrics: RpcMetrics, is_ready: Callable[[], bool]) -> None:
+        self._services = frozenset(service_names)  # health and reflection pass through untouched
+        self._metrics = metrics
+        self._is_ready = is_ready
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        full_method = handler_call_details.method
+        service, _, method = full_method.lstrip("/").rpartition("/")
+        if handler is None or service not in self._services:
+            return handler
+        rid = request_id_from_metadata(handler_call_details.invocation_metadata) or new_request_id()
+        call = _Call(service, method, full_method, rid)
+        kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(self._unary(call, handler.unary_unary), **kw)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(self._unary(call, handler.stream_unary), **kw)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(self._stream(call, handler.unary_stream), **kw)
+        return grpc.stream_stream_rpc_method_handler(self._stream(call, handler.stream_stream), **kw)
+
+    def _unary(self, call: _Call, behavior: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
+        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            start = self._begin(call)
+            code = grpc.StatusCode.OK
+            with structlog.contextvars.bound_contextvars(request_id=call.request_id, rpc=call.full_method):
+                try:
+                    self._check_ready(call)
+                    response = await behavior(request, context)
+                    code = context.code() or grpc.StatusCode.OK
+                    return response
+                except BaseException as exc:
+                    code, message = self._outcome(call, exc, context)
+                    if message is not None:
+                        await context.abort(code, message)  # raises AbortError: grpc sends the status
+                    raise
+                finally:
+                    self._end(call, code, start)
+
+        return handle
+
+    def _stream(self, call: _Call, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+        async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            start = self._begin(call)
+            code = grpc.StatusCode.OK
+            with structlog.contextvars.bound_contextvars(request_id=call.request_id, rpc=call.full_method):
+                try:
+                    self._check_ready(call)
+                    async for response in behavior(request, context):
+                        yield response
+                    code = context.code() or grpc.StatusCode.OK
+                except BaseException as exc:
+                    code, message = self._outcome(call, exc, context)
+                    if message is not None:
+                        await context.abort(code, message)  # raises AbortError: grpc sends the status
+                    raise
+                finally:
+                    self._end(call, code, start)
+
+        return handle
+
+    def _check_ready(self, call: _Call) -> None:
+        if not self._is_ready():
+            raise Unavailable(f"{call.service} is not ready")
+
+    def _outcome(
+        self, call: _Call, exc: BaseException, context: grpc.aio.ServicerContext
+    ) -> tuple[grpc.StatusCode, str | None]:
+        """Log ``exc``; return its status code, and the message to abort with unless the call already ended."""
+        if isinstance(exc, grpc.aio.AbortError):  # the servicer called context.abort itself
+            return context.code() or grpc.StatusCode.UNKNOWN, None
+        if not isinstance(exc, Exception):  # CancelledError / GeneratorExit: the client went away
+            log.info("rpc cancelled")
+            return grpc.StatusCode.CANCELLED, None
+        code, message = status_for(exc, call.request_id)
+        if code != grpc.StatusCode.INTERNAL:
+            log.warning("rpc failed", code=code.name, error=message)
+        else:
+            log.exception("rpc crashed", code=code.name)
+        return code, message
+
+    def _begin(self, call: _Call) -> float:
+        self._metrics.in_flight.labels(call.service, call.method).inc()
+        return time.perf_counter()
+
+    def _end(self, call: _Call, code: grpc.StatusCode, start: float) -> None:
+        elapsed = time.perf_counter() - start
+        self._metrics.in_flight.labels(call.service, call.method).dec()
+        self._metrics.requests.labels(call.service, call.method, code.name).inc()
+        self._metrics.duration.labels(call.service, call.method).observe(elapsed)
+        log.debug("rpc done", code=code.name, duration_ms=round(elapsed * 1e3, 3))

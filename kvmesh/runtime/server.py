@@ -1,0 +1,199 @@
+"""One running service: its gRPC server with the interceptor, health, reflection and /metrics.
+
+A service describes itself with a ``build`` function returning a
+``ServiceDef``; ``Runtime`` runs it. The order matters and is fixed here:
+
+start: bind the port and start serving (health says NOT_SERVING, the
+interceptor refuses the service's RPCs) -> the service's ``start`` hook (load
+the model, connect to Redis, register with the router) -> SERVING.
+
+stop: NOT_SERVING -> the ``drain`` hook (deregister from the router, so no new
+work is routed here) -> stop accepting and wait up to the grace period for
+in-flight RPCs -> the ``stop`` hook (release resources) -> metrics off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import structlog
+from google.protobuf.descriptor import ServiceDescriptor
+from grpc_health.v1 import health
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
+
+from kvmesh.runtime.channel import SERVER_OPTIONS
+from kvmesh.runtime.health import Health
+from kvmesh.runtime.interceptor import ServerInterceptor
+from kvmesh.runtime.metrics import MetricsServer, RpcMetrics, new_registry
+
+log = structlog.get_logger("kvmesh.runtime")
+
+Hook = Callable[[], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class GrpcService:
+    """A servicer and how to register it, e.g.
+    ``GrpcService(kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"],
+    kvstore_pb2_grpc.add_KVStoreServiceServicer_to_server, KVStoreServicer(store))``."""
+
+    descriptor: ServiceDescriptor
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+    servicer: object
+
+
+@dataclass(frozen=True)
+class ServiceDef:
+    """What a service's ``build`` hands the runtime. Hooks are optional coroutines."""
+
+    services: Sequence[GrpcService]
+    # After the port is bound; SERVING once it returns. If it raises, it cleans
+    # up after itself: the process then exits without calling drain or stop.
+    start: Hook | None = None
+    drain: Hook | None = None  # when shutdown begins, before the server stops accepting
+    stop: Hook | None = None  # after in-flight RPCs finished (or the grace period ran out)
+
+
+@dataclass(frozen=True)
+class ServiceContext:
+    """What ``build`` gets: its parsed flags and the registry for its own metrics."""
+
+    name: str
+    args: argparse.Namespace
+    registry: CollectorRegistry
+
+
+Build = Callable[[ServiceContext], ServiceDef]
+
+
+class Runtime:
+    def __init__(
+        self,
+        name: str,
+        build: Build,
+        args: argparse.Namespace | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        metrics_port: int | None = 0,
+        grace_seconds: float = 30.0,
+    ) -> None:
+        self.name = name
+        self._build = build
+        self._args = args or argparse.Namespace()
+        self._host = host
+        self._requested_port = port
+        self._requested_metrics_port = metrics_port
+        self.grace_seconds = grace_seconds
+        self.port = 0  # bound ports, known after start()
+        self.metrics_port: int | None = None
+        self.ready = False
+        self._server: grpc.aio.Server | None = None
+        self._metrics: MetricsServer | None = None
+        self._service: ServiceDef | None = None
+        self._health: Health | None = None
+        self._stopping: asyncio.Future[None] | None = None
+
+    async def start(self) -> None:
+        """Serve; returns once the service is ready. On failure everything started is torn down."""
+        try:
+            await self._start()
+        except BaseException:
+            await self._teardown()
+            raise
+
+    async def _start(self) -> None:
+        registry = new_registry()
+        self._service = service = self._build(ServiceContext(self.name, self._args, registry))
+        names = [s.descriptor.full_name for s in service.services]
+        interceptor = ServerInterceptor(names, RpcMetrics(registry), lambda: self.ready)
+        self._server = server = grpc.aio.server(interceptors=[interceptor], options=SERVER_OPTIONS)
+        for s in service.services:
+            s.add_to_server(s.servicer, server)
+        self._health = Health(names)
+        self._health.add_to_server(server)
+        await self._health.set_serving(False)
+        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        self.port = server.add_insecure_port(f"{self._host}:{self._requested_port}")
+        await server.start()
+        if self._requested_metrics_port is not None:
+            self._metrics = MetricsServer(self._host, self._requested_metrics_port, registry)
+            self.metrics_port = self._metrics.port
+        log.info("listening", service=self.name, host=self._host, port=self.port, metrics_port=self.metrics_port)
+        if service.start is not None:
+            await service.start()
+        self.ready = True
+        await self._health.set_serving(True)
+        log.info("serving", service=self.name, port=self.port)
+
+    async def stop(self, grace_seconds: float | None = None) -> None:
+        """Drain and stop (see the module docstring). Concurrent and repeated calls share one shutdown."""
+        if self._stopping is None:
+            grace = self.grace_seconds if grace_seconds is None else grace_seconds
+            self._stopping = asyncio.ensure_future(self._stop(grace))
+        # Shielded: a caller that gives up waiting does not abort the drain halfway.
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, grace: float) -> None:
+        if self._server is None:  # never started, or start failed and tore down
+            return
+        assert self._health is not None and self._service is not None
+        log.info("draining", service=self.name, grace_seconds=grace)
+        await self._health.drain()
+        if self._service.drain is not None:
+            await self._run_hook("drain", self._service.drain)
+        await self._server.stop(grace)
+        self._server = None
+        if self._service.stop is not None:
+            await self._run_hook("stop", self._service.stop)
+        await self._teardown()
+        log.info("stopped", service=self.name)
+
+    async def _run_hook(self, name: str, hook: Hook) -> None:
+        # A failing hook must not keep the rest of shutdown from running.
+        try:
+            await hook()
+        except Exception:
+            log.exception("shutdown hook failed", service=self.name, hook=name)
+
+    async def _teardown(self) -> None:
+        self.ready = False
+        if self._server is not None:
+            await self._server.stop(None)
+            self._server = None
+        if self._metrics is not None:
+            # Blocks up to the HTTP server's 0.5 s poll interval: off the event loop.
+            await asyncio.to_thread(self._metrics.close)
+            self._metrics = None
+
+
+@asynccontextmanager
+async def serve(
+    name: str,
+    build: Build,
+    args: argparse.Namespace | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    metrics_port: int | None = 0,
+    grace_seconds: float = 5.0,
+) -> AsyncIterator[Runtime]:
+    """Run a service in this process for the block (tests): ``async with serve(...) as rt: rt.port``.
+
+    Ports default to free ones on 127.0.0.1; ``metrics_port=None`` skips /metrics.
+    """
+    runtime = Runtime(
+        name, build, args, host=host, port=port, metrics_port=metrics_port, grace_seconds=grace_seconds
+    )
+    await runtime.start()
+    try:
+        yield runtime
+    finally:
+        await runtime.stop()
