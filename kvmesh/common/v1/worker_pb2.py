@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvmesh/common/v1/worker.proto\x12\x10kvmesh.common.v1\"4\n\x0eWorkerEndpoint\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xb4\x01\n\nWorkerLoad\x12\x17\n\x0fqueued_requests\x18\x01 \x01(\r\x12\x18\n\x10\x61\x63tive_sequences\x18\x02 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x03 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\r\x12\x18\n\x10tokens_in_flight\x18\x05 \x01(\x04\x12(\n\x04gpus\x18\x06 \x03(\x0b\x32\x1a.kvmesh.common.v1.GpuStats\"{\n\x08GpuStats\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x19\n\x11memory_used_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12memory_total_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13utilization_percent\x18\x05 \x01(\r*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x42\x43ZAgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/common/v1;commonv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvmesh/common/v1/worker.proto\x12\x10kvmesh.common.v1\"4\n\x0eWorkerEndpoint\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xb4\x01\n\nWorkerLoad\x12\x17\n\x0fqueued_requests\x18\x01 \x01(\r\x12\x18\n\x10\x61\x63tive_sequences\x18\x02 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x03 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\r\x12\x18\n\x10tokens_in_flight\x18\x05 \x01(\x04\x12(\n\x04gpus\x18\x06 \x03(\x0b\x32\x1a.kvmesh.common.v1.GpuStats\"{\n\x08GpuStats\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x19\n\x11memory_used_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12memory_total_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13utilization_percent\x18\x05 \x01(\r*s\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x17\n\x13WORKER_ROLE_KVSTORE\x10\x03\x42\x43ZAgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/common/v1;commonv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,7 +33,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'ZAgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/common/v1;commonv1'
   _globals['_WORKERROLE']._serialized_start=413
-  _globals['_WORKERROLE']._serialized_end=503
+  _globals['_WORKERROLE']._serialized_end=528
   _globals['_WORKERENDPOINT']._serialized_start=51
   _globals['_WORKERENDPOINT']._serialized_end=103
   _globals['_WORKERLOAD']._serialized_start=106

@@ -12,9 +12,11 @@ class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_ROLE_UNSPECIFIED: _ClassVar[WorkerRole]
     WORKER_ROLE_PREFILL: _ClassVar[WorkerRole]
     WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
+    WORKER_ROLE_KVSTORE: _ClassVar[WorkerRole]
 WORKER_ROLE_UNSPECIFIED: WorkerRole
 WORKER_ROLE_PREFILL: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
+WORKER_ROLE_KVSTORE: WorkerRole
 
 class WorkerEndpoint(_message.Message):
     __slots__ = ("worker_id", "address")
