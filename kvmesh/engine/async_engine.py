@@ -60,13 +60,17 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str,
         cache_salt: bytes = b"",
+        **add_options: Any,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs. Leaving the loop early (or being cancelled) aborts it."""
+        """Stream a request's outputs. Leaving the loop early (or being cancelled) aborts it.
+
+        ``add_options`` go to ``LLMEngine.add_request`` (first_token, hold_prompt_blocks, ...).
+        """
         out_q: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
         def add(engine: LLMEngine) -> None:
-            engine.add_request(prompt_ids, params, request_id, cache_salt)
+            engine.add_request(prompt_ids, params, request_id, cache_salt, **add_options)
             self._streams[request_id] = (loop, out_q)
 
         await self.call(add)

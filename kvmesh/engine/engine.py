@@ -124,6 +124,8 @@ class LLMEngine:
         self.proposer = proposer
         # Outputs produced outside a step (a handed-off first token), delivered with the next one.
         self._pending: list[RequestOutput] = []
+        # request id -> (hash, block id) of prompt blocks held for a hand-off.
+        self._held: dict[str, list[tuple[BlockHash, int]]] = {}
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._default_gen = torch.Generator().manual_seed(cfg.seed)
@@ -138,19 +140,25 @@ class LLMEngine:
         cache_salt: bytes = b"",
         first_token: int | None = None,
         first_logprob: TokenLogprob | None = None,
+        hold_prompt_blocks: bool = False,
     ) -> str:
         """Queue a request; raises InvalidArgument for anything it could never serve.
 
         ``first_token`` continues a request whose prompt was prefilled elsewhere: the token
         that worker sampled is appended as this request's first output (stop checks and
         streaming as usual) and the next step computes only what the cache lacks.
+        ``hold_prompt_blocks`` keeps the prompt's full blocks referenced after the request
+        finishes, for a KV hand-off, until ``release_held``.
         """
         arrival = next(self._arrivals)
         request_id = request_id or f"req-{arrival}"
         if request_id in self._seqs:
             raise InvalidArgument(f"request id {request_id!r} is already running")
         self._validate(prompt_ids, params)
-        seq = Sequence(request_id, list(prompt_ids), params, cache_salt=cache_salt, arrival=arrival)
+        seq = Sequence(
+            request_id, list(prompt_ids), params, cache_salt=cache_salt, arrival=arrival,
+            hold_prompt_blocks=hold_prompt_blocks,
+        )
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
         if self.tokenizer is not None:
@@ -204,6 +212,15 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    @property
+    def tokens_in_flight(self) -> int:
+        """Prompt tokens still to compute plus tokens still to generate, over all requests.
+
+        Safe to read from another thread (copies the queues first); a load signal only.
+        """
+        seqs = [*self.scheduler.running, *list(self.scheduler.waiting)]
+        return sum(s.num_tokens - s.num_computed + s.params.max_tokens - len(s.output_ids) for s in seqs)
 
     # -- stepping ------------------------------------------------------------
 
@@ -316,7 +333,9 @@ class LLMEngine:
         text = releasable_text(seq, finished=reason is not None)
         seq.emitted_text_len = delta_start + len(text)
         if reason is not None:
-            self.scheduler.finish(seq, reason)
+            held = self.scheduler.finish(seq, reason, keep_prompt_blocks=seq.hold_prompt_blocks)
+            if held:
+                self._held[seq.request_id] = held
             del self._seqs[seq.request_id]
             if self.proposer is not None:
                 self.proposer.finished(seq)
@@ -385,15 +404,23 @@ class LLMEngine:
         self.stats.exported_blocks += len(out)
         return out
 
-    def pin_blocks(self, hashes: list[BlockHash]) -> int:
-        """Hold the leading cached ``hashes`` against eviction (a KV hand-off lease); returns how many."""
-        blocks = self.blocks.match_prefix(hashes)
-        self.blocks.acquire(blocks)
-        return len(blocks)
+    def held_hashes(self, request_id: str) -> list[BlockHash]:
+        """Names of the prompt blocks a finished ``hold_prompt_blocks`` request still holds."""
+        return [h for h, _ in self._held.get(request_id, [])]
 
-    def unpin_blocks(self, hashes: list[BlockHash]) -> None:
-        """Drop the pins ``pin_blocks`` took on exactly these hashes."""
-        self.blocks.release([self.blocks.hash_to_block[h] for h in hashes])
+    def export_held(self, request_id: str, hashes: list[BlockHash] | None = None) -> list[tuple[BlockHash, BlockPayload]]:
+        """KV of held blocks (all, or those named, in the order named); unknown names skipped."""
+        by_hash = dict(self._held.get(request_id, []))
+        wanted = hashes if hashes is not None else list(by_hash)
+        out = [(h, self.kv.export_block(by_hash[h])) for h in wanted if h in by_hash]
+        self.stats.exported_blocks += len(out)
+        return out
+
+    def release_held(self, request_id: str) -> int:
+        """Drop a hand-off's hold; the blocks stay cached until evicted. Returns how many."""
+        held = self._held.pop(request_id, [])
+        self.blocks.release([b for _, b in held])
+        return len(held)
 
     def import_block(self, h: BlockHash, payload: BlockPayload) -> bool:
         """Adopt a block computed elsewhere as a cached block. False if already held."""

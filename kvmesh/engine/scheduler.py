@@ -111,14 +111,22 @@ class Scheduler:
         seq.num_computed += n_accepted
         self.register_full_blocks(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str, keep_prompt_blocks: bool = False) -> list[tuple[bytes, int]]:
+        """End a sequence and release its blocks, except — with ``keep_prompt_blocks`` — its
+        computed full prompt blocks, returned as (hash, block id) with their references kept."""
         seq.finish_reason = reason
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
+        kept: list[tuple[bytes, int]] = []
+        if keep_prompt_blocks:
+            n = min(len(seq.prompt_ids), seq.num_computed) // self.block_size
+            kept = list(zip(self._hashes_upto(seq, n), seq.block_table[:n]))
+            seq.block_table = seq.block_table[n:]
         self._release(seq)
+        return kept
 
     # -- internals -------------------------------------------------------
 

@@ -48,6 +48,8 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     detok: IncrementalDetokenizer | None = None
+    # Keep the prompt's full blocks referenced after finishing (a prefill worker's hand-off).
+    hold_prompt_blocks: bool = False
     # Speculator drafts to verify in the next step (cleared after it).
     draft_ids: list[int] = field(default_factory=list)
     num_draft_proposed: int = 0

@@ -133,6 +133,14 @@ class Runtime:
         await self._health.set_serving(True)
         log.info("serving", service=self.name, port=self.port)
 
+    def servicer_of(self, full_name: str) -> object:
+        """The servicer registered for ``full_name`` (e.g. "kvmesh.decode.v1.DecodeService"),
+        so in-process tests can look at a service's state."""
+        for svc in self._service.services:
+            if svc.descriptor.full_name == full_name:
+                return svc.servicer
+        raise KeyError(full_name)
+
     async def stop(self, grace_seconds: float | None = None) -> None:
         """Drain and stop (see the module docstring). Concurrent and repeated calls share one shutdown."""
         if self._stopping is None:

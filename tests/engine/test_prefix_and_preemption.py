@@ -79,3 +79,21 @@ def test_exported_blocks_import_into_another_engine(checkpoints):
     assert got.num_cached_tokens == 3 * BS
     assert b.stats.computed_tokens == 5 + 15  # the partial block, then one per decode step
     assert got.token_ids == expected
+
+
+def test_held_prompt_blocks_survive_pressure_until_released(checkpoints):
+    """A prefill worker's lease: the prompt's blocks stay exportable until released."""
+    engine = LLMEngine(checkpoints["llama-gqa"], EngineConfig(num_blocks=8))
+    prompt = list(range(1, 1 + 2 * BS + 3))
+    engine.add_request(prompt, SamplingParams(max_tokens=1), "held", hold_prompt_blocks=True)
+    while engine.has_unfinished():
+        engine.step()
+    hashes = engine.held_hashes("held")
+    assert hashes == engine.prompt_block_hashes(prompt)
+    # Pressure: another request needs every free block; the held two must not be evicted.
+    engine.generate([list(range(200, 200 + 5 * BS))], _greedy(BS))
+    exported = engine.export_held("held", hashes[::-1])
+    assert [h for h, _ in exported] == hashes[::-1]
+    assert engine.release_held("held") == 2
+    assert engine.release_held("held") == 0
+    assert engine.blocks.num_free == 8

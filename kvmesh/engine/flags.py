@@ -1,0 +1,42 @@
+"""The engine's flags, shared by every service that runs it (prefill, decode)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvmesh.engine.config import EngineConfig
+from kvmesh.runtime import Flag
+
+ENGINE_FLAGS = [
+    Flag("--model", "local Hugging Face model folder (default: the embedded default model)"),
+    Flag("--device", "torch device, e.g. cuda:0 or cpu", default="cpu"),
+    Flag("--dtype", "float32 | bfloat16 | float16 (default: checkpoint's on CUDA, float32 on CPU)"),
+    Flag("--block-size", "tokens per KV block", default=16, type=int),
+    Flag("--num-blocks", "KV blocks in this worker's pool", default=1024, type=int),
+    Flag("--max-num-seqs", "sequences in the running batch at most", default=64, type=int),
+    Flag("--max-num-batched-tokens", "token budget of one step (prefill chunk size)", default=512, type=int),
+    Flag("--max-model-len", "context limit (default: the model's)", type=int),
+    Flag("--worker-id", "this worker's id in the router (default: <role>-<host>:<port>)"),
+    Flag("--router-address", "router host:port (unset: run without a router)"),
+]
+
+
+def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
+    return EngineConfig(
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        **overrides,
+    )
+
+
+def model_path(args: argparse.Namespace) -> str:
+    if args.model:
+        return args.model
+    from kvmesh.engine.default_model import default_model_path
+
+    return str(default_model_path())
