@@ -1,0 +1,105 @@
+"""What the router knows about a worker: its role, KV layout, capacity and load.
+
+Plain frozen dataclasses shared by the registry (which stores them), the policy
+(which weighs them) and the servicer (which converts them from protobuf).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+
+class Role(enum.Enum):
+    PREFILL = "prefill"
+    # A decode worker can also prefill locally when the router decides so.
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """How a worker lays out one KV block; blocks only move between equal layouts."""
+
+    block_size: int
+    dtype: str
+    layout: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    model_fingerprint: bytes
+
+    def first_mismatch(self, other: KVLayout) -> str | None:
+        """Name of the first field where ``other`` differs from this layout, if any."""
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) != getattr(other, f.name):
+                return f.name
+        return None
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["model_fingerprint"] = self.model_fingerprint.hex()
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> KVLayout:
+        return cls(**{**d, "model_fingerprint": bytes.fromhex(d["model_fingerprint"])})
+
+
+@dataclass(frozen=True)
+class WorkerCapacity:
+    total_kv_blocks: int
+    max_num_seqs: int = 0
+    max_model_len: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker announces when it registers."""
+
+    worker_id: str
+    role: Role
+    address: str
+    layout: KVLayout
+    capacity: WorkerCapacity
+    model: str = ""
+
+    def to_json(self) -> dict:
+        return {
+            "worker_id": self.worker_id,
+            "role": self.role.value,
+            "address": self.address,
+            "layout": self.layout.to_json(),
+            "capacity": dataclasses.asdict(self.capacity),
+            "model": self.model,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> WorkerInfo:
+        return cls(
+            worker_id=d["worker_id"],
+            role=Role(d["role"]),
+            address=d["address"],
+            layout=KVLayout.from_json(d["layout"]),
+            capacity=WorkerCapacity(**d["capacity"]),
+            model=d.get("model", ""),
+        )
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A worker's load as its last heartbeat reported it."""
+
+    queued_requests: int = 0
+    active_sequences: int = 0
+    free_kv_blocks: int = 0
+    total_kv_blocks: int = 0
+    # Prompt tokens still to prefill plus tokens still to decode.
+    tokens_in_flight: int = 0
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> WorkerLoad:
+        return cls(**d)

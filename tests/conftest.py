@@ -1,0 +1,86 @@
+"""A real ``redis-server`` for tests: a fresh one per test, on a free loopback port.
+
+Tests that need Redis take the ``redis_server`` fixture; it skips them (with
+the reason) where ``redis-server`` is not installed. The server keeps nothing
+on disk, and a test may ``stop()`` and ``start()`` it again on the same port
+to play an outage.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    def __init__(self, exe: str, port: int, workdir: str) -> None:
+        self.exe = exe
+        self.port = port
+        self.workdir = workdir
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self._proc = subprocess.Popen(
+            [
+                self.exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.workdir,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self._proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            time.sleep(0.02)
+        raise RuntimeError("redis-server did not answer PING within 10 s")
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+
+
+@pytest.fixture
+def redis_server(tmp_path) -> Iterator[RedisServer]:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not on PATH (Debian: apt-get install redis-server)")
+    server = RedisServer(exe, _free_port(), str(tmp_path))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

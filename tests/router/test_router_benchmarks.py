@@ -1,0 +1,93 @@
+"""The router benchmarks end to end on tiny inputs (figures checked for shape, never speed)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def run(script: str, *args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_trace_replay_on_a_synthetic_trace(tmp_path):
+    # Three conversations of growing turns plus one-off requests, a second apart.
+    lines = []
+    next_id = 100
+    for turn in range(6):
+        for conv in range(3):
+            ids = [0] + [conv * 10 + k + 1 for k in range(turn + 1)]
+            lines.append(
+                {
+                    "timestamp": 1000 * len(lines),
+                    "input_length": 512 * len(ids) - 100,
+                    "output_length": 20,
+                    "hash_ids": ids,
+                }
+            )
+        lines.append(
+            {
+                "timestamp": 1000 * len(lines),
+                "input_length": 900,
+                "output_length": 5,
+                "hash_ids": [next_id, next_id + 1],
+            }
+        )
+        next_id += 2
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out_json = tmp_path / "out.json"
+    stdout = run(
+        "router_trace.py",
+        "--trace",
+        str(trace),
+        "--workers",
+        "3",
+        "--capacity-tokens",
+        "20000",
+        "--json",
+        str(out_json),
+    )
+    assert "round_robin" in stdout and "ideal hit rate" in stdout
+    result = json.loads(out_json.read_text())
+    assert {"router", "round_robin", "least_loaded", "ideal_hit_rate"} <= set(result)
+    for name in ("router", "round_robin", "least_loaded"):
+        r = result[name]
+        assert set(r) == {"hit_rate", "max_mean_load", "ttft_mean_s", "ttft_p90_s"}
+        assert 0 <= r["hit_rate"] <= result["ideal_hit_rate"] and r["max_mean_load"] >= 1
+        assert r["ttft_mean_s"] > 0 and r["ttft_p90_s"] > 0
+    # Later turns reuse earlier ones: an infinite cache hits, the router does too.
+    assert result["ideal_hit_rate"] > 0.5
+    assert result["router"]["hit_rate"] > 0.3
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not on PATH")
+def test_latency_benchmark_smoke(tmp_path):
+    out_json = tmp_path / "lat.json"
+    stdout = run(
+        "router_latency.py",
+        "--blocks",
+        "40",
+        "400",
+        "--iters",
+        "3",
+        "--background-blocks",
+        "10",
+        "--json",
+        str(out_json),
+    )
+    assert "decision p50 ms" in stdout
+    result = json.loads(out_json.read_text())
+    assert set(result) == {"40", "400"}
+    assert result["400"]["chosen"] == "w0" and result["400"]["matched_blocks"]["w0"] == 400
