@@ -2,7 +2,19 @@
 # installed into node_modules/ on first use.
 BUF := npx --no-install buf
 
-.PHONY: gen gen-check lint-protos breaking
+.PHONY: install up test gen gen-check lint-protos breaking
+
+# Everything the mesh and its tests need on a fresh Debian machine (idempotent).
+install:
+	scripts/install.sh
+
+# The whole mesh on this machine, on the embedded default model.
+up: install
+	kvmesh up
+
+# The test suite: installs, checks generated code and the contracts, runs pytest.
+test: install gen-check lint-protos breaking
+	python3 -m pytest -q
 
 # Regenerate kvmesh/*/v1/ from protos/.
 gen:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 
 from kvmesh.errors import KvmeshError
+from kvmesh.launcher.cli import add_up_parser
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -74,14 +76,31 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+SERVICES = ("gateway", "router", "prefill", "decode", "kvstore", "speculator")
+
+
+def _run_service(name: str, argv: list[str]) -> int:
+    """``kvmesh <service> [flags]``: the service's own entry point, flags passed through."""
+    module = importlib.import_module(f"services.{name}.main")
+    sys.argv = [f"kvmesh {name}", *argv]
+    module.main()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    add_up_parser(sub)
+    for name in SERVICES:
+        sub.add_parser(name, help=f"run the {name} service (its flags: kvmesh {name} --help)", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SERVICES:
+        return _run_service(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,246 @@
+"""Run a ``Topology`` as real processes: start level by level until healthy, stop in reverse, leave nothing behind.
+
+Each process gets its own process group (so signals reach anything it
+spawned, and a terminal's Ctrl-C reaches only the launcher, which then stops
+the mesh in order) and a parent-death signal (so killing the launcher, even
+with SIGKILL, still stops the mesh). Output goes to ``<run_dir>/logs/<name>.log``.
+
+    with Mesh(topology) as mesh:          # start() ... stop()
+        mesh.kill("decode-0", signal.SIGKILL)
+
+Call ``start`` from a thread that lives as long as the mesh (the main
+thread): Linux delivers the parent-death signal when the spawning thread ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Collection
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvmesh.launcher.topology import ProcessSpec, Topology
+
+EXEC_CHILD = Path(__file__).with_name("exec_child.py")
+_POLL_S = 0.1
+
+
+class MeshError(RuntimeError):
+    """The mesh could not start (a process died or stayed unhealthy); carries that process's last log lines."""
+
+    def __init__(self, message: str, process: str, log_tail: str) -> None:
+        super().__init__(message)
+        self.process = process
+        self.log_tail = log_tail
+
+
+class StartInterrupted(RuntimeError):
+    """``interrupt`` was called while the mesh was starting; everything started is stopped again."""
+
+
+@dataclass
+class RunningProcess:
+    spec: ProcessSpec
+    popen: subprocess.Popen
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+class Mesh:
+    def __init__(
+        self,
+        topology: Topology,
+        run_dir: Path | None = None,
+        *,
+        start_timeout_s: float = 600.0,
+        stop_timeout_s: float = 20.0,
+        on_progress: Callable[[str], None] | None = None,
+    ) -> None:
+        self.topology = topology
+        self.run_dir = run_dir if run_dir is not None else Path(tempfile.mkdtemp(prefix="kvmesh-run-"))
+        self._start_timeout_s = start_timeout_s
+        self._stop_timeout_s = stop_timeout_s
+        self._progress = on_progress or (lambda _: None)
+        self._procs: dict[str, RunningProcess] = {}
+        self._ended_on_purpose: set[str] = set()  # killed or stopped by us: not a crash
+        self._interrupted = threading.Event()
+        self._hurry = threading.Event()
+
+    # -- life cycle ----------------------------------------------------------
+
+    def start(self) -> Mesh:
+        """Start every level and wait until it is healthy; on any failure stop everything and raise."""
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        plan = [asdict(p) | {"level": p.level} for p in self.topology.processes]
+        (self.run_dir / "topology.json").write_text(json.dumps(plan, indent=2, default=str))
+        deadline = time.monotonic() + self._start_timeout_s
+        try:
+            for level in self.topology.levels():
+                for spec in level:
+                    self._spawn(spec)
+                self._wait_healthy(level, deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM level by level, last started first; SIGKILL what outlives the stop timeout. Idempotent."""
+        for level in reversed(self.topology.levels()):
+            procs = [self._procs[s.name] for s in level if s.name in self._procs]
+            self._ended_on_purpose.update(p.spec.name for p in procs)
+            for p in procs:
+                if p.popen.poll() is None:
+                    self._signal(p, signal.SIGKILL if self._hurry.is_set() else signal.SIGTERM)
+            deadline = time.monotonic() + self._stop_timeout_s
+            for p in procs:
+                if not self._wait(p, deadline):
+                    self._progress(f"{p.spec.name} did not stop within {self._stop_timeout_s:g} s: killing it")
+                    self._signal(p, signal.SIGKILL)
+                    p.popen.wait()
+                self._signal(p, signal.SIGKILL)  # whatever it spawned and left behind in its group
+
+    def interrupt(self) -> None:
+        """What a signal handler calls: the first call ends ``start`` (StartInterrupted) or ``wait``;
+        a second makes a running or coming ``stop`` kill at once instead of waiting for drains."""
+        if self._interrupted.is_set():
+            self._hurry.set()
+        self._interrupted.set()
+
+    def kill(self, name: str, sig: signal.Signals = signal.SIGKILL) -> None:
+        """Send ``sig`` to one process (and its group), as a crash or an operator would; SIGKILL waits for it."""
+        proc = self._procs[name]
+        self._ended_on_purpose.add(name)
+        self._signal(proc, sig)
+        if sig == signal.SIGKILL:
+            proc.popen.wait()
+
+    def __enter__(self) -> Mesh:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- while running ---------------------------------------------------------
+
+    def process(self, name: str) -> RunningProcess:
+        return self._procs[name]
+
+    def address(self, name: str) -> str:
+        return self.topology.get(name).address
+
+    def crashed(self) -> list[str]:
+        """Processes that exited without being stopped or killed through this object."""
+        return [n for n, p in self._procs.items() if n not in self._ended_on_purpose and p.popen.poll() is not None]
+
+    def wait(self, known: Collection[str] = ()) -> str | None:
+        """Block until a process not in ``known`` crashes (returns its name) or ``interrupt`` is called (None)."""
+        while not self._interrupted.is_set():
+            crashed = [n for n in self.crashed() if n not in known]
+            if crashed:
+                return crashed[0]
+            self._interrupted.wait(_POLL_S)
+        return None
+
+    def log_tail(self, name: str, lines: int = 20) -> str:
+        """The last lines of a process's log, each prefixed with its name."""
+        path = self.run_dir / "logs" / f"{name}.log"
+        try:
+            text = path.read_text(errors="replace")
+        except FileNotFoundError:
+            return f"[{name}] (no log)"
+        return "\n".join(f"[{name}] {line}" for line in text.splitlines()[-lines:])
+
+    # -- internals -------------------------------------------------------------
+
+    def _spawn(self, spec: ProcessSpec) -> None:
+        log_path = self.run_dir / "logs" / f"{spec.name}.log"
+        if spec.workdir is not None:
+            spec.workdir.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            popen = subprocess.Popen(
+                [sys.executable, str(EXEC_CHILD), str(os.getpid()), *spec.argv],
+                env={**os.environ, **spec.env},
+                cwd=spec.workdir,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group
+            )
+        self._procs[spec.name] = RunningProcess(spec, popen, log_path)
+        self._progress(f"started {spec.name} (pid {popen.pid})")
+
+    def _wait_healthy(self, level: list[ProcessSpec], deadline: float) -> None:
+        pending = [s.name for s in level]
+        channels: dict[str, grpc.Channel] = {}
+        try:
+            while pending:
+                if self._interrupted.is_set():
+                    raise StartInterrupted(f"interrupted while waiting for {', '.join(pending)}")
+                for name in list(pending):
+                    proc = self._procs[name]
+                    if proc.popen.poll() is not None:
+                        raise MeshError(
+                            f"{name} exited with code {proc.popen.returncode} during start-up", name, self.log_tail(name)
+                        )
+                    if _healthy(proc.spec, channels):
+                        pending.remove(name)
+                        self._progress(f"{name} is serving on {proc.spec.address}")
+                if pending and time.monotonic() > deadline:
+                    raise MeshError(
+                        f"{', '.join(pending)} not healthy within {self._start_timeout_s:g} s", pending[0], self.log_tail(pending[0])
+                    )
+                if pending:
+                    self._interrupted.wait(_POLL_S)
+        finally:
+            for channel in channels.values():
+                channel.close()
+
+    def _wait(self, proc: RunningProcess, deadline: float) -> bool:
+        while proc.popen.poll() is None:
+            if time.monotonic() > deadline or self._hurry.is_set():
+                return False
+            time.sleep(_POLL_S / 2)
+        return True
+
+    @staticmethod
+    def _signal(proc: RunningProcess, sig: signal.Signals) -> None:
+        try:
+            os.killpg(proc.pid, sig)  # the group's id is the leader's pid (start_new_session)
+        except ProcessLookupError:
+            pass  # already gone, group and all
+
+
+def _healthy(spec: ProcessSpec, channels: dict[str, grpc.Channel]) -> bool:
+    if spec.health == "redis":
+        return _redis_answers(spec.host, spec.port)
+    if spec.name not in channels:
+        channels[spec.name] = grpc.insecure_channel(spec.address)
+    try:
+        reply = health_pb2_grpc.HealthStub(channels[spec.name]).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+    except grpc.RpcError:
+        return False  # not listening yet, or NOT_SERVING: still loading
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _redis_answers(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False

@@ -1,0 +1,35 @@
+"""The calls the gateway makes to other services, as an interface the core depends on.
+
+The server layer implements it with gRPC stubs (``grpc_backends.py``); unit
+tests implement it with plain objects. Messages are the internal contracts'
+protobuf types, passed through unchanged (the KV hand-off in particular).
+
+What an implementation promises the core:
+- a peer that cannot be reached, times out, or breaks a stream raises
+  ``kvmesh.errors.Unavailable`` (the core retries those on another worker);
+- any status the peer itself answered raises the matching ``KvmeshError``;
+- closing the ``decode`` iterator (or cancelling the task reading it) cancels
+  the downstream call, so the decode worker aborts the sequence and frees its KV;
+- cancelling a pending ``prefill`` cancels the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Protocol
+
+from kvmesh.decode.v1 import decode_pb2
+from kvmesh.prefill.v1 import prefill_pb2
+from kvmesh.router.v1 import router_pb2
+
+
+class Backends(Protocol):
+    async def route(self, request: router_pb2.RouteRequest) -> router_pb2.RouteResponse: ...
+
+    async def prefill(self, address: str, request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse: ...
+
+    async def release_lease(
+        self, address: str, request: prefill_pb2.ReleaseLeaseRequest
+    ) -> prefill_pb2.ReleaseLeaseResponse: ...
+
+    def decode(self, address: str, request: decode_pb2.DecodeRequest) -> AsyncGenerator[decode_pb2.DecodeResponse, None]: ...

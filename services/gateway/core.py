@@ -1,0 +1,349 @@
+"""The gateway core: admit, tokenize, route, drive prefill -> decode, stream back.
+
+Per request: admission (a cap on requests in flight) -> tokenize and validate
+-> ``Route`` -> either ``Decode`` with a local prefill, or ``Prefill`` on the
+chosen prefill worker and then ``Decode`` with the remote result. Every decode
+message goes to the client as it arrives.
+
+Failures: a worker that is unreachable or breaks before the client got a
+token is excluded and the request is routed once more; after tokens were
+sent the client gets UNAVAILABLE (a stream cannot be resumed elsewhere).
+Whenever a request with a KV lease ends without decode finishing it (client
+cancel, decode failure), the gateway aborts the lease at once rather than
+leaving the prefill worker to wait out its TTL.
+
+Cancellation needs no extra machinery: a cancelled client call cancels the
+task running this generator; the ``CancelledError`` (or ``GeneratorExit``)
+unwinds through the ``aclosing`` blocks, which close the decode stream, which
+cancels the downstream call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Callable, Sequence
+from contextlib import aclosing
+
+import structlog
+
+from kvmesh.common.v1 import accounting_pb2, kv_pb2, sampling_pb2, worker_pb2
+from kvmesh.decode.v1 import decode_pb2
+from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.errors import InvalidArgument, KvmeshError, NotFound, ResourceExhausted, Unavailable
+from kvmesh.gateway.v1 import gateway_pb2
+from kvmesh.prefill.v1 import prefill_pb2
+from kvmesh.router.v1 import router_pb2
+from services.gateway.backends import Backends
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.model import ServedModel
+from services.gateway.stream import Finish, Job, ResponseStream
+from services.gateway.validation import validate_prompt, validate_sampling
+
+log = structlog.get_logger("kvmesh.gateway")
+
+# The first try and one retry on other workers.
+MAX_ATTEMPTS = 2
+
+Chunks = AsyncGenerator[gateway_pb2.GenerateResponse, None]
+
+
+class WorkerFailed(Unavailable):
+    """A prefill or decode worker could not serve the request (unreachable, timed out, stream broke)."""
+
+    def __init__(self, stage: str, worker: worker_pb2.WorkerEndpoint, message: str) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.worker_id = worker.worker_id
+
+
+class Gateway:
+    def __init__(
+        self,
+        model: ServedModel,
+        backends: Backends,
+        *,
+        max_inflight: int = 256,
+        stream_idle_timeout_s: float = 600.0,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
+        if max_inflight <= 0:
+            raise ValueError(f"max_inflight must be > 0, got {max_inflight}")
+        self.model = model
+        self._backends = backends
+        self._max_inflight = max_inflight
+        self._idle_timeout_s = stream_idle_timeout_s
+        self._metrics = metrics or GatewayMetrics()
+        self._inflight = 0
+        self._background: set[asyncio.Task[None]] = set()  # lease aborts on their way
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    # -- the unary API -------------------------------------------------------
+
+    def list_models(self) -> list[gateway_pb2.ModelInfo]:
+        m = self.model
+        # ModelInfo has no description; owned_by is where a client sees "random weights".
+        owner = m.label or "kvmesh"
+        return [gateway_pb2.ModelInfo(id=m.name, max_model_len=m.max_model_len, owned_by=owner, created=m.created)]
+
+    def tokenize(self, request: gateway_pb2.TokenizeRequest) -> list[int]:
+        self._check_model(request.model)
+        which = request.WhichOneof("input")
+        if which == "text":
+            return self.model.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        if which == "chat":
+            return self._chat_prompt(request.chat.messages)
+        raise InvalidArgument("nothing to tokenize: set text or chat")
+
+    # -- the streaming API ---------------------------------------------------
+
+    def generate(self, request: gateway_pb2.GenerateRequest, request_id: str) -> Chunks:
+        return self._serve("generate", request_id, request, lambda: self._text_prompt(request))
+
+    def chat(self, request: gateway_pb2.ChatRequest, request_id: str) -> Chunks:
+        """Chat yields the same chunks as generate; the servicer re-wraps them as ChatResponse."""
+        return self._serve("chat", request_id, request, lambda: self._chat_prompt(request.messages))
+
+    async def wait_idle(self) -> None:
+        """Wait for lease aborts still on their way (shutdown, tests)."""
+        while self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+    async def _serve(
+        self,
+        method: str,
+        request_id: str,
+        request: gateway_pb2.GenerateRequest | gateway_pb2.ChatRequest,
+        prompt: Callable[[], list[int]],
+    ) -> Chunks:
+        received = time.monotonic_ns()
+        if self._inflight >= self._max_inflight:
+            self._metrics.requests.labels(method, "resource_exhausted").inc()
+            raise ResourceExhausted(f"the gateway is at its limit of {self._max_inflight} requests in flight; retry later")
+        self._inflight += 1
+        self._metrics.inflight.inc()
+        outcome, stream = "internal", None
+        try:
+            self._check_model(request.model)
+            prompt_ids = prompt()
+            sampling = request.sampling
+            validate_prompt(prompt_ids, sampling.max_tokens, self.model.vocab_size, self.model.max_model_len)
+            validate_sampling(sampling, self.model.vocab_size)
+            prepare_ns = time.monotonic_ns() - received
+            job = Job(method, request_id, prompt_ids, sampling, request.cache_salt.encode(), received, prepare_ns)
+            stream = ResponseStream(job, self._metrics)
+            async with aclosing(self._run(job, stream)) as chunks:
+                async for chunk in chunks:
+                    if chunk.HasField("final"):
+                        outcome = "ok"  # a client that stops reading after the final chunk did get it all
+                    yield chunk
+        except KvmeshError as e:
+            outcome = e.code.lower()
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            if outcome != "ok":
+                outcome = "cancelled"
+            raise
+        finally:
+            self._inflight -= 1
+            self._metrics.inflight.dec()
+            self._metrics.requests.labels(method, outcome).inc()
+            log.info("request finished", method=method, outcome=outcome, user=request.user or None,
+                     completion_tokens=stream.tokens_sent if stream else 0)
+
+    async def _run(self, job: Job, stream: ResponseStream) -> Chunks:
+        excluded: list[str] = []
+        failure: WorkerFailed | None = None
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            try:
+                plan = await self._route(job, excluded)
+            except Unavailable as e:
+                if failure is None:
+                    raise
+                raise Unavailable(f"{failure.message}; no other worker to retry on: {e.message}") from None
+            try:
+                async with aclosing(self._attempt(job, plan, stream)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
+                return
+            except WorkerFailed as e:
+                if stream.tokens_sent:
+                    raise Unavailable(
+                        f"{e.message} after {stream.tokens_sent} tokens were streamed; the request cannot be resumed"
+                    ) from None
+                if attempt == MAX_ATTEMPTS:
+                    raise Unavailable(f"{e.message} (after a retry on another worker)") from None
+                log.warning("worker failed before the first token; retrying elsewhere", stage=e.stage,
+                            worker_id=e.worker_id, error=e.message)
+                self._metrics.retries.labels(e.stage).inc()
+                excluded.append(e.worker_id)
+                failure = e
+
+    async def _route(self, job: Job, excluded: Sequence[str]) -> router_pb2.RouteResponse:
+        plan = await self._backends.route(
+            router_pb2.RouteRequest(
+                request_id=job.request_id,
+                tokens=router_pb2.TokenPrompt(token_ids=job.prompt_ids),
+                cache_salt=job.cache_salt,
+                max_new_tokens=job.sampling.max_tokens,
+                exclude_worker_ids=excluded,
+            )
+        )
+        if not plan.decode_worker.address or not (plan.prefill_locally or plan.prefill_worker.address):
+            raise KvmeshError(f"the router returned an incomplete plan: {plan}")
+        return plan
+
+    async def _attempt(self, job: Job, plan: router_pb2.RouteResponse, stream: ResponseStream) -> Chunks:
+        if plan.prefill_locally:
+            request = self._decode_request(job, local=decode_pb2.LocalPrefill())
+            async with aclosing(self._decode(plan.decode_worker, request, stream, plan.timings, None, None)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            return
+
+        prefill = await self._prefill(job, plan.prefill_worker)
+        if prefill.finish_reason != sampling_pb2.FINISH_REASON_UNSPECIFIED:
+            yield self._first_token_only(job, plan, prefill, stream)  # nothing to decode, no lease
+            return
+        handoff = prefill.handoff
+        lease = handoff.lease_id if handoff.mode == kv_pb2.HANDOFF_MODE_PULL else ""
+        finished = False
+        try:
+            remote = decode_pb2.RemotePrefill(first_token_id=prefill.first_token_id, handoff=handoff)
+            if prefill.HasField("first_token_logprob"):
+                remote.first_token_logprob.CopyFrom(prefill.first_token_logprob)
+            request = self._decode_request(job, remote=remote)
+            decode = self._decode(plan.decode_worker, request, stream, plan.timings, prefill.timings, prefill.reused_tokens)
+            async with aclosing(decode) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            finished = True
+        finally:
+            if not finished and lease:
+                self._abort_lease(handoff.source_address, lease)
+
+    async def _prefill(self, job: Job, worker: worker_pb2.WorkerEndpoint) -> prefill_pb2.PrefillResponse:
+        request = prefill_pb2.PrefillRequest(
+            request_id=job.request_id,
+            token_ids=job.prompt_ids,
+            sampling=job.sampling,
+            cache_salt=job.cache_salt,
+            handoff_mode=kv_pb2.HANDOFF_MODE_PULL,
+        )
+        call = asyncio.ensure_future(self._backends.prefill(worker.address, request))
+        try:
+            return await call
+        except Unavailable as e:
+            who = f"prefill worker {worker.worker_id} ({worker.address})"
+            raise WorkerFailed("prefill", worker, f"{who} failed: {e.message}") from None
+        except asyncio.CancelledError:
+            # The client went away mid-prefill. Cancelling the call aborts the
+            # prefill; if its answer had already arrived, its lease is ours to end.
+            call.cancel()
+            if call.done() and not call.cancelled() and call.exception() is None:
+                handoff = call.result().handoff
+                if handoff.lease_id:
+                    self._abort_lease(handoff.source_address, handoff.lease_id)
+            raise
+
+    async def _decode(
+        self,
+        worker: worker_pb2.WorkerEndpoint,
+        request: decode_pb2.DecodeRequest,
+        stream: ResponseStream,
+        route_timings: accounting_pb2.Timings,
+        prefill_timings: accounting_pb2.Timings | None,
+        prefill_reused_tokens: int | None,
+    ) -> Chunks:
+        who = f"decode worker {worker.worker_id} ({worker.address})"
+        messages = self._backends.decode(worker.address, request)
+        async with aclosing(messages):
+            while True:
+                try:
+                    async with asyncio.timeout(self._idle_timeout_s):
+                        msg = await anext(messages)
+                except StopAsyncIteration:
+                    raise WorkerFailed("decode", worker, f"{who} ended its stream without a final message") from None
+                except TimeoutError:
+                    raise WorkerFailed("decode", worker, f"{who} sent nothing for {self._idle_timeout_s:g} s") from None
+                except Unavailable as e:
+                    raise WorkerFailed("decode", worker, f"{who} failed: {e.message}") from None
+                finish = None
+                if msg.HasField("final"):
+                    final = msg.final
+                    # Remote prefill: the prefill worker knows what it reused; decode
+                    # only imported what prefill handed over.
+                    cached = final.usage.cached_tokens if prefill_reused_tokens is None else prefill_reused_tokens
+                    finish = Finish(final.finish_reason, cached, route_timings, prefill_timings, final.timings)
+                yield stream.chunk(msg.token_ids, msg.text, msg.logprobs, finish)
+                if finish is not None:
+                    return
+
+    def _first_token_only(
+        self, job: Job, plan: router_pb2.RouteResponse, prefill: prefill_pb2.PrefillResponse, stream: ResponseStream
+    ) -> gateway_pb2.GenerateResponse:
+        token = prefill.first_token_id
+        text = IncrementalDetokenizer(self.model.tokenizer, job.prompt_ids).add(token)
+        if prefill.finish_reason == sampling_pb2.FINISH_REASON_STOP:
+            text = _cut_at_stop(text, job.sampling.stop)
+        logprobs = [prefill.first_token_logprob] if prefill.HasField("first_token_logprob") else []
+        finish = Finish(prefill.finish_reason, prefill.reused_tokens, plan.timings, prefill.timings)
+        return stream.chunk([token], text, logprobs, finish)
+
+    def _abort_lease(self, address: str, lease_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._release_lease(address, lease_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _release_lease(self, address: str, lease_id: str) -> None:
+        try:
+            await self._backends.release_lease(
+                address, prefill_pb2.ReleaseLeaseRequest(lease_id=lease_id, outcome=prefill_pb2.LEASE_OUTCOME_ABORT)
+            )
+        except KvmeshError as e:
+            log.warning("could not abort a KV lease; its holder frees it at the TTL", lease_id=lease_id,
+                        address=address, error=e.message)
+
+    # -- prompts ---------------------------------------------------------------
+
+    def _decode_request(self, job: Job, **prefill: object) -> decode_pb2.DecodeRequest:
+        return decode_pb2.DecodeRequest(
+            request_id=job.request_id,
+            prompt_token_ids=job.prompt_ids,
+            sampling=job.sampling,
+            cache_salt=job.cache_salt,
+            **prefill,
+        )
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self.model.name:
+            raise NotFound(f"model {model!r} is not served here; this gateway serves {self.model.name!r}")
+
+    def _text_prompt(self, request: gateway_pb2.GenerateRequest) -> list[int]:
+        which = request.WhichOneof("prompt")
+        if which == "token_ids":
+            return list(request.token_ids.ids)
+        if which == "text" and request.text:
+            return self.model.tokenizer.encode(request.text, add_special_tokens=True)
+        raise InvalidArgument("prompt is empty: set text or token_ids")
+
+    def _chat_prompt(self, messages: Sequence[gateway_pb2.ChatMessage]) -> list[int]:
+        if not messages:
+            raise InvalidArgument("messages is empty")
+        rendered = []
+        for i, m in enumerate(messages):
+            if not m.role:
+                raise InvalidArgument(f"messages[{i}].role is empty")
+            rendered.append({"role": m.role, "content": m.content} | ({"name": m.name} if m.name else {}))
+        text = self.model.tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
+        # The template writes any special tokens (BOS) itself.
+        return self.model.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _cut_at_stop(text: str, stops: Sequence[str]) -> str:
+    """The text before the earliest stop string (stop strings are not part of the output)."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    return text if cut < 0 else text[:cut]

@@ -1,0 +1,43 @@
+"""The gateway's own Prometheus metrics (the runtime adds the per-RPC ones)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# From a cached one-block prompt on a GPU to a long prompt prefilled on CPU.
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        reg = registry if registry is not None else CollectorRegistry()
+        self.registry = reg
+        self.requests = Counter(
+            "kvmesh_gateway_requests",
+            "Generation requests finished, by API method and outcome (ok, cancelled, or a status code name).",
+            ["method", "outcome"],
+            registry=reg,
+        )
+        self.inflight = Gauge(
+            "kvmesh_gateway_inflight_requests", "Generation requests admitted and not yet finished.", registry=reg
+        )
+        self.ttft = Histogram(
+            "kvmesh_gateway_time_to_first_token_seconds",
+            "From receiving a request to sending its first token.",
+            buckets=_TTFT_BUCKETS,
+            registry=reg,
+        )
+        self.inter_token = Histogram(
+            "kvmesh_gateway_inter_token_latency_seconds",
+            "Time between consecutive tokens sent to a client (a chunk of k tokens counts k times gap/k).",
+            buckets=_ITL_BUCKETS,
+            registry=reg,
+        )
+        self.tokens = Counter("kvmesh_gateway_generated_tokens", "Tokens streamed to clients.", registry=reg)
+        self.retries = Counter(
+            "kvmesh_gateway_retries",
+            "Requests retried on another worker after a worker failed before the first token, by failed stage.",
+            ["stage"],
+            registry=reg,
+        )

@@ -1,0 +1,64 @@
+"""The public ``kvmesh.gateway.v1.GatewayService``: protobuf in, gateway core calls, protobuf out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+import grpc
+
+from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from kvmesh.runtime import GrpcService, current_request_id, new_request_id
+from services.gateway.core import Gateway
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+    def __init__(self, gateway: Gateway) -> None:
+        self._gateway = gateway
+
+    async def Generate(
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        # aclosing: when the client cancels, the core's generator is closed now
+        # (not at garbage collection), which cancels the downstream calls.
+        async with aclosing(self._gateway.generate(request, _request_id())) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def Chat(
+        self, request: gateway_pb2.ChatRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.ChatResponse]:
+        async with aclosing(self._gateway.chat(request, _request_id())) as chunks:
+            async for chunk in chunks:
+                yield gateway_pb2.ChatResponse(
+                    request_id=chunk.request_id,
+                    offset=chunk.offset,
+                    token_ids=chunk.token_ids,
+                    text=chunk.text,
+                    logprobs=chunk.logprobs,
+                    final=chunk.final if chunk.HasField("final") else None,
+                )
+
+    async def Tokenize(
+        self, request: gateway_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.TokenizeResponse:
+        return gateway_pb2.TokenizeResponse(token_ids=self._gateway.tokenize(request))
+
+    async def ListModels(
+        self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.ListModelsResponse:
+        return gateway_pb2.ListModelsResponse(models=self._gateway.list_models())
+
+
+def _request_id() -> str:
+    # The runtime's interceptor binds one for every call; the fallback serves direct calls.
+    return current_request_id() or new_request_id()
+
+
+def gateway_service(gateway: Gateway) -> GrpcService:
+    """The servicer registered the way ``ServiceDef`` wants it."""
+    return GrpcService(
+        gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"],
+        gateway_pb2_grpc.add_GatewayServiceServicer_to_server,
+        GatewayServicer(gateway),
+    )

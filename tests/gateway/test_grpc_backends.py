@@ -1,0 +1,73 @@
+"""GrpcBackends: status codes become domain errors; a stream broken by its server is UNAVAILABLE."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from kvmesh.decode.v1 import decode_pb2
+from kvmesh.errors import FailedPrecondition, InvalidArgument, KvmeshError, ResourceExhausted, Unavailable
+from kvmesh.runtime import Runtime
+from services.gateway.grpc_backends import GrpcBackends, domain_error
+from tests.gateway.grpc_fakes import Mesh, build_mesh
+
+
+def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+@pytest.mark.parametrize(
+    ("code", "cls", "message"),
+    [
+        (grpc.StatusCode.UNAVAILABLE, Unavailable, "decode-0: Socket closed"),
+        (grpc.StatusCode.CANCELLED, Unavailable, "decode-0: the call was cancelled on the server side: Socket closed"),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, Unavailable, "decode-0: no answer within 2 s"),
+        (grpc.StatusCode.UNKNOWN, Unavailable, "decode-0: Socket closed"),
+        (grpc.StatusCode.INVALID_ARGUMENT, InvalidArgument, "Socket closed"),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, ResourceExhausted, "Socket closed"),
+        (grpc.StatusCode.FAILED_PRECONDITION, FailedPrecondition, "Socket closed"),
+        (grpc.StatusCode.PERMISSION_DENIED, KvmeshError, "decode-0: PERMISSION_DENIED: Socket closed"),
+    ],
+)
+def test_status_codes_become_domain_errors(code, cls, message) -> None:
+    error = domain_error(_rpc_error(code, "Socket closed"), "decode-0", 2.0)
+
+    assert type(error) is cls and error.message == message
+
+
+async def test_a_decode_stream_whose_server_stops_is_unavailable() -> None:
+    mesh = Mesh()
+    mesh.hold_decode_after = 1
+    rt = Runtime("decode", build_mesh(mesh), metrics_port=None)
+    await rt.start()
+    backends = GrpcBackends(f"127.0.0.1:{rt.port}")
+    try:
+        stream = backends.decode(f"127.0.0.1:{rt.port}", decode_pb2.DecodeRequest())
+        await anext(stream)
+        await mesh.decode_held.wait()
+        stopping = asyncio.create_task(rt.stop(grace_seconds=0))
+        with pytest.raises(Unavailable):
+            await anext(stream)
+        await stopping
+    finally:
+        await rt.stop()
+        await backends.close()
+
+
+async def test_closing_a_decode_stream_cancels_it_on_the_server() -> None:
+    mesh = Mesh()
+    mesh.hold_decode_after = 1
+    rt = Runtime("decode", build_mesh(mesh), metrics_port=None)
+    await rt.start()
+    backends = GrpcBackends(f"127.0.0.1:{rt.port}")
+    try:
+        stream = backends.decode(f"127.0.0.1:{rt.port}", decode_pb2.DecodeRequest())
+        await anext(stream)
+        await mesh.decode_held.wait()
+        await stream.aclose()
+        await asyncio.wait_for(mesh.decode_cancelled.wait(), 10)
+    finally:
+        await rt.stop()
+        await backends.close()

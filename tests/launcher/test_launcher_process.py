@@ -1,0 +1,104 @@
+"""The launcher as a process: signals stop the mesh cleanly; a dead launcher or a crashed child leaves no orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvmesh.launcher.topology import REPO_ROOT
+from tests.launcher.helpers import alive, kill_if_alive, read_pid, wait_gone
+
+
+@pytest.fixture
+def launch(tmp_path) -> Iterator:
+    started: list[subprocess.Popen] = []
+    children: list[int] = []
+
+    def start(start_delay_s: float = 0.0) -> tuple[subprocess.Popen, dict[str, int]]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.launcher.run_mesh", str(tmp_path), str(start_delay_s)],
+            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        started.append(proc)
+        pids = {name: read_pid(tmp_path / f"{name}.pid") for name in ("router", "gateway")}
+        children.extend(pids.values())
+        return proc, pids
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+    kill_if_alive(children)
+
+
+def _wait_for_line(proc: subprocess.Popen, text: str, stream: str = "stdout") -> str:
+    for line in getattr(proc, stream):
+        if text in line:
+            return line
+    raise AssertionError(f"launcher ended without printing {text!r}; stderr: {proc.stderr.read()}")
+
+
+def test_sigterm_stops_the_mesh_and_exits_0(launch) -> None:
+    proc, pids = launch()
+    _wait_for_line(proc, "the test mesh is up")
+
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+
+    assert proc.returncode == 0, err
+    assert "kvmesh: stopping the mesh" in err and "kvmesh: stopped" in err
+    assert wait_gone(list(pids.values())) == []
+
+
+def test_ctrl_c_during_start_up_stops_what_started(launch) -> None:
+    proc, pids = launch(start_delay_s=600)
+
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+
+    assert proc.returncode == 0, err
+    assert "stopped during start-up" in err
+    assert wait_gone(list(pids.values())) == []
+
+
+def test_a_killed_launcher_takes_the_mesh_with_it(launch) -> None:
+    proc, pids = launch()
+    _wait_for_line(proc, "the test mesh is up")
+
+    proc.kill()  # SIGKILL: no chance to clean up; the children's parent-death signal does it
+    proc.wait()
+
+    assert wait_gone(list(pids.values())) == []
+
+
+def test_a_crashed_child_is_reported_while_the_rest_keep_serving(launch) -> None:
+    proc, pids = launch()
+    _wait_for_line(proc, "the test mesh is up")
+
+    os.kill(pids["router"], signal.SIGKILL)
+    line = _wait_for_line(proc, "exited unexpectedly", "stderr")
+    assert "router exited unexpectedly (code -9); the rest keep serving" in line
+    assert alive(pids["gateway"])
+
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1  # something crashed along the way
+    assert wait_gone([pids["gateway"]]) == []
+
+
+def test_up_refuses_a_missing_model_folder(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys; from kvmesh.launcher.cli import add_up_parser, run_up; import argparse;"
+         "p = argparse.ArgumentParser(); add_up_parser(p.add_subparsers());"
+         "sys.exit(run_up(p.parse_args(sys.argv[1:])))", "up", "--model", str(tmp_path / "nope")],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert f"--model {tmp_path / 'nope'}: not a directory" in result.stderr
