@@ -7,6 +7,10 @@ keeps only what is safe to lose: a mirror of the registry (pulled at most every
 worker's last heartbeat, so a burst between heartbeats does not all land on
 the same worker.
 
+The kvstore registers too (role KVSTORE, no layout): its KVSTORE-tier blocks
+count as the cluster-wide cache in every plan, and it is never chosen to run a
+request.
+
 Redis down: routing goes on over the mirrored registry using load alone
 (``redis_available`` is False, ``counters["routes_load_only"]`` counts, a
 warning is logged once per outage), registrations and heartbeats are kept
@@ -27,7 +31,7 @@ from dataclasses import dataclass, replace
 import structlog
 
 from kvmesh.blocks import BlockHash, block_hashes
-from kvmesh.errors import FailedPrecondition, NotFound, Unavailable
+from kvmesh.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 from .events import KVEvent, KVEventApplier, PublishResult
 from .index import BlockId, PrefixHits, PrefixIndex, Tier
@@ -176,14 +180,16 @@ class Router:
     async def register(self, info: WorkerInfo) -> Registration:
         """Admit a worker (FailedPrecondition on a layout mismatch); drops its old index entries."""
         await self._maybe_recover()
-        if self.redis_available:
-            try:
-                self.registry.adopt_layout(await self.store.claim_layout(info.layout))
-            except StoreUnavailable as e:
-                self._mark_down(e)
         try:
+            # Checked before claiming, so a refused layout never becomes the cluster's.
+            self.registry.check_layout(info)
+            if self.redis_available and info.layout is not None and info.role.runs_requests:
+                try:
+                    self.registry.adopt_layout(await self.store.claim_layout(info.layout))
+                except StoreUnavailable as e:
+                    self._mark_down(e)
             lease = self.registry.register(info)
-        except FailedPrecondition:
+        except (FailedPrecondition, InvalidArgument):
             self.counters["registrations_refused"] += 1
             raise
         self._pending.pop(info.worker_id, None)
@@ -332,7 +338,7 @@ class Router:
         await self._pull()
         layout = self.registry.cluster_layout
         if layout is None:
-            raise Unavailable("no worker has registered yet")
+            raise Unavailable("no prefill or decode worker has registered yet")
         args = (token_ids, layout.block_size, layout.model_fingerprint, cache_salt)
         if len(token_ids) // layout.block_size > _HASH_INLINE_MAX_BLOCKS:
             chain = await asyncio.to_thread(block_hashes, *args)
@@ -362,7 +368,7 @@ class Router:
         await self._pull()
         candidates = self._candidates(exclude)
         if not candidates:
-            raise Unavailable("no live worker to route to")
+            raise Unavailable("no live prefill or decode worker to route to")
         hits = PrefixHits()
         if self.redis_available:
             try:
@@ -401,7 +407,7 @@ class Router:
     def _candidates(self, exclude: Collection[str]) -> list[Candidate]:
         out = []
         for s in self.registry.live():
-            if s.worker_id in exclude:
+            if s.worker_id in exclude or not s.info.role.runs_requests:
                 continue
             # Work this replica sent after the worker's last report is not in
             # that report yet; older entries are, so they are dropped.

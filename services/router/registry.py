@@ -4,7 +4,9 @@ A worker registers (getting a lease), then heartbeats with its load to renew
 the lease; when the lease lapses it disappears from routing. The first
 registered layout becomes the cluster's and a worker with any other layout is
 refused, naming the field that differs, since KV blocks can only move between
-equal layouts.
+equal layouts. A router that hashes token prompts itself pins the block size
+(``block_size``): a worker cutting other blocks would never match its hashes.
+The kvstore stores opaque blocks of any layout and has none to check.
 
 This is the logic on one replica's view. Sharing the view through Redis is
 ``registry_store``'s job and the router core's to orchestrate, so this module
@@ -19,7 +21,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kvmesh.errors import FailedPrecondition, NotFound
+from kvmesh.errors import FailedPrecondition, InvalidArgument, NotFound
 
 from .worker import KVLayout, Role, WorkerInfo, WorkerLoad
 
@@ -67,30 +69,63 @@ class Lease:
 
 
 class WorkerRegistry:
-    def __init__(self, *, lease_ttl_s: float = 10.0, now: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        *,
+        lease_ttl_s: float = 10.0,
+        heartbeat_interval_s: float | None = None,
+        block_size: int | None = None,
+        now: Callable[[], float] = time.time,
+    ) -> None:
+        # Three heartbeats per TTL by default: one lost heartbeat never costs the lease.
+        self.heartbeat_interval_s = heartbeat_interval_s or lease_ttl_s / 3
+        if not 0 < self.heartbeat_interval_s < lease_ttl_s:
+            raise ValueError(
+                f"heartbeat interval {self.heartbeat_interval_s}s must be shorter than "
+                f"the lease TTL {lease_ttl_s}s"
+            )
         self.lease_ttl_s = lease_ttl_s
+        self.block_size = block_size
         self._now = now
         self._workers: dict[str, WorkerState] = {}
         self.cluster_layout: KVLayout | None = None
 
     def _lease(self, s: WorkerState) -> Lease:
-        # Three heartbeats per TTL: one lost heartbeat never costs the lease.
-        return Lease(s.worker_id, s.lease_id, self.lease_ttl_s, self.lease_ttl_s / 3, s.expires_at)
+        return Lease(
+            s.worker_id, s.lease_id, self.lease_ttl_s, self.heartbeat_interval_s, s.expires_at
+        )
 
     def adopt_layout(self, layout: KVLayout) -> None:
         """Take the cluster layout agreed in the shared store (the first ever registered)."""
         self.cluster_layout = layout
 
-    def register(self, info: WorkerInfo) -> Lease:
-        """Admit (or re-admit, replacing its old lease) a worker whose layout is the cluster's."""
+    def check_layout(self, info: WorkerInfo) -> None:
+        """Refuse a worker whose KV layout cannot join the cluster (as known so far)."""
+        if not info.role.runs_requests:
+            return
+        if info.layout is None:
+            raise InvalidArgument(
+                f"worker {info.worker_id}: a {info.role.value} worker must announce its KV layout"
+            )
+        if self.block_size is not None and info.layout.block_size != self.block_size:
+            raise FailedPrecondition(
+                f"worker {info.worker_id}: KV layout block_size={info.layout.block_size} "
+                f"does not match the router's block size {self.block_size}"
+            )
         if self.cluster_layout is None:
-            self.cluster_layout = info.layout
+            return
         field = self.cluster_layout.first_mismatch(info.layout)
         if field is not None:
             raise FailedPrecondition(
                 f"worker {info.worker_id}: KV layout {field}={getattr(info.layout, field)!r} "
                 f"does not match the cluster's {field}={getattr(self.cluster_layout, field)!r}"
             )
+
+    def register(self, info: WorkerInfo) -> Lease:
+        """Admit (or re-admit, replacing its old lease) a worker whose layout is the cluster's."""
+        self.check_layout(info)
+        if self.cluster_layout is None and info.role.runs_requests:
+            self.cluster_layout = info.layout
         now = self._now()
         load = WorkerLoad(
             free_kv_blocks=info.capacity.total_kv_blocks,

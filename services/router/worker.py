@@ -15,6 +15,14 @@ class Role(enum.Enum):
     PREFILL = "prefill"
     # A decode worker can also prefill locally when the router decides so.
     DECODE = "decode"
+    # The kvstore: registers so its blocks (tier KVSTORE) count as the
+    # cluster-wide cache. It stores opaque bytes of any layout, so it has none
+    # to check, and it never runs a request.
+    KVSTORE = "kvstore"
+
+    @property
+    def runs_requests(self) -> bool:
+        return self is not Role.KVSTORE
 
 
 @dataclass(frozen=True)
@@ -60,7 +68,8 @@ class WorkerInfo:
     worker_id: str
     role: Role
     address: str
-    layout: KVLayout
+    # None for the kvstore (see ``Role.KVSTORE``).
+    layout: KVLayout | None
     capacity: WorkerCapacity
     model: str = ""
 
@@ -69,7 +78,7 @@ class WorkerInfo:
             "worker_id": self.worker_id,
             "role": self.role.value,
             "address": self.address,
-            "layout": self.layout.to_json(),
+            "layout": self.layout.to_json() if self.layout is not None else None,
             "capacity": dataclasses.asdict(self.capacity),
             "model": self.model,
         }
@@ -80,7 +89,7 @@ class WorkerInfo:
             worker_id=d["worker_id"],
             role=Role(d["role"]),
             address=d["address"],
-            layout=KVLayout.from_json(d["layout"]),
+            layout=KVLayout.from_json(d["layout"]) if d["layout"] is not None else None,
             capacity=WorkerCapacity(**d["capacity"]),
             model=d.get("model", ""),
         )

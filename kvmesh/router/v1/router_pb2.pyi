@@ -124,12 +124,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., load: _Optional[_Union[_worker_pb2.WorkerLoad, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("reregister_required", "lease_ttl_ms")
+    __slots__ = ("reregister_required", "lease_ttl_ms", "resync_required")
     REREGISTER_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     reregister_required: bool
     lease_ttl_ms: int
-    def __init__(self, reregister_required: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    resync_required: bool
+    def __init__(self, reregister_required: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ..., resync_required: _Optional[bool] = ...) -> None: ...
 
 class DeregisterWorkerRequest(_message.Message):
     __slots__ = ("worker_id", "lease_id")
