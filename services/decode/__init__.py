@@ -1,0 +1,1 @@
+"""The decode service: adopts prefilled KV, batches many sequences, streams their tokens."""

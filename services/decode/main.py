@@ -1,0 +1,88 @@
+"""Entry point of the decode service: ``python -m services.decode.main`` / ``kvmesh decode``."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvmesh.common.v1 import worker_pb2
+from kvmesh.decode.v1 import decode_pb2, decode_pb2_grpc
+from kvmesh.engine import LLMEngine
+from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.flags import ENGINE_FLAGS, engine_config, model_path
+from kvmesh.engine.metrics import EngineCollector
+from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
+from kvmesh.worker.engine_link import attach_router
+from services.decode.core import DecodeWorker
+from services.decode.prefill_client import GrpcKVSource
+from services.decode.server import DecodeServicer
+
+FLAGS = [
+    *ENGINE_FLAGS,
+    Flag("--advertise-address", "host:port the gateway uses to reach this worker (default: host:port)"),
+]
+
+
+class _DecodeCollector(Collector):
+    def __init__(self, worker: DecodeWorker) -> None:
+        self.worker = worker
+
+    def collect(self):
+        c = self.worker.counters
+        for name in ("requests", "remote_prefills", "local_prefills", "blocks_pulled", "bytes_pulled",
+                     "transfer_failures"):
+            yield CounterMetricFamily(f"kvmesh_decode_{name}", f"Decode {name.replace('_', ' ')}.", value=getattr(c, name))
+        yield GaugeMetricFamily("kvmesh_decode_active_requests", "Decode streams open.", value=c.active_requests)
+
+
+def build(ctx: ServiceContext) -> ServiceDef:
+    args = ctx.args
+    address = args.advertise_address or f"{args.host}:{args.port}"
+    servicer = DecodeServicer()
+    kv_source = GrpcKVSource()
+    state: dict = {}
+
+    async def start() -> None:
+        engine = await asyncio.to_thread(LLMEngine, model_path(args), engine_config(args))
+        aengine = AsyncEngine(engine)
+        aengine.start()
+        worker = DecodeWorker(aengine, kv_source)
+        servicer.attach(worker, engine.max_model_len)
+        ctx.registry.register(EngineCollector(engine))
+        ctx.registry.register(_DecodeCollector(worker))
+        state["engine"] = aengine
+        state["link"] = await attach_router(
+            args, engine, worker_pb2.WORKER_ROLE_DECODE, address, "decode", ctx.registry
+        )
+
+    async def drain() -> None:
+        if state.get("link"):
+            await state["link"].stop()  # leave routing first; in-flight streams finish during the grace period
+
+    async def stop() -> None:
+        await kv_source.close()
+        if "engine" in state:
+            state["engine"].stop()
+
+    return ServiceDef(
+        services=[
+            GrpcService(
+                decode_pb2.DESCRIPTOR.services_by_name["DecodeService"],
+                decode_pb2_grpc.add_DecodeServiceServicer_to_server,
+                servicer,
+            )
+        ],
+        start=start,
+        drain=drain,
+        stop=stop,
+    )
+
+
+def main() -> None:
+    run("decode", build, flags=FLAGS, default_port=50054, default_metrics_port=9104)
+
+
+if __name__ == "__main__":
+    main()

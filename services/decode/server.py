@@ -1,0 +1,76 @@
+"""gRPC face of the decode worker: DecodeRequest in, a stream of DecodeResponse out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvmesh.common.v1 import accounting_pb2
+from kvmesh.convert import finish_to_pb, logprob_from_pb, logprob_to_pb, sampling_from_pb, timings_pb
+from kvmesh.decode.v1 import decode_pb2, decode_pb2_grpc
+from kvmesh.errors import InvalidArgument
+from services.decode.core import DecodeWorker, RemotePrefill
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
+    def __init__(self) -> None:
+        self.worker: DecodeWorker
+        self.max_model_len: int
+
+    def attach(self, worker: DecodeWorker, max_model_len: int) -> None:
+        """Called once the model is loaded; health stays NOT_SERVING (no RPCs arrive) until then."""
+        self.worker = worker
+        self.max_model_len = max_model_len
+
+    async def Decode(
+        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        t0 = time.perf_counter_ns()
+        prompt = list(request.prompt_token_ids)
+        params = sampling_from_pb(request.sampling, len(prompt), self.max_model_len)
+        remote = None
+        if request.WhichOneof("prefill") == "remote":
+            r = request.remote
+            if not r.handoff.source_address or not r.handoff.lease_id:
+                raise InvalidArgument("remote prefill needs the hand-off's source_address and lease_id")
+            remote = RemotePrefill(
+                address=r.handoff.source_address,
+                lease_id=r.handoff.lease_id,
+                block_hashes=list(r.handoff.block_hashes),
+                first_token=r.first_token_id,
+                first_logprob=logprob_from_pb(r.first_token_logprob) if r.HasField("first_token_logprob") else None,
+            )
+        offset = 0
+        accepted = 0
+        first_token_ns = None
+        async for out, transfer_ns in self.worker.decode(request.request_id, prompt, params, request.cache_salt, remote):
+            first_token_ns = first_token_ns or time.perf_counter_ns() - t0
+            accepted += out.num_draft_accepted
+            msg = decode_pb2.DecodeResponse(
+                offset=offset,
+                token_ids=out.new_token_ids,
+                text=out.text_delta,
+                logprobs=[logprob_to_pb(lp) for lp in out.new_logprobs],
+                accepted_draft_tokens=out.num_draft_accepted,
+            )
+            offset += len(out.new_token_ids)
+            if out.finished:
+                msg.final.CopyFrom(
+                    decode_pb2.DecodeFinal(
+                        finish_reason=finish_to_pb(out.finish_reason),
+                        usage=accounting_pb2.Usage(
+                            prompt_tokens=out.num_prompt_tokens,
+                            completion_tokens=offset,
+                            cached_tokens=out.num_cached_tokens,
+                        ),
+                        timings=timings_pb(
+                            transfer_ns=transfer_ns,
+                            first_token_ns=first_token_ns,
+                            total_ns=time.perf_counter_ns() - t0,
+                        ),
+                        draft_tokens_accepted=accepted,
+                    )
+                )
+            yield msg

@@ -1,0 +1,1 @@
+"""The prefill service: computes a prompt's KV and first token, hands the KV to decode."""

@@ -1,0 +1,147 @@
+"""The prefill worker's logic: run a prompt to its first token and hold its KV for decode.
+
+The engine computes only what its prefix cache lacks (chunked by its token
+budget). The request runs with ``max_tokens=1`` and ``hold_prompt_blocks``, so
+the moment it finishes its full prompt blocks are held — no other request can
+evict them between finishing and the lease taking over. The lease then serves
+``pull`` until decode releases it or its TTL runs out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import structlog
+
+from kvmesh.blocks import BlockHash
+from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.kv_cache import BlockPayload
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.sequence import TokenLogprob
+from kvmesh.errors import InvalidArgument
+from services.prefill.leases import Lease, LeaseTable
+
+log = structlog.get_logger(__name__)
+
+# Blocks exported per engine-thread call while streaming a lease: bounds both the
+# time a pull holds up engine steps and the bytes buffered at once.
+EXPORT_BATCH_BLOCKS = 8
+
+
+@dataclass
+class PrefillResult:
+    first_token: int
+    first_logprob: TokenLogprob | None
+    # Set when the first token already ends the request; then there is no lease.
+    finish_reason: str | None
+    lease: Lease | None
+    block_hashes: list[BlockHash]
+    computed_tokens: int
+    reused_tokens: int
+    total_ns: int
+
+
+@dataclass
+class PrefillCounters:
+    requests: int = 0
+    computed_tokens: int = 0
+    reused_tokens: int = 0
+    leases_acked: int = 0
+    leases_aborted: int = 0
+    leases_expired: int = 0
+    blocks_sent: int = 0
+
+
+class PrefillWorker:
+    def __init__(self, engine: AsyncEngine, default_ttl_ms: int = 30_000, max_ttl_ms: int = 300_000) -> None:
+        self.engine = engine
+        self.leases = LeaseTable()
+        self.default_ttl_ms = default_ttl_ms
+        self.max_ttl_ms = max_ttl_ms
+        self.counters = PrefillCounters()
+
+    async def prefill(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: bytes = b"",
+        hand_off: bool = True,
+        lease_ttl_ms: int = 0,
+    ) -> PrefillResult:
+        t0 = time.perf_counter_ns()
+        one_token = dataclasses.replace(params, max_tokens=1)
+        out = None
+        stream = self.engine.generate(token_ids, one_token, request_id, cache_salt, hold_prompt_blocks=True)
+        async for out in stream:
+            pass
+        assert out is not None and out.finished  # max_tokens=1: one output, finished
+        # "length" only because of our max_tokens=1; the real request goes on unless it asked for 1.
+        reason = out.finish_reason if (out.finish_reason != "length" or params.max_tokens == 1) else None
+        lease = None
+        try:
+            hashes = await self.engine.call(lambda e: e.held_hashes(request_id))
+            if reason is None and hand_off and hashes:
+                ttl = min(lease_ttl_ms or self.default_ttl_ms, self.max_ttl_ms)
+                lease = self.leases.create(request_id, hashes, ttl)
+        finally:
+            if lease is None:  # nothing to hand off, or cancelled right here: never strand the hold
+                await asyncio.shield(self.engine.call(lambda e: e.release_held(request_id)))
+        reused = out.num_cached_tokens
+        self.counters.requests += 1
+        self.counters.reused_tokens += reused
+        self.counters.computed_tokens += len(token_ids) - reused
+        done = time.perf_counter_ns()
+        return PrefillResult(
+            first_token=out.new_token_ids[0],
+            first_logprob=out.new_logprobs[0] if out.new_logprobs else None,
+            finish_reason=reason,
+            lease=lease,
+            block_hashes=hashes,
+            computed_tokens=len(token_ids) - reused,
+            reused_tokens=reused,
+            total_ns=done - t0,
+        )
+
+    async def pull(self, lease_id: str, hashes: list[BlockHash]) -> AsyncIterator[tuple[BlockHash, BlockPayload]]:
+        """The lease's blocks (or the named subset, in that order), each once."""
+        lease = self.leases.get(lease_id)
+        wanted = hashes or lease.block_hashes
+        unknown = set(wanted) - set(lease.block_hashes)
+        if unknown:
+            raise InvalidArgument(f"{len(unknown)} requested blocks are not part of lease {lease_id}")
+        for i in range(0, len(wanted), EXPORT_BATCH_BLOCKS):
+            batch = wanted[i : i + EXPORT_BATCH_BLOCKS]
+            self.leases.get(lease_id)  # still valid? (released or expired mid-stream -> NOT_FOUND)
+            for h, payload in await self.engine.call(lambda e, b=batch: e.export_held(lease.request_id, b)):
+                self.counters.blocks_sent += 1
+                yield h, payload
+
+    async def release(self, lease_id: str, ack: bool) -> int | None:
+        """End a lease; returns the blocks unpinned, None when it was already gone (idempotent)."""
+        lease = self.leases.pop(lease_id)
+        if lease is None:
+            return None
+        if ack:
+            self.counters.leases_acked += 1
+        else:
+            self.counters.leases_aborted += 1
+        return await self.engine.call(lambda e: e.release_held(lease.request_id))
+
+    async def reap_expired_leases(self, interval_s: float = 0.2) -> None:
+        """Runs for the service's lifetime: unpins leases nobody released in time."""
+        while True:
+            for lease in self.leases.pop_expired():
+                self.counters.leases_expired += 1
+                n = await self.engine.call(lambda e, rid=lease.request_id: e.release_held(rid))
+                log.warning("lease expired; blocks unpinned", lease_id=lease.lease_id, blocks=n)
+            await asyncio.sleep(interval_s)
+
+    async def release_all(self) -> None:
+        """Shutdown: nobody will pull these any more."""
+        for lease in self.leases.all():
+            await self.release(lease.lease_id, ack=False)

@@ -1,0 +1,92 @@
+"""Entry point of the prefill service: ``python -m services.prefill.main`` / ``kvmesh prefill``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvmesh.common.v1 import worker_pb2
+from kvmesh.engine import LLMEngine
+from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.flags import ENGINE_FLAGS, engine_config, model_path
+from kvmesh.engine.metrics import EngineCollector
+from kvmesh.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
+from kvmesh.worker.engine_link import attach_router
+from services.prefill.core import PrefillWorker
+from services.prefill.server import PrefillServicer
+
+FLAGS = [
+    *ENGINE_FLAGS,
+    Flag("--lease-ttl-ms", "how long a KV hand-off waits for decode before its blocks are unpinned", default=30_000, type=int),
+    Flag("--max-lease-ttl-ms", "the longest lease a request may ask for", default=300_000, type=int),
+    Flag("--advertise-address", "host:port decode workers use to reach this worker (default: host:port)"),
+]
+
+
+class _PrefillCollector(Collector):
+    def __init__(self, worker: PrefillWorker) -> None:
+        self.worker = worker
+
+    def collect(self):
+        c = self.worker.counters
+        for name in ("requests", "computed_tokens", "reused_tokens", "leases_acked", "leases_aborted",
+                     "leases_expired", "blocks_sent"):
+            yield CounterMetricFamily(f"kvmesh_prefill_{name}", f"Prefill {name.replace('_', ' ')}.", value=getattr(c, name))
+        yield GaugeMetricFamily("kvmesh_prefill_active_leases", "KV hand-offs not yet released.", value=len(self.worker.leases))
+
+
+def build(ctx: ServiceContext) -> ServiceDef:
+    args = ctx.args
+    address = args.advertise_address or f"{args.host}:{args.port}"
+    state: dict = {}
+    servicer = PrefillServicer(address)
+
+    async def start() -> None:
+        engine = await asyncio.to_thread(LLMEngine, model_path(args), engine_config(args))
+        aengine = AsyncEngine(engine)
+        aengine.start()
+        worker = PrefillWorker(aengine, args.lease_ttl_ms, args.max_lease_ttl_ms)
+        servicer.attach(worker, engine.max_model_len)
+        ctx.registry.register(EngineCollector(engine))
+        ctx.registry.register(_PrefillCollector(worker))
+        state.update(engine=aengine, worker=worker, reaper=asyncio.create_task(worker.reap_expired_leases()))
+        state["link"] = await attach_router(
+            args, engine, worker_pb2.WORKER_ROLE_PREFILL, address, "prefill", ctx.registry
+        )
+
+    async def drain() -> None:
+        if state.get("link"):
+            await state["link"].stop()  # leave routing first: no new requests arrive while draining
+
+    async def stop() -> None:
+        if "reaper" in state:
+            state["reaper"].cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await state["reaper"]
+            await state["worker"].release_all()
+            state["engine"].stop()
+
+    return ServiceDef(
+        services=[
+            GrpcService(
+                prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"],
+                prefill_pb2_grpc.add_PrefillServiceServicer_to_server,
+                servicer,
+            )
+        ],
+        start=start,
+        drain=drain,
+        stop=stop,
+    )
+
+
+def main() -> None:
+    run("prefill", build, flags=FLAGS, default_port=50053, default_metrics_port=9103)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""gRPC face of the prefill worker: protobuf <-> PrefillWorker calls."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvmesh.common.v1 import kv_pb2
+from kvmesh.convert import finish_to_pb, logprob_to_pb, sampling_from_pb, timings_pb
+from kvmesh.errors import FailedPrecondition
+from kvmesh.kv_wire import block_to_chunks
+from kvmesh.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from services.prefill.core import PrefillWorker
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, address: str) -> None:
+        self.address = address  # where decode workers reach this worker's PullKV
+        self.worker: PrefillWorker
+        self.max_model_len: int
+
+    def attach(self, worker: PrefillWorker, max_model_len: int) -> None:
+        """Called once the model is loaded; health stays NOT_SERVING (no RPCs arrive) until then."""
+        self.worker = worker
+        self.max_model_len = max_model_len
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        mode = request.handoff_mode or kv_pb2.HANDOFF_MODE_PULL
+        if mode == kv_pb2.HANDOFF_MODE_KVSTORE:
+            raise FailedPrecondition("this prefill worker hands KV off by PULL only")
+        prompt = list(request.token_ids)
+        params = sampling_from_pb(request.sampling, len(prompt), self.max_model_len)
+        res = await self.worker.prefill(
+            request.request_id,
+            prompt,
+            params,
+            request.cache_salt,
+            hand_off=mode == kv_pb2.HANDOFF_MODE_PULL,
+            lease_ttl_ms=request.lease_ttl_ms,
+        )
+        handoff = kv_pb2.KVHandoff(mode=kv_pb2.HANDOFF_MODE_NONE)
+        if res.lease is not None:
+            handoff = kv_pb2.KVHandoff(
+                mode=kv_pb2.HANDOFF_MODE_PULL,
+                source_address=self.address,
+                lease_id=res.lease.lease_id,
+                lease_ttl_ms=res.lease.ttl_ms,
+                block_hashes=res.block_hashes,
+            )
+        return prefill_pb2.PrefillResponse(
+            first_token_id=res.first_token,
+            first_token_logprob=logprob_to_pb(res.first_logprob) if res.first_logprob else None,
+            finish_reason=finish_to_pb(res.finish_reason),
+            handoff=handoff,
+            computed_tokens=res.computed_tokens,
+            reused_tokens=res.reused_tokens,
+            timings=timings_pb(compute_ns=res.total_ns, total_ns=res.total_ns),
+        )
+
+    async def PullKV(
+        self, request: prefill_pb2.PullKVRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[prefill_pb2.PullKVResponse]:
+        async for h, payload in self.worker.pull(request.lease_id, list(request.block_hashes)):
+            for chunk in block_to_chunks(h, payload, request.max_chunk_bytes):
+                yield prefill_pb2.PullKVResponse(chunk=chunk)
+
+    async def ReleaseLease(self, request: prefill_pb2.ReleaseLeaseRequest, context: grpc.aio.ServicerContext):
+        n = await self.worker.release(request.lease_id, ack=request.outcome == prefill_pb2.LEASE_OUTCOME_ACK)
+        return prefill_pb2.ReleaseLeaseResponse(released=n is not None, unpinned_blocks=n or 0)

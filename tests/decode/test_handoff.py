@@ -1,0 +1,152 @@
+"""Prefill -> decode hand-off through the real services in-process (no router)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from kvmesh.common.v1 import kv_pb2, sampling_pb2
+from kvmesh.decode.v1 import decode_pb2, decode_pb2_grpc
+from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from services.decode import main as decode_main
+from services.prefill import main as prefill_main
+from tests.engine.conftest import write_checkpoint
+from tests.service_helpers import serve_main
+
+BS = 16
+PROMPT = list(range(30, 30 + 3 * BS + 7))  # three full blocks and a partial one
+N_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("m") / "llama", "llama-gqa")
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    engine = LLMEngine(model, EngineConfig(num_blocks=64))
+    return engine.generate([PROMPT], SamplingParams(max_tokens=N_NEW, ignore_eos=True))[0].token_ids
+
+
+def greedy(n=N_NEW, **kw):
+    return sampling_pb2.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+@pytest.fixture
+async def services(model):
+    engine_args = ["--model", str(model), "--num-blocks", "64"]
+    async with serve_main("prefill", prefill_main, [*engine_args, "--lease-ttl-ms", "1500"]) as p, \
+            serve_main("decode", decode_main, engine_args) as d:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{p.port}") as pc, \
+                grpc.aio.insecure_channel(f"127.0.0.1:{d.port}") as dc:
+            yield p, d, prefill_pb2_grpc.PrefillServiceStub(pc), decode_pb2_grpc.DecodeServiceStub(dc)
+
+
+async def _decode(stub, request):
+    tokens, final = [], None
+    async for msg in stub.Decode(request):
+        assert msg.offset == len(tokens)
+        tokens += msg.token_ids
+        if msg.HasField("final"):
+            final = msg.final
+    return tokens, final
+
+
+
+async def test_remote_prefill_then_decode_matches_colocated_engine(services, expected):
+    p, d, prefill, decode = services
+    pre = await prefill.Prefill(prefill_pb2.PrefillRequest(request_id="r1", token_ids=PROMPT, sampling=greedy()))
+    assert pre.first_token_id == expected[0]
+    assert pre.handoff.mode == kv_pb2.HANDOFF_MODE_PULL and len(pre.handoff.block_hashes) == 3
+    assert pre.computed_tokens == len(PROMPT)
+    remote = decode_pb2.RemotePrefill(first_token_id=pre.first_token_id, handoff=pre.handoff)
+    tokens, final = await _decode(
+        decode, decode_pb2.DecodeRequest(request_id="r1", prompt_token_ids=PROMPT, sampling=greedy(), remote=remote)
+    )
+    assert tokens == expected
+    assert final.usage.completion_tokens == N_NEW and final.usage.cached_tokens == 3 * BS
+    assert final.timings.transfer_ns > 0
+    # Decode computed only the partial block + first token, then one per step.
+    dec_engine = d.servicer_of("kvmesh.decode.v1.DecodeService").worker.engine.engine
+    assert dec_engine.stats.imported_blocks == 3
+    assert dec_engine.stats.computed_tokens == (len(PROMPT) - 3 * BS + 1) + (N_NEW - 2)
+    # The lease was acknowledged and nothing stays pinned on prefill.
+    pre_worker = p.servicer_of("kvmesh.prefill.v1.PrefillService").worker
+    assert len(pre_worker.leases) == 0 and pre_worker.counters.leases_acked == 1
+    pre_engine = pre_worker.engine.engine
+    assert pre_engine.blocks.num_free == 64
+    # A second prompt sharing the prefix computes only the new blocks on prefill.
+    again = await prefill.Prefill(
+        prefill_pb2.PrefillRequest(request_id="r2", token_ids=PROMPT[: 3 * BS] + [5] * 20, sampling=greedy())
+    )
+    assert again.reused_tokens == 3 * BS and again.computed_tokens == 20
+    await prefill.ReleaseLease(prefill_pb2.ReleaseLeaseRequest(lease_id=again.handoff.lease_id))
+
+
+async def test_unreleased_lease_expires_and_unpins(services):
+    p, _, prefill, _ = services
+    pre = await prefill.Prefill(prefill_pb2.PrefillRequest(request_id="r", token_ids=PROMPT, sampling=greedy()))
+    worker = p.servicer_of("kvmesh.prefill.v1.PrefillService").worker
+    assert len(worker.leases) == 1 and worker.engine.engine.blocks.num_free < 64
+    for _ in range(60):
+        if len(worker.leases) == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert worker.counters.leases_expired == 1
+    assert await worker.engine.call(lambda e: e.blocks.num_free) == 64
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in prefill.PullKV(prefill_pb2.PullKVRequest(lease_id=pre.handoff.lease_id)):
+            pass
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_dead_prefill_peer_falls_back_to_local_compute(services, expected):
+    _, d, _, decode = services
+    handoff = kv_pb2.KVHandoff(
+        mode=kv_pb2.HANDOFF_MODE_PULL, source_address="127.0.0.1:1", lease_id="gone", block_hashes=[b"x" * 16]
+    )
+    remote = decode_pb2.RemotePrefill(first_token_id=expected[0], handoff=handoff)
+    tokens, final = await _decode(
+        decode, decode_pb2.DecodeRequest(request_id="r", prompt_token_ids=PROMPT, sampling=greedy(), remote=remote)
+    )
+    assert tokens == expected
+    assert d.servicer_of("kvmesh.decode.v1.DecodeService").worker.counters.transfer_failures == 1
+
+
+async def test_local_prefill_on_decode_and_first_token_finish(services, expected):
+    _, d, prefill, decode = services
+    tokens, final = await _decode(
+        decode, decode_pb2.DecodeRequest(request_id="l", prompt_token_ids=PROMPT, sampling=greedy(), local={})
+    )
+    assert tokens == expected and final.finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+    one = await prefill.Prefill(prefill_pb2.PrefillRequest(request_id="one", token_ids=PROMPT, sampling=greedy(1)))
+    assert one.finish_reason == sampling_pb2.FINISH_REASON_LENGTH and one.handoff.mode == kv_pb2.HANDOFF_MODE_NONE
+
+
+async def test_cancelled_decode_frees_its_blocks(services):
+    _, d, _, decode = services
+    call = decode.Decode(
+        decode_pb2.DecodeRequest(request_id="c", prompt_token_ids=PROMPT, sampling=greedy(400), local={})
+    )
+    await call.read()
+    engine = d.servicer_of("kvmesh.decode.v1.DecodeService").worker.engine
+    assert await engine.call(lambda e: e.num_running) == 1
+    call.cancel()
+    for _ in range(50):
+        if await engine.call(lambda e: (e.num_running, e.blocks.num_free)) == (0, 64):
+            break
+        await asyncio.sleep(0.05)
+    assert await engine.call(lambda e: (e.num_running, e.blocks.num_free)) == (0, 64)
+
+
+async def test_bad_sampling_is_invalid_argument(services):
+    _, _, prefill, _ = services
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await prefill.Prefill(
+            prefill_pb2.PrefillRequest(request_id="b", token_ids=PROMPT, sampling=sampling_pb2.SamplingParams(top_p=2.0))
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err.value.details()

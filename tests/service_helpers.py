@@ -1,0 +1,25 @@
+"""Starting engine services in-process for tests: flags parsed the way main.py parses them."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from contextlib import asynccontextmanager
+from types import ModuleType
+
+from kvmesh.runtime import common_flags, parse_flags, serve
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@asynccontextmanager
+async def serve_main(name: str, main: ModuleType, argv: Sequence[str]):
+    """Run ``main.build`` in-process on a free port; yields the Runtime."""
+    port = free_port()
+    args = parse_flags(name, [*common_flags(port, 0), *main.FLAGS], ["--port", str(port), *argv], environ={})
+    async with serve(name, main.build, args, port=port, metrics_port=0, grace_seconds=1.0) as rt:
+        yield rt
