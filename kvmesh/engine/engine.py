@@ -201,6 +201,8 @@ class LLMEngine:
         if seq is None:
             raise NotFound(f"no running request {request_id!r}")
         self.scheduler.finish(seq, "abort")
+        if self.proposer is not None:
+            self.proposer.finished(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -18,10 +18,14 @@ from kvmesh.worker.engine_link import attach_router
 from services.decode.core import DecodeWorker
 from services.decode.prefill_client import GrpcKVSource
 from services.decode.server import DecodeServicer
+from services.speculator.client import SpeculatorProposer
+from services.speculator.local import LocalProposer
 
 FLAGS = [
     *ENGINE_FLAGS,
     Flag("--advertise-address", "host:port the gateway uses to reach this worker (default: host:port)"),
+    Flag("--speculator-address", "speculator host:port (unset: drafts from an in-process prompt lookup)"),
+    Flag("--spec-budget-ms", "how long a decode step waits for drafts before running without them", default=5.0, type=float),
 ]
 
 
@@ -45,7 +49,16 @@ def build(ctx: ServiceContext) -> ServiceDef:
     state: dict = {}
 
     async def start() -> None:
-        engine = await asyncio.to_thread(LLMEngine, model_path(args), engine_config(args))
+        config = engine_config(args)
+        proposer = None
+        if config.num_speculative_tokens:
+            if args.speculator_address:
+                proposer = SpeculatorProposer(args.speculator_address, budget_ms=args.spec_budget_ms, registry=ctx.registry)
+                await proposer.start()  # connects (and reconnects) in the background
+                state["proposer"] = proposer
+            else:
+                proposer = LocalProposer()
+        engine = await asyncio.to_thread(LLMEngine, model_path(args), config, proposer=proposer)
         aengine = AsyncEngine(engine)
         aengine.start()
         worker = DecodeWorker(aengine, kv_source)
@@ -64,7 +77,9 @@ def build(ctx: ServiceContext) -> ServiceDef:
     async def stop() -> None:
         await kv_source.close()
         if "engine" in state:
-            state["engine"].stop()
+            state["engine"].stop()  # first, so the engine thread stops asking for drafts
+        if "proposer" in state:
+            await state["proposer"].close()
 
     return ServiceDef(
         services=[

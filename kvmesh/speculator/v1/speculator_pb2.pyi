@@ -8,12 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("context", "finished")
+    __slots__ = ("context", "finished", "batch")
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     context: ContextUpdate
     finished: RequestFinished
-    def __init__(self, context: _Optional[_Union[ContextUpdate, _Mapping]] = ..., finished: _Optional[_Union[RequestFinished, _Mapping]] = ...) -> None: ...
+    batch: UpdateBatch
+    def __init__(self, context: _Optional[_Union[ContextUpdate, _Mapping]] = ..., finished: _Optional[_Union[RequestFinished, _Mapping]] = ..., batch: _Optional[_Union[UpdateBatch, _Mapping]] = ...) -> None: ...
+
+class UpdateBatch(_message.Message):
+    __slots__ = ("contexts", "finished")
+    CONTEXTS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    contexts: _containers.RepeatedCompositeFieldContainer[ContextUpdate]
+    finished: _containers.RepeatedCompositeFieldContainer[RequestFinished]
+    def __init__(self, contexts: _Optional[_Iterable[_Union[ContextUpdate, _Mapping]]] = ..., finished: _Optional[_Iterable[_Union[RequestFinished, _Mapping]]] = ...) -> None: ...
 
 class ContextUpdate(_message.Message):
     __slots__ = ("request_id", "token_ids", "context_length", "num_draft_tokens", "deadline_us", "accepted_draft_tokens")
@@ -40,16 +50,28 @@ class RequestFinished(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., learn: _Optional[bool] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("request_id", "context_length", "draft_token_ids", "timings")
+    __slots__ = ("request_id", "context_length", "draft_token_ids", "timings", "drafts")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context_length: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     timings: _accounting_pb2.Timings
-    def __init__(self, request_id: _Optional[str] = ..., context_length: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[_accounting_pb2.Timings, _Mapping]] = ...) -> None: ...
+    drafts: _containers.RepeatedCompositeFieldContainer[Draft]
+    def __init__(self, request_id: _Optional[str] = ..., context_length: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[_accounting_pb2.Timings, _Mapping]] = ..., drafts: _Optional[_Iterable[_Union[Draft, _Mapping]]] = ...) -> None: ...
+
+class Draft(_message.Message):
+    __slots__ = ("request_id", "context_length", "token_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    context_length: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., context_length: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -57,8 +57,10 @@ class SpeculatorServiceServicer:
 
     def Propose(self, request_iterator, context):
         """Decode sends context updates; the speculator answers each update that
-        asks for drafts with one ProposeResponse, or not at all when it cannot
-        beat the deadline or has nothing to propose.
+        asks for drafts with one ProposeResponse (an empty draft when it has
+        nothing to propose, so the caller stops waiting at once), or not at all
+        when it cannot beat the deadline. An UpdateBatch is answered with one
+        ProposeResponse carrying `drafts`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

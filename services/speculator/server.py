@@ -1,0 +1,153 @@
+"""The speculator's gRPC servicer: a thin layer over ``Speculator`` sessions.
+
+Each ``Propose`` stream is one decode worker: a ``Session`` lives exactly as
+long as the stream. Every ContextUpdate that asks for drafts is answered, an
+empty draft included (the decode step then stops waiting at once), except
+when the answer would be later than the update's deadline: then it is not
+sent at all, since the step has moved on. A single update gets a
+ProposeResponse of its own; an UpdateBatch (one decode step) gets one
+ProposeResponse whose ``drafts`` answer its updates.
+
+On shutdown ``drain`` ends the open streams (the decode workers reconnect
+elsewhere or run without drafts) instead of letting them hold the server for
+the whole grace period, and refuses new ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterable
+
+import grpc
+
+from kvmesh.common.v1 import accounting_pb2
+from kvmesh.errors import InvalidArgument
+from kvmesh.speculator.v1 import speculator_pb2, speculator_pb2_grpc
+from services.speculator.core import Session, Speculator
+from services.speculator.maintenance import IndexMaintainer
+
+_END = object()  # the client finished writing, or the server is draining
+
+
+class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServiceServicer):
+    def __init__(self, speculator: Speculator, maintainer: IndexMaintainer) -> None:
+        self._spec = speculator
+        self._maintainer = maintainer
+        self._inboxes: set[asyncio.Queue] = set()
+        self._draining = False
+
+    async def Propose(
+        self, request_iterator: AsyncIterator[speculator_pb2.ProposeRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[speculator_pb2.ProposeResponse]:
+        if self._draining:
+            return
+        inbox: asyncio.Queue = asyncio.Queue()
+        self._inboxes.add(inbox)
+        reader = asyncio.create_task(_read_into(request_iterator, inbox))
+        session = self._spec.open_session()
+        try:
+            while (item := await inbox.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                received_ns, request = item
+                response = self._handle(session, request, received_ns)
+                if response is not None:
+                    yield response
+        finally:
+            reader.cancel()
+            self._inboxes.discard(inbox)
+            session.close()
+
+    def _handle(
+        self, session: Session, request: speculator_pb2.ProposeRequest, received_ns: int
+    ) -> speculator_pb2.ProposeResponse | None:
+        kind = request.WhichOneof("update")
+        if kind == "batch":
+            batch = request.batch
+            for update in batch.contexts:
+                _apply(session, update)
+            drafts = [
+                draft
+                for update in batch.contexts
+                if update.num_draft_tokens and (draft := _draft(session, update, received_ns)) is not None
+            ]
+            self._finish(session, batch.finished)
+            return speculator_pb2.ProposeResponse(drafts=drafts, timings=_timings(received_ns)) if drafts else None
+        if kind == "context":
+            update = request.context
+            _apply(session, update)
+            draft = _draft(session, update, received_ns) if update.num_draft_tokens else None
+            if draft is None:
+                return None
+            return speculator_pb2.ProposeResponse(
+                request_id=draft.request_id,
+                context_length=draft.context_length,
+                draft_token_ids=draft.token_ids,
+                timings=_timings(received_ns),
+            )
+        if kind == "finished":
+            self._finish(session, [request.finished])
+            return None
+        raise InvalidArgument("ProposeRequest carries no update")
+
+    def _finish(self, session: Session, finished: Iterable[speculator_pb2.RequestFinished]) -> None:
+        learned = False
+        for f in finished:
+            session.finish(f.request_id, f.learn)
+            learned |= f.learn
+        if learned:
+            self._maintainer.wake()
+
+    async def Stats(
+        self, request: speculator_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> speculator_pb2.StatsResponse:
+        stats = self._spec.stats()
+        return speculator_pb2.StatsResponse(
+            proposed_tokens=stats.proposed_tokens,
+            accepted_tokens=stats.accepted_tokens,
+            active_requests=stats.active_requests,
+            indexed_tokens=stats.indexed_tokens,
+        )
+
+    async def drain(self) -> None:
+        """End every open stream and refuse new ones (shutdown)."""
+        self._draining = True
+        for inbox in self._inboxes:
+            inbox.put_nowait(_END)
+
+
+def _apply(session: Session, update: speculator_pb2.ContextUpdate) -> None:
+    session.update(update.request_id, list(update.token_ids), update.context_length, update.accepted_draft_tokens)
+
+
+def _draft(session: Session, update: speculator_pb2.ContextUpdate, received_ns: int) -> speculator_pb2.Draft | None:
+    """The answer to an update asking for drafts (empty when there is nothing to propose),
+    or None when its deadline passed: no answer beats a late one."""
+    deadline_ns = received_ns + update.deadline_us * 1000 if update.deadline_us else None
+    candidate = session.propose(update.request_id, update.num_draft_tokens, deadline_ns)
+    if deadline_ns is not None and time.perf_counter_ns() > deadline_ns:
+        return None
+    return speculator_pb2.Draft(
+        request_id=update.request_id,
+        context_length=update.context_length,
+        token_ids=candidate.token_ids if candidate is not None else [],
+    )
+
+
+def _timings(received_ns: int) -> accounting_pb2.Timings:
+    elapsed = time.perf_counter_ns() - received_ns
+    return accounting_pb2.Timings(compute_ns=elapsed, total_ns=elapsed)
+
+
+async def _read_into(request_iterator: AsyncIterator[speculator_pb2.ProposeRequest], inbox: asyncio.Queue) -> None:
+    """Move the client's messages into ``inbox``, stamped with when they arrived."""
+    try:
+        async for request in request_iterator:
+            inbox.put_nowait((time.perf_counter_ns(), request))
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # the stream broke: the handler re-raises it as the RPC's end
+        inbox.put_nowait(e)
+        return
+    inbox.put_nowait(_END)

@@ -1,0 +1,54 @@
+"""Starting a whole mesh as real processes for end-to-end tests, and reading its metrics."""
+
+from __future__ import annotations
+
+import shutil
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvmesh.engine.default_model import train_tokenizer, write_tokenizer
+from kvmesh.launcher.supervisor import Mesh
+from kvmesh.launcher.topology import MeshOptions, build_topology
+from tests.engine.conftest import VOCAB, write_checkpoint
+
+BLOCK = 16
+
+
+def write_model(path: Path) -> Path:
+    """A tiny Llama written by transformers, with a real tokenizer beside it."""
+    write_checkpoint(path, "llama-gqa", eos_token_id=0)
+    tok_dir = path.parent / "tok"
+    tok_dir.mkdir(exist_ok=True)
+    write_tokenizer(train_tokenizer(VOCAB, corpus_bytes=200_000), tok_dir)
+    for f in tok_dir.iterdir():
+        shutil.copy(f, path / f.name)
+    return path
+
+
+def start_mesh(
+    model: Path, run_dir: Path, decode_workers: int = 1, role_env: dict[str, dict[str, str]] | None = None
+) -> Mesh:
+    env = {
+        # Never prefill on decode, so the tests see the disaggregated path every time.
+        "router": {"KVMESH_LOCAL_PREFILL_MAX_UNCACHED_TOKENS": "0", "KVMESH_LOCAL_PREFILL_MIN_HIT_FRACTION": "2"},
+        "prefill": {"KVMESH_NUM_BLOCKS": "128"},
+        "decode": {"KVMESH_NUM_BLOCKS": "128"},
+    }
+    for role, extra in (role_env or {}).items():
+        env[role] = {**env.get(role, {}), **extra}
+    options = MeshOptions(model=model, decode=decode_workers, gateway_port=0, grace_seconds=3.0, role_env=env)
+    return Mesh(build_topology(options, run_dir), run_dir).start()
+
+
+def metrics(mesh: Mesh, process: str) -> dict[str, float]:
+    """The process's /metrics as {name or name{labels}: value}."""
+    port = mesh.topology.get(process).metrics_port
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
+            out[key] = s.value
+    return out
