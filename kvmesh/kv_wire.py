@@ -13,8 +13,8 @@ from kvmesh.blocks import BlockHash
 from kvmesh.common.v1 import kv_pb2
 from kvmesh.engine.kv_cache import BlockPayload
 from kvmesh.errors import InvalidArgument
-from services.kvstore.checksum import checksum
-from services.kvstore.chunking import DEFAULT_CHUNK_BYTES, Chunk, Reassembler, split
+from kvmesh.checksum import checksum
+from kvmesh.chunking import DEFAULT_CHUNK_BYTES, Chunk, Reassembler, split
 
 
 def block_to_chunks(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 from kvmesh.engine.config import dtype_name, parse_dtype
@@ -52,10 +53,20 @@ class KVCache:
     def block_nbytes(self) -> int:
         return self.tensor[:, :, 0].numel() * self.tensor.element_size()
 
+    def _host_bytes_view(self, block_id: int) -> "numpy.ndarray":
+        """The block as a (strided) uint8 numpy view of host memory.
+
+        Copies go through numpy, not torch: a torch copy of this strided slice is split
+        across OpenMP threads, and on a CPU shared by several worker processes those
+        threads spin-wait on each other (~100x slower); numpy's copy is one memcpy per run.
+        """
+        return self.tensor[:, :, block_id].view(torch.uint8).numpy()
+
     def export_block(self, block_id: int) -> BlockPayload:
-        block = self.tensor[:, :, block_id].contiguous().cpu()
-        # Views as uint8 so every dtype (bf16 included) serializes without a numpy round trip.
-        data = block.view(torch.uint8).numpy().tobytes()
+        if self.tensor.device.type == "cpu":
+            data = self._host_bytes_view(block_id).tobytes()
+        else:
+            data = self.tensor[:, :, block_id].contiguous().view(torch.uint8).cpu().numpy().tobytes()
         return BlockPayload(self.block_shape, dtype_name(self.dtype), data)
 
     def import_block(self, block_id: int, payload: BlockPayload) -> None:
@@ -66,6 +77,10 @@ class KVCache:
             )
         if len(payload.data) != self.block_nbytes:
             raise InvalidArgument(f"KV block has {len(payload.data)} bytes, expected {self.block_nbytes}")
-        raw = torch.frombuffer(bytearray(payload.data), dtype=torch.uint8)
-        block = raw.view(self.dtype).view(self.block_shape)
-        self.tensor[:, :, block_id].copy_(block.to(self.tensor.device))
+        if self.tensor.device.type == "cpu":
+            dst = self._host_bytes_view(block_id)
+            dst[...] = numpy.frombuffer(payload.data, dtype=numpy.uint8).reshape(dst.shape)
+        else:
+            raw = torch.frombuffer(bytearray(payload.data), dtype=torch.uint8)
+            block = raw.view(self.dtype).view(self.block_shape)
+            self.tensor[:, :, block_id].copy_(block.to(self.tensor.device))

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvmesh.errors import InvalidArgument
-from services.kvstore.checksum import CHECKSUM_BYTES, checksum
+from kvmesh.checksum import CHECKSUM_BYTES, checksum
 
 MAX_DTYPE_CHARS = 32
 MAX_RANK = 16

@@ -27,10 +27,10 @@ from typing import BinaryIO
 from kvmesh.blocks import HASH_BYTES, BlockHash
 from kvmesh.errors import InvalidArgument
 from services.kvstore.block import Block
-from services.kvstore.checksum import CHECKSUM_BYTES, checksum
+from kvmesh.checksum import CHECKSUM_BYTES, checksum
 
 MAGIC = b"KVMB"
-VERSION = 1
+VERSION = 2  # 2: CRC-32 checksums (1 had blake2b)
 # Shape and dtype fit in a few dozen bytes; a bigger length means a corrupt header.
 MAX_META_BYTES = 4096
 

@@ -20,7 +20,7 @@ from kvmesh.common.v1 import kv_pb2, worker_pb2
 from kvmesh.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
 from kvmesh.worker import RouterLink, register_link_metrics
-from services.kvstore.chunking import DEFAULT_CHUNK_BYTES
+from kvmesh.chunking import DEFAULT_CHUNK_BYTES
 from services.kvstore.core import KvStore
 from services.kvstore.server import KVStoreServicer
 

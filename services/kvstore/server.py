@@ -26,7 +26,7 @@ from kvmesh.common.v1 import accounting_pb2, kv_pb2
 from kvmesh.errors import InvalidArgument, Unavailable
 from kvmesh.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.kvstore.block import Block
-from services.kvstore.chunking import DEFAULT_CHUNK_BYTES, Chunk, Reassembler, split
+from kvmesh.chunking import DEFAULT_CHUNK_BYTES, Chunk, Reassembler, split
 from services.kvstore.core import KvStore
 
 # docs/contracts.md: at most 1 MiB of data per KVBlockChunk, both ways.

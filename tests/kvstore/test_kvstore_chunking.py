@@ -5,8 +5,8 @@ import random
 import pytest
 
 from kvmesh.errors import InvalidArgument, ResourceExhausted
-from services.kvstore.checksum import checksum
-from services.kvstore.chunking import DEFAULT_CHUNK_BYTES, Chunk, Reassembler, split
+from kvmesh.checksum import checksum
+from kvmesh.chunking import DEFAULT_CHUNK_BYTES, Chunk, Reassembler, split
 
 MIB = 1 << 20
 

@@ -24,8 +24,8 @@ from kvmesh.blocks import block_hashes
 from kvmesh.common.v1 import kv_pb2
 from kvmesh.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.runtime import Runtime, common_flags, parse_flags, serve
-from services.kvstore.checksum import checksum
-from services.kvstore.chunking import split
+from kvmesh.checksum import checksum
+from kvmesh.chunking import split
 from services.kvstore.main import FLAGS, build
 
 MiB = 1 << 20

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvmesh.errors import InvalidArgument, ResourceExhausted
-from services.kvstore.checksum import new_hasher
+from kvmesh.checksum import new_hasher
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: a quarter of gRPC's default message cap, with room for framing
 
