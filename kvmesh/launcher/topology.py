@@ -132,6 +132,10 @@ def build_topology(options: MeshOptions, run_dir: Path, allocate_port: Callable[
         "KVMESH_LOG_LEVEL": options.log_level,
         "KVMESH_GRACE_SECONDS": f"{options.grace_seconds:g}",
         "PYTHONUNBUFFERED": "1",  # logs reach the log files as they are written
+        # Several torch processes share these cores: OpenMP threads that spin-wait for each
+        # other across processes make every parallel op orders of magnitude slower; sleeping
+        # waiters cost a little wake-up latency instead.
+        "OMP_WAIT_POLICY": "PASSIVE",
     }
     specs: list[ProcessSpec] = []
 
