@@ -1,13 +1,16 @@
 """The one op dispatcher: every model op goes through here.
 
-Today every op resolves to its plain-torch reference (``kernels.reference``).
-Triton kernels with identical signatures register themselves per op and are
+Every op has a plain-torch reference (``kernels.reference``). Triton kernels with
+identical signatures (``kernels.triton``) register themselves per op and are
 picked when the tensors live on CUDA (or when ``TRITON_INTERPRET=1`` asks for
-the interpreter in tests).
+the interpreter in tests). They are imported on the first such request, so
+CPU-only use never imports Triton, and a Triton that fails to import leaves the
+references in place.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -24,10 +27,14 @@ OPS = (
     "write_kv_cache",
     "paged_decode_attention",
     "paged_extend_attention",
+    "quantize_fp8_weight",
+    "fp8_scaled_mm",
 )
 
-# op name -> Triton implementation, filled by kernels.triton modules as they land.
+# op name -> Triton implementation, filled when kernels.triton is imported.
 _TRITON: dict[str, Callable[..., Any]] = {}
+_triton_import_tried = False
+_log = logging.getLogger(__name__)
 
 
 def register_triton(name: str, fn: Callable[..., Any]) -> None:
@@ -40,10 +47,26 @@ def use_triton(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _import_triton_kernels() -> None:
+    """Import ``kernels.triton`` once; on failure log why and keep the references."""
+    global _triton_import_tried
+    if _triton_import_tried:
+        return
+    _triton_import_tried = True
+    try:
+        import kernels.triton  # noqa: F401  (registers every kernel)
+    except Exception as exc:  # a missing or broken Triton must not take the references down
+        _log.warning("Triton kernels unavailable, using torch references: %s: %s", type(exc).__name__, exc)
+
+
 def get_op(name: str, device: torch.device) -> Callable[..., Any]:
     """The implementation of ``name`` for tensors on ``device``."""
-    if use_triton(device) and name in _TRITON:
-        return _TRITON[name]
+    if name not in OPS:
+        raise KeyError(f"unknown op {name!r}")
+    if use_triton(device):
+        _import_triton_kernels()
+        if name in _TRITON:
+            return _TRITON[name]
     return getattr(reference, name)
 
 

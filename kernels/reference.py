@@ -139,3 +139,29 @@ def paged_extend_attention(
         v = _gather_seq_kv(v_cache, block_tables[i], seq_len)
         out[a:b] = _attend(q[a:b], k, v, scale, seq_len - (b - a))
     return out
+
+
+# FP8 (e4m3) weights, quantized per output channel. Added for fp8 serving; CUDA-only in the
+# engine (kernels.fp8_linear), but these run anywhere torch has float8_e4m3fn.
+
+FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_MIN_SCALE = 1e-12  # an all-zero row's scale, so quantizing it never divides by zero
+
+
+def quantize_fp8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (float8_e4m3fn [N, K], float32 scale [N]), scale[n] = max|weight[n]| / 448,
+    so weight ≈ q.float() * scale[:, None] with each row's largest value mapped to 448."""
+    wf = weight.float()
+    scale = (wf.abs().amax(dim=1) / FP8_E4M3_MAX).clamp_min(FP8_MIN_SCALE)
+    q = (wf / scale[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_scaled_mm(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] @ (qweight [N, K] · scale [N])ᵀ + bias, in float32, returned in x's dtype."""
+    out = torch.matmul(x.float(), qweight.float().t()) * scale
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

@@ -26,6 +26,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repetition-limit", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: checkpoint's on CUDA, float32 on CPU)")
+    p.add_argument("--quantization", choices=("fp8",), help="fp8 weights (CUDA only)")
     p.add_argument("--json", action="store_true", help="print one JSON object with token_ids, text, finish_reason")
     p.set_defaults(func=_generate)
 
@@ -38,7 +39,7 @@ def _generate(args: argparse.Namespace) -> int:
     if model is None:
         model = default_model_path()
         print(f"[kvmesh] serving the embedded default model: {RANDOM_MODEL_LABEL}", file=sys.stderr)
-    engine = LLMEngine(model, EngineConfig(device=args.device, dtype=args.dtype))
+    engine = LLMEngine(model, EngineConfig(device=args.device, dtype=args.dtype, quantization=args.quantization))
     if engine.tokenizer is None:
         raise KvmeshError(f"{model}/tokenizer.json: missing; `generate` needs a tokenizer for text prompts")
     text = args.prompt

@@ -106,8 +106,18 @@ class LLMEngine:
         self.model = CausalLM(mc, self.dtype, self.device, self.max_model_len)
         self.model.load_weights(files)
         self.model.to(self.device).eval()
+        if cfg.quantization is not None:
+            if cfg.quantization != "fp8":
+                raise InvalidArgument(f"unknown quantization {cfg.quantization!r}; supported: fp8")
+            from kernels.fp8_linear import quantize_model_fp8
+
+            # Before the KV pool is allocated, so the freed weight memory can go to it.
+            quantize_model_fp8(self.model)  # FailedPrecondition off CUDA
         self.fingerprint = model_fingerprint(
-            {**mc.raw, "weights_id": weights_id(files)}, dtype_name(self.dtype), cfg.block_size
+            # fp8 weights give different KV: such workers must never share blocks with others.
+            {**mc.raw, "weights_id": weights_id(files), "quantization": cfg.quantization},
+            dtype_name(self.dtype),
+            cfg.block_size,
         )
         self.kv = KVCache(
             mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device

@@ -16,6 +16,7 @@ ENGINE_FLAGS = [
     Flag("--max-num-seqs", "sequences in the running batch at most", default=64, type=int),
     Flag("--max-num-batched-tokens", "token budget of one step (prefill chunk size)", default=512, type=int),
     Flag("--max-model-len", "context limit (default: the model's)", type=int),
+    Flag("--quantization", "weight quantization: fp8 (CUDA only)", choices=("fp8",)),
     Flag("--num-speculative-tokens", "draft tokens verified per decode step (0: no speculation)", default=0, type=int),
     Flag("--worker-id", "this worker's id in the router (default: <role>-<host>:<port>)"),
     Flag("--router-address", "router host:port (unset: run without a router)"),
@@ -32,6 +33,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         num_speculative_tokens=args.num_speculative_tokens,
+        quantization=args.quantization,
         **overrides,
     )
 

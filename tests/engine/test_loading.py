@@ -65,3 +65,10 @@ def test_dynamic_rope_is_refused_clearly(checkpoints, tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="unsupported rope_type 'dynamic'"):
         LLMEngine(path)
+
+
+def test_fp8_quantization_needs_a_gpu(checkpoints):
+    from kvmesh.errors import FailedPrecondition
+
+    with pytest.raises(FailedPrecondition, match="CUDA"):
+        LLMEngine(checkpoints["llama-gqa"], EngineConfig(num_blocks=8, quantization="fp8"))

@@ -1,0 +1,636 @@
+"""Triton kernels on a GPU: bf16/fp8 correctness against the torch references, then speed
+against ceilings measured in the same run.
+
+1. Ceilings: a 1 GiB device-to-device copy (bytes read + written) and an 8192³ bf16
+   torch.matmul, both on random data.
+2. Correctness, fresh random inputs, outputs poisoned (torch.empty gives NaN): every
+   kernel in bf16 (attention also in fp32/tf32) against ``kernels.reference`` run in
+   float32 on the upcast inputs, by ‖out − ref‖/‖ref‖; the fp8 quantizer against the
+   reference bit for bit; bitwise batch invariance (alone vs. in a batch of 37); the
+   timed attention shapes themselves.
+3. Timings, ``triton.testing.do_bench`` medians (L2 flushed between runs), Llama-3-8B
+   shapes (32 query heads, 8 KV heads, head_dim 128, block 16, shuffled block tables):
+   decode attention as GB/s and % of the copy ceiling at batch×context 64×4k and 8×32k;
+   prefill (8k) and extend (7k prefix + 1k new) attention as TFLOP/s and % of the
+   matmul ceiling; both against SDPA on the same unpaged shapes; fp8 × bf16 matmul
+   against the bf16 matmul; the elementwise kernels as GB/s.
+4. A small sweep of attention tile configurations, to inform the block-size heuristics.
+
+Run ``bench/kernels_gpu.sh`` on a CUDA machine (no installs). JSON goes to
+``$OUT/kernels_gpu.json`` when OUT is set, else ``bench/results/kernels_gpu.json``.
+Exit status: 0 all checks passed, 1 a check failed or a section raised, 2 no CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import torch  # noqa: E402
+
+from _table import print_table  # noqa: E402
+
+DEVICE = "cuda"
+# Llama-3-8B attention and MLP shapes.
+HQ, HK, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+HIDDEN, INTERMEDIATE = 4096, 14336
+DECODE_CASES = [(64, 4096), (8, 32768)]  # (batch, context)
+PREFILL_CASES = [(4, 0, 8192), (8, 7168, 1024)]  # (batch, cached prefix, new tokens)
+FP8_CASES = [(16, 2 * INTERMEDIATE, HIDDEN), (4096, 2 * INTERMEDIATE, HIDDEN), (16, HIDDEN, INTERMEDIATE),
+             (4096, HIDDEN, INTERMEDIATE)]  # fmt: skip  (M, N, K): gate_up and down projections
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 2e-3}  # bf16 operands; tf32 dots
+UNOWNED = 1.0e4  # cache slots past a sequence's end: a kernel that reads them is far off
+
+
+# ----------------------------------------------------------------------------- pure helpers
+
+
+def decode_bytes(batch: int, context: int, q_heads: int, kv_heads: int, head_dim: int, elem_bytes: int = 2) -> int:
+    """The fewest bytes a decode step moves: every cached K and V row once, q in, out back,
+    and the block tables (int32)."""
+    kv = 2 * batch * context * kv_heads * head_dim * elem_bytes
+    q_and_out = 2 * batch * q_heads * head_dim * elem_bytes
+    tables = batch * math.ceil(context / BLOCK_SIZE) * 4
+    return kv + q_and_out + tables
+
+
+def attention_flops(batch: int, prefix: int, new: int, q_heads: int, head_dim: int) -> float:
+    """QKᵀ and PV, 2 FLOPs per multiply-add each, over the (query, key) pairs a causal extend
+    computes: each new token sees the whole prefix and the new tokens up to itself."""
+    pairs = new * prefix + new * (new + 1) // 2
+    return 4.0 * batch * q_heads * head_dim * pairs
+
+
+def matmul_flops(m: int, n: int, k: int) -> float:
+    return 2.0 * m * n * k
+
+
+def default_json_path(environ: Mapping[str, str]) -> Path:
+    out = environ.get("OUT")
+    return Path(out) / "kernels_gpu.json" if out else REPO / "bench" / "results" / "kernels_gpu.json"
+
+
+def rope_table(max_pos: int, head_dim: int, theta: float = 500000.0) -> torch.Tensor:
+    """A float32 [max_pos, head_dim] cos | sin table, the layout the engine passes."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+@dataclass
+class PagedKV:
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+def paged_kv(lens: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype, device: str) -> PagedKV:
+    """Random caches holding exactly these sequences, their blocks in shuffled order; the slots
+    past each sequence's end hold UNOWNED."""
+    blocks = [math.ceil(n / BLOCK_SIZE) for n in lens]
+    total = sum(blocks)
+    shape = (total, BLOCK_SIZE, kv_heads, head_dim)
+    k_cache = torch.randn(shape, device=device).to(dtype)
+    v_cache = torch.randn(shape, device=device).to(dtype)
+    perm = torch.randperm(total, device=device, dtype=torch.int32)
+    tables = torch.zeros((len(lens), max(blocks)), dtype=torch.int32, device=device)
+    start = 0
+    for i, (n, nb) in enumerate(zip(lens, blocks)):
+        tables[i, :nb] = perm[start : start + nb]
+        start += nb
+        last, used = perm[start - 1].item(), n - (nb - 1) * BLOCK_SIZE
+        k_cache[last, used:] = UNOWNED
+        v_cache[last, used:] = UNOWNED
+    return PagedKV(k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=device))
+
+
+def query_start_loc(new_tokens: list[int], device: str) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(new_tokens)], dtype=torch.int32, device=device)
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+@dataclass
+class Report:
+    device: str = ""
+    versions: dict[str, str] = field(default_factory=dict)
+    ceilings: dict[str, float] = field(default_factory=dict)
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    timings: list[dict[str, Any]] = field(default_factory=list)
+    sweeps: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def check(self, name: str, err: float, tolerance: float) -> None:
+        ok = err <= tolerance  # inf (a NaN in the output) never passes
+        self.checks.append({"name": name, "rel_err": err, "tolerance": tolerance, "ok": ok})
+        print(f"  {'ok  ' if ok else 'FAIL'} {name}: rel err {err:.2e} (tol {tolerance:.0e})")
+
+    def check_true(self, name: str, ok: bool, note: str = "") -> None:
+        self.checks.append({"name": name, "rel_err": 0.0 if ok else math.inf, "tolerance": 0.0, "ok": ok,
+                            "note": note})  # fmt: skip
+        print(f"  {'ok  ' if ok else 'FAIL'} {name} {note}")
+
+    @property
+    def passed(self) -> bool:
+        return not self.errors and all(c["ok"] for c in self.checks)
+
+
+def guarded(report: Report, section: str, run: Callable[[], None]) -> None:
+    """Run one section; an exception is recorded and the next section still runs."""
+    print(f"\n== {section}")
+    try:
+        run()
+        torch.cuda.synchronize()  # surface asynchronous launch errors inside their section
+    except Exception:
+        report.errors.append(f"{section}: {traceback.format_exc(limit=6)}")
+        print(f"  ERROR in {section}:\n{traceback.format_exc(limit=6)}")
+
+
+def bench_ms(fn: Callable[[], object]) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def measure_ceilings(report: Report) -> None:
+    src = torch.randn(1 << 29, device=DEVICE, dtype=torch.bfloat16)  # 1 GiB
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    report.ceilings["copy_GBps"] = 2 * src.numel() * 2 / ms / 1e6
+    a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
+    ms = bench_ms(lambda: a @ b)
+    report.ceilings["matmul_bf16_TFLOPs"] = matmul_flops(8192, 8192, 8192) / ms / 1e9
+    c = report.ceilings
+    print(f"  copy {c['copy_GBps']:.0f} GB/s, bf16 matmul {c['matmul_bf16_TFLOPs']:.0f} TFLOP/s")
+
+
+def check_elementwise(report: Report, k: Any) -> None:
+    from kernels import reference
+    from kernels.triton.testing import poisoned_allocations, relative_error
+
+    bf16, dev, eps = torch.bfloat16, DEVICE, 1e-6
+    x = torch.randn(1000, HIDDEN, device=dev).to(bf16)
+    res = torch.randn(1000, HIDDEN, device=dev).to(bf16)
+    w = (1 + 0.1 * torch.randn(HIDDEN, device=dev)).to(bf16)
+    with poisoned_allocations():
+        out = k.rms_norm(x, w, eps)
+        fused, summed = k.fused_add_rms_norm(x, res, w, eps)
+    report.check("rms_norm bf16", relative_error(out, reference.rms_norm(x.float(), w.float(), eps)), 1e-2)
+    ref_fused, ref_summed = reference.fused_add_rms_norm(x, res, w, eps)
+    report.check("fused_add_rms_norm bf16", relative_error(fused, ref_fused.float()), 1e-2)
+    report.check_true("fused_add_rms_norm residual sum bitwise", torch.equal(summed, ref_summed))
+
+    qkv = torch.randn(777, (HQ + 2 * HK) * HEAD_DIM, device=dev).to(bf16)
+    q = qkv[:, : HQ * HEAD_DIM].view(777, HQ, HEAD_DIM)
+    kk = qkv[:, HQ * HEAD_DIM : (HQ + HK) * HEAD_DIM].view(777, HK, HEAD_DIM)
+    v = qkv[:, (HQ + HK) * HEAD_DIM :].view(777, HK, HEAD_DIM)
+    qn_w = torch.randn(HEAD_DIM, device=dev).to(bf16)
+    with poisoned_allocations():
+        qn = k.rms_norm(q, qn_w, eps)
+    qn_ref = reference.rms_norm(q.float(), qn_w.float(), eps)
+    report.check("rms_norm bf16 over strided heads", relative_error(qn, qn_ref), 1e-2)
+
+    gate_up = (2 * torch.randn(1000, 2 * INTERMEDIATE, device=dev)).to(bf16)
+    with poisoned_allocations():
+        out = k.silu_and_mul(gate_up)
+    report.check("silu_and_mul bf16", relative_error(out, reference.silu_and_mul(gate_up.float())), 1e-2)
+
+    positions = torch.randint(0, 8192, (777,), device=dev)
+    table = rope_table(8192, HEAD_DIM).to(dev)
+    with poisoned_allocations():
+        q_rot, k_rot = k.rotary_embedding(positions, q, kk, table)
+    q_ref, k_ref = reference.rotary_embedding(positions, q.float(), kk.float(), table)
+    report.check("rotary q bf16", relative_error(q_rot, q_ref), 1e-2)
+    report.check("rotary k bf16", relative_error(k_rot, k_ref), 1e-2)
+
+    slots = torch.randperm(64 * BLOCK_SIZE, device=dev)[:777]  # no slot written twice
+    slots[torch.randperm(777, device=dev)[:300]] = -1  # padding
+    cache_shape = (64, BLOCK_SIZE, HK, HEAD_DIM)
+    kc, vc = (torch.full(cache_shape, float("nan"), device=dev, dtype=bf16) for _ in range(2))
+    kr, vr = kc.clone(), vc.clone()
+    k.write_kv_cache(kk, v, kc, vc, slots)
+    reference.write_kv_cache(kk, v, kr, vr, slots)
+    same = all(torch.allclose(a, b, rtol=0, atol=0, equal_nan=True) for a, b in ((kc, kr), (vc, vr)))
+    report.check_true("write_kv_cache bf16 exact, padding and other slots untouched", same)
+
+
+def check_attention(report: Report, k: Any) -> None:
+    from kernels import reference
+    from kernels.triton.testing import poisoned_allocations, relative_error
+
+    dev = DEVICE
+    # (kv heads, group, head_dim, dtype): MHA, GQA 4 and 8, a smaller and a larger head, fp32 (tf32 dots).
+    variants = [(8, 1, 128, torch.bfloat16), (8, 4, 128, torch.bfloat16), (4, 8, 128, torch.bfloat16),
+                (8, 4, 64, torch.bfloat16), (2, 4, 256, torch.bfloat16), (8, 4, 128, torch.float32)]  # fmt: skip
+    for hk, group, d, dtype in variants:
+        name = f"Hk={hk} G={group} D={d} {str(dtype).removeprefix('torch.')}"
+        lens = [1, 16, 257, 1000, 4097, 20000] + torch.randint(2, 3000, (2,)).tolist()
+        kv = paged_kv(lens, hk, d, dtype, dev)
+        q = torch.randn(len(lens), hk * group, d, device=dev).to(dtype)
+        with poisoned_allocations():
+            out = k.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, d**-0.5)
+        ref = reference.paged_decode_attention(q.float(), kv.k_cache.float(), kv.v_cache.float(), kv.block_tables,
+                                               kv.seq_lens, d**-0.5)  # fmt: skip
+        report.check(f"decode {name}", relative_error(out, ref), TOLERANCE[dtype])
+
+        cases = [(0, 1000), (77, 1), (500, 129), (4000, 300), (0, 3), (1, 64)]  # (prefix, new tokens)
+        news = [n for _, n in cases]
+        kv = paged_kv([p + n for p, n in cases], hk, d, dtype, dev)
+        qsl = query_start_loc(news, dev)
+        q = torch.randn(sum(news), hk * group, d, device=dev).to(dtype)
+        with poisoned_allocations():
+            out = k.paged_extend_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, qsl, kv.seq_lens, d**-0.5)
+        ref = reference.paged_extend_attention(q.float(), kv.k_cache.float(), kv.v_cache.float(), kv.block_tables,
+                                               qsl, kv.seq_lens, d**-0.5)  # fmt: skip
+        report.check(f"extend {name}", relative_error(out, ref), TOLERANCE[dtype])
+
+
+def check_batch_invariance(report: Report, k: Any) -> None:
+    dev, batch, at = DEVICE, 37, 17
+    lens = torch.randint(1, 3000, (batch,)).tolist()
+    lens[at] = 5000
+    kv = paged_kv(lens, HK, HEAD_DIM, torch.bfloat16, dev)
+    q = torch.randn(batch, HQ, HEAD_DIM, device=dev).to(torch.bfloat16)
+    batched = k.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.088)
+    alone = k.paged_decode_attention(q[at : at + 1], kv.k_cache, kv.v_cache, kv.block_tables[at : at + 1],
+                                     kv.seq_lens[at : at + 1], 0.088)  # fmt: skip
+    report.check_true("decode bitwise alone vs batch of 37", torch.equal(alone[0], batched[at]))
+
+    news = torch.randint(1, 300, (batch,)).tolist()
+    prefixes = torch.randint(0, 2000, (batch,)).tolist()
+    news[at], prefixes[at] = 700, 1500
+    kv = paged_kv([p + n for p, n in zip(prefixes, news)], HK, HEAD_DIM, torch.bfloat16, dev)
+    qsl = query_start_loc(news, dev)
+    q = torch.randn(sum(news), HQ, HEAD_DIM, device=dev).to(torch.bfloat16)
+    batched = k.paged_extend_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, qsl, kv.seq_lens, 0.088)
+    a, b = int(qsl[at]), int(qsl[at + 1])
+    alone = k.paged_extend_attention(q[a:b], kv.k_cache, kv.v_cache, kv.block_tables[at : at + 1],
+                                     torch.tensor([0, b - a], dtype=torch.int32, device=dev),
+                                     kv.seq_lens[at : at + 1], 0.088)  # fmt: skip
+    report.check_true("extend bitwise alone vs batch of 37", torch.equal(alone, batched[a:b]))
+
+
+def check_fp8(report: Report, k: Any) -> None:
+    from torch import nn
+
+    from kernels import reference
+    from kernels.fp8_linear import quantize_model_fp8
+    from kernels.triton.testing import poisoned_allocations, relative_error
+
+    dev = DEVICE
+    weight = (torch.randn(4096, 4000, device=dev) * torch.logspace(-3, 1, 4096, device=dev)[:, None]).to(torch.bfloat16)
+    weight[11] = 0
+    with poisoned_allocations():
+        q, scale = k.quantize_fp8_weight(weight)
+    rq, rscale = reference.quantize_fp8_weight(weight)
+    report.check("fp8 quantize scales", relative_error(scale, rscale), 1e-6)
+    # Triton's fp32 division may differ from torch's by an ulp, which can flip a value sitting
+    # on an fp8 rounding boundary: allow a rare one-step difference, never more.
+    ours, theirs = q.float(), rq.float()
+    fraction = (ours != theirs).float().mean().item()
+    # One e4m3 step is at most 1/8 of the larger neighbour, or 2^-9 among the subnormals.
+    one_step = (ours - theirs).abs() <= torch.maximum(ours.abs().maximum(theirs.abs()) / 8, torch.tensor(2.0**-9))
+    report.check_true("fp8 quantized values match the reference", fraction < 1e-4 and bool(one_step.all()),
+                      f"({fraction:.1e} of values one step apart)")  # fmt: skip
+    for m in (1, 16, 100, 4096):
+        x = torch.randn(m, 4000, device=dev).to(torch.bfloat16)
+        bias = torch.randn(4096, device=dev).to(torch.bfloat16)
+        with poisoned_allocations():
+            out = k.fp8_scaled_mm(x, rq, rscale, bias)
+        ref = reference.fp8_scaled_mm(x.float(), rq, rscale, bias.float())
+        report.check(f"fp8_scaled_mm bf16 x fp8 M={m}", relative_error(out, ref), 1e-2)
+
+    model = nn.Sequential(nn.Linear(HIDDEN, 1024), nn.SiLU(), nn.Linear(1024, 512, bias=False)).to(dev, torch.bfloat16)
+    x = torch.randn(33, HIDDEN, device=dev).to(torch.bfloat16)
+    with torch.no_grad():
+        before = model(x).float()
+        replaced = quantize_model_fp8(model)
+        after = model(x)
+    report.check_true("quantize_model_fp8 replaced both linears", replaced == 2)
+    report.check("Fp8Linear model vs bf16 model (fp8 weight error)", relative_error(after, before), 5e-2)
+
+
+def time_decode(report: Report, k: Any) -> None:
+    import torch.nn.functional as F
+
+    from kernels import reference
+    from kernels.triton.testing import relative_error
+
+    for batch, context in DECODE_CASES:
+        kv = paged_kv([context] * batch, HK, HEAD_DIM, torch.bfloat16, DEVICE)
+        q = torch.randn(batch, HQ, HEAD_DIM, device=DEVICE).to(torch.bfloat16)
+        scale = HEAD_DIM**-0.5
+
+        def ours() -> torch.Tensor:
+            return k.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale)
+
+        ref = reference.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale)
+        report.check(f"decode {batch}x{context} (timed shape)", relative_error(ours(), ref.float()), 1e-2)
+        del ref
+        ms = bench_ms(ours)
+        gbps = decode_bytes(batch, context, HQ, HK, HEAD_DIM) / ms / 1e6
+        sdpa_ms, sdpa_how = _sdpa_decode_ms(F, batch, context)
+        report.timings.append({
+            "kernel": "paged_decode_attention", "shape": f"{batch}x{context}", "ms": ms, "GBps": gbps,
+            "pct_of_copy": 100 * gbps / report.ceilings["copy_GBps"], "sdpa_ms": sdpa_ms,
+            "speedup_vs_sdpa": sdpa_ms / ms, "sdpa": sdpa_how,
+        })  # fmt: skip
+        del kv
+
+
+def _sdpa_decode_ms(F: Any, batch: int, context: int) -> tuple[float, str]:
+    q = torch.randn(batch, HQ, 1, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+    kk = torch.randn(batch, HK, context, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+    v = torch.randn_like(kk)
+    try:
+        F.scaled_dot_product_attention(q, kk, v, enable_gqa=True)
+        return bench_ms(lambda: F.scaled_dot_product_attention(q, kk, v, enable_gqa=True)), "enable_gqa"
+    except (TypeError, RuntimeError):
+        group = HQ // HK
+        kk, v = kk.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        return bench_ms(lambda: F.scaled_dot_product_attention(q, kk, v)), "k/v expanded to Hq heads"
+
+
+def time_extend(report: Report, k: Any) -> None:
+    import torch.nn.functional as F
+
+    from kernels import reference
+    from kernels.triton.testing import relative_error
+
+    for batch, prefix, new in PREFILL_CASES:
+        kv = paged_kv([prefix + new] * batch, HK, HEAD_DIM, torch.bfloat16, DEVICE)
+        qsl = query_start_loc([new] * batch, DEVICE)
+        q = torch.randn(batch * new, HQ, HEAD_DIM, device=DEVICE).to(torch.bfloat16)
+        scale = HEAD_DIM**-0.5
+
+        def ours() -> torch.Tensor:
+            return k.paged_extend_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, qsl, kv.seq_lens, scale)
+
+        one = slice(0, new)  # the reference on the first sequence: the whole batch would need ~35 GB of scores
+        ref = reference.paged_extend_attention(q[one], kv.k_cache, kv.v_cache, kv.block_tables[:1], qsl[:2],
+                                               kv.seq_lens[:1], scale)  # fmt: skip
+        report.check(f"extend {batch}x({prefix}+{new}) (timed shape, first sequence)",
+                     relative_error(ours()[one], ref.float()), 1e-2)  # fmt: skip
+        del ref
+        ms = bench_ms(ours)
+        tflops = attention_flops(batch, prefix, new, HQ, HEAD_DIM) / ms / 1e9
+        sdpa_ms = _sdpa_extend_ms(F, batch, prefix, new)
+        name = "prefill" if prefix == 0 else "extend"
+        report.timings.append({
+            "kernel": f"paged_extend_attention ({name})", "shape": f"{batch}x({prefix}+{new})", "ms": ms,
+            "TFLOPs": tflops, "pct_of_matmul": 100 * tflops / report.ceilings["matmul_bf16_TFLOPs"],
+            "sdpa_ms": sdpa_ms, "speedup_vs_sdpa": sdpa_ms / ms if sdpa_ms else None,
+        })  # fmt: skip
+        del kv
+
+
+def _sdpa_extend_ms(F: Any, batch: int, prefix: int, new: int) -> float | None:
+    """SDPA on the same unpaged shapes, K/V expanded to the query heads so the flash/cuDNN
+    kernels take it; the causal mask aligned to the bottom right when there is a prefix."""
+    q = torch.randn(batch, HQ, new, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+    kk = torch.randn(batch, HQ, prefix + new, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+    v = torch.randn_like(kk)
+    if prefix == 0:
+        return bench_ms(lambda: F.scaled_dot_product_attention(q, kk, v, is_causal=True))
+    try:
+        from torch.nn.attention.bias import causal_lower_right
+    except ImportError:
+        return None
+    mask = causal_lower_right(new, prefix + new)
+    return bench_ms(lambda: F.scaled_dot_product_attention(q, kk, v, attn_mask=mask))
+
+
+def time_fp8(report: Report, k: Any) -> None:
+    for m, n, kd in FP8_CASES:
+        x = torch.randn(m, kd, device=DEVICE).to(torch.bfloat16)
+        w = torch.randn(n, kd, device=DEVICE).to(torch.bfloat16)
+        q, scale = k.quantize_fp8_weight(w)
+        bf16_ms = bench_ms(lambda: torch.matmul(x, w.t()))
+        fp8_ms = bench_ms(lambda: k.fp8_scaled_mm(x, q, scale))
+        flops = matmul_flops(m, n, kd)
+        report.timings.append({
+            "kernel": "fp8_scaled_mm", "shape": f"M={m} N={n} K={kd}", "ms": fp8_ms, "TFLOPs": flops / fp8_ms / 1e9,
+            "bf16_matmul_ms": bf16_ms, "speedup_vs_bf16_matmul": bf16_ms / fp8_ms,
+            "weight_GBps": n * kd / fp8_ms / 1e6,
+        })  # fmt: skip
+
+
+def time_elementwise(report: Report, k: Any) -> None:
+    from kernels import reference
+
+    t, bf16, dev = 8192, torch.bfloat16, DEVICE
+    x = torch.randn(t, HIDDEN, device=dev).to(bf16)
+    res = torch.randn(t, HIDDEN, device=dev).to(bf16)
+    w = torch.ones(HIDDEN, device=dev, dtype=bf16)
+    gate_up = torch.randn(t, 2 * INTERMEDIATE, device=dev).to(bf16)
+    q = torch.randn(t, HQ, HEAD_DIM, device=dev).to(bf16)
+    kk = torch.randn(t, HK, HEAD_DIM, device=dev).to(bf16)
+    positions = torch.randint(0, 8192, (t,), device=dev)
+    table = rope_table(8192, HEAD_DIM).to(dev)
+    cache = torch.empty(t // BLOCK_SIZE, BLOCK_SIZE, HK, HEAD_DIM, device=dev, dtype=bf16)
+    cache_v = torch.empty_like(cache)
+    slots = torch.randperm(t, device=dev)
+    e = 2  # bytes per bf16
+    cases = [  # (name, ours, the reference, bytes read + written)
+        ("rms_norm", lambda: k.rms_norm(x, w, 1e-6), lambda: reference.rms_norm(x, w, 1e-6), 2 * x.numel() * e),
+        ("fused_add_rms_norm", lambda: k.fused_add_rms_norm(x, res, w, 1e-6),
+         lambda: reference.fused_add_rms_norm(x, res, w, 1e-6), 4 * x.numel() * e),
+        ("silu_and_mul", lambda: k.silu_and_mul(gate_up), lambda: reference.silu_and_mul(gate_up),
+         gate_up.numel() * e * 3 // 2),
+        ("rotary_embedding", lambda: k.rotary_embedding(positions, q, kk, table),
+         lambda: reference.rotary_embedding(positions, q, kk, table), 2 * (q.numel() + kk.numel()) * e),
+        ("write_kv_cache", lambda: k.write_kv_cache(kk, kk, cache, cache_v, slots),
+         lambda: reference.write_kv_cache(kk, kk, cache, cache_v, slots), 4 * kk.numel() * e),
+    ]  # fmt: skip
+    for name, ours, ref, nbytes in cases:
+        ms, ref_ms = bench_ms(ours), bench_ms(ref)
+        gbps = nbytes / ms / 1e6
+        report.timings.append({
+            "kernel": name, "shape": f"T={t}", "ms": ms, "GBps": gbps,
+            "pct_of_copy": 100 * gbps / report.ceilings["copy_GBps"], "torch_reference_ms": ref_ms,
+            "speedup_vs_torch_reference": ref_ms / ms,
+        })  # fmt: skip
+
+
+def sweep_attention(report: Report, k: Any, deadline: float) -> None:
+    """Time other tile configurations on the timed shapes, to tune the heuristics next time."""
+    from kernels.triton import decode_attention, extend_attention, fp8
+
+    decode_variants = [(block_n, warps, stages, min_split) for block_n, warps, stages in
+                       [(64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 8, 2)] for min_split in (256, 1024)]  # fmt: skip
+    for batch, context in DECODE_CASES:
+        kv = paged_kv([context] * batch, HK, HEAD_DIM, torch.bfloat16, DEVICE)
+        q = torch.randn(batch, HQ, HEAD_DIM, device=DEVICE).to(torch.bfloat16)
+        for block_n, warps, stages, min_split in decode_variants:
+            if time.monotonic() > deadline:
+                return
+            cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+            with mock.patch.object(decode_attention, "_decode_config", lambda d, cfg=cfg: cfg), \
+                    mock.patch.object(decode_attention, "_MIN_SPLIT_TOKENS", min_split):  # fmt: skip
+                ms = bench_ms(lambda: k.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
+                                                               kv.seq_lens, 0.088))  # fmt: skip
+            gbps = decode_bytes(batch, context, HQ, HK, HEAD_DIM) / ms / 1e6
+            report.sweeps.append({"kernel": "decode", "shape": f"{batch}x{context}", **cfg,
+                                  "min_split_tokens": min_split, "ms": ms, "GBps": gbps})  # fmt: skip
+        del kv
+    extend_variants = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 4)]
+    for batch, prefix, new in PREFILL_CASES:
+        kv = paged_kv([prefix + new] * batch, HK, HEAD_DIM, torch.bfloat16, DEVICE)
+        qsl = query_start_loc([new] * batch, DEVICE)
+        q = torch.randn(batch * new, HQ, HEAD_DIM, device=DEVICE).to(torch.bfloat16)
+        for block_m, block_n, warps, stages in extend_variants:
+            if time.monotonic() > deadline:
+                return
+            cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+            with mock.patch.object(extend_attention, "_extend_config", lambda d, cfg=cfg: cfg):
+                ms = bench_ms(lambda: k.paged_extend_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, qsl,
+                                                               kv.seq_lens, 0.088))  # fmt: skip
+            tflops = attention_flops(batch, prefix, new, HQ, HEAD_DIM) / ms / 1e9
+            report.sweeps.append({"kernel": "extend", "shape": f"{batch}x({prefix}+{new})", **cfg, "ms": ms,
+                                  "TFLOPs": tflops})  # fmt: skip
+        del kv
+    fp8_variants = {  # decode-sized or not: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+        True: [(16, 64, 128, 4, 4), (16, 32, 256, 4, 4), (16, 64, 256, 4, 3), (16, 32, 128, 4, 6), (16, 128, 128, 4, 4)],
+        False: [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (64, 128, 64, 4, 4)],
+    }
+    for m, n, kd in FP8_CASES:
+        x = torch.randn(m, kd, device=DEVICE).to(torch.bfloat16)
+        qweight, scale = k.quantize_fp8_weight(torch.randn(n, kd, device=DEVICE).to(torch.bfloat16))
+        for block_m, block_n, block_k, warps, stages in fp8_variants[m <= 64]:
+            if time.monotonic() > deadline:
+                return
+            cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps,
+                   "num_stages": stages}  # fmt: skip
+            with mock.patch.object(fp8, "_matmul_config", lambda m, n, cfg=cfg: cfg):
+                ms = bench_ms(lambda: k.fp8_scaled_mm(x, qweight, scale))
+            report.sweeps.append({"kernel": "fp8_scaled_mm", "shape": f"M={m} N={n} K={kd}", **cfg, "ms": ms,
+                                  "TFLOPs": matmul_flops(m, n, kd) / ms / 1e9})  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _fmt(v: object, digits: int = 1) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}" if abs(v) >= 0.1 or v == 0 else f"{v:.3g}"
+    return str(v)
+
+
+_ANCHORS = (("speedup_vs_sdpa", "x SDPA"), ("speedup_vs_bf16_matmul", "x bf16 mm"),
+            ("speedup_vs_torch_reference", "x torch ref"))  # fmt: skip
+
+
+def _timing_row(t: dict[str, Any]) -> list[str]:
+    if "GBps" in t:
+        rate, of_ceiling = f"{_fmt(t['GBps'], 0)} GB/s", f"{_fmt(t['pct_of_copy'], 0)}% copy"
+    else:
+        rate = f"{_fmt(t['TFLOPs'], 0)} TFLOP/s"
+        of_ceiling = f"{_fmt(t['pct_of_matmul'], 0)}% matmul" if "pct_of_matmul" in t else ""
+    anchor = next((f"{_fmt(t[key], 2)}{label}" for key, label in _ANCHORS if t.get(key) is not None), "n/a")
+    return [t["kernel"], t["shape"], _fmt(t["ms"], 3), rate, of_ceiling, anchor]
+
+
+def _sweep_row(s: dict[str, Any]) -> list[str]:
+    config = " ".join(f"{key}={s[key]}" for key in s if key.isupper() or key[:4] in ("num_", "min_"))
+    return [s["kernel"], s["shape"], config, _fmt(s["ms"], 3), _fmt(s.get("GBps") or s.get("TFLOPs"))]
+
+
+def print_summary(report: Report) -> None:
+    """The sweep, the checks, then the headline table last (the end of the output is what a
+    device run returns)."""
+    if report.sweeps:
+        print("\nTile sweep. The heuristics pick, at these shapes: decode BLOCK_N=64 warps=4 stages=2 "
+              "min_split=256; extend 128/64 warps=8 stages=3; fp8 M=16: 16/64/128 (N=28672), 16/32/256 "
+              "(N=4096); M=4096: 128/128/64 warps=8 stages=4")  # fmt: skip
+        print_table(["kernel", "shape", "config", "ms", "GB/s or TFLOP/s"], [_sweep_row(s) for s in report.sweeps])
+    failed = [c for c in report.checks if not c["ok"]]
+    print(f"\nChecks: {len(report.checks) - len(failed)}/{len(report.checks)} passed")
+    for c in failed:
+        print(f"  FAILED {c['name']}: {c['rel_err']:.2e} > {c['tolerance']:.0e}")
+    for e in report.errors:
+        print(f"  ERROR {e.splitlines()[0]}")
+    c = report.ceilings
+    print(f"\n{report.device} | torch {report.versions.get('torch')} triton {report.versions.get('triton')} | "
+          f"ceilings: copy {_fmt(c.get('copy_GBps'), 0)} GB/s, "
+          f"bf16 matmul {_fmt(c.get('matmul_bf16_TFLOPs'), 0)} TFLOP/s")  # fmt: skip
+    print_table(["kernel", "shape", "ms", "rate", "of ceiling", "vs anchor"], [_timing_row(t) for t in report.timings])
+
+
+def write_json(report: Report, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**asdict(report), "passed": report.passed}, indent=2, default=str) + "\n")
+    print(f"\nwrote {path}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--json", type=Path, help="where to write the results (default: $OUT, else bench/results)")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the tile-configuration sweep")
+    parser.add_argument("--budget-s", type=float, default=420.0,
+                        help="stop starting sweep variants after this many seconds (default 420: one 8-minute run)")
+    parser.add_argument("--checks-only", action="store_true", help="correctness only, no timings")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("kernels_gpu: TRITON_INTERPRET=1 would interpret the kernels on the CPU; unset it", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("kernels_gpu: no CUDA device here. This script checks and times the Triton kernels on a GPU: run "
+              "bench/kernels_gpu.sh on a CUDA machine (the CPU checks are pytest tests/kernels).", file=sys.stderr)
+        return 2
+    import triton
+
+    import kernels.triton as triton_kernels
+
+    k = argparse.Namespace(**triton_kernels.KERNELS)
+    report = Report(device=torch.cuda.get_device_name(), versions={"torch": torch.__version__,
+                                                                   "triton": triton.__version__})  # fmt: skip
+    print(f"{report.device}: torch {torch.__version__}, triton {triton.__version__}")
+    guarded(report, "ceilings", lambda: measure_ceilings(report))
+    guarded(report, "correctness: elementwise kernels", lambda: check_elementwise(report, k))
+    guarded(report, "correctness: attention", lambda: check_attention(report, k))
+    guarded(report, "correctness: batch invariance", lambda: check_batch_invariance(report, k))
+    guarded(report, "correctness: fp8", lambda: check_fp8(report, k))
+    if not args.checks_only and report.ceilings:
+        guarded(report, "timing: decode attention", lambda: time_decode(report, k))
+        guarded(report, "timing: prefill/extend attention", lambda: time_extend(report, k))
+        guarded(report, "timing: fp8 matmul", lambda: time_fp8(report, k))
+        guarded(report, "timing: elementwise kernels", lambda: time_elementwise(report, k))
+        if not args.no_sweep:
+            guarded(report, "sweep", lambda: sweep_attention(report, k, started + args.budget_s))
+    write_json(report, args.json or default_json_path(os.environ))
+    print_summary(report)
+    print(f"\n{'PASSED' if report.passed else 'FAILED'} in {time.monotonic() - started:.0f} s")
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

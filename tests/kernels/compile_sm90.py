@@ -1,0 +1,129 @@
+"""Compile every Triton kernel, through its real wrapper and launch configuration, for a
+Hopper GPU (sm_90) on a machine without one, and print one JSON line per kernel with its
+shared memory, registers, and stack and local (spill) bytes. Catches kernels the
+interpreter accepts but the compiler rejects, and tiles that would not fit, before a
+GPU is at hand.
+
+Run as a script in a process where TRITON_INTERPRET is unset (the test does so).
+How: a stand-in driver names sm_90 as the current target, and Triton's pre-compile
+hook compiles each kernel itself and tells Triton to skip the launch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+HOPPER = GPUTarget("cuda", 90, 32)
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+class _HopperStandIn:
+    """Just enough of a Triton driver for the JIT to specialize and compile for sm_90."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return HOPPER
+
+
+def _resource_usage(cubin: bytes) -> dict[str, int]:
+    """Registers per thread and stack/local bytes (spills) of the compiled kernel, from cuobjdump."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        report = subprocess.run(
+            [str(CUOBJDUMP), "--dump-resource-usage", str(path)], capture_output=True, text=True, check=True
+        ).stdout
+    return {key.lower(): int(re.search(rf"\b{key}:(\d+)", report).group(1)) for key in ("REG", "STACK", "LOCAL")}
+
+
+def _compile_instead_of_launch(results: list[dict[str, Any]], calling: list[str]) -> Callable[..., bool]:
+    def hook(*, fn, compile, **_: Any) -> bool:
+        src = ASTSource(fn.jit_function, compile["signature"], compile["constants"], compile["configs"][0])
+        options = {"num_warps": compile["num_warps"], "num_stages": compile["num_stages"]}
+        kernel = triton.compile(src, target=HOPPER, options=options)
+        results.append({
+            "op": calling[0],
+            "kernel": fn.name,
+            "num_warps": compile["num_warps"],
+            "num_stages": compile["num_stages"],
+            "shared_bytes": kernel.metadata.shared,
+            "tensor_core_ops": sorted(set(re.findall(r"\b(wgmma\.mma_async|mma\.sync)\b", kernel.asm["ptx"]))),
+            **_resource_usage(kernel.asm["cubin"]),
+        })  # fmt: skip
+        return True  # compiled here: tell Triton not to launch
+
+    return hook
+
+
+def _engine_like_calls() -> list[tuple[str, Callable[[], object]]]:
+    """Each wrapper with engine-like bf16 shapes (Llama-3-8B heads), so the launch
+    configurations compiled are the ones a GPU would run."""
+    from kernels.triton import KERNELS as K
+
+    bf16, t, hq, hk, d = torch.bfloat16, 300, 32, 8, 128
+    x, ones = torch.randn(t, 4096, dtype=bf16), torch.ones(4096, dtype=bf16)
+    q, k = torch.randn(t, hq, d, dtype=bf16), torch.randn(t, hk, d, dtype=bf16)
+    cache = torch.zeros(64, 16, hk, d, dtype=bf16)
+    tables, lens = torch.zeros(2, 64, dtype=torch.long), torch.tensor([150, 1000])
+    qweight, scale = torch.zeros(512, 4096, dtype=torch.float8_e4m3fn), torch.ones(512)
+    return [
+        ("rms_norm", lambda: K["rms_norm"](x, ones, 1e-6)),
+        ("fused_add_rms_norm", lambda: K["fused_add_rms_norm"](x, x, ones, 1e-6)),
+        ("silu_and_mul", lambda: K["silu_and_mul"](torch.randn(t, 2 * 14336, dtype=bf16))),
+        ("rotary_embedding", lambda: K["rotary_embedding"](torch.arange(t), q, k, torch.randn(4096, d))),
+        ("write_kv_cache", lambda: K["write_kv_cache"](k, k, cache, cache, torch.arange(t))),
+        ("paged_decode_attention", lambda: K["paged_decode_attention"](q[:2], cache, cache, tables, lens, 0.1)),
+        ("paged_extend_attention",
+         lambda: K["paged_extend_attention"](q, cache, cache, tables, torch.tensor([0, 100, t]), lens, 0.1)),
+        ("quantize_fp8_weight", lambda: K["quantize_fp8_weight"](torch.randn(512, 4096, dtype=bf16))),
+        ("fp8_scaled_mm", lambda: K["fp8_scaled_mm"](torch.randn(16, 4096, dtype=bf16), qweight, scale)),  # decode
+        ("fp8_scaled_mm", lambda: K["fp8_scaled_mm"](torch.randn(4096, 4096, dtype=bf16), qweight, scale)),  # prefill
+    ] + [  # attention and the matmul with wider rows, whose tiles must shrink to fit shared memory
+        (f"{op} {dtype} D={dim}", call)
+        for dtype, dim in ((torch.float32, 128), (torch.bfloat16, 256), (torch.float32, 256))
+        for op, call in _wide_row_calls(K, dtype, dim)
+    ]  # fmt: skip
+
+
+def _wide_row_calls(K: dict, dtype: torch.dtype, d: int) -> list[tuple[str, Callable[[], object]]]:
+    q, cache = torch.randn(300, 8, d, dtype=dtype), torch.zeros(64, 16, 2, d, dtype=dtype)
+    tables, lens = torch.zeros(2, 64, dtype=torch.long), torch.tensor([150, 1000])
+    x, qweight = torch.randn(4096, 512, dtype=dtype), torch.zeros(512, 512, dtype=torch.float8_e4m3fn)
+    return [
+        ("paged_decode_attention", lambda: K["paged_decode_attention"](q[:2], cache, cache, tables, lens, 0.1)),
+        ("paged_extend_attention",
+         lambda: K["paged_extend_attention"](q, cache, cache, tables, torch.tensor([0, 100, 300]), lens, 0.1)),
+        ("fp8_scaled_mm", lambda: K["fp8_scaled_mm"](x, qweight, torch.ones(512))),
+    ]  # fmt: skip
+
+
+def main() -> None:
+    results: list[dict[str, Any]] = []
+    calling = [""]
+    triton.runtime.driver.set_active(_HopperStandIn())
+    triton.knobs.runtime.jit_cache_hook = _compile_instead_of_launch(results, calling)
+    for op, call in _engine_like_calls():
+        calling[0] = op
+        call()
+    for r in results:
+        print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()
