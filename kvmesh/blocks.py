@@ -18,6 +18,8 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+
+import numpy
 from collections.abc import Sequence
 
 BlockHash = bytes
@@ -69,12 +71,25 @@ def block_hashes(
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
+    n_full = len(token_ids) // block_size
+    if n_full == 0:
+        return []
+    # Byte-for-byte what _h(prev, fingerprint, cache_salt, tokens) hashes, with the parts that
+    # are the same for every block prepared once: a 200k-token prompt is 12,500 blocks.
+    prev_len = struct.pack("<Q", HASH_BYTES)
+    middle = struct.pack("<Q", len(fingerprint)) + fingerprint + struct.pack("<Q", len(cache_salt)) + cache_salt
+    middle += struct.pack("<Q", 4 * block_size)
+    tokens = numpy.asarray(token_ids[: n_full * block_size], dtype="<u4").tobytes()
+    step = 4 * block_size
     prev = parent if parent is not None else _ROOT
     out: list[BlockHash] = []
-    n_full = len(token_ids) // block_size
+    blake2b = hashlib.blake2b
     for i in range(n_full):
-        chunk = token_ids[i * block_size : (i + 1) * block_size]
-        prev = _h(prev, fingerprint, cache_salt, struct.pack(f"<{block_size}I", *chunk))
+        d = blake2b(prev_len, digest_size=HASH_BYTES)
+        d.update(prev)
+        d.update(middle)
+        d.update(tokens[i * step : (i + 1) * step])
+        prev = d.digest()
         out.append(prev)
     return out
 
