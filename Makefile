@@ -16,12 +16,12 @@ up: install
 test: install gen-check lint-protos breaking
 	python3 -m pytest -q
 
-# Regenerate kvmesh/*/v1/ from protos/.
-gen:
+# Regenerate kvmesh/*/v1/ (Python), clients/go/gen/ and clients/typescript/src/gen/ from protos/.
+gen: node_modules/.bin/buf
 	scripts/gen_protos.sh
 
-# Fail when the generated code is stale (CI).
-gen-check:
+# Fail when any generated tree is stale (CI).
+gen-check: node_modules/.bin/buf
 	scripts/check_generated.sh
 
 node_modules/.bin/buf: package.json package-lock.json

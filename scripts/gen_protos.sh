@@ -2,7 +2,8 @@
 # Regenerates the Python code for every proto under protos/ into kvmesh/<svc>/v1/
 # (messages, gRPC stubs and .pyi type stubs), so that
 #   from kvmesh.router.v1 import router_pb2, router_pb2_grpc
-# works as-is. Run from anywhere: make gen.
+# works as-is; then the Go and TypeScript clients' code for the public API
+# (clients/go/gen/, clients/typescript/src/gen/). Run from anywhere: make gen.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -40,3 +41,15 @@ for p in "${protos[@]}"; do
   done
 done
 echo "gen_protos: ${#protos[@]} protos -> kvmesh/*/v1/"
+
+# The clients: buf with the pinned plugins (clients/install.sh installs them
+# when missing or of another version) first on PATH. protos/buf.gen.clients.yaml
+# empties the output trees first, so a deleted proto's code vanishes too.
+if [[ ! -x node_modules/.bin/buf ]]; then
+  echo "gen_protos: node_modules/.bin/buf missing: run 'npm ci' at the repo root (make install)" >&2
+  exit 1
+fi
+clients/install.sh
+PATH="$PWD/.tools/bin:$PWD/clients/typescript/node_modules/.bin:$PATH" \
+  node_modules/.bin/buf generate --template protos/buf.gen.clients.yaml
+echo "gen_protos: gateway + common protos -> clients/go/gen/, clients/typescript/src/gen/"

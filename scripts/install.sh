@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Installs everything kvmesh and its tests need on a fresh Debian machine:
-# redis-server (Debian package), the pinned Python packages, kvmesh itself
+# redis-server and docker-compose (Debian packages), the pinned Python packages, kvmesh itself
 # (editable) and the npm tools (buf). Safe to re-run: each step is skipped
 # when already satisfied.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v redis-server >/dev/null 2>&1; then
+# docker-compose (Debian's, 1.29) only validates compose/ in the tests (`config`
+# needs no engine); --no-install-recommends keeps the Docker engine out.
+if ! command -v redis-server >/dev/null 2>&1 || ! command -v docker-compose >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends redis-server docker-compose >/dev/null
 fi
 
 python3 -m pip install -q --disable-pip-version-check -r requirements-test.txt
@@ -18,3 +20,7 @@ python3 -m pip install -q --disable-pip-version-check --no-deps --no-build-isola
 if [ -f package-lock.json ]; then
   npm ci --silent --no-audit --no-fund
 fi
+
+# The Go and TypeScript clients: the pinned protoc plugins into .tools/bin,
+# clients/go's modules, clients/typescript's npm packages.
+clients/install.sh
