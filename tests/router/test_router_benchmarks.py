@@ -21,8 +21,8 @@ def run(script: str, *args: str) -> str:
     return proc.stdout
 
 
-def test_trace_replay_on_a_synthetic_trace(tmp_path):
-    # Three conversations of growing turns plus one-off requests, a second apart.
+def synthetic_trace(path: Path) -> Path:
+    """Three conversations of growing turns plus one-off requests, a second apart."""
     lines = []
     next_id = 100
     for turn in range(6):
@@ -45,31 +45,53 @@ def test_trace_replay_on_a_synthetic_trace(tmp_path):
             }
         )
         next_id += 2
-    trace = tmp_path / "trace.jsonl"
-    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    out_json = tmp_path / "out.json"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+POLICY_KEYS = {"hit_rate", "gpu_hit_rate", "max_mean_load", "ttft_mean_s", "ttft_p90_s"}
+
+
+def replay(tmp_path: Path, name: str, *args: str) -> tuple[str, dict]:
+    trace = synthetic_trace(tmp_path / "trace.jsonl")
+    out_json = tmp_path / f"{name}.json"
     stdout = run(
-        "router_trace.py",
-        "--trace",
-        str(trace),
-        "--workers",
-        "3",
-        "--capacity-tokens",
-        "20000",
-        "--json",
-        str(out_json),
+        "router_trace.py", "--trace", str(trace), "--workers", "3", "--json", str(out_json), *args
     )
-    assert "round_robin" in stdout and "ideal hit rate" in stdout
-    result = json.loads(out_json.read_text())
-    assert {"router", "round_robin", "least_loaded", "ideal_hit_rate"} <= set(result)
+    return stdout, json.loads(out_json.read_text())
+
+
+def check_policies(result: dict, ideal: float) -> None:
     for name in ("router", "round_robin", "least_loaded"):
         r = result[name]
-        assert set(r) == {"hit_rate", "max_mean_load", "ttft_mean_s", "ttft_p90_s"}
-        assert 0 <= r["hit_rate"] <= result["ideal_hit_rate"] and r["max_mean_load"] >= 1
+        assert set(r) == POLICY_KEYS
+        assert 0 <= r["gpu_hit_rate"] <= r["hit_rate"] <= ideal and r["max_mean_load"] >= 1
         assert r["ttft_mean_s"] > 0 and r["ttft_p90_s"] > 0
+
+
+def test_trace_replay_on_a_synthetic_trace(tmp_path):
+    stdout, result = replay(tmp_path, "gpu", "--capacity-tokens", "20000")
+    assert "round_robin" in stdout and "ideal hit rate" in stdout
+    assert {"router", "round_robin", "least_loaded", "ideal_hit_rate", "gpu_only"} <= set(result)
+    check_policies(result, result["ideal_hit_rate"])
+    check_policies(result["gpu_only"], result["ideal_hit_rate"])
     # Later turns reuse earlier ones: an infinite cache hits, the router does too.
     assert result["ideal_hit_rate"] > 0.5
-    assert result["router"]["hit_rate"] > 0.3
+    assert result["gpu_only"]["router"]["hit_rate"] > 0.3
+
+
+def test_kvstore_tier_is_shared_by_every_policy_and_zero_turns_it_off(tmp_path):
+    # GPU caches too small for a conversation (10 blocks each): only the kvstore keeps them.
+    _, with_store = replay(tmp_path, "both", "--capacity-tokens", "5120")
+    _, gpu_only = replay(
+        tmp_path, "off", "--capacity-tokens", "5120", "--kvstore-capacity-tokens", "0"
+    )
+    assert "gpu_only" not in gpu_only
+    for name in ("router", "round_robin", "least_loaded"):
+        assert with_store["gpu_only"][name] == gpu_only[name]
+        assert gpu_only[name]["hit_rate"] == gpu_only[name]["gpu_hit_rate"]
+        # Round robin spreads each conversation over every worker; the kvstore still serves it.
+        assert with_store[name]["hit_rate"] > gpu_only[name]["hit_rate"]
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not on PATH")
