@@ -30,10 +30,11 @@ import structlog
 from kvmesh.common.v1 import accounting_pb2, kv_pb2, sampling_pb2, worker_pb2
 from kvmesh.decode.v1 import decode_pb2
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
-from kvmesh.errors import InvalidArgument, KvmeshError, NotFound, ResourceExhausted, Unavailable
+from kvmesh.errors import InvalidArgument, KvmeshError, ResourceExhausted, Unavailable
 from kvmesh.gateway.v1 import gateway_pb2
 from kvmesh.prefill.v1 import prefill_pb2
 from kvmesh.router.v1 import router_pb2
+from services.gateway.auth import ANONYMOUS, tenant_cache_salt
 from services.gateway.backends import Backends
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model import ServedModel
@@ -81,6 +82,11 @@ class Gateway:
     def inflight(self) -> int:
         return self._inflight
 
+    @property
+    def max_inflight(self) -> int:
+        """Generation requests in flight at most; more are refused with RESOURCE_EXHAUSTED."""
+        return self._max_inflight
+
     # -- the unary API -------------------------------------------------------
 
     def list_models(self) -> list[gateway_pb2.ModelInfo]:
@@ -90,7 +96,7 @@ class Gateway:
         return [gateway_pb2.ModelInfo(id=m.name, max_model_len=m.max_model_len, owned_by=owner, created=m.created)]
 
     def tokenize(self, request: gateway_pb2.TokenizeRequest) -> list[int]:
-        self._check_model(request.model)
+        self.model.check_name(request.model)
         which = request.WhichOneof("input")
         if which == "text":
             return self.model.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
@@ -100,12 +106,13 @@ class Gateway:
 
     # -- the streaming API ---------------------------------------------------
 
-    def generate(self, request: gateway_pb2.GenerateRequest, request_id: str) -> Chunks:
-        return self._serve("generate", request_id, request, lambda: self._text_prompt(request))
+    def generate(self, request: gateway_pb2.GenerateRequest, request_id: str, tenant: str = ANONYMOUS) -> Chunks:
+        """``tenant`` is the authenticated caller's (``auth.ApiKeys``): it scopes the request's cache salt."""
+        return self._serve("generate", request_id, tenant, request, lambda: self._text_prompt(request))
 
-    def chat(self, request: gateway_pb2.ChatRequest, request_id: str) -> Chunks:
+    def chat(self, request: gateway_pb2.ChatRequest, request_id: str, tenant: str = ANONYMOUS) -> Chunks:
         """Chat yields the same chunks as generate; the servicer re-wraps them as ChatResponse."""
-        return self._serve("chat", request_id, request, lambda: self._chat_prompt(request.messages))
+        return self._serve("chat", request_id, tenant, request, lambda: self._chat_prompt(request.messages))
 
     async def wait_idle(self) -> None:
         """Wait for lease aborts still on their way (shutdown, tests)."""
@@ -116,6 +123,7 @@ class Gateway:
         self,
         method: str,
         request_id: str,
+        tenant: str,
         request: gateway_pb2.GenerateRequest | gateway_pb2.ChatRequest,
         prompt: Callable[[], list[int]],
     ) -> Chunks:
@@ -127,13 +135,14 @@ class Gateway:
         self._metrics.inflight.inc()
         outcome, stream = "internal", None
         try:
-            self._check_model(request.model)
+            self.model.check_name(request.model)
             prompt_ids = prompt()
             sampling = request.sampling
             validate_prompt(prompt_ids, sampling.max_tokens, self.model.vocab_size, self.model.max_model_len)
             validate_sampling(sampling, self.model.vocab_size)
             prepare_ns = time.monotonic_ns() - received
-            job = Job(method, request_id, prompt_ids, sampling, request.cache_salt.encode(), received, prepare_ns)
+            salt = tenant_cache_salt(tenant, request.cache_salt)
+            job = Job(method, request_id, prompt_ids, sampling, salt, received, prepare_ns)
             stream = ResponseStream(job, self._metrics)
             async with aclosing(self._run(job, stream)) as chunks:
                 async for chunk in chunks:
@@ -317,10 +326,6 @@ class Gateway:
             cache_salt=job.cache_salt,
             **prefill,
         )
-
-    def _check_model(self, model: str) -> None:
-        if model and model != self.model.name:
-            raise NotFound(f"model {model!r} is not served here; this gateway serves {self.model.name!r}")
 
     def _text_prompt(self, request: gateway_pb2.GenerateRequest) -> list[int]:
         which = request.WhichOneof("prompt")

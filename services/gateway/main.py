@@ -1,7 +1,9 @@
 """Entry point of the gateway: ``python -m services.gateway.main``.
 
 It loads the model folder's tokenizer and config only (never the weights) and
-talks to the router, prefill and decode workers over gRPC.
+talks to the router, prefill and decode workers over gRPC. It serves the
+public gRPC API and the OpenAI-compatible HTTP API from one process, on one
+gateway core, with one set of API keys.
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ from pathlib import Path
 import structlog
 
 from kvmesh.runtime import Flag, ServiceContext, ServiceDef, run
+from services.gateway.auth import ApiKeys
 from services.gateway.core import Gateway
 from services.gateway.grpc_backends import GrpcBackends
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.http_app import HttpApi
+from services.gateway.http_server import HttpServer
+from services.gateway.metrics import GatewayMetrics, HttpMetrics
 from services.gateway.model import ServedModel
 from services.gateway.server import gateway_service
 
@@ -29,7 +34,16 @@ FLAGS = [
     Flag("--prefill-timeout-seconds", "deadline of a Prefill call", default=600.0, type=float),
     Flag("--stream-idle-timeout-seconds", "longest silence of a decode stream before it counts as failed",
          default=600.0, type=float),
+    Flag("--http-host", "address of the OpenAI-compatible HTTP API (default: --host's)"),
+    Flag("--http-port", "port of the OpenAI-compatible HTTP API (0: a free port)", default=8000, type=int),
+    Flag("--api-keys-file", "file of API keys, one 'key [tenant]' per line (no keys anywhere: auth off)"),
+    Flag("--api-keys", "comma-separated 'key [tenant]' entries; prefer KVMESH_API_KEYS or the file to the command line"),
 ]
+
+# Where the runtime's common flags are absent (tests building the gateway with its own
+# flags only), the runtime's defaults.
+_DEFAULT_HOST = "127.0.0.1"
+_DEFAULT_GRACE_SECONDS = 30.0
 
 
 def _model_path(flag: str | None) -> Path:
@@ -56,11 +70,29 @@ def build(ctx: ServiceContext) -> ServiceDef:
         metrics=GatewayMetrics(ctx.registry),
     )
 
+    keys = _api_keys(args.api_keys_file, args.api_keys)
+    log.info("api keys", auth="on" if keys.enabled else "off")
+    api = HttpApi(gateway, keys, ctx.registry, HttpMetrics(ctx.registry))
+    http = HttpServer(
+        api,
+        args.http_host or getattr(args, "host", _DEFAULT_HOST),
+        args.http_port,
+        getattr(args, "grace_seconds", _DEFAULT_GRACE_SECONDS),
+    )
+
     async def stop() -> None:
+        await http.stop()
         await gateway.wait_idle()  # lease aborts still on their way
         await backends.close()
 
-    return ServiceDef(services=[gateway_service(gateway)], stop=stop)
+    return ServiceDef(services=[gateway_service(gateway, keys)], start=http.start, drain=http.drain, stop=stop)
+
+
+def _api_keys(path: str | None, listed: str | None) -> ApiKeys:
+    try:
+        return ApiKeys.load(path, listed)
+    except OSError as e:
+        raise ValueError(f"--api-keys-file {path}: {e.strerror}") from None
 
 
 def main() -> None:

@@ -41,3 +41,23 @@ class GatewayMetrics:
             ["stage"],
             registry=reg,
         )
+
+
+class HttpMetrics:
+    """The OpenAI HTTP API's requests, the way the runtime counts RPCs."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        reg = registry if registry is not None else CollectorRegistry()
+        self.requests = Counter(
+            "kvmesh_http_requests",
+            "HTTP requests finished, by route and status (\"cancelled\": the client hung up).",
+            ["route", "status"],
+            registry=reg,
+        )
+        self.duration = Histogram(
+            "kvmesh_http_request_duration_seconds",
+            "HTTP request duration, to the end of the body (whole stream for streamed responses).",
+            ["route"],
+            buckets=_TTFT_BUCKETS,
+            registry=reg,
+        )

@@ -13,7 +13,13 @@ from pathlib import Path
 
 from kvmesh.engine.config import ModelConfig
 from kvmesh.engine.tokenizer import Tokenizer
-from kvmesh.errors import ModelLoadError
+from kvmesh.errors import ModelLoadError, NotFound
+
+
+class UnknownModel(NotFound):
+    """A request named a model this gateway does not serve."""
+
+    reason = "model_not_found"
 
 
 @dataclass(frozen=True)
@@ -48,3 +54,8 @@ class ServedModel:
             label=config.raw.get("kvmesh_label"),
             created=int(time.time()),
         )
+
+    def check_name(self, requested: str) -> None:
+        """Requests may name this model or leave the name empty."""
+        if requested and requested != self.name:
+            raise UnknownModel(f"model {requested!r} is not served here; this gateway serves {self.name!r}")

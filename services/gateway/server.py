@@ -1,4 +1,8 @@
-"""The public ``kvmesh.gateway.v1.GatewayService``: protobuf in, gateway core calls, protobuf out."""
+"""The public ``kvmesh.gateway.v1.GatewayService``: protobuf in, gateway core calls, protobuf out.
+
+Every call first checks the caller's API key (``authorization: Bearer <key>``
+metadata) with the same ``ApiKeys`` the HTTP API uses.
+"""
 
 from __future__ import annotations
 
@@ -9,26 +13,33 @@ import grpc
 
 from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from kvmesh.runtime import GrpcService, current_request_id, new_request_id
+from services.gateway.auth import ApiKeys
 from services.gateway.core import Gateway
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, keys: ApiKeys) -> None:
         self._gateway = gateway
+        self._keys = keys
+
+    def _tenant(self, context: grpc.aio.ServicerContext) -> str:
+        return self._keys.tenant_from_metadata(context.invocation_metadata())
 
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         # aclosing: when the client cancels, the core's generator is closed now
         # (not at garbage collection), which cancels the downstream calls.
-        async with aclosing(self._gateway.generate(request, _request_id())) as chunks:
+        tenant = self._tenant(context)
+        async with aclosing(self._gateway.generate(request, _request_id(), tenant)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
     async def Chat(
         self, request: gateway_pb2.ChatRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.ChatResponse]:
-        async with aclosing(self._gateway.chat(request, _request_id())) as chunks:
+        tenant = self._tenant(context)
+        async with aclosing(self._gateway.chat(request, _request_id(), tenant)) as chunks:
             async for chunk in chunks:
                 yield gateway_pb2.ChatResponse(
                     request_id=chunk.request_id,
@@ -42,11 +53,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def Tokenize(
         self, request: gateway_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.TokenizeResponse:
+        self._tenant(context)
         return gateway_pb2.TokenizeResponse(token_ids=self._gateway.tokenize(request))
 
     async def ListModels(
         self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.ListModelsResponse:
+        self._tenant(context)
         return gateway_pb2.ListModelsResponse(models=self._gateway.list_models())
 
 
@@ -55,10 +68,10 @@ def _request_id() -> str:
     return current_request_id() or new_request_id()
 
 
-def gateway_service(gateway: Gateway) -> GrpcService:
+def gateway_service(gateway: Gateway, keys: ApiKeys) -> GrpcService:
     """The servicer registered the way ``ServiceDef`` wants it."""
     return GrpcService(
         gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"],
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server,
-        GatewayServicer(gateway),
+        GatewayServicer(gateway, keys),
     )

@@ -16,6 +16,12 @@ from kvmesh.errors import InvalidArgument
 MAX_TOP_LOGPROBS = 20
 
 
+class PromptTooLong(InvalidArgument):
+    """The prompt (with the tokens asked for) does not fit the model's context."""
+
+    reason = "context_length_exceeded"
+
+
 def validate_sampling(s: sampling_pb2.SamplingParams, vocab_size: int) -> None:
     if s.HasField("temperature") and not (math.isfinite(s.temperature) and s.temperature >= 0):
         raise InvalidArgument(f"sampling.temperature must be >= 0, got {s.temperature}")
@@ -38,12 +44,12 @@ def validate_prompt(prompt_ids: Sequence[int], max_tokens: int, vocab_size: int,
         raise InvalidArgument("prompt is empty")
     _check_ids("prompt", prompt_ids, vocab_size)
     if len(prompt_ids) >= max_model_len:
-        raise InvalidArgument(
+        raise PromptTooLong(
             f"prompt has {len(prompt_ids)} tokens; the model's context is {max_model_len} "
             "(room for at least one new token is needed)"
         )
     if max_tokens and len(prompt_ids) + max_tokens > max_model_len:
-        raise InvalidArgument(
+        raise PromptTooLong(
             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
             f"context of {max_model_len} tokens"
         )

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.engine.default_model import train_tokenizer, write_tokenizer
 from kvmesh.launcher.supervisor import Mesh
-from kvmesh.launcher.topology import MeshOptions, build_topology
+from kvmesh.launcher.topology import MeshOptions, build_topology, free_port
 from tests.engine.conftest import VOCAB, write_checkpoint
 
 BLOCK = 16
@@ -35,11 +35,19 @@ def start_mesh(
         "router": {"KVMESH_LOCAL_PREFILL_MAX_UNCACHED_TOKENS": "0", "KVMESH_LOCAL_PREFILL_MIN_HIT_FRACTION": "2"},
         "prefill": {"KVMESH_NUM_BLOCKS": "128"},
         "decode": {"KVMESH_NUM_BLOCKS": "128"},
+        # A free port for the OpenAI HTTP API rather than its default 8000, so meshes can run side by side.
+        "gateway": {"KVMESH_HTTP_PORT": str(free_port())},
     }
     for role, extra in (role_env or {}).items():
         env[role] = {**env.get(role, {}), **extra}
     options = MeshOptions(model=model, decode=decode_workers, gateway_port=0, grace_seconds=3.0, role_env=env)
     return Mesh(build_topology(options, run_dir), run_dir).start()
+
+
+def http_url(mesh: Mesh) -> str:
+    """The base URL of the gateway's OpenAI-compatible HTTP API."""
+    gateway = mesh.topology.get("gateway")
+    return f"http://{gateway.host}:{gateway.env['KVMESH_HTTP_PORT']}"
 
 
 def metrics(mesh: Mesh, process: str) -> dict[str, float]:

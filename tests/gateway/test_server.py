@@ -31,7 +31,7 @@ async def mesh() -> AsyncIterator[Mesh]:
 
 @asynccontextmanager
 async def running_gateway(model_dir: Path, mesh: Mesh, *flags: str) -> AsyncIterator[tuple[gateway_pb2_grpc.GatewayServiceStub, Runtime]]:
-    argv = ["--router-address", mesh.address, "--model", str(model_dir), "--model-name", "tiny", *flags]
+    argv = ["--router-address", mesh.address, "--model", str(model_dir), "--model-name", "tiny", "--http-port", "0", *flags]
     async with serve("gateway", build, parse_flags("kvmesh-gateway", FLAGS, argv, environ={})) as rt:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{rt.port}") as channel:
             yield gateway_pb2_grpc.GatewayServiceStub(channel), rt

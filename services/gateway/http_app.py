@@ -1,0 +1,144 @@
+"""The OpenAI-compatible HTTP API as an aiohttp application, on the gateway core the gRPC API uses.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models(/{model}),
+GET /health, GET /metrics, GET /openapi.json.
+
+Middlewares, outermost first:
+- observe: binds the request id (``x-request-id`` header, or a new one) for
+  logs and every call into the mesh, returns it as a header, records the HTTP
+  metrics and logs one line per request;
+- errors: turns every exception into OpenAI's error body (``openai_errors``);
+- auth: the ``/v1`` routes need a valid API key when keys are configured.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from kvmesh.errors import KvmeshError, Unavailable
+from kvmesh.runtime import METADATA_KEY, new_request_id, request_id_scope
+from services.gateway.auth import AUTHORIZATION, ApiKeys
+from services.gateway.core import Gateway
+from services.gateway.http_context import REQUEST_ID, TENANT
+from services.gateway.metrics import HttpMetrics
+from services.gateway.openai_errors import error_body
+from services.gateway.openai_responses import Health, Model, ModelList
+from services.gateway.openai_serving import OpenAIServing, json_response
+from services.gateway.openapi import Served, openapi_document
+
+log = structlog.get_logger("kvmesh.gateway.http")
+
+# Prompts of 100k+ tokens sent as token ids are several MiB of JSON.
+MAX_BODY_BYTES = 64 << 20
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class HttpApi:
+    def __init__(self, gateway: Gateway, keys: ApiKeys, registry: CollectorRegistry, metrics: HttpMetrics) -> None:
+        self._gateway = gateway
+        self._keys = keys
+        self._registry = registry
+        self._metrics = metrics
+        self._serving = OpenAIServing(gateway)
+        served = Served(gateway.model.name, gateway.model.vocab_size, gateway.model.max_model_len, gateway.max_inflight)
+        self._openapi = openapi_document(served, keys.enabled)
+        self.draining = False  # set when shutdown begins: /health says so, new generations are refused
+
+        app = web.Application(middlewares=[self._observe, self._errors, self._auth], client_max_size=MAX_BODY_BYTES)
+        app.on_response_prepare.append(_add_request_id)
+        app.router.add_post("/v1/completions", self._generation(self._serving.completions))
+        app.router.add_post("/v1/chat/completions", self._generation(self._serving.chat))
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model}", self._model)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._prometheus)
+        app.router.add_get("/openapi.json", self._openapi_json)
+        self.app = app
+
+    # -- middlewares -----------------------------------------------------------
+
+    @web.middleware
+    async def _observe(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        rid = request.headers.get(METADATA_KEY) or new_request_id()
+        request[REQUEST_ID] = rid
+        start = time.perf_counter()
+        status = "cancelled"  # unless a response comes back: the client hung up
+        with request_id_scope(rid):
+            try:
+                response = await handler(request)
+                status = str(response.status)
+                return response
+            finally:
+                elapsed = time.perf_counter() - start
+                self._metrics.requests.labels(route, status).inc()
+                self._metrics.duration.labels(route).observe(elapsed)
+                # Successes at debug, like the RPC interceptor's: health checks and scrapes are frequent.
+                level = log.info if status == "cancelled" or int(status) >= 400 else log.debug
+                level("http request", method=request.method, path=request.path, status=status,
+                      duration_ms=round(elapsed * 1e3, 3))
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except Exception as e:  # noqa: BLE001 - this is where every error becomes an OpenAI error body
+            status, body = error_body(e, request[REQUEST_ID])
+            if status >= 500 and not isinstance(e, KvmeshError):
+                log.error("http request crashed", exc_info=e)
+            elif status >= 500:
+                log.warning("http request failed", status=status, error=body.error.message)
+            response = json_response(body, status)
+            if isinstance(e, web.HTTPMethodNotAllowed):
+                response.headers["Allow"] = e.headers["Allow"]
+            return response
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path.startswith("/v1/"):
+            request[TENANT] = self._keys.tenant(request.headers.get(AUTHORIZATION))
+        return await handler(request)
+
+    # -- routes ----------------------------------------------------------------
+
+    def _generation(self, handler: Handler) -> Handler:
+        async def generate(request: web.Request) -> web.StreamResponse:
+            if self.draining:
+                raise Unavailable("the gateway is shutting down; retry on another replica")
+            return await handler(request)
+
+        return generate
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return json_response(ModelList(data=[self._model_info()]))
+
+    async def _model(self, request: web.Request) -> web.Response:
+        self._gateway.model.check_name(request.match_info["model"])
+        return json_response(self._model_info())
+
+    def _model_info(self) -> Model:
+        (info,) = self._gateway.list_models()
+        return Model(id=info.id, created=info.created, owned_by=info.owned_by, max_model_len=info.max_model_len)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return json_response(Health(status="draining"), 503)
+        return json_response(Health(status="ok"))
+
+    async def _prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self._registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _openapi_json(self, request: web.Request) -> web.Response:
+        return web.json_response(self._openapi)
+
+
+async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    if REQUEST_ID in request:
+        response.headers[METADATA_KEY] = request[REQUEST_ID]

@@ -1,0 +1,219 @@
+"""The gateway core's chunks as OpenAI bodies: stream chunks as they come, and the whole response at the end.
+
+A renderer is fed every chunk of every choice, in arrival order (``add``);
+each call returns the stream chunk for it, and ``response``/``usage`` sum up
+once all choices have ended. Streaming and non-streaming requests go through
+the same renderer, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvmesh.common.v1 import sampling_pb2
+from kvmesh.errors import KvmeshError, Unavailable
+from kvmesh.gateway.v1 import gateway_pb2
+from services.gateway.openai_responses import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    FinishReason,
+    PromptTokensDetails,
+    ResponseMessage,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+
+_FINISH: dict[int, FinishReason] = {
+    sampling_pb2.FINISH_REASON_STOP: "stop",
+    sampling_pb2.FINISH_REASON_LENGTH: "length",
+    # The repetition guard cut a degenerate output short: like "length", the
+    # model did not choose to end there.
+    sampling_pb2.FINISH_REASON_REPETITION: "length",
+    sampling_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
+}
+# What OpenAI sends for a token whose probability underflowed (-inf).
+_LOGPROB_FLOOR = -9999.0
+
+
+def finish_reason(code: int) -> FinishReason:
+    if code in _FINISH:
+        return _FINISH[code]
+    if code == sampling_pb2.FINISH_REASON_ABORT:
+        raise Unavailable("the request was aborted in the mesh (a worker shut down or its KV lease expired); retry it")
+    raise KvmeshError(f"the request ended with {sampling_pb2.FinishReason.Name(code)}")
+
+
+class TokenTexts:
+    """Each token id's own text, for logprobs (cached: the same ids recur all the time)."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+def _logprob(value: float) -> float:
+    return value if math.isfinite(value) else _LOGPROB_FLOOR
+
+
+def _bytes(text: str) -> list[int] | None:
+    """The token's UTF-8 bytes; unknown (None) for a token that is only part of a character on its own."""
+    return None if "\ufffd" in text else list(text.encode())
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    completion_tokens: int = 0
+    started: bool = False
+    finish: FinishReason | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class _Renderer:
+    def __init__(
+        self, response_id: str, created: int, model: str, *, choices: int, per_prompt: int, texts: TokenTexts,
+        logprobs: bool,
+    ) -> None:
+        """``choices`` in all, ``per_prompt`` of them for each prompt (n)."""
+        self.id = response_id
+        self.created = created
+        self.model = model
+        self._per_prompt = per_prompt
+        self._texts = texts
+        self._logprobs = logprobs
+        self._choices = [_Choice() for _ in range(choices)]
+
+    def _record(self, index: int, chunk: gateway_pb2.GenerateResponse) -> tuple[_Choice, FinishReason | None]:
+        choice = self._choices[index]
+        choice.text.append(chunk.text)
+        choice.completion_tokens += len(chunk.token_ids)
+        finish = None
+        if chunk.HasField("final"):
+            finish = choice.finish = finish_reason(chunk.final.finish_reason)
+            choice.prompt_tokens = chunk.final.usage.prompt_tokens
+            choice.cached_tokens = chunk.final.usage.cached_tokens
+        return choice, finish
+
+    def usage(self) -> Usage:
+        """Each prompt counts once however many choices it had (as OpenAI counts).
+
+        Its cached tokens are the fewest any of its choices got from cache:
+        every copy of the prompt was served at least that much from cache.
+        """
+        prompt = cached = 0
+        for start in range(0, len(self._choices), self._per_prompt):
+            group = self._choices[start : start + self._per_prompt]
+            prompt += group[0].prompt_tokens
+            cached += min(c.cached_tokens for c in group)
+        completion = sum(c.completion_tokens for c in self._choices)
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
+
+    def _token_logprob(self, lp: sampling_pb2.TokenLogprob) -> TokenLogprob:
+        token = self._texts(lp.token_id)
+        top = [
+            TopLogprob(token=(t := self._texts(alt.token_id)), logprob=_logprob(alt.logprob), bytes=_bytes(t))
+            for alt in lp.top_logprobs
+        ]
+        return TokenLogprob(token=token, logprob=_logprob(lp.logprob), bytes=_bytes(token), top_logprobs=top)
+
+
+def _no_completion_logprobs() -> CompletionLogprobs:
+    return CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+
+
+class CompletionRenderer(_Renderer):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._choice_logprobs = [_no_completion_logprobs() for _ in self._choices]
+
+    def add(self, index: int, chunk: gateway_pb2.GenerateResponse) -> Completion:
+        choice, finish = self._record(index, chunk)
+        logprobs = None
+        if self._logprobs:
+            logprobs = self._completion_logprobs(chunk.logprobs, self._choice_logprobs[index])
+        text = CompletionChoice(index=index, text=chunk.text, logprobs=logprobs, finish_reason=finish)
+        return Completion(id=self.id, created=self.created, model=self.model, choices=[text], usage=None)
+
+    def _completion_logprobs(self, logprobs: Sequence[sampling_pb2.TokenLogprob], whole: CompletionLogprobs) -> CompletionLogprobs:
+        """This chunk's logprobs, also appended to the choice's; offsets count the tokens' own texts."""
+        offset = whole.text_offset[-1] + len(whole.tokens[-1]) if whole.tokens else 0
+        part = _no_completion_logprobs()
+        for lp in logprobs:
+            token = self._texts(lp.token_id)
+            part.tokens.append(token)
+            part.token_logprobs.append(_logprob(lp.logprob))
+            part.top_logprobs.append({self._texts(a.token_id): _logprob(a.logprob) for a in lp.top_logprobs})
+            part.text_offset.append(offset)
+            offset += len(token)
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(whole, name).extend(getattr(part, name))
+        return part
+
+    def usage_chunk(self) -> Completion:
+        return Completion(id=self.id, created=self.created, model=self.model, choices=[], usage=self.usage())
+
+    def response(self) -> Completion:
+        choices = [
+            CompletionChoice(
+                index=i, text="".join(c.text), logprobs=self._choice_logprobs[i] if self._logprobs else None,
+                finish_reason=c.finish,
+            )
+            for i, c in enumerate(self._choices)
+        ]
+        return Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage())
+
+
+class ChatRenderer(_Renderer):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._choice_logprobs: list[list[TokenLogprob]] = [[] for _ in self._choices]
+
+    def add(self, index: int, chunk: gateway_pb2.GenerateResponse) -> ChatCompletionChunk:
+        first = not self._choices[index].started
+        choice, finish = self._record(index, chunk)
+        choice.started = True
+        logprobs = None
+        if self._logprobs:
+            content = [self._token_logprob(lp) for lp in chunk.logprobs]
+            self._choice_logprobs[index].extend(content)
+            logprobs = ChatLogprobs(content=content)
+        delta = ChatDelta(role="assistant" if first else None, content=chunk.text)
+        piece = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[piece])
+
+    def usage_chunk(self) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=self.usage())
+
+    def response(self) -> ChatCompletion:
+        choices = [
+            ChatChoice(
+                index=i,
+                message=ResponseMessage(content="".join(c.text)),
+                logprobs=ChatLogprobs(content=self._choice_logprobs[i]) if self._logprobs else None,
+                finish_reason=c.finish,
+            )
+            for i, c in enumerate(self._choices)
+        ]
+        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage())

@@ -1,0 +1,245 @@
+"""The OpenAI request bodies the gateway accepts: one pydantic model is both the validation and the OpenAPI schema.
+
+Parsing is strict (JSON types as the schema says: no "5" for 5, no true for 1;
+16.0 is the integer 16, as in JSON Schema) and every field is one of three kinds:
+
+- supported: mapped onto the request's sampling parameters;
+- known but only accepted where harmless (penalties must be 0, ``logit_bias``
+  empty, ``tools`` absent, ...): the schema allows exactly those values, and
+  any other gets a 400 saying the feature is not supported;
+- unknown: ignored, because clients send fields a server may not know.
+
+Structured outputs and tool calls come later: ``response_format``, ``tools``
+and ``tool_choice`` are declared here so they can grow real types in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
+from pydantic_core import PydanticCustomError
+
+from services.gateway.validation import MAX_TOP_LOGPROBS
+
+UINT32_MAX = 2**32 - 1
+# OpenAI's limits.
+MAX_N = 128
+MAX_TEMPERATURE = 2.0
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # int64 like OpenAI, or any uint64 (the mesh's seed type)
+
+
+def _refused(accept: Callable[[Any], bool], why: str) -> BeforeValidator:
+    """Refuse a field's value with ``why`` unless it is absent/null or ``accept`` says it is harmless."""
+
+    def check(value: Any) -> Any:
+        if value is not None and not accept(value):
+            raise PydanticCustomError("unsupported", why)
+        return value
+
+    return BeforeValidator(check)
+
+
+def _never(_: Any) -> bool:
+    return False
+
+
+# Messages name no field: the error reports it ("tools: not supported yet").
+_NOT_YET = _refused(_never, "not supported yet")
+
+
+def _whole_number(value: Any) -> Any:
+    # JSON has one number type: 16.0 is the integer 16 (JSON Schema agrees). Anything else is
+    # left to strict validation, which refuses strings, booleans and fractions.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _integer(ge: int, le: int) -> Any:
+    # The bounds go before the validator, or pydantic's JSON schema misnames them ("ge" for "minimum").
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_whole_number)]
+
+
+Choices = _integer(1, MAX_N)
+TokenCount = _integer(1, UINT32_MAX)
+Seed = _integer(SEED_MIN, SEED_MAX)
+TopK = _integer(0, UINT32_MAX)
+TopLogprobs = _integer(0, MAX_TOP_LOGPROBS)
+TokenId = _integer(0, UINT32_MAX)
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+# -- shared pieces -------------------------------------------------------------
+
+Text = Annotated[str, Field(min_length=1)]
+
+
+class StreamOptions(Body):
+    include_usage: bool | None = Field(None, description="Send a last chunk with the request's usage (and no choices).")
+
+
+_penalty_refused = _refused(lambda v: v == 0, "not supported (kvmesh has no repetition penalties): only 0 is accepted")
+
+
+class SamplingFields(Body):
+    """What completions and chat share."""
+
+    model: str = Field(min_length=1, description="A model id from GET /v1/models.")
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, description="0: greedy. Default 1.")
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: Choices | None = Field(None, description="Choices to generate; each runs as its own request.")
+    stop: Text | list[Text] | None = Field(None, description="Stop before any of these strings (not included).")
+    seed: Seed | None = Field(None, description="Reproducible sampling; choice i of n uses seed + i.")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = Field(None, description="Only with stream: true.")
+    user: str | None = Field(None, description="The end user, for logs.")
+    presence_penalty: Annotated[float | None, _penalty_refused] = Field(None, ge=0, le=0)
+    frequency_penalty: Annotated[float | None, _penalty_refused] = Field(None, ge=0, le=0)
+    logit_bias: Annotated[
+        dict[str, float] | None, _refused(lambda v: v == {}, "not supported: only an empty object is accepted")
+    ] = Field(None, max_length=0)
+    # kvmesh extensions (also understood by other OpenAI-compatible servers).
+    top_k: TopK | None = Field(None, description="kvmesh extension: 0 = off.")
+    min_p: float | None = Field(None, ge=0, lt=1, description="kvmesh extension: 0 = off.")
+    ignore_eos: bool | None = Field(None, description="kvmesh extension: keep generating past EOS (benchmarks).")
+    cache_salt: str | None = Field(
+        None, description="kvmesh extension: share cached prefixes only with requests of the same salt (within a tenant)."
+    )
+
+
+# -- completions ---------------------------------------------------------------
+
+Prompt = (
+    Text
+    | Annotated[list[Text], Field(min_length=1)]
+    | Annotated[list[TokenId], Field(min_length=1)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+)
+
+# OpenAI's default for the legacy completions API.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt = Field(
+        description="A string, a list of strings, a list of token ids or a list of those; one choice set per prompt."
+    )
+    max_tokens: TokenCount | None = DEFAULT_COMPLETION_MAX_TOKENS
+    logprobs: TopLogprobs | None = Field(None, description="Return each token's logprob and this many alternatives.")
+    echo: Annotated[Literal[False] | None, _refused(lambda v: v is False, "not supported: only false is accepted")] = None
+    suffix: Annotated[None, _NOT_YET] = None
+    best_of: Choices | None = Field(None, description="Only equal to n (no server-side ranking).")
+
+
+# -- chat ----------------------------------------------------------------------
+
+
+def _text_parts_only(value: Any) -> Any:
+    if isinstance(value, list):
+        for part in value:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind is not None and kind != "text":
+                raise PydanticCustomError(
+                    "unsupported", "only text content parts are supported, not '{kind}' parts", {"kind": str(kind)}
+                )
+    return value
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+# Parts are joined with newlines before the chat template sees them.
+Content = Annotated[str | list[TextPart], BeforeValidator(_text_parts_only)]
+
+
+class SystemMessage(Body):
+    role: Literal["system"]
+    content: Content
+    name: str | None = None
+
+
+class DeveloperMessage(Body):
+    role: Literal["developer"]
+    content: Content
+    name: str | None = None
+
+
+class UserMessage(Body):
+    role: Literal["user"]
+    content: Content
+    name: str | None = None
+
+
+class AssistantMessage(Body):
+    role: Literal["assistant"]
+    content: Content | None = None
+    name: str | None = None
+    refusal: str | None = None
+    tool_calls: Annotated[None, _NOT_YET] = None
+    function_call: Annotated[None, _NOT_YET] = None
+
+
+class ToolMessage(Body):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _role(value: Any) -> str | None:
+    role = value.get("role") if isinstance(value, dict) else getattr(value, "role", None)
+    return f"role={role}" if role in ROLES else None
+
+
+# Tags are "role=<role>" so that error locations can tell them from field names.
+Message = Annotated[
+    Annotated[SystemMessage, Tag("role=system")]
+    | Annotated[DeveloperMessage, Tag("role=developer")]
+    | Annotated[UserMessage, Tag("role=user")]
+    | Annotated[AssistantMessage, Tag("role=assistant")]
+    | Annotated[ToolMessage, Tag("role=tool")],
+    Discriminator(
+        _role,
+        custom_error_type="invalid_role",
+        custom_error_message="role must be one of " + ", ".join(ROLES),
+    ),
+]
+
+
+class ResponseFormatText(Body):
+    type: Literal["text"]
+
+
+def _text_format(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("type") == "text"
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: TokenCount | None = Field(
+        None, description="Deprecated by OpenAI: max_completion_tokens wins when both are set."
+    )
+    max_completion_tokens: TokenCount | None = Field(None, description="Default: up to the model's context.")
+    logprobs: bool | None = False
+    top_logprobs: TopLogprobs | None = Field(None, description="Needs logprobs: true.")
+    response_format: Annotated[
+        ResponseFormatText | None, _refused(_text_format, "only type 'text' is supported yet (no structured outputs)")
+    ] = None
+    tools: Annotated[None, _NOT_YET] = None
+    tool_choice: Annotated[None, _NOT_YET] = None
+    parallel_tool_calls: bool | None = Field(None, description="Accepted; meaningful only with tools.")
+    functions: Annotated[None, _NOT_YET] = None
+    function_call: Annotated[None, _NOT_YET] = None
+    audio: Annotated[None, _NOT_YET] = None
+    modalities: list[Literal["text"]] | None = None
+    prediction: Annotated[None, _NOT_YET] = None
+    web_search_options: Annotated[None, _NOT_YET] = None

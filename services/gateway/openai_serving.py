@@ -1,0 +1,132 @@
+"""POST /v1/completions and /v1/chat/completions: parse, run through the gateway core, answer whole or as SSE.
+
+A streamed answer sends its headers only once every choice has its first
+chunk: whatever can refuse a request (validation, an unknown model, admission
+control, no worker) has spoken by then, so those still get their proper HTTP
+status instead of a 200 with an error inside. An error after that travels in
+the stream as an ``{"error": ...}`` event (what OpenAI's clients raise on),
+and the stream ends without ``[DONE]``.
+
+The client hanging up cancels the handler's task (the server runs with
+handler cancellation), which closes the fan-in, which cancels every request
+in the mesh.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import structlog
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from kvmesh.errors import KvmeshError
+from kvmesh.gateway.v1 import gateway_pb2
+from services.gateway.core import Chunks, Gateway
+from services.gateway.fan_in import FanIn
+from services.gateway.http_context import REQUEST_ID, TENANT
+from services.gateway.openai_errors import ParamError, error_body
+from services.gateway.openai_render import ChatRenderer, CompletionRenderer, TokenTexts
+from services.gateway.openai_requests import ChatCompletionRequest, CompletionRequest
+from services.gateway.openai_translate import chat_requests, completion_requests
+
+log = structlog.get_logger("kvmesh.gateway.http")
+
+Body = TypeVar("Body", bound=BaseModel)
+Renderer = CompletionRenderer | ChatRenderer
+
+# X-Accel-Buffering: a proxy in front (nginx) must pass each event on as it comes.
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_DONE = b"data: [DONE]\n\n"
+
+
+async def parse(request: web.Request, model: type[Body]) -> Body:
+    """The request body as ``model``; any problem is a 400 naming the field."""
+    raw = await request.read()
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise ParamError.from_validation(e) from None
+
+
+def json_response(body: BaseModel, status: int = 200) -> web.Response:
+    return web.Response(body=body.model_dump_json(), status=status, content_type="application/json")
+
+
+def _sse(body: BaseModel) -> bytes:
+    return b"data: " + body.model_dump_json().encode() + b"\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, gateway: Gateway) -> None:
+        self._gateway = gateway
+        self._texts = TokenTexts(gateway.model.tokenizer)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = await parse(request, CompletionRequest)
+        core_requests = completion_requests(req, self._gateway.max_inflight)
+        renderer = self._renderer(
+            CompletionRenderer, "cmpl", request, core_requests, req.n or 1, logprobs=req.logprobs is not None
+        )
+        return await self._answer(request, req, renderer, core_requests, self._gateway.generate)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        req = await parse(request, ChatCompletionRequest)
+        core_requests = chat_requests(req, self._gateway.max_inflight)
+        renderer = self._renderer(ChatRenderer, "chatcmpl", request, core_requests, req.n or 1, logprobs=bool(req.logprobs))
+        return await self._answer(request, req, renderer, core_requests, self._gateway.chat)
+
+    def _renderer(
+        self, cls: type[Renderer], prefix: str, request: web.Request, core_requests: Sequence[object], n: int,
+        logprobs: bool,
+    ) -> Renderer:
+        return cls(
+            f"{prefix}-{request[REQUEST_ID]}", int(time.time()), self._gateway.model.name,
+            choices=len(core_requests), per_prompt=n, texts=self._texts, logprobs=logprobs,
+        )
+
+    async def _answer(
+        self,
+        request: web.Request,
+        req: CompletionRequest | ChatCompletionRequest,
+        renderer: Renderer,
+        core_requests: Sequence[gateway_pb2.GenerateRequest | gateway_pb2.ChatRequest],
+        call: Callable[..., Chunks],
+    ) -> web.StreamResponse:
+        rid, tenant = request[REQUEST_ID], request[TENANT]
+        ids = [rid] if len(core_requests) == 1 else [f"{rid}-{i}" for i in range(len(core_requests))]
+        async with FanIn([(sub, call(r, sub, tenant)) for sub, r in zip(ids, core_requests)]) as fan:
+            if not req.stream:
+                while (event := await fan.next()) is not None:
+                    renderer.add(*event)
+                return json_response(renderer.response())
+
+            first = await fan.first_of_each()
+            response = web.StreamResponse(headers=SSE_HEADERS)
+            await response.prepare(request)
+            try:
+                for event in first:
+                    await response.write(_sse(renderer.add(*event)))
+                while (event := await fan.next()) is not None:
+                    await response.write(_sse(renderer.add(*event)))
+            except ConnectionError:
+                raise  # the client is gone: nobody to tell (leaving the fan-in cancels the rest)
+            except Exception as e:  # noqa: BLE001 - the headers are out: report it in the stream
+                await self._stream_error(response, e, rid)
+                return response
+            if req.stream_options is not None and req.stream_options.include_usage:
+                await response.write(_sse(renderer.usage_chunk()))
+            await response.write(_DONE)
+            await response.write_eof()
+            return response
+
+    async def _stream_error(self, response: web.StreamResponse, error: Exception, request_id: str) -> None:
+        status, body = error_body(error, request_id)
+        if isinstance(error, KvmeshError):
+            log.warning("stream ended with an error", status=status, error=body.error.message)
+        else:
+            log.error("stream crashed", exc_info=error)
+        await response.write(_sse(body))
+        await response.write_eof()

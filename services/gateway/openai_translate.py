@@ -1,0 +1,118 @@
+"""From a validated OpenAI request to the gateway core's requests: one per (prompt, choice).
+
+``n`` choices are ``n`` independent requests through the mesh (each routed,
+prefilled and decoded on its own); with a ``seed``, choice ``i`` samples with
+``seed + i``, so the choices differ yet every one is reproducible. Prompts
+come first: the request for prompt ``p``, choice ``i`` is at ``p * n + i``,
+which is the choice index OpenAI reports.
+"""
+
+from __future__ import annotations
+
+from kvmesh.common.v1 import sampling_pb2
+from kvmesh.gateway.v1 import gateway_pb2
+from services.gateway.openai_errors import ParamError
+from services.gateway.openai_requests import ChatCompletionRequest, CompletionRequest, Content, SamplingFields
+
+_SEED_SPACE = 2**64  # the mesh's seeds are uint64; OpenAI's may be negative
+_FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+
+
+def _sampling(req: SamplingFields, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> sampling_pb2.SamplingParams:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
+    params = sampling_pb2.SamplingParams(
+        max_tokens=max_tokens or 0,  # 0: up to the context
+        stop=stop,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        ignore_eos=bool(req.ignore_eos),
+    )
+    if req.temperature is not None:
+        params.temperature = req.temperature
+    if req.top_p is not None:
+        # The contract's float32 rounds a top_p under ~1e-38 to 0, which workers refuse; the
+        # smallest float32 keeps what it means: the most likely token only.
+        params.top_p = max(req.top_p, _FLOAT32_TINY)
+    return params
+
+
+def _choices(req: SamplingFields, prompts: int, limit: int) -> int:
+    """``n``, after the checks that span several fields."""
+    n = req.n or 1
+    if req.stream_options is not None and not req.stream:
+        raise ParamError("stream_options is only allowed with stream: true", "stream_options")
+    if prompts * n > limit:
+        raise ParamError(
+            f"this request asks for {prompts * n} generations ({prompts} prompt(s) x n={n}); "
+            f"this gateway runs at most {limit} at once",
+            "n",
+        )
+    return n
+
+
+def _with_seed(params: sampling_pb2.SamplingParams, seed: int | None, choice: int) -> sampling_pb2.SamplingParams:
+    if seed is None:
+        return params
+    seeded = sampling_pb2.SamplingParams()
+    seeded.CopyFrom(params)
+    seeded.seed = (seed + choice) % _SEED_SPACE
+    return seeded
+
+
+def completion_requests(req: CompletionRequest, limit: int) -> list[gateway_pb2.GenerateRequest]:
+    """One request per (prompt, choice); ``limit`` caps their number (the gateway's in-flight limit)."""
+    prompts = _prompts(req.prompt)
+    n = _choices(req, len(prompts), limit)
+    if req.best_of is not None and req.best_of != n:
+        raise ParamError(f"best_of must equal n ({n}): kvmesh does not rank extra completions", "best_of")
+    logprobs = req.logprobs is not None
+    params = _sampling(req, req.max_tokens, logprobs, req.logprobs or 0)
+    requests = []
+    for prompt in prompts:
+        for i in range(n):
+            r = gateway_pb2.GenerateRequest(
+                model=req.model, sampling=_with_seed(params, req.seed, i), cache_salt=req.cache_salt or "",
+                user=req.user or "",
+            )
+            if isinstance(prompt, str):
+                r.text = prompt
+            else:
+                r.token_ids.ids.extend(prompt)
+            requests.append(r)
+    return requests
+
+
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """One or more prompts (the schema has made sure none is empty)."""
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def chat_requests(req: ChatCompletionRequest, limit: int) -> list[gateway_pb2.ChatRequest]:
+    n = _choices(req, 1, limit)
+    if req.top_logprobs and not req.logprobs:
+        raise ParamError("top_logprobs needs logprobs: true", "top_logprobs")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = _sampling(req, max_tokens, bool(req.logprobs), req.top_logprobs or 0)
+    messages = [
+        gateway_pb2.ChatMessage(role=m.role, content=_text(m.content), name=getattr(m, "name", None) or "")
+        for m in req.messages
+    ]
+    return [
+        gateway_pb2.ChatRequest(
+            model=req.model, messages=messages, sampling=_with_seed(params, req.seed, i),
+            cache_salt=req.cache_salt or "", user=req.user or "",
+        )
+        for i in range(n)
+    ]
+
+
+def _text(content: Content | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "\n".join(part.text for part in content)

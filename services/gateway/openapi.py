@@ -1,0 +1,183 @@
+"""The OpenAPI 3.1 document served at GET /openapi.json.
+
+Built from the same pydantic models that validate requests and serialize
+responses, and from the statuses the error mapping can produce, so the
+document says what the server does. It depends on what is served: the model's
+name, vocabulary and context, and the gateway's in-flight limit bound the
+request fields (beyond them the server answers 400 or 404), and with API keys
+on, the ``/v1`` operations require a bearer token and may answer 401.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib.metadata import version
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from services.gateway.openai_requests import ChatCompletionRequest, CompletionRequest
+from services.gateway.openai_responses import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    ErrorResponse,
+    Health,
+    Model,
+    ModelList,
+)
+
+_REQUESTS = (CompletionRequest, ChatCompletionRequest)
+_RESPONSES = (Completion, ChatCompletion, ChatCompletionChunk, Model, ModelList, Health, ErrorResponse)
+
+# What a generation request can be answered with besides 200 (401 is added with auth):
+# bad input, an unknown model, a conflict a worker reported, a body over the size limit,
+# admission control, a bug, no worker / a dead one.
+_GENERATION_ERRORS = {
+    400: "Invalid request: a parameter, the prompt's length, an unsupported feature.",
+    404: "Unknown model.",
+    409: "A worker aborted the request.",
+    413: "Request body too large.",
+    429: "Too many requests in flight: retry later.",
+    500: "Internal error.",
+    503: "No worker available, or the mesh failed the request.",
+}
+
+
+@dataclass(frozen=True)
+class Served:
+    """What the document's bounds come from."""
+
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    max_generations: int  # requests in flight at most: n (times the prompts) cannot exceed it
+
+
+def _integers(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every integer schema within ``schema`` (through anyOf and array items)."""
+    if schema.get("type") == "integer":
+        yield schema
+    for branch in schema.get("anyOf", []):
+        yield from _integers(branch)
+    if isinstance(schema.get("items"), dict):
+        yield from _integers(schema["items"])
+
+
+def _bound(schemas: dict[str, Any], served: Served) -> None:
+    for request in _REQUESTS:
+        fields = schemas[request.__name__]["properties"]
+        fields["model"]["enum"] = [served.model_name]  # any other name is a 404
+        maxima = {"max_tokens": served.max_model_len - 1, "max_completion_tokens": served.max_model_len - 1,
+                  "n": served.max_generations, "best_of": served.max_generations, "prompt": served.vocab_size - 1}
+        for name, maximum in maxima.items():
+            for integer in _integers(fields.get(name, {})):
+                integer["maximum"] = min(integer.get("maximum", maximum), maximum)
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _json(model: type[BaseModel]) -> dict[str, Any]:
+    return {"application/json": {"schema": _ref(model)}}
+
+
+def _errors(statuses: dict[int, str]) -> dict[str, Any]:
+    return {str(s): {"description": d, "content": _json(ErrorResponse)} for s, d in statuses.items()}
+
+
+def _generation(summary: str, request: type[BaseModel], response: type[BaseModel], chunk: type[BaseModel],
+                errors: dict[int, str]) -> dict[str, Any]:
+    # OpenAPI 3.1 describes each server-sent event; its data is one JSON chunk, an error, or [DONE].
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {
+                "type": "string",
+                "description": f"One {chunk.__name__} as JSON, then `[DONE]`; an error after the first chunk "
+                "comes as an ErrorResponse and ends the stream (no `[DONE]`).",
+                "anyOf": [
+                    {"const": "[DONE]"},
+                    {"contentMediaType": "application/json",
+                     "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}},
+                ],
+            }
+        },
+    }
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": _json(request)},
+            "responses": {
+                "200": {
+                    "description": "The whole response, or with stream: true a stream of chunks.",
+                    "content": {**_json(response), "text/event-stream": {"schema": event}},
+                },
+                **_errors(errors),
+            },
+        }
+    }
+
+
+def _get(summary: str, responses: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"get": {"summary": summary, "responses": responses, **extra}}
+
+
+def _ok(description: str, content: dict[str, Any]) -> dict[str, Any]:
+    return {"200": {"description": description, "content": content}}
+
+
+def openapi_document(served: Served, auth: bool) -> dict[str, Any]:
+    _, top = models_json_schema(
+        [(m, "validation") for m in _REQUESTS] + [(m, "serialization") for m in _RESPONSES],
+        ref_template="#/components/schemas/{model}",
+    )
+    schemas = top["$defs"]
+    _bound(schemas, served)
+    auth_errors = {401: "Missing or invalid API key."} if auth else {}
+    generation_errors = dict(sorted((_GENERATION_ERRORS | auth_errors).items()))
+    text = {"text/plain": {"schema": {"type": "string"}}}
+    paths: dict[str, Any] = {
+        "/v1/completions": _generation(
+            "Complete prompts.", CompletionRequest, Completion, Completion, generation_errors
+        ),
+        "/v1/chat/completions": _generation(
+            "Complete a conversation (the model's chat template is applied).",
+            ChatCompletionRequest, ChatCompletion, ChatCompletionChunk, generation_errors,
+        ),
+        "/v1/models": _get("The models served.", _ok("The models.", _json(ModelList)) | _errors(auth_errors)),
+        "/v1/models/{model}": _get(
+            "One model.",
+            _ok("The model.", _json(Model)) | _errors(dict(sorted(({404: "Unknown model."} | auth_errors).items()))),
+            parameters=[{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+        ),
+        "/health": _get(
+            "Whether the gateway takes requests.",
+            _ok("Serving.", _json(Health)) | {"503": {"description": "Shutting down.", "content": _json(Health)}},
+        ),
+        "/metrics": _get("Prometheus metrics (the same as the metrics port's).", _ok("Prometheus text format.", text)),
+        "/openapi.json": _get(
+            "This document.", _ok("OpenAPI 3.1.", {"application/json": {"schema": {"type": "object"}}})
+        ),
+    }
+    document: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "kvmesh OpenAI-compatible API",
+            "version": version("kvmesh"),
+            "description": f"Serves the model {served.model_name!r}.",
+        },
+        "paths": paths,
+        "components": {"schemas": schemas},
+    }
+    if auth:
+        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        for path, item in paths.items():
+            if path.startswith("/v1/"):
+                for operation in item.values():
+                    operation["security"] = [{"bearer": []}]
+    return document

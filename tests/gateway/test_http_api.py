@@ -1,0 +1,233 @@
+"""The OpenAI HTTP API on the gateway core over the fake mesh: requests, streaming, parameters, fan-out.
+
+The server is the real one (``HttpServer`` on a free port, handler
+cancellation on); the client is the official ``openai`` package, or aiohttp
+where the raw bytes matter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import aiohttp
+import openai
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kvmesh.common.v1 import sampling_pb2
+from services.gateway.auth import ApiKeys
+from services.gateway.core import Gateway
+from services.gateway.http_app import HttpApi
+from services.gateway.http_server import HttpServer
+from services.gateway.metrics import HttpMetrics
+from services.gateway.model import ServedModel
+from tests.gateway.fakes import FakeMesh
+from tests.gateway.helpers import PROMPT, make_gateway
+
+TEXT = "<7><11><12><13>"  # what the fake mesh generates: the first token, then DECODE_TOKENS
+
+
+@dataclass
+class Served:
+    url: str
+    gateway: Gateway
+    api: HttpApi
+    registry: CollectorRegistry
+
+    def client(self, api_key: str = "unused") -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=30)
+
+
+@asynccontextmanager
+async def http_gateway(model: ServedModel, mesh: FakeMesh, keys: ApiKeys | None = None, **gateway_kwargs) -> AsyncIterator[Served]:
+    """The HTTP API on a gateway core over ``mesh``, on a free port."""
+    gateway = make_gateway(model, mesh, **gateway_kwargs)
+    registry = CollectorRegistry()
+    api = HttpApi(gateway, keys or ApiKeys(), registry, HttpMetrics(registry))
+    server = HttpServer(api, "127.0.0.1", 0, grace_seconds=1.0)
+    await server.start()
+    try:
+        yield Served(f"http://127.0.0.1:{server.port}", gateway, api, registry)
+    finally:
+        await server.stop()
+        await gateway.wait_idle()
+
+
+@pytest.fixture
+def mesh() -> FakeMesh:
+    return FakeMesh()
+
+
+async def test_a_completion_of_token_ids_with_usage(model, mesh) -> None:
+    async with http_gateway(model, mesh) as served:
+        done = await served.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=4)
+
+    assert done.object == "text_completion" and done.model == "tiny" and done.id.startswith("cmpl-")
+    [choice] = done.choices
+    assert (choice.index, choice.text, choice.finish_reason, choice.logprobs) == (0, TEXT, "length", None)
+    usage = done.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (len(PROMPT), 4, len(PROMPT) + 4)
+    assert usage.prompt_tokens_details.cached_tokens == 16  # what the fake prefill worker reused
+    [route] = mesh.routes
+    assert list(route.tokens.token_ids) == PROMPT and route.max_new_tokens == 4
+
+
+async def test_completions_default_to_16_tokens_and_chat_to_the_context(model, mesh) -> None:
+    async with http_gateway(model, mesh) as served:
+        await served.client().completions.create(model="tiny", prompt=PROMPT)
+        await served.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+
+    assert [r.max_new_tokens for r in mesh.routes] == [16, 0]
+
+
+async def test_each_prompt_gets_n_choices_with_seeds_derived_from_the_seed(model, mesh) -> None:
+    prompts = [PROMPT, PROMPT[:20]]
+    async with http_gateway(model, mesh) as served:
+        done = await served.client().completions.create(model="tiny", prompt=prompts, n=2, seed=7, max_tokens=4)
+
+    assert [c.index for c in done.choices] == [0, 1, 2, 3] and {c.text for c in done.choices} == {TEXT}
+    routed = sorted((r.request_id, list(r.tokens.token_ids)) for r in mesh.routes)
+    assert [tokens for _, tokens in routed] == [prompts[0], prompts[0], prompts[1], prompts[1]]
+    assert len({rid for rid, _ in routed}) == 4  # each choice is its own request in the mesh
+    seeds = sorted((len(p.token_ids), p.sampling.seed) for _, p in mesh.prefills)
+    assert seeds == [(20, 7), (20, 8), (40, 7), (40, 8)]
+    # Each prompt counts once, however many choices it had.
+    assert done.usage.prompt_tokens == 60 and done.usage.completion_tokens == 16
+
+
+async def test_a_negative_seed_maps_into_the_meshs_unsigned_seeds(model, mesh) -> None:
+    async with http_gateway(model, mesh) as served:
+        await served.client().completions.create(model="tiny", prompt=PROMPT, seed=-1, max_tokens=4)
+
+    assert mesh.prefills[0][1].sampling.seed == 2**64 - 1
+
+
+async def test_chat_parameters_reach_the_mesh(model, mesh) -> None:
+    async with http_gateway(model, mesh) as served:
+        await served.client().chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi " * 20}],
+            temperature=0.5,
+            top_p=0.9,
+            stop=["x", "yz"],
+            seed=3,
+            max_tokens=100,
+            max_completion_tokens=5,  # wins over max_tokens
+            logprobs=True,
+            top_logprobs=2,
+            user="alice",
+            presence_penalty=0,
+            extra_body={"top_k": 8, "min_p": 0.1, "ignore_eos": True, "cache_salt": "s1", "some_future_field": 1},
+        )
+
+    [(_, prefill)] = mesh.prefills
+    s = prefill.sampling
+    assert (s.temperature, round(s.top_p, 6), list(s.stop), s.seed, s.max_tokens) == (0.5, 0.9, ["x", "yz"], 3, 5)
+    assert (s.logprobs, s.top_logprobs, s.top_k, round(s.min_p, 6), s.ignore_eos) == (True, 2, 8, 0.1, True)
+    assert prefill.cache_salt == b"s1"
+
+
+async def test_chat_applies_the_template_to_text_parts(model, mesh) -> None:
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "first"}, {"type": "text", "text": "second " * 10}]},
+    ]
+    async with http_gateway(model, mesh) as served:
+        done = await served.client().chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+
+    expected = model.tokenizer.encode(
+        model.tokenizer.apply_chat_template(
+            [{"role": "system", "content": "be brief"}, {"role": "user", "content": "first\n" + "second " * 10}]
+        ),
+        add_special_tokens=False,
+    )
+    assert list(mesh.routes[0].tokens.token_ids) == expected
+    [choice] = done.choices
+    assert choice.message.role == "assistant" and choice.message.content == TEXT and choice.finish_reason == "length"
+    assert done.object == "chat.completion" and done.id.startswith("chatcmpl-")
+
+
+async def test_a_chat_stream_with_usage(model, mesh) -> None:
+    async with http_gateway(model, mesh) as served:
+        stream = await served.client().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi " * 20}], max_tokens=4, stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [c async for c in stream]
+
+    *tokens, last = chunks
+    assert [c.choices[0].delta.role for c in tokens] == ["assistant", None, None, None]
+    assert "".join(c.choices[0].delta.content for c in tokens) == TEXT
+    assert [c.choices[0].finish_reason for c in tokens] == [None, None, None, "length"]
+    assert {c.object for c in chunks} == {"chat.completion.chunk"} and len({c.id for c in chunks}) == 1
+    assert last.choices == [] and last.usage.completion_tokens == 4
+    assert last.usage.prompt_tokens == len(mesh.routes[0].tokens.token_ids)
+
+
+async def test_a_completion_stream_is_sse_ending_in_done(model, mesh) -> None:
+    async with http_gateway(model, mesh) as served, aiohttp.ClientSession() as http:
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "stream": True, "n": 2}
+        async with http.post(served.url + "/v1/completions", json=body) as r:
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            raw = await r.text()
+
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert all(e.startswith("data: {") for e in events[:-2]) and len(events[:-2]) == 8  # 2 choices x 4 tokens
+
+
+async def test_the_request_id_header_is_the_meshs_request_id(model, mesh) -> None:
+    async with http_gateway(model, mesh) as served, aiohttp.ClientSession() as http:
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4}
+        async with http.post(served.url + "/v1/completions", json=body, headers={"x-request-id": "req-7"}) as r:
+            assert r.headers["x-request-id"] == "req-7"
+            assert (await r.json())["id"] == "cmpl-req-7"
+
+    assert mesh.routes[0].request_id == "req-7"
+
+
+async def test_models_health_metrics_and_openapi(model, mesh) -> None:
+    async with http_gateway(model, mesh) as served, aiohttp.ClientSession() as http:
+        models = await served.client().models.list()
+        one = await served.client().models.retrieve("tiny")
+        with pytest.raises(openai.NotFoundError):
+            await served.client().models.retrieve("gpt-9")
+        async with http.get(served.url + "/health") as r:
+            health = (r.status, await r.json())
+        async with http.get(served.url + "/metrics") as r:
+            metrics = await r.text()
+        async with http.get(served.url + "/openapi.json") as r:
+            document = await r.json()
+
+    assert [m.id for m in models.data] == ["tiny"] and one.owned_by == "test-model (RANDOM WEIGHTS)"
+    assert one.max_model_len == 256
+    assert health == (200, {"status": "ok"})
+    assert 'kvmesh_http_requests_total{route="/v1/models",status="200"} 1.0' in metrics
+    assert 'kvmesh_http_requests_total{route="/v1/models/{model}",status="404"} 1.0' in metrics
+    assert document["openapi"] == "3.1.0" and "/v1/chat/completions" in document["paths"]
+
+
+async def test_a_draining_gateway_refuses_new_generations(model, mesh) -> None:
+    async with http_gateway(model, mesh) as served, aiohttp.ClientSession() as http:
+        served.api.draining = True
+        async with http.get(served.url + "/health") as r:
+            health = (r.status, await r.json())
+        with pytest.raises(openai.InternalServerError) as info:
+            await served.client().completions.create(model="tiny", prompt=PROMPT)
+
+    assert health == (503, {"status": "draining"})
+    assert info.value.status_code == 503 and "shutting down" in info.value.message
+    assert mesh.routes == []
+
+
+def test_sampling_defaults_leave_the_contracts_unset_fields_unset() -> None:
+    from services.gateway.openai_requests import CompletionRequest
+    from services.gateway.openai_translate import completion_requests
+
+    [req] = completion_requests(CompletionRequest(model="m", prompt="x"), limit=8)
+
+    assert not req.sampling.HasField("temperature") and not req.sampling.HasField("top_p")
+    assert not req.sampling.HasField("seed") and req.sampling.max_tokens == 16
+    assert req.sampling.repetition_guard == sampling_pb2.RepetitionGuard()

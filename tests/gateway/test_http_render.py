@@ -1,0 +1,123 @@
+"""Core chunks as OpenAI bodies: logprob formats, usage over several choices, finish reasons."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.common.v1 import accounting_pb2, sampling_pb2
+from kvmesh.errors import KvmeshError, Unavailable
+from kvmesh.gateway.v1 import gateway_pb2
+from services.gateway.openai_render import ChatRenderer, CompletionRenderer, TokenTexts, finish_reason
+
+
+class Texts:
+    """A tokenizer whose token i reads "t<i>"; token 9 is half of a character."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join("\ufffd" if i == 9 else f"t{i}" for i in ids)
+
+
+def lp(token: int, logprob: float, *alternatives: tuple[int, float]) -> sampling_pb2.TokenLogprob:
+    return sampling_pb2.TokenLogprob(
+        token_id=token, logprob=logprob,
+        top_logprobs=[sampling_pb2.TopLogprob(token_id=t, logprob=v) for t, v in alternatives],
+    )
+
+
+def chunk(tokens: list[int], text: str, logprobs=(), final: tuple[int, int, int] | None = None,
+          reason: int = sampling_pb2.FINISH_REASON_STOP) -> gateway_pb2.GenerateResponse:
+    """``final``: (prompt tokens, completion tokens, cached tokens)."""
+    c = gateway_pb2.GenerateResponse(token_ids=tokens, text=text, logprobs=logprobs)
+    if final is not None:
+        prompt, completion, cached = final
+        c.final.CopyFrom(gateway_pb2.StreamEnd(finish_reason=reason, usage=accounting_pb2.Usage(
+            prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)))
+    return c
+
+
+def renderer(cls, choices: int = 1, per_prompt: int = 1, logprobs: bool = True):
+    return cls("id-1", 100, "tiny", choices=choices, per_prompt=per_prompt, texts=TokenTexts(Texts()), logprobs=logprobs)
+
+
+def test_completion_logprobs_in_the_legacy_format_with_running_offsets() -> None:
+    r = renderer(CompletionRenderer)
+    first = r.add(0, chunk([1, 22], "t1t22", [lp(1, -0.5, (1, -0.5), (3, -1.5)), lp(22, -float("inf"))]))
+    last = r.add(0, chunk([3], "t3", [lp(3, -0.25, (3, -0.25))], final=(5, 3, 0)))
+
+    assert first.choices[0].logprobs.model_dump() == {
+        "tokens": ["t1", "t22"],
+        "token_logprobs": [-0.5, -9999.0],  # -inf is not JSON: OpenAI's floor instead
+        "top_logprobs": [{"t1": -0.5, "t3": -1.5}, {}],
+        "text_offset": [0, 2],
+    }
+    assert last.choices[0].logprobs.text_offset == [5] and last.choices[0].finish_reason == "stop"
+    whole = r.response().choices[0]
+    assert whole.text == "t1t22t3" and whole.logprobs.tokens == ["t1", "t22", "t3"]
+    assert whole.logprobs.text_offset == [0, 2, 5]
+
+
+def test_chat_logprobs_carry_bytes_unless_a_token_is_part_of_a_character() -> None:
+    r = renderer(ChatRenderer)
+    piece = r.add(0, chunk([1, 9], "t1", [lp(1, -0.1, (9, -2.0)), lp(9, -0.2)], final=(4, 2, 0)))
+
+    content = piece.choices[0].logprobs.content
+    assert [(c.token, c.bytes) for c in content] == [("t1", [116, 49]), ("\ufffd", None)]
+    assert [(t.token, t.logprob, t.bytes) for t in content[0].top_logprobs] == [("\ufffd", -2.0, None)]
+    assert r.response().choices[0].logprobs.content == content
+
+
+def test_without_logprobs_requested_there_are_none() -> None:
+    r = renderer(ChatRenderer, logprobs=False)
+    piece = r.add(0, chunk([1], "t1", final=(4, 1, 0)))
+
+    assert piece.choices[0].logprobs is None and r.response().choices[0].logprobs is None
+
+
+def test_chat_chunks_name_the_role_once_per_choice() -> None:
+    r = renderer(ChatRenderer, choices=2, per_prompt=2, logprobs=False)
+    roles = [r.add(i, chunk([1], "x")).choices[0].delta.role for i in (0, 1, 0, 1)]
+
+    assert roles == ["assistant", "assistant", None, None]
+
+
+def test_usage_counts_each_prompt_once_and_its_least_cached_copy() -> None:
+    r = renderer(CompletionRenderer, choices=4, per_prompt=2, logprobs=False)
+    for index, (prompt, completion, cached) in enumerate([(10, 3, 8), (10, 4, 0), (20, 5, 16), (20, 6, 16)]):
+        r.add(index, chunk([1] * completion, "x", final=(prompt, completion, cached)))
+
+    usage = r.usage()
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (30, 18, 48)
+    assert usage.prompt_tokens_details.cached_tokens == 16
+    assert r.usage_chunk().choices == [] and r.usage_chunk().usage == usage
+
+
+@pytest.mark.parametrize(
+    ("reason", "expected"),
+    [
+        (sampling_pb2.FINISH_REASON_STOP, "stop"),
+        (sampling_pb2.FINISH_REASON_LENGTH, "length"),
+        (sampling_pb2.FINISH_REASON_REPETITION, "length"),
+        (sampling_pb2.FINISH_REASON_TOOL_CALLS, "tool_calls"),
+    ],
+)
+def test_finish_reasons(reason, expected) -> None:
+    assert finish_reason(reason) == expected
+
+
+def test_an_aborted_or_failed_sequence_is_an_error_not_a_finish() -> None:
+    with pytest.raises(Unavailable, match="aborted in the mesh"):
+        finish_reason(sampling_pb2.FINISH_REASON_ABORT)
+    with pytest.raises(KvmeshError, match="FINISH_REASON_ERROR"):
+        finish_reason(sampling_pb2.FINISH_REASON_ERROR)
+
+
+def test_token_texts_are_decoded_once() -> None:
+    calls = []
+
+    class Counting(Texts):
+        def decode(self, ids, skip_special_tokens=True):
+            calls.append(ids)
+            return super().decode(ids, skip_special_tokens)
+
+    texts = TokenTexts(Counting())
+    assert [texts(5), texts(5), texts(6)] == ["t5", "t5", "t6"] and calls == [[5], [6]]
