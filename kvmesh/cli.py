@@ -9,6 +9,7 @@ import sys
 
 from kvmesh.errors import KvmeshError
 from kvmesh.launcher.cli import add_up_parser
+from kvmesh.launcher.health_cli import add_health_parser
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -93,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     add_up_parser(sub)
+    add_health_parser(sub)
     for name in SERVICES:
         sub.add_parser(name, help=f"run the {name} service (its flags: kvmesh {name} --help)", add_help=False)
     return parser

@@ -1,11 +1,26 @@
 """``kvmesh up``: the whole mesh on one machine, each service its own process.
 
-``build_topology(MeshOptions(...), run_dir)`` plans the processes (commands,
-``KVMESH_*`` environment, ports, devices); ``Mesh(topology)`` runs them
-(start in dependency order until healthy, stop in reverse, no orphans).
+``build_topology(MeshOptions(...), run_dir)`` plans the processes from
+``compose/docker-compose.yml`` (commands, ``KVMESH_*`` environment, ports,
+devices, start order), ``MeshOptions`` overriding what the compose file says;
+``Mesh(topology)`` runs them (start in dependency order until healthy, stop in
+reverse, no orphans).
 """
 
+from kvmesh.launcher.compose import COMPOSE_FILE, ComposeError
 from kvmesh.launcher.supervisor import Mesh, MeshError, RunningProcess, StartInterrupted
 from kvmesh.launcher.topology import MeshOptions, ProcessSpec, Topology, build_topology, free_port
 
-__all__ = ["Mesh", "MeshError", "MeshOptions", "ProcessSpec", "RunningProcess", "StartInterrupted", "Topology", "build_topology", "free_port"]
+__all__ = [
+    "COMPOSE_FILE",
+    "ComposeError",
+    "Mesh",
+    "MeshError",
+    "MeshOptions",
+    "ProcessSpec",
+    "RunningProcess",
+    "StartInterrupted",
+    "Topology",
+    "build_topology",
+    "free_port",
+]

@@ -1,4 +1,4 @@
-"""``kvmesh up``: start the whole mesh here, print the endpoints, stop it all on Ctrl-C/SIGTERM.
+"""``kvmesh up``: start the whole mesh here as the compose file describes it, print the endpoints, stop it all on Ctrl-C/SIGTERM.
 
 ``kvmesh/cli.py`` wires it in with ``add_up_parser(subparsers)``.
 """
@@ -12,65 +12,87 @@ import signal
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
+from kvmesh.launcher.compose import COMPOSE_FILE, compose_variables
 from kvmesh.launcher.supervisor import Mesh, MeshError, StartInterrupted
-from kvmesh.launcher.topology import MeshOptions, build_topology, describe
+from kvmesh.launcher.topology import MeshOptions, build_topology, compose_model_path, describe
 
 
 def add_up_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("up", help="start the whole mesh on this machine as separate processes (Ctrl-C stops it)")
-    p.add_argument("--model", help="local Hugging Face model folder (default: the embedded default model, RANDOM weights)")
+    p = subparsers.add_parser(
+        "up",
+        help="start the whole mesh on this machine as separate processes, as compose/docker-compose.yml describes it "
+        "(Ctrl-C stops it)",
+    )
+    p.add_argument("--compose-file", type=Path, default=COMPOSE_FILE, help="the mesh's description (default: %(default)s)")
+    p.add_argument("--env-file", type=Path, help="values for its ${VAR}s (default: .env beside it; the environment wins)")
+    p.add_argument("--model", help="local Hugging Face model folder (default: the compose file's model folder, "
+                   "KVMESH_MODEL_DIR; the embedded default model when that is the shipped one and missing)")
     p.add_argument("--model-name", help="model id the gateway serves (default: the folder's name)")
-    p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers (default 1; 0: decode prefills)")
-    p.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers (default 1)")
+    p.add_argument("--prefill", type=int, metavar="N", help="prefill workers (default: the compose file's replicas; 0: decode prefills)")
+    p.add_argument("--decode", type=int, metavar="M", help="decode workers (default: the compose file's replicas)")
     p.add_argument("--speculator", action=argparse.BooleanOptionalAction, default=True, help="run the speculator (default on)")
     p.add_argument("--host", default="127.0.0.1", help="address every service binds to")
-    p.add_argument("--gateway-port", type=int, default=50051, help="the gateway's public gRPC port (0: a free one)")
+    p.add_argument("--gateway-port", type=int, help="the gateway's public gRPC port (default: the compose file's "
+                   "published port, 50051; 0: a free one)")
+    p.add_argument("--publish", action=argparse.BooleanOptionalAction, default=True,
+                   help="ports the compose file publishes keep their host port (gateway gRPC 50051, HTTP 8000); "
+                   "--no-publish: free ports like the rest, to run meshes side by side")
     p.add_argument("--base-port", type=int, help="first of the consecutive ports for everything else (default: free ports)")
     p.add_argument("--redis-port", type=int, help="Redis port (default: from --base-port, or a free one)")
-    p.add_argument("--device-prefill", default="cpu", help="device(s) of the prefill workers, comma-separated, round-robin")
-    p.add_argument("--device-decode", default="cpu", help="device(s) of the decode workers, comma-separated, round-robin")
+    p.add_argument("--device", help="device of every prefill and decode worker, e.g. cpu (default: the compose "
+                   "file's GPU pins as cuda:N, or cpu on a machine without GPUs)")
+    p.add_argument("--device-prefill", help="device(s) of the prefill workers, comma-separated, round-robin (overrides --device)")
+    p.add_argument("--device-decode", help="device(s) of the decode workers, comma-separated, round-robin (overrides --device)")
+    p.add_argument("--redis-persistence", action="store_true", help="keep the compose file's Redis persistence (default: off locally)")
     p.add_argument("--redis-server", default="redis-server", help="the redis-server binary")
-    p.add_argument("--run-dir", help="where logs and Redis's directory go (default: a new temporary directory)")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--run-dir", help="where logs, Redis's directory and the named volumes go (default: a new temporary directory)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="(default: the compose file's)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds for every process to become healthy")
-    p.add_argument("--stop-timeout", type=float, default=20.0, help="seconds a process may take to stop before SIGKILL")
+    p.add_argument("--stop-timeout", type=float, help="seconds a process may take to stop before SIGKILL "
+                   "(default: its stop_grace_period in the compose file)")
     p.set_defaults(func=run_up)
     return p
 
 
 def run_up(args: argparse.Namespace) -> int:
-    model, label = _resolve_model(args.model)
-    if model is None:
-        _say(f"--model {args.model}: not a directory")
-        return 2
     redis = shutil.which(args.redis_server)
     if redis is None:
         _say(f"{args.redis_server} not found on PATH (Debian: apt-get install redis-server)")
         return 2
-    run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="kvmesh-run-"))
-    options = MeshOptions(
-        model=model,
-        model_name=args.model_name,
-        prefill=args.prefill,
-        decode=args.decode,
-        speculator=args.speculator,
-        host=args.host,
-        gateway_port=args.gateway_port,
-        base_port=args.base_port,
-        redis_port=args.redis_port,
-        device_prefill=args.device_prefill,
-        device_decode=args.device_decode,
-        log_level=args.log_level,
-        redis_server=redis,
-    )
+    compose_file = args.compose_file.expanduser().resolve()
     try:
+        variables = compose_variables(compose_file, args.env_file)
+        options = MeshOptions(
+            model_name=args.model_name,
+            prefill=args.prefill,
+            decode=args.decode,
+            speculator=args.speculator,
+            host=args.host,
+            gateway_port=args.gateway_port,
+            publish=args.publish,
+            base_port=args.base_port,
+            redis_port=args.redis_port,
+            device_prefill=args.device_prefill or args.device,
+            device_decode=args.device_decode or args.device,
+            log_level=args.log_level,
+            redis_server=redis,
+            redis_persistence=args.redis_persistence,
+            compose_file=compose_file,
+            compose_vars=variables,
+        )
+        model, label = _resolve_model(args.model, options)
+        if model is None:
+            return 2
+        options = replace(options, model=model)
+        run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="kvmesh-run-"))
         topology = build_topology(options, run_dir)
-    except ValueError as e:
+    except ValueError as e:  # ComposeError included
         _say(str(e))
         return 2
-    _say(f"run dir {run_dir} (logs in {run_dir / 'logs'})")
+    _say(f"topology from {compose_file}; run dir {run_dir} (logs in {run_dir / 'logs'})")
     mesh = Mesh(topology, run_dir, start_timeout_s=args.start_timeout, stop_timeout_s=args.stop_timeout, on_progress=_say)
     banner = [f"kvmesh is up: model {args.model_name or model.name} ({model})" + (f" -- {label}" if label else "")]
     return serve_mesh(mesh, [*banner, *describe(topology, run_dir), "Ctrl-C stops the mesh."])
@@ -108,22 +130,34 @@ def serve_mesh(mesh: Mesh, banner: Sequence[str]) -> int:
         _say("stopped")
 
 
-def _resolve_model(flag: str | None) -> tuple[Path | None, str | None]:
-    """The model folder every service gets, and its kvmesh label if it has one (random weights)."""
-    if flag is None:
-        from kvmesh.engine.default_model import RANDOM_MODEL_LABEL, default_model_path
-
-        _say(f"no --model: serving the embedded default model: {RANDOM_MODEL_LABEL}")
-        # Written once here, so the services starting together never race to write it.
-        return default_model_path(), RANDOM_MODEL_LABEL
-    path = Path(flag).expanduser().resolve()
-    if not path.is_dir():
+def _resolve_model(flag: str | None, options: MeshOptions) -> tuple[Path | None, str | None]:
+    """The model folder every service gets, and its kvmesh label if it has one (random weights); None: reported."""
+    if flag is not None:
+        path = Path(flag).expanduser().resolve()
+        if not path.is_dir():
+            _say(f"--model {flag}: not a directory")
+            return None, None
+        return path, _label(path)
+    path = compose_model_path(options)
+    if path is not None and path.is_dir():
+        return path, _label(path)
+    if path is not None and path != compose_model_path(replace(options, compose_vars={})):
+        _say(f"the compose file's model folder {path} (KVMESH_MODEL_DIR) is not a directory; fix it or give --model")
         return None, None
+    from kvmesh.engine.default_model import default_model_path
+
+    # The compose file's default folder is missing here: the embedded default model stands in.
+    # Written once here, so the services starting together never race to write it.
+    default = default_model_path()
+    _say(f"no --model and no {path}: serving the embedded default model {default}")
+    return default, _label(default)
+
+
+def _label(path: Path) -> str | None:
     try:
-        label = json.loads((path / "config.json").read_text()).get("kvmesh_label")
+        return json.loads((path / "config.json").read_text()).get("kvmesh_label")
     except (OSError, ValueError):
-        label = None  # the services report a broken config themselves
-    return path, label
+        return None  # the services report a broken config themselves
 
 
 def _say(message: str) -> None:

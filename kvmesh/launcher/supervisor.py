@@ -33,6 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh.launcher.topology import ProcessSpec, Topology
 
 EXEC_CHILD = Path(__file__).with_name("exec_child.py")
+DEFAULT_STOP_TIMEOUT_S = 20.0
 _POLL_S = 0.1
 
 
@@ -67,12 +68,13 @@ class Mesh:
         run_dir: Path | None = None,
         *,
         start_timeout_s: float = 600.0,
-        stop_timeout_s: float = 20.0,
+        stop_timeout_s: float | None = None,
         on_progress: Callable[[str], None] | None = None,
     ) -> None:
         self.topology = topology
         self.run_dir = run_dir if run_dir is not None else Path(tempfile.mkdtemp(prefix="kvmesh-run-"))
         self._start_timeout_s = start_timeout_s
+        # None: each process's own stop_grace_s (the compose file's stop_grace_period), else 20 s.
         self._stop_timeout_s = stop_timeout_s
         self._progress = on_progress or (lambda _: None)
         self._procs: dict[str, RunningProcess] = {}
@@ -106,10 +108,11 @@ class Mesh:
             for p in procs:
                 if p.popen.poll() is None:
                     self._signal(p, signal.SIGKILL if self._hurry.is_set() else signal.SIGTERM)
-            deadline = time.monotonic() + self._stop_timeout_s
+            started = time.monotonic()
             for p in procs:
-                if not self._wait(p, deadline):
-                    self._progress(f"{p.spec.name} did not stop within {self._stop_timeout_s:g} s: killing it")
+                limit = self._stop_limit(p.spec)
+                if not self._wait(p, started + limit):
+                    self._progress(f"{p.spec.name} did not stop within {limit:g} s: killing it")
                     self._signal(p, signal.SIGKILL)
                     p.popen.wait()
                 self._signal(p, signal.SIGKILL)  # whatever it spawned and left behind in its group
@@ -209,6 +212,11 @@ class Mesh:
         finally:
             for channel in channels.values():
                 channel.close()
+
+    def _stop_limit(self, spec: ProcessSpec) -> float:
+        if self._stop_timeout_s is not None:
+            return self._stop_timeout_s
+        return spec.stop_grace_s if spec.stop_grace_s is not None else DEFAULT_STOP_TIMEOUT_S
 
     def _wait(self, proc: RunningProcess, deadline: float) -> bool:
         while proc.popen.poll() is None:
