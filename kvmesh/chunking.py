@@ -32,6 +32,9 @@ def split(data: bytes, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[Chunk
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     total = len(data)
     count = max(1, -(-total // chunk_bytes))
+    if count == 1 and isinstance(data, bytes):
+        yield Chunk(0, 1, total, data)  # immutable and whole: shared, not copied
+        return
     view = memoryview(data)
     for index in range(count):
         yield Chunk(index, count, total, bytes(view[index * chunk_bytes : (index + 1) * chunk_bytes]))
@@ -41,12 +44,15 @@ class Reassembler:
     """Rebuilds one block from its chunks; raises ``InvalidArgument`` on any
     malformed stream (out of order, inconsistent count or size, missing chunks,
     checksum mismatch) and ``ResourceExhausted`` on a block over ``max_bytes``
-    before buffering any of it."""
+    before buffering any of it.
 
-    def __init__(self, checksum: bytes, max_bytes: int | None = None) -> None:
+    ``verify=False`` leaves the checksum to the caller, who checks it before using
+    the bytes — e.g. on a worker thread, so it does not hold up the receiving loop."""
+
+    def __init__(self, checksum: bytes, max_bytes: int | None = None, verify: bool = True) -> None:
         self._checksum = checksum
         self._max_bytes = max_bytes
-        self._hasher = new_hasher()
+        self._hasher = new_hasher() if verify else None
         self._parts: list[bytes] = []
         self._received_bytes = 0
         self._count: int | None = None
@@ -68,10 +74,11 @@ class Reassembler:
             raise InvalidArgument(f"chunks overrun the block's {self._total_bytes} bytes")
         self._parts.append(chunk.data)
         self._received_bytes += len(chunk.data)
-        self._hasher.update(chunk.data)
+        if self._hasher is not None:
+            self._hasher.update(chunk.data)
 
     def finish(self) -> bytes:
-        """The block's bytes, once every chunk arrived and the checksum matches."""
+        """The block's bytes, once every chunk arrived and (when verifying) the checksum matches."""
         if self._count is None:
             raise InvalidArgument("the stream carried no chunks")
         if len(self._parts) != self._count or self._received_bytes != self._total_bytes:
@@ -79,7 +86,7 @@ class Reassembler:
                 f"stream ended after {len(self._parts)} of {self._count} chunks, "
                 f"{self._received_bytes} of {self._total_bytes} bytes"
             )
-        if self._hasher.digest() != self._checksum:
+        if self._hasher is not None and self._hasher.digest() != self._checksum:
             raise InvalidArgument("block checksum mismatch: the data was corrupted on the way")
         return b"".join(self._parts)
 

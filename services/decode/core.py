@@ -11,6 +11,7 @@ aborted and the engine computes whatever blocks did not arrive.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -21,22 +22,28 @@ import structlog
 from kvmesh.blocks import BlockHash
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.engine import RequestOutput
-from kvmesh.engine.kv_cache import BlockPayload
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import TokenLogprob
 from kvmesh.errors import KvmeshError
+from kvmesh.kv_wire import ReceivedBlock
 
 log = structlog.get_logger(__name__)
 
-# Blocks imported per engine-thread call: one call waits for the current step to end,
-# so batching keeps a long transfer from costing one step per block.
-IMPORT_BATCH_BLOCKS = 32
+# Imports run beside the stream (see _Importer), in batches: from MIN bytes (each engine
+# call and thread hop has a fixed cost; the last batch goes whatever its size) to MAX (a
+# call holds up the engine's next step while it copies). Past PENDING the stream stops
+# reading, and gRPC flow control holds the prefill worker back.
+MIN_IMPORT_BATCH_BYTES = 4 << 20
+MAX_IMPORT_BATCH_BYTES = 16 << 20
+MAX_PENDING_IMPORT_BYTES = 64 << 20
 
 
 class KVSource(Protocol):
     """A prefill worker's hand-off endpoint (gRPC in the service, anything in tests)."""
 
-    def pull(self, address: str, lease_id: str, hashes: list[BlockHash]) -> AsyncIterator[tuple[BlockHash, BlockPayload]]: ...
+    def pull(self, address: str, lease_id: str, hashes: list[BlockHash]) -> AsyncIterator[ReceivedBlock]:
+        """The blocks, each whole; the worker verifies their checksums before importing them."""
+        ...
 
     async def release(self, address: str, lease_id: str, ack: bool) -> None: ...
 
@@ -95,31 +102,99 @@ class DecodeWorker:
             self.counters.active_requests -= 1
 
     async def _adopt_kv(self, remote: RemotePrefill) -> None:
-        held = await self.engine.call(lambda e: set(e.blocks.hash_to_block))
-        missing = [h for h in remote.block_hashes if h not in held]
+        wanted = remote.block_hashes
+        missing = await self.engine.call(lambda e: [h for h in wanted if h not in e.blocks.hash_to_block])
         ok = False
+        importer = _Importer(self.engine) if missing else None
         try:
-            batch: list[tuple[BlockHash, BlockPayload]] = []
-            if missing:
-                async for h, payload in self.kv_source.pull(remote.address, remote.lease_id, missing):
-                    batch.append((h, payload))
+            if importer is not None:
+                async for block in self.kv_source.pull(remote.address, remote.lease_id, missing):
                     self.counters.blocks_pulled += 1
-                    self.counters.bytes_pulled += len(payload.data)
-                    if len(batch) >= IMPORT_BATCH_BLOCKS:
-                        await self._import(batch)
-                        batch = []
-                await self._import(batch)
+                    self.counters.bytes_pulled += len(block.payload.data)
+                    await importer.put(block)
+                await importer.finish()
             ok = True
         except (KvmeshError, OSError) as e:
             # Not fatal: whatever did not arrive is recomputed here.
             self.counters.transfer_failures += 1
             log.warning("KV transfer failed; recomputing locally", error=str(e), lease_id=remote.lease_id)
         finally:
+            if importer is not None:
+                await importer.stop()
             try:
                 await asyncio.shield(self.kv_source.release(remote.address, remote.lease_id, ack=ok))
             except (KvmeshError, OSError) as e:  # the holder's TTL frees it anyway
                 log.warning("lease release failed", error=str(e), lease_id=remote.lease_id)
 
-    async def _import(self, blocks: list[tuple[BlockHash, BlockPayload]]) -> None:
-        if blocks:
-            await self.engine.call(lambda e: [e.import_block(h, p) for h, p in blocks])
+
+class _Importer:
+    """Verifies and imports pulled blocks beside the stream, which goes on reading.
+
+    Awaiting each import inside the read loop would stall the stream for a whole step
+    whenever the engine is busy (a call runs between steps). Here blocks queue up
+    while a call waits, and the next call takes all of them (up to a cap): a busy
+    engine costs a few waits per transfer, however many blocks. Checksums are checked
+    on a worker thread (zlib releases the GIL), not on the loop that reads the stream.
+    Only verified blocks reach ``import_block``, which adopts each one atomically, so
+    stopping part way leaves nothing half-imported.
+    """
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._pending: list[ReceivedBlock] = []
+        self._pending_bytes = 0
+        self._arrived = asyncio.Event()
+        self._room = asyncio.Event()
+        self._finishing = False
+        self._task = asyncio.create_task(self._run())
+
+    async def put(self, block: ReceivedBlock) -> None:
+        """Queue a block; waits while too much is queued. Raises an earlier batch's error."""
+        while self._pending_bytes >= MAX_PENDING_IMPORT_BYTES and not self._task.done():
+            self._room.clear()
+            await self._room.wait()
+        if self._task.done():
+            await self._task  # a batch failed (bad checksum, layout mismatch): raise it here
+        self._pending.append(block)
+        self._pending_bytes += len(block.payload.data)
+        self._arrived.set()
+
+    async def finish(self) -> None:
+        """Every block is queued: returns once all are imported (or raises the failure)."""
+        self._finishing = True
+        self._arrived.set()
+        await self._task
+
+    async def stop(self) -> None:
+        """Abandon what is still queued (the transfer failed or was cancelled)."""
+        self._task.cancel()
+        # Its own failure was raised by put() or finish() already; this only waits it out.
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._task
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                if self._pending_bytes < MIN_IMPORT_BATCH_BYTES and not self._finishing:
+                    self._arrived.clear()
+                    await self._arrived.wait()
+                    continue
+                if not self._pending:
+                    return
+                batch = self._take()
+                self._room.set()
+                blocks = await asyncio.to_thread(lambda: [b.verified() for b in batch])
+                await self._engine.call(lambda e: [e.import_block(h, p) for h, p in blocks])
+        finally:
+            self._room.set()  # wake a put() waiting for room: it sees the task ended
+
+    def _take(self) -> list[ReceivedBlock]:
+        n, size = 0, 0
+        for block in self._pending:
+            nbytes = len(block.payload.data)
+            if n and size + nbytes > MAX_IMPORT_BATCH_BYTES:
+                break
+            n, size = n + 1, size + nbytes
+        batch, self._pending = self._pending[:n], self._pending[n:]
+        self._pending_bytes -= size
+        return batch

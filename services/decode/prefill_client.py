@@ -7,8 +7,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from kvmesh.blocks import BlockHash
-from kvmesh.engine.kv_cache import BlockPayload
-from kvmesh.kv_wire import BlockAssembler
+from kvmesh.kv_wire import BlockAssembler, ReceivedBlock, keep_transfer_memory_mapped
 from kvmesh.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from kvmesh.runtime import create_channel
 from kvmesh.runtime.client_errors import from_rpc_error
@@ -18,18 +17,20 @@ class GrpcKVSource:
     def __init__(self, release_timeout_s: float = 5.0) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._release_timeout_s = release_timeout_s
+        keep_transfer_memory_mapped()  # process-wide malloc setting: PullKV streams need it (kv_wire)
 
     def _stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
         if address not in self._channels:
             self._channels[address] = create_channel(address)
         return prefill_pb2_grpc.PrefillServiceStub(self._channels[address])
 
-    async def pull(self, address: str, lease_id: str, hashes: list[BlockHash]) -> AsyncIterator[tuple[BlockHash, BlockPayload]]:
+    async def pull(self, address: str, lease_id: str, hashes: list[BlockHash]) -> AsyncIterator[ReceivedBlock]:
+        """The blocks as they arrive whole; their checksums are the caller's to verify."""
         call = self._stub(address).PullKV(prefill_pb2.PullKVRequest(lease_id=lease_id, block_hashes=hashes))
         assembler = BlockAssembler()
         try:
             async for msg in call:
-                block = assembler.add(msg.chunk)
+                block = assembler.add_unverified(msg.chunk)
                 if block is not None:
                     yield block
             assembler.close()

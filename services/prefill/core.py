@@ -10,26 +10,38 @@ evict them between finishing and the lease taking over. The lease then serves
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import structlog
 
 from kvmesh.blocks import BlockHash
+from kvmesh.checksum import checksum
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.kv_cache import BlockPayload
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import TokenLogprob
-from kvmesh.errors import InvalidArgument
+from kvmesh.errors import InvalidArgument, NotFound
 from services.prefill.leases import Lease, LeaseTable
 
 log = structlog.get_logger(__name__)
 
-# Blocks exported per engine-thread call while streaming a lease: bounds both the
-# time a pull holds up engine steps and the bytes buffered at once.
-EXPORT_BATCH_BLOCKS = 8
+# A pull exports its blocks in batches on the engine thread. Each call waits for the
+# running step to end, so a busy engine should cost one wait per many blocks: batches
+# grow from ~1 MiB (the first bytes leave early) to ~16 MiB (a long transfer needs few
+# calls), which also bounds the engine thread's time per call and the bytes buffered.
+FIRST_EXPORT_BATCH_BYTES = 1 << 20
+MAX_EXPORT_BATCH_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class ExportedBlock:
+    block_hash: BlockHash
+    payload: BlockPayload
+    checksum: bytes  # over payload.data (kvmesh.checksum)
 
 
 @dataclass
@@ -63,6 +75,7 @@ class PrefillWorker:
         self.default_ttl_ms = default_ttl_ms
         self.max_ttl_ms = max_ttl_ms
         self.counters = PrefillCounters()
+        self._block_nbytes = engine.engine.kv.block_nbytes  # a constant of the pool's layout
 
     async def prefill(
         self,
@@ -107,19 +120,43 @@ class PrefillWorker:
             total_ns=done - t0,
         )
 
-    async def pull(self, lease_id: str, hashes: list[BlockHash]) -> AsyncIterator[tuple[BlockHash, BlockPayload]]:
-        """The lease's blocks (or the named subset, in that order), each once."""
+    async def pull(self, lease_id: str, hashes: list[BlockHash]) -> AsyncIterator[ExportedBlock]:
+        """The lease's blocks (or the named subset, in that order), each once, checksummed.
+
+        Pipelined: while one batch streams out, the next is exported on the engine thread
+        and checksummed on a worker thread (zlib releases the GIL), so neither the engine's
+        step waits nor the checksum stall the stream.
+        """
         lease = self.leases.get(lease_id)
         wanted = hashes or lease.block_hashes
         unknown = set(wanted) - set(lease.block_hashes)
         if unknown:
             raise InvalidArgument(f"{len(unknown)} requested blocks are not part of lease {lease_id}")
-        for i in range(0, len(wanted), EXPORT_BATCH_BLOCKS):
-            batch = wanted[i : i + EXPORT_BATCH_BLOCKS]
-            self.leases.get(lease_id)  # still valid? (released or expired mid-stream -> NOT_FOUND)
-            for h, payload in await self.engine.call(lambda e, b=batch: e.export_held(lease.request_id, b)):
-                self.counters.blocks_sent += 1
-                yield h, payload
+        batches = _export_batches(wanted, self._block_nbytes)
+        upcoming = self._prefetch(lease, next(batches, None))
+        try:
+            while upcoming is not None:
+                blocks = await upcoming
+                upcoming = self._prefetch(lease, next(batches, None))
+                for block in blocks:
+                    self.counters.blocks_sent += 1
+                    yield block
+        finally:
+            if upcoming is not None:  # the stream ended early: nobody reads this batch
+                upcoming.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await upcoming
+
+    def _prefetch(self, lease: Lease, batch: list[BlockHash] | None) -> asyncio.Task | None:
+        return asyncio.ensure_future(self._export(lease, batch)) if batch else None
+
+    async def _export(self, lease: Lease, batch: list[BlockHash]) -> list[ExportedBlock]:
+        self.leases.get(lease.lease_id)  # still valid? (released or expired mid-stream -> NOT_FOUND)
+        blocks = await self.engine.call(lambda e: e.export_held(lease.request_id, batch))
+        if len(blocks) < len(batch):  # released between the check and the export
+            raise NotFound(f"lease {lease.lease_id!r} was released while its blocks were streaming")
+        digests = await asyncio.to_thread(lambda: [checksum(p.data) for _, p in blocks])
+        return [ExportedBlock(h, p, d) for (h, p), d in zip(blocks, digests)]
 
     async def release(self, lease_id: str, ack: bool) -> int | None:
         """End a lease; returns the blocks unpinned, None when it was already gone (idempotent)."""
@@ -145,3 +182,13 @@ class PrefillWorker:
         """Shutdown: nobody will pull these any more."""
         for lease in self.leases.all():
             await self.release(lease.lease_id, ack=False)
+
+
+def _export_batches(hashes: list[BlockHash], block_nbytes: int) -> Iterator[list[BlockHash]]:
+    size = max(1, FIRST_EXPORT_BATCH_BYTES // block_nbytes)
+    cap = max(1, MAX_EXPORT_BATCH_BYTES // block_nbytes)
+    i = 0
+    while i < len(hashes):
+        yield hashes[i : i + size]
+        i += size
+        size = min(2 * size, cap)

@@ -9,7 +9,7 @@ import grpc
 from kvmesh.common.v1 import kv_pb2
 from kvmesh.convert import finish_to_pb, logprob_to_pb, sampling_from_pb, timings_pb
 from kvmesh.errors import FailedPrecondition
-from kvmesh.kv_wire import block_to_chunks
+from kvmesh.kv_wire import chunk_fields, keep_transfer_memory_mapped
 from kvmesh.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from services.prefill.core import PrefillWorker
 
@@ -17,6 +17,7 @@ from services.prefill.core import PrefillWorker
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, address: str) -> None:
         self.address = address  # where decode workers reach this worker's PullKV
+        keep_transfer_memory_mapped()  # process-wide malloc setting: PullKV streams need it (kv_wire)
         self.worker: PrefillWorker
         self.max_model_len: int
 
@@ -61,9 +62,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     async def PullKV(
         self, request: prefill_pb2.PullKVRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[prefill_pb2.PullKVResponse]:
-        async for h, payload in self.worker.pull(request.lease_id, list(request.block_hashes)):
-            for chunk in block_to_chunks(h, payload, request.max_chunk_bytes):
-                yield prefill_pb2.PullKVResponse(chunk=chunk)
+        async for b in self.worker.pull(request.lease_id, list(request.block_hashes)):
+            for fields in chunk_fields(b.block_hash, b.payload, request.max_chunk_bytes, b.checksum):
+                yield prefill_pb2.PullKVResponse(chunk=fields)
 
     async def ReleaseLease(self, request: prefill_pb2.ReleaseLeaseRequest, context: grpc.aio.ServicerContext):
         n = await self.worker.release(request.lease_id, ack=request.outcome == prefill_pb2.LEASE_OUTCOME_ACK)
