@@ -20,6 +20,7 @@ ENGINE_FLAGS = [
     Flag("--num-speculative-tokens", "draft tokens verified per decode step (0: no speculation)", default=0, type=int),
     Flag("--worker-id", "this worker's id in the router (default: <role>-<host>:<port>)"),
     Flag("--router-address", "router host:port (unset: run without a router)"),
+    Flag("--kvstore-address", "kvstore host:port: fetch cached prefixes from it, write new blocks to it (unset: none)"),
 ]
 
 

@@ -25,6 +25,8 @@ from kvmesh.engine.engine import RequestOutput
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import TokenLogprob
 from kvmesh.errors import KvmeshError
+from kvmesh.worker.kv_tiers import fetch_prefix_from_kvstore
+from kvmesh.worker.kvstore_client import KVStoreClient
 from kvmesh.kv_wire import ReceivedBlock
 
 log = structlog.get_logger(__name__)
@@ -65,13 +67,15 @@ class DecodeCounters:
     blocks_pulled: int = 0
     bytes_pulled: int = 0
     transfer_failures: int = 0
+    kvstore_fetched_blocks: int = 0
     active_requests: int = 0
 
 
 class DecodeWorker:
-    def __init__(self, engine: AsyncEngine, kv_source: KVSource) -> None:
+    def __init__(self, engine: AsyncEngine, kv_source: KVSource, kvstore: KVStoreClient | None = None) -> None:
         self.engine = engine
         self.kv_source = kv_source
+        self.kvstore = kvstore
         self.counters = DecodeCounters()
 
     async def decode(
@@ -96,6 +100,10 @@ class DecodeWorker:
                 options = {"first_token": remote.first_token, "first_logprob": remote.first_logprob}
             else:
                 self.counters.local_prefills += 1
+                hashes = self.engine.engine.prompt_block_hashes(prompt_ids, cache_salt)
+                self.counters.kvstore_fetched_blocks += await fetch_prefix_from_kvstore(
+                    self.engine, self.kvstore, hashes
+                )
             async for out in self.engine.generate(prompt_ids, params, request_id, cache_salt, **options):
                 yield out, transfer_ns
         finally:

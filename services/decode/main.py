@@ -13,6 +13,7 @@ from kvmesh.engine import LLMEngine
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.flags import ENGINE_FLAGS, engine_config, model_path
 from kvmesh.engine.metrics import EngineCollector
+from kvmesh.worker.kvstore_client import KVStoreClient
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
 from kvmesh.worker.engine_link import attach_router
 from services.decode.core import DecodeWorker
@@ -36,7 +37,7 @@ class _DecodeCollector(Collector):
     def collect(self):
         c = self.worker.counters
         for name in ("requests", "remote_prefills", "local_prefills", "blocks_pulled", "bytes_pulled",
-                     "transfer_failures"):
+                     "transfer_failures", "kvstore_fetched_blocks"):
             yield CounterMetricFamily(f"kvmesh_decode_{name}", f"Decode {name.replace('_', ' ')}.", value=getattr(c, name))
         yield GaugeMetricFamily("kvmesh_decode_active_requests", "Decode streams open.", value=c.active_requests)
 
@@ -61,7 +62,9 @@ def build(ctx: ServiceContext) -> ServiceDef:
         engine = await asyncio.to_thread(LLMEngine, model_path(args), config, proposer=proposer)
         aengine = AsyncEngine(engine)
         aengine.start()
-        worker = DecodeWorker(aengine, kv_source)
+        kvstore = KVStoreClient(args.kvstore_address) if args.kvstore_address else None
+        state["kvstore"] = kvstore
+        worker = DecodeWorker(aengine, kv_source, kvstore)
         servicer.attach(worker, engine.max_model_len)
         ctx.registry.register(EngineCollector(engine))
         ctx.registry.register(_DecodeCollector(worker))
@@ -80,6 +83,8 @@ def build(ctx: ServiceContext) -> ServiceDef:
             state["engine"].stop()  # first, so the engine thread stops asking for drafts
         if "proposer" in state:
             await state["proposer"].close()
+        if state.get("kvstore"):
+            await state["kvstore"].close()
 
     return ServiceDef(
         services=[

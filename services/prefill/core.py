@@ -25,6 +25,8 @@ from kvmesh.engine.kv_cache import BlockPayload
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import TokenLogprob
 from kvmesh.errors import InvalidArgument, NotFound
+from kvmesh.worker.kv_tiers import fetch_prefix_from_kvstore, store_held_blocks
+from kvmesh.worker.kvstore_client import KVStoreClient
 from services.prefill.leases import Lease, LeaseTable
 
 log = structlog.get_logger(__name__)
@@ -66,11 +68,19 @@ class PrefillCounters:
     leases_aborted: int = 0
     leases_expired: int = 0
     blocks_sent: int = 0
+    kvstore_fetched_blocks: int = 0
 
 
 class PrefillWorker:
-    def __init__(self, engine: AsyncEngine, default_ttl_ms: int = 30_000, max_ttl_ms: int = 300_000) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        default_ttl_ms: int = 30_000,
+        max_ttl_ms: int = 300_000,
+        kvstore: KVStoreClient | None = None,
+    ) -> None:
         self.engine = engine
+        self.kvstore = kvstore
         self.leases = LeaseTable()
         self.default_ttl_ms = default_ttl_ms
         self.max_ttl_ms = max_ttl_ms
@@ -87,6 +97,8 @@ class PrefillWorker:
         lease_ttl_ms: int = 0,
     ) -> PrefillResult:
         t0 = time.perf_counter_ns()
+        hashes = self.engine.engine.prompt_block_hashes(token_ids, cache_salt)  # pure: no engine state
+        self.counters.kvstore_fetched_blocks += await fetch_prefix_from_kvstore(self.engine, self.kvstore, hashes)
         one_token = dataclasses.replace(params, max_tokens=1)
         out = None
         stream = self.engine.generate(token_ids, one_token, request_id, cache_salt, hold_prompt_blocks=True)
@@ -98,6 +110,9 @@ class PrefillWorker:
         lease = None
         try:
             hashes = await self.engine.call(lambda e: e.held_hashes(request_id))
+            # Blocks computed here (not reused) go to the cluster-wide tier, behind the request.
+            computed_from = out.num_cached_tokens // self.engine.engine.config.block_size
+            await store_held_blocks(self.engine, self.kvstore, request_id, hashes[computed_from:])
             if reason is None and hand_off and hashes:
                 ttl = min(lease_ttl_ms or self.default_ttl_ms, self.max_ttl_ms)
                 lease = self.leases.create(request_id, hashes, ttl)

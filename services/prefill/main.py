@@ -14,6 +14,7 @@ from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.flags import ENGINE_FLAGS, engine_config, model_path
 from kvmesh.engine.metrics import EngineCollector
 from kvmesh.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from kvmesh.worker.kvstore_client import KVStoreClient
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
 from kvmesh.worker.engine_link import attach_router
 from services.prefill.core import PrefillWorker
@@ -34,7 +35,7 @@ class _PrefillCollector(Collector):
     def collect(self):
         c = self.worker.counters
         for name in ("requests", "computed_tokens", "reused_tokens", "leases_acked", "leases_aborted",
-                     "leases_expired", "blocks_sent"):
+                     "leases_expired", "blocks_sent", "kvstore_fetched_blocks"):
             yield CounterMetricFamily(f"kvmesh_prefill_{name}", f"Prefill {name.replace('_', ' ')}.", value=getattr(c, name))
         yield GaugeMetricFamily("kvmesh_prefill_active_leases", "KV hand-offs not yet released.", value=len(self.worker.leases))
 
@@ -49,7 +50,9 @@ def build(ctx: ServiceContext) -> ServiceDef:
         engine = await asyncio.to_thread(LLMEngine, model_path(args), engine_config(args))
         aengine = AsyncEngine(engine)
         aengine.start()
-        worker = PrefillWorker(aengine, args.lease_ttl_ms, args.max_lease_ttl_ms)
+        kvstore = KVStoreClient(args.kvstore_address) if args.kvstore_address else None
+        state["kvstore"] = kvstore
+        worker = PrefillWorker(aengine, args.lease_ttl_ms, args.max_lease_ttl_ms, kvstore)
         servicer.attach(worker, engine.max_model_len)
         ctx.registry.register(EngineCollector(engine))
         ctx.registry.register(_PrefillCollector(worker))
@@ -69,6 +72,8 @@ def build(ctx: ServiceContext) -> ServiceDef:
                 await state["reaper"]
             await state["worker"].release_all()
             state["engine"].stop()
+        if state.get("kvstore"):
+            await state["kvstore"].close()
 
     return ServiceDef(
         services=[

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from kvmesh.common.v1 import sampling_pb2
 from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
@@ -89,3 +90,23 @@ async def test_client_cancel_frees_the_requests_blocks_on_decode(mesh, gateway):
     assert d["kvmesh_engine_running_sequences"] == 0
     assert g["kvmesh_gateway_inflight_requests"] == 0
     assert metrics(mesh, "prefill-0")["kvmesh_prefill_active_leases"] == 0
+
+
+async def test_blocks_written_to_the_kvstore_are_fetched_instead_of_recomputed(mesh, gateway):
+    """The cluster-wide tier: a prefix the prefill worker lost is fetched from the kvstore."""
+    prompt = list(range(100, 100 + 4 * BLOCK + 3))
+    await generate(gateway, prompt, 2)
+    for _ in range(50):  # written behind the request
+        if metrics(mesh, "kvstore")["kvmesh_kvstore_blocks{tier=ram}"] >= 4:
+            break
+        await asyncio.sleep(0.1)
+    # Drop the prefill worker's own copy: other prompts take its whole pool (128 blocks).
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        await generate(gateway, torch.randint(1, 500, (30 * BLOCK,), generator=g).tolist(), 1)
+    before = metrics(mesh, "prefill-0")
+    _, final = await generate(gateway, prompt[: 4 * BLOCK] + [5, 6], 2)
+    after = metrics(mesh, "prefill-0")
+    fetched = after["kvmesh_prefill_kvstore_fetched_blocks_total"] - before["kvmesh_prefill_kvstore_fetched_blocks_total"]
+    assert fetched > 0
+    assert final.usage.cached_tokens >= fetched * BLOCK
