@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import asyncio
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
-
 from kvmesh.common.v1 import worker_pb2
 from kvmesh.decode.v1 import decode_pb2, decode_pb2_grpc
 from kvmesh.engine import LLMEngine
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.flags import ENGINE_FLAGS, engine_config, model_path
 from kvmesh.engine.metrics import EngineCollector
-from kvmesh.worker.kvstore_client import KVStoreClient
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
+from kvmesh.runtime.counters import CountersCollector
+from kvmesh.worker.kvstore_client import KVStoreClient
 from kvmesh.worker.engine_link import attach_router
 from services.decode.core import DecodeWorker
 from services.decode.prefill_client import GrpcKVSource
@@ -28,18 +26,6 @@ FLAGS = [
     Flag("--speculator-address", "speculator host:port (unset: drafts from an in-process prompt lookup)"),
     Flag("--spec-budget-ms", "how long a decode step waits for drafts before running without them", default=5.0, type=float),
 ]
-
-
-class _DecodeCollector(Collector):
-    def __init__(self, worker: DecodeWorker) -> None:
-        self.worker = worker
-
-    def collect(self):
-        c = self.worker.counters
-        for name in ("requests", "remote_prefills", "local_prefills", "blocks_pulled", "bytes_pulled",
-                     "transfer_failures", "kvstore_fetched_blocks"):
-            yield CounterMetricFamily(f"kvmesh_decode_{name}", f"Decode {name.replace('_', ' ')}.", value=getattr(c, name))
-        yield GaugeMetricFamily("kvmesh_decode_active_requests", "Decode streams open.", value=c.active_requests)
 
 
 def build(ctx: ServiceContext) -> ServiceDef:
@@ -67,7 +53,14 @@ def build(ctx: ServiceContext) -> ServiceDef:
         worker = DecodeWorker(aengine, kv_source, kvstore)
         servicer.attach(worker, engine.max_model_len)
         ctx.registry.register(EngineCollector(engine))
-        ctx.registry.register(_DecodeCollector(worker))
+        ctx.registry.register(
+            CountersCollector(
+                "kvmesh_decode",
+                lambda: worker.counters,
+                lambda: {"active_requests": (worker.counters.active_requests, "Decode streams open.")},
+                skip=frozenset({"active_requests"}),
+            )
+        )
         state["engine"] = aengine
         state["link"] = await attach_router(
             args, engine, worker_pb2.WORKER_ROLE_DECODE, address, "decode", ctx.registry

@@ -5,17 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
-
 from kvmesh.common.v1 import worker_pb2
 from kvmesh.engine import LLMEngine
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.flags import ENGINE_FLAGS, engine_config, model_path
 from kvmesh.engine.metrics import EngineCollector
 from kvmesh.prefill.v1 import prefill_pb2, prefill_pb2_grpc
-from kvmesh.worker.kvstore_client import KVStoreClient
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
+from kvmesh.runtime.counters import CountersCollector
+from kvmesh.worker.kvstore_client import KVStoreClient
 from kvmesh.worker.engine_link import attach_router
 from services.prefill.core import PrefillWorker
 from services.prefill.server import PrefillServicer
@@ -26,18 +24,6 @@ FLAGS = [
     Flag("--max-lease-ttl-ms", "the longest lease a request may ask for", default=300_000, type=int),
     Flag("--advertise-address", "host:port decode workers use to reach this worker (default: host:port)"),
 ]
-
-
-class _PrefillCollector(Collector):
-    def __init__(self, worker: PrefillWorker) -> None:
-        self.worker = worker
-
-    def collect(self):
-        c = self.worker.counters
-        for name in ("requests", "computed_tokens", "reused_tokens", "leases_acked", "leases_aborted",
-                     "leases_expired", "blocks_sent", "kvstore_fetched_blocks"):
-            yield CounterMetricFamily(f"kvmesh_prefill_{name}", f"Prefill {name.replace('_', ' ')}.", value=getattr(c, name))
-        yield GaugeMetricFamily("kvmesh_prefill_active_leases", "KV hand-offs not yet released.", value=len(self.worker.leases))
 
 
 def build(ctx: ServiceContext) -> ServiceDef:
@@ -55,7 +41,13 @@ def build(ctx: ServiceContext) -> ServiceDef:
         worker = PrefillWorker(aengine, args.lease_ttl_ms, args.max_lease_ttl_ms, kvstore)
         servicer.attach(worker, engine.max_model_len)
         ctx.registry.register(EngineCollector(engine))
-        ctx.registry.register(_PrefillCollector(worker))
+        ctx.registry.register(
+            CountersCollector(
+                "kvmesh_prefill",
+                lambda: worker.counters,
+                lambda: {"active_leases": (len(worker.leases), "KV hand-offs not yet released.")},
+            )
+        )
         state.update(engine=aengine, worker=worker, reaper=asyncio.create_task(worker.reap_expired_leases()))
         state["link"] = await attach_router(
             args, engine, worker_pb2.WORKER_ROLE_PREFILL, address, "prefill", ctx.registry
