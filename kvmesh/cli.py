@@ -34,12 +34,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
-    from kvmesh.engine.default_model import RANDOM_MODEL_LABEL, default_model_path
+    from kvmesh.engine.default_model import default_model_path, model_label
 
     model = args.model
     if model is None:
         model = default_model_path()
-        print(f"[kvmesh] serving the embedded default model: {RANDOM_MODEL_LABEL}", file=sys.stderr)
+        print(f"[kvmesh] serving the embedded default model: {model_label(model)}", file=sys.stderr)
     engine = LLMEngine(model, EngineConfig(device=args.device, dtype=args.dtype, quantization=args.quantization))
     if engine.tokenizer is None:
         raise KvmeshError(f"{model}/tokenizer.json: missing; `generate` needs a tokenizer for text prompts")

@@ -1,10 +1,15 @@
-"""The embedded default model: a small Llama checkpoint with RANDOM weights.
+"""The embedded default model, so ``kvmesh generate``/``kvmesh up`` work with no download.
 
-It exists so ``kvmesh generate``/``kvmesh up`` work on a fresh machine with no
-download. Its output is noise — say so wherever it is served. It is written
-once into a cache folder as a standard Hugging Face folder (config.json,
+The default is ``models/pycode-small`` in the repository: a small Python code
+model trained on the standard library (``train/train_pycode.py``), found
+relative to this package (installed editable from the repository root).
+
+Where that folder is missing (e.g. a wheel install without ``models/``), the
+fallback is a small Llama checkpoint with RANDOM weights, written once into a
+cache folder as a standard Hugging Face folder (config.json,
 model.safetensors, tokenizer.json, tokenizer_config.json with a chat
-template), by this code alone: no transformers at run time.
+template), by this code alone: no transformers at run time. Its output is
+noise — say so wherever it is served.
 
 The tokenizer is a byte-level BPE trained on Python source the interpreter
 ships (the standard library), so any text round-trips and code tokenizes well.
@@ -13,14 +18,21 @@ ships (the standard library), so any text round-trips and code tokenizes well.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sysconfig
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+log = logging.getLogger(__name__)
+
+# <repo>/kvmesh/engine/default_model.py -> <repo>/models/pycode-small
+SHIPPED_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "pycode-small"
 
 RANDOM_MODEL_LABEL = "kvmesh-random-llama (RANDOM WEIGHTS: output is noise, for plumbing only)"
 
@@ -45,8 +57,14 @@ def _stdlib_corpus(max_bytes: int) -> list[str]:
     return texts
 
 
-def train_tokenizer(vocab_size: int = 1024, corpus_bytes: int = 2_000_000) -> Tokenizer:
-    """A byte-level BPE tokenizer (lossless on any UTF-8) trained on stdlib Python source."""
+def train_tokenizer(
+    vocab_size: int = 1024, corpus_bytes: int = 2_000_000, texts: Iterable[str] | None = None
+) -> Tokenizer:
+    """A byte-level BPE tokenizer (lossless on any UTF-8) trained on stdlib Python source.
+
+    ``texts`` replaces the default corpus (the stdlib's top-level modules, up to
+    ``corpus_bytes``), e.g. a training split that leaves held-out files unseen.
+    """
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -56,11 +74,11 @@ def train_tokenizer(vocab_size: int = 1024, corpus_bytes: int = 2_000_000) -> To
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_stdlib_corpus(corpus_bytes), trainer)
+    tok.train_from_iterator(_stdlib_corpus(corpus_bytes) if texts is None else texts, trainer)
     return tok
 
 
-def write_tokenizer(tok: Tokenizer, path: Path) -> None:
+def write_tokenizer(tok: Tokenizer, path: Path, model_max_length: int = 2048) -> None:
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
         json.dumps(
@@ -70,7 +88,7 @@ def write_tokenizer(tok: Tokenizer, path: Path) -> None:
                 "pad_token": "<|endoftext|>",
                 "bos_token": None,
                 "chat_template": CHAT_TEMPLATE,
-                "model_max_length": 2048,
+                "model_max_length": model_max_length,
             },
             indent=2,
         )
@@ -129,8 +147,32 @@ def write_random_llama(path: Path, vocab_size: int = 1024, hidden: int = 128, la
     return path
 
 
+def shipped_model_path() -> Path | None:
+    """The trained model shipped in the repository, or None if this install lacks it."""
+    return SHIPPED_MODEL_DIR if (SHIPPED_MODEL_DIR / "config.json").is_file() else None
+
+
 def default_model_path() -> Path:
-    """The embedded default model's folder, written on first use."""
+    """The default model's folder: the shipped model, else the random-weights one."""
+    shipped = shipped_model_path()
+    if shipped is not None:
+        log.info("default model: %s (shipped, trained)", shipped)
+        return shipped
+    path = random_model_path()
+    log.warning("default model: %s not found; using %s at %s", SHIPPED_MODEL_DIR, RANDOM_MODEL_LABEL, path)
+    return path
+
+
+def model_label(path: Path) -> str:
+    """What a model folder says it is (config.json's ``kvmesh_label``), else its folder name."""
+    try:
+        return json.loads((path / "config.json").read_text()).get("kvmesh_label") or path.name
+    except (OSError, json.JSONDecodeError):
+        return path.name
+
+
+def random_model_path() -> Path:
+    """The random-weights model's folder, written on first use."""
     cache = Path(os.environ.get("KVMESH_CACHE", Path.home() / ".cache" / "kvmesh"))
     path = cache / "models" / "random-llama-v1"
     if not (path / "config.json").is_file():

@@ -49,10 +49,11 @@ _DEFAULT_GRACE_SECONDS = 30.0
 def _model_path(flag: str | None) -> Path:
     if flag:
         return Path(flag)
-    from kvmesh.engine.default_model import RANDOM_MODEL_LABEL, default_model_path
+    from kvmesh.engine.default_model import default_model_path, model_label
 
-    log.warning("no --model: serving the embedded default model", label=RANDOM_MODEL_LABEL)
-    return default_model_path()
+    path = default_model_path()
+    log.warning("no --model: serving the embedded default model", label=model_label(path))
+    return path
 
 
 def build(ctx: ServiceContext) -> ServiceDef:

@@ -1,0 +1,1 @@
+"""Training scripts for the models kvmesh ships (models/): run them with ``python -m train.<script>``."""
