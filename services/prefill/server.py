@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -17,6 +18,7 @@ from services.prefill.core import PrefillWorker
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, address: str) -> None:
         self.address = address  # where decode workers reach this worker's PullKV
+        self._releases: set[asyncio.Task] = set()  # lease aborts for answers nobody received
         keep_transfer_memory_mapped()  # process-wide malloc setting: PullKV streams need it (kv_wire)
         self.worker: PrefillWorker
         self.max_model_len: int
@@ -42,6 +44,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         )
         handoff = kv_pb2.KVHandoff(mode=kv_pb2.HANDOFF_MODE_NONE)
         if res.lease is not None:
+            self._release_if_undelivered(context, res.lease.lease_id)
             handoff = kv_pb2.KVHandoff(
                 mode=kv_pb2.HANDOFF_MODE_PULL,
                 source_address=self.address,
@@ -65,6 +68,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         async for b in self.worker.pull(request.lease_id, list(request.block_hashes)):
             for fields in chunk_fields(b.block_hash, b.payload, request.max_chunk_bytes, b.checksum):
                 yield prefill_pb2.PullKVResponse(chunk=fields)
+
+    def _release_if_undelivered(self, context: grpc.aio.ServicerContext, lease_id: str) -> None:
+        """A caller that went away before our answer arrived never learns the lease id, so it
+        cannot abort it: end the lease here at once instead of leaving it to its TTL."""
+        loop = asyncio.get_running_loop()
+
+        def on_done(ctx: grpc.aio.ServicerContext) -> None:
+            if ctx.cancelled():
+                task = loop.create_task(self.worker.release(lease_id, ack=False))
+                self._releases.add(task)
+                task.add_done_callback(self._releases.discard)
+
+        context.add_done_callback(on_done)
 
     async def ReleaseLease(self, request: prefill_pb2.ReleaseLeaseRequest, context: grpc.aio.ServicerContext):
         n = await self.worker.release(request.lease_id, ack=request.outcome == prefill_pb2.LEASE_OUTCOME_ACK)
