@@ -1,37 +1,53 @@
 """The reverse of the server interceptor's mapping: a failed outgoing call -> a domain error.
 
 Clients of other services (the gateway's backends, decode pulling KV, workers
-talking to the router) catch ``grpc.aio.AioRpcError`` at the call site and
-re-raise it as the ``KvmeshError`` with the same code, so cores never see gRPC.
+talking to the kvstore) catch ``grpc.aio.AioRpcError`` at the call site and
+re-raise it with ``from_rpc_error``, so cores never see gRPC. The code table is
+derived from ``kvmesh.errors`` itself, so the mapping lives in one place.
 """
 
 from __future__ import annotations
 
 import grpc
 
-from kvmesh import errors
+from kvmesh.errors import KvmeshError, Unavailable
 
-_BY_CODE: dict[str, type[errors.KvmeshError]] = {
-    cls.code: cls
-    for cls in (
-        errors.InvalidArgument,
-        errors.NotFound,
-        errors.AlreadyExists,
-        errors.FailedPrecondition,
-        errors.ResourceExhausted,
-        errors.Unavailable,
-        errors.Unauthenticated,
-        errors.DeadlineExceeded,
-        errors.Aborted,
-    )
+# The peer failed rather than answered about the request: a caller may retry these
+# elsewhere. UNAVAILABLE covers both a peer that cannot be reached and one that says
+# it cannot serve (not ready, no worker), so its details are passed on as they are.
+_PEER_FAILED = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
 }
 
 
-def from_rpc_error(e: grpc.aio.AioRpcError, peer: str = "") -> errors.KvmeshError:
-    """The domain error for a failed call; ``peer`` names who failed, for the message."""
-    code = e.code().name
-    who = f"{peer}: " if peer else ""
-    if code == "CANCELLED":
-        return errors.Aborted(f"{who}call cancelled")
-    cls = _BY_CODE.get(code, errors.Unavailable if code in ("UNKNOWN", "INTERNAL") else errors.KvmeshError)
-    return cls(f"{who}{e.details() or code.lower()}")
+def _domain_classes() -> dict[str, type[KvmeshError]]:
+    # The first class declaring a code is its canonical one.
+    by_code: dict[str, type[KvmeshError]] = {}
+    pending = list(KvmeshError.__subclasses__())
+    while pending:
+        cls = pending.pop(0)
+        by_code.setdefault(cls.code, cls)
+        pending.extend(cls.__subclasses__())
+    return by_code
+
+
+_BY_CODE = _domain_classes()
+
+
+def from_rpc_error(exc: grpc.aio.AioRpcError, peer: str = "", timeout_s: float | None = None) -> KvmeshError:
+    """The domain error for a failed call; ``peer`` (e.g. "router (host:port)") prefixes peer failures."""
+    code, details = exc.code(), exc.details() or exc.code().name
+    prefix = f"{peer}: " if peer else ""
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return Unavailable(f"{prefix}no answer within {timeout_s:g} s" if timeout_s else f"{prefix}{details}")
+    if code == grpc.StatusCode.CANCELLED:
+        return Unavailable(f"{prefix}the call was cancelled on the server side: {details}")
+    if code in _PEER_FAILED:
+        return Unavailable(f"{prefix}{details}")
+    cls = _BY_CODE.get(code.name)
+    if cls is None or cls is KvmeshError:
+        return KvmeshError(f"{prefix}{code.name}: {details}")
+    return cls(details)  # the peer's own answer about the request: pass it on as it is

@@ -10,7 +10,8 @@ import pytest
 from kvmesh.decode.v1 import decode_pb2
 from kvmesh.errors import FailedPrecondition, InvalidArgument, KvmeshError, ResourceExhausted, Unavailable
 from kvmesh.runtime import Runtime
-from services.gateway.grpc_backends import GrpcBackends, domain_error
+from kvmesh.runtime.client_errors import from_rpc_error
+from services.gateway.grpc_backends import GrpcBackends
 from tests.gateway.grpc_fakes import Mesh, build_mesh
 
 
@@ -32,7 +33,7 @@ def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     ],
 )
 def test_status_codes_become_domain_errors(code, cls, message) -> None:
-    error = domain_error(_rpc_error(code, "Socket closed"), "decode-0", 2.0)
+    error = from_rpc_error(_rpc_error(code, "Socket closed"), "decode-0", 2.0)
 
     assert type(error) is cls and error.message == message
 
