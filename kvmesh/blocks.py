@@ -92,7 +92,3 @@ def block_hashes(
         prev = d.digest()
         out.append(prev)
     return out
-
-
-def hash_hex(h: BlockHash) -> str:
-    return h.hex()
