@@ -7,6 +7,7 @@ import math
 from kvmesh.common.v1 import accounting_pb2, sampling_pb2
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import TokenLogprob
+from kvmesh.structured.spec import GrammarSpec
 
 _FINISH = {
     "stop": sampling_pb2.FINISH_REASON_STOP,
@@ -32,6 +33,7 @@ def sampling_from_pb(p: sampling_pb2.SamplingParams, prompt_len: int, max_model_
         logprobs=p.top_logprobs if p.logprobs else None,
         repetition_limit=p.repetition_guard.max_repeats,
         repetition_allow=list(p.repetition_guard.allowed_token_ids),
+        grammar=GrammarSpec.from_pb(p.structured_output) if p.HasField("structured_output") else None,
     )
 
 

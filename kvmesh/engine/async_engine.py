@@ -68,6 +68,11 @@ class AsyncEngine:
         """
         out_q: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
+        if params.grammar is not None:
+            # Compile off the engine thread (a large schema takes a while): add_request then
+            # finds it cached, and a bad grammar fails here without touching the step loop.
+            grammar = params.grammar
+            await asyncio.to_thread(lambda: self.engine.grammars.compiled(grammar))
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(prompt_ids, params, request_id, cache_salt, **add_options)

@@ -8,16 +8,19 @@ never blocks the event loop.
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import structlog
 import torch
 
 from kvmesh.blocks import BlockHash, block_hashes, model_fingerprint
 from kvmesh.engine.block_manager import BlockEventSink, BlockManager
 from kvmesh.engine.config import EngineConfig, ModelConfig, dtype_name
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.engine.grammar import GrammarCache, GrammarStats, MaskJob, MaskRows, allowed_prefix
 from kvmesh.engine.kv_cache import KV_LAYOUT, BlockPayload, KVCache
 from kvmesh.engine.model import AttentionMetadata, CausalLM
 from kvmesh.engine.sampler import token_logprobs, verify
@@ -28,6 +31,8 @@ from kvmesh.engine.stop import check_stop, releasable_text
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.engine.weights import weight_files, weights_id
 from kvmesh.errors import InvalidArgument, NotFound
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -58,6 +63,7 @@ class EngineStats:
     preemptions: int = 0
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
+    grammar_masked_rows: int = 0  # logits rows masked by a request's grammar
 
 
 @dataclass
@@ -139,6 +145,25 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._default_gen = torch.Generator().manual_seed(cfg.seed)
+        self._grammars: GrammarCache | None = None
+        self._grammars_lock = threading.Lock()
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """Compiles constraints for this model (built on first use: the vocabulary scan takes a moment).
+
+        Safe to use from any thread (services compile off the engine thread first).
+        """
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise InvalidArgument("structured outputs need a tokenizer; this model folder has none")
+                self._grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
+            return self._grammars
+
+    @property
+    def grammar_stats(self) -> GrammarStats:
+        return self._grammars.stats if self._grammars is not None else GrammarStats()
 
     # -- requests ----------------------------------------------------------
 
@@ -175,6 +200,10 @@ class LLMEngine:
             seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids)
         if first_token is not None and not 0 <= first_token < self.model_config.vocab_size:
             raise InvalidArgument(f"first token {first_token} is outside the vocabulary")
+        if params.grammar is not None:
+            seq.grammar = self.grammars.matcher(params.grammar)
+            if first_token is not None and not self.grammars.allows(seq.grammar, first_token):
+                raise InvalidArgument(f"first token {first_token} is not allowed by the request's grammar")
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         self.stats.prompt_tokens += len(prompt_ids)
@@ -283,7 +312,8 @@ class LLMEngine:
         for rid, drafts in self.proposer.propose([(s, k) for s, k in want.values()]).items():
             seq, k = want.get(rid, (None, 0))
             if seq is not None:
-                seq.draft_ids = [t for t in drafts[:k] if 0 <= t < self.model_config.vocab_size]
+                drafts = [t for t in drafts[:k] if 0 <= t < self.model_config.vocab_size]
+                seq.draft_ids = allowed_prefix(seq.grammar, drafts) if seq.grammar is not None else drafts
 
     def _forward(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
         bs = self.config.block_size
@@ -316,14 +346,26 @@ class LLMEngine:
             query_start_loc=torch.tensor(starts, dtype=torch.long, device=dev),
             is_decode=all(n == 1 for n in batch.num_new),
         )
+        masks = self._start_masks(sampling, len(logits_idx))
         logits = self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
             self.kv.tensor,
             meta,
             torch.tensor(logits_idx, dtype=torch.long, device=dev),
-        )
-        return sampling, logits.cpu()
+        ).cpu()
+        if masks is not None:
+            self.stats.grammar_masked_rows += masks.apply(logits)
+        return sampling, logits
+
+    def _start_masks(self, sampling: list[Sequence], num_rows: int) -> MaskJob | None:
+        """Start filling the grammar masks of the constrained sequences' rows (None if there are none)."""
+        rows, row = [], 0
+        for seq in sampling:
+            if seq.grammar is not None:
+                rows.append(MaskRows(seq.grammar, row, list(seq.draft_ids)))
+            row += len(seq.draft_ids) + 1
+        return MaskJob(rows, num_rows, self.model_config.vocab_size) if rows else None
 
     def _append_tokens(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
         """Append tokens one by one until a stop condition; returns what the caller sees."""
@@ -336,6 +378,11 @@ class LLMEngine:
             appended.append(token)
             if seq.detok is not None:
                 seq.detok.add(token)
+            if seq.grammar is not None and not seq.grammar.accept_token(token):
+                # Masked sampling never gets here; if it did, the output would break the grammar.
+                log.error("token outside the grammar", request_id=seq.request_id, token=token)
+                reason = "abort"
+                break
             reason = check_stop(seq, token, self.eos_token_ids, self.max_model_len)
             if reason is not None:
                 break
@@ -448,3 +495,4 @@ class LLMEngine:
         self.blocks.release([b])  # cached-free: reusable by the next request with this prefix
         self.stats.imported_blocks += 1
         return True
+

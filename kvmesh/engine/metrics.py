@@ -23,6 +23,12 @@ class EngineCollector(Collector):
         e = self.engine
         for f in dataclasses.fields(e.stats):
             yield CounterMetricFamily(f"kvmesh_engine_{f.name}", f"Engine counter {f.name}.", value=getattr(e.stats, f.name))
+        grammar = e.grammar_stats
+        for f in dataclasses.fields(grammar):
+            yield CounterMetricFamily(
+                f"kvmesh_engine_grammar_{f.name}", f"Structured outputs: {f.name.replace('_', ' ')}.",
+                value=getattr(grammar, f.name),
+            )
         gauges = {
             "running_sequences": e.num_running,
             "waiting_sequences": e.num_waiting,

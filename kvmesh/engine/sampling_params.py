@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.structured.spec import GrammarSpec
 
 
 @dataclass
@@ -24,6 +25,8 @@ class SamplingParams:
     # row (0 = off). Tokens in the allow-list (e.g. table rules, indentation) are exempt.
     repetition_limit: int = 0
     repetition_allow: list[int] = field(default_factory=list)
+    # Only tokens this grammar allows are sampled; the grammar's end finishes the request.
+    grammar: GrammarSpec | None = None
 
     @property
     def greedy(self) -> bool:

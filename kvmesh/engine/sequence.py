@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 import torch
+import xgrammar as xgr
 
 from kvmesh.blocks import BlockHash
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
@@ -54,6 +55,8 @@ class Sequence:
     draft_ids: list[int] = field(default_factory=list)
     num_draft_proposed: int = 0
     num_draft_accepted: int = 0
+    # Where the output is in the request's grammar (None: unconstrained).
+    grammar: xgr.GrammarMatcher | None = None
     # Text already handed to the caller (stop strings are held back until resolved).
     emitted_text_len: int = 0
 

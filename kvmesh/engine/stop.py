@@ -19,6 +19,8 @@ def check_stop(seq: Sequence, token: int, eos_ids: Set[int], max_model_len: int)
         return "stop"
     if p.stop and seq.detok is not None and _truncate_at_stop(seq):
         return "stop"
+    if seq.grammar is not None and seq.grammar.is_terminated():
+        return "stop"  # the grammar is complete (its stop token was accepted, even with ignore_eos)
     if p.repetition_limit and token not in p.repetition_allow and _trailing_run(seq.output_ids) > p.repetition_limit:
         return "repetition"
     if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= max_model_len:

@@ -62,6 +62,14 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def vocab(self) -> dict[str, int]:
+        """Every token's string (as tokenizer.json spells it) to its id, added tokens included."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    def to_json(self) -> str:
+        """The tokenizer.json this tokenizer was read from (normalized by ``tokenizers``)."""
+        return self._tok.to_str()
+
     @cached_property
     def eos_token_id(self) -> int | None:
         return self._tok.token_to_id(self.eos_token) if self.eos_token else None

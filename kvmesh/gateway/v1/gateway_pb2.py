@@ -26,7 +26,7 @@ from kvmesh.common.v1 import accounting_pb2 as kvmesh_dot_common_dot_v1_dot_acco
 from kvmesh.common.v1 import sampling_pb2 as kvmesh_dot_common_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fkvmesh/gateway/v1/gateway.proto\x12\x11kvmesh.gateway.v1\x1a!kvmesh/common/v1/accounting.proto\x1a\x1fkvmesh/common/v1/sampling.proto\"\xc2\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x30\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1b.kvmesh.gateway.v1.TokenIdsH\x00\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .kvmesh.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x0c\n\x04user\x18\x06 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x30\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1e.kvmesh.common.v1.TokenLogprob\x12+\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x1c.kvmesh.gateway.v1.StreamEnd\"\xaf\x02\n\tStreamEnd\x12\x35\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1e.kvmesh.common.v1.FinishReason\x12&\n\x05usage\x18\x02 \x01(\x0b\x32\x17.kvmesh.common.v1.Usage\x12*\n\x07timings\x18\x03 \x01(\x0b\x32\x19.kvmesh.common.v1.Timings\x12\x30\n\rroute_timings\x18\x04 \x01(\x0b\x32\x19.kvmesh.common.v1.Timings\x12\x32\n\x0fprefill_timings\x18\x05 \x01(\x0b\x32\x19.kvmesh.common.v1.Timings\x12\x31\n\x0e\x64\x65\x63ode_timings\x18\x06 \x01(\x0b\x32\x19.kvmesh.common.v1.Timings\"\xa4\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x30\n\x08messages\x18\x02 \x03(\x0b\x32\x1e.kvmesh.gateway.v1.ChatMessage\x12\x32\n\x08sampling\x18\x03 \x01(\x0b\x32 .kvmesh.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x0c\n\x04user\x18\x05 \x01(\t\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"\xb2\x01\n\x0c\x43hatResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x30\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1e.kvmesh.common.v1.TokenLogprob\x12+\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x1c.kvmesh.gateway.v1.StreamEnd\"\x86\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12/\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1f.kvmesh.gateway.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x42\x07\n\x05input\"@\n\x0c\x43hatMessages\x12\x30\n\x08messages\x18\x01 \x03(\x0b\x32\x1e.kvmesh.gateway.v1.ChatMessage\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x13\n\x11ListModelsRequest\"B\n\x12ListModelsResponse\x12,\n\x06models\x18\x01 \x03(\x0b\x32\x1c.kvmesh.gateway.v1.ModelInfo\"Q\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x0f\n\x07\x63reated\x18\x04 \x01(\x04\x32\xe2\x02\n\x0eGatewayService\x12U\n\x08Generate\x12\".kvmesh.gateway.v1.GenerateRequest\x1a#.kvmesh.gateway.v1.GenerateResponse0\x01\x12I\n\x04\x43hat\x12\x1e.kvmesh.gateway.v1.ChatRequest\x1a\x1f.kvmesh.gateway.v1.ChatResponse0\x01\x12S\n\x08Tokenize\x12\".kvmesh.gateway.v1.TokenizeRequest\x1a#.kvmesh.gateway.v1.TokenizeResponse\x12Y\n\nListModels\x12$.kvmesh.gateway.v1.ListModelsRequest\x1a%.kvmesh.gateway.v1.ListModelsResponseBEZCgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/gateway/v1;gatewayv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fkvmesh/gateway/v1/gateway.proto\x12\x11kvmesh.gateway.v1\x1a!kvmesh/common/v1/accounting.proto\x1a\x1fkvmesh/common/v1/sampling.proto\"\xc2\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x30\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1b.kvmesh.gateway.v1.TokenIdsH\x00\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .kvmesh.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x0c\n\x04user\x18\x06 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x30\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1e.kvmesh.common.v1.TokenLogprob\x12+\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x1c.kvmesh.gateway.v1.StreamEnd\"\xaf\x02\n\tStreamEnd\x12\x35\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1e.kvmesh.common.v1.FinishReason\x12&\n\x05usage\x18\x02 \x01(\x0b\x32\x17.kvmesh.common.v1.Usage\x12*\n\x07timings\x18\x03 \x01(\x0b\x32\x19.kvmesh.common.v1.Timings\x12\x30\n\rroute_timings\x18\x04 \x01(\x0b\x32\x19.kvmesh.common.v1.Timings\x12\x32\n\x0fprefill_timings\x18\x05 \x01(\x0b\x32\x19.kvmesh.common.v1.Timings\x12\x31\n\x0e\x64\x65\x63ode_timings\x18\x06 \x01(\x0b\x32\x19.kvmesh.common.v1.Timings\"\xba\x02\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x30\n\x08messages\x18\x02 \x03(\x0b\x32\x1e.kvmesh.gateway.v1.ChatMessage\x12\x32\n\x08sampling\x18\x03 \x01(\x0b\x32 .kvmesh.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x0c\n\x04user\x18\x05 \x01(\t\x12&\n\x05tools\x18\x06 \x03(\x0b\x32\x17.kvmesh.gateway.v1.Tool\x12\x32\n\x0btool_choice\x18\x07 \x01(\x0b\x32\x1d.kvmesh.gateway.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x08 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"\x81\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12/\n\ntool_calls\x18\x04 \x03(\x0b\x32\x1b.kvmesh.gateway.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"b\n\nToolChoice\x12\x31\n\x04mode\x18\x01 \x01(\x0e\x32!.kvmesh.gateway.v1.ToolChoiceModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xe3\x01\n\x0c\x43hatResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x30\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1e.kvmesh.common.v1.TokenLogprob\x12+\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x1c.kvmesh.gateway.v1.StreamEnd\x12/\n\ntool_calls\x18\x07 \x03(\x0b\x32\x1b.kvmesh.gateway.v1.ToolCall\"\x86\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12/\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1f.kvmesh.gateway.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x42\x07\n\x05input\"@\n\x0c\x43hatMessages\x12\x30\n\x08messages\x18\x01 \x03(\x0b\x32\x1e.kvmesh.gateway.v1.ChatMessage\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x13\n\x11ListModelsRequest\"B\n\x12ListModelsResponse\x12,\n\x06models\x18\x01 \x03(\x0b\x32\x1c.kvmesh.gateway.v1.ModelInfo\"Q\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x0f\n\x07\x63reated\x18\x04 \x01(\x04*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03\x32\xe2\x02\n\x0eGatewayService\x12U\n\x08Generate\x12\".kvmesh.gateway.v1.GenerateRequest\x1a#.kvmesh.gateway.v1.GenerateResponse0\x01\x12I\n\x04\x43hat\x12\x1e.kvmesh.gateway.v1.ChatRequest\x1a\x1f.kvmesh.gateway.v1.ChatResponse0\x01\x12S\n\x08Tokenize\x12\".kvmesh.gateway.v1.TokenizeRequest\x1a#.kvmesh.gateway.v1.TokenizeResponse\x12Y\n\nListModels\x12$.kvmesh.gateway.v1.ListModelsRequest\x1a%.kvmesh.gateway.v1.ListModelsResponseBEZCgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/gateway/v1;gatewayv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,6 +34,8 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.gateway.v1.gateway_p
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'ZCgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/gateway/v1;gatewayv1'
+  _globals['_TOOLCHOICEMODE']._serialized_start=2154
+  _globals['_TOOLCHOICEMODE']._serialized_end=2289
   _globals['_GENERATEREQUEST']._serialized_start=123
   _globals['_GENERATEREQUEST']._serialized_end=317
   _globals['_TOKENIDS']._serialized_start=319
@@ -43,23 +45,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAMEND']._serialized_start=530
   _globals['_STREAMEND']._serialized_end=833
   _globals['_CHATREQUEST']._serialized_start=836
-  _globals['_CHATREQUEST']._serialized_end=1000
-  _globals['_CHATMESSAGE']._serialized_start=1002
-  _globals['_CHATMESSAGE']._serialized_end=1060
-  _globals['_CHATRESPONSE']._serialized_start=1063
-  _globals['_CHATRESPONSE']._serialized_end=1241
-  _globals['_TOKENIZEREQUEST']._serialized_start=1244
-  _globals['_TOKENIZEREQUEST']._serialized_end=1378
-  _globals['_CHATMESSAGES']._serialized_start=1380
-  _globals['_CHATMESSAGES']._serialized_end=1444
-  _globals['_TOKENIZERESPONSE']._serialized_start=1446
-  _globals['_TOKENIZERESPONSE']._serialized_end=1483
-  _globals['_LISTMODELSREQUEST']._serialized_start=1485
-  _globals['_LISTMODELSREQUEST']._serialized_end=1504
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1506
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1572
-  _globals['_MODELINFO']._serialized_start=1574
-  _globals['_MODELINFO']._serialized_end=1655
-  _globals['_GATEWAYSERVICE']._serialized_start=1658
-  _globals['_GATEWAYSERVICE']._serialized_end=2012
+  _globals['_CHATREQUEST']._serialized_end=1150
+  _globals['_CHATMESSAGE']._serialized_start=1153
+  _globals['_CHATMESSAGE']._serialized_end=1282
+  _globals['_TOOL']._serialized_start=1284
+  _globals['_TOOL']._serialized_end=1350
+  _globals['_TOOLCHOICE']._serialized_start=1352
+  _globals['_TOOLCHOICE']._serialized_end=1450
+  _globals['_TOOLCALL']._serialized_start=1452
+  _globals['_TOOLCALL']._serialized_end=1507
+  _globals['_CHATRESPONSE']._serialized_start=1510
+  _globals['_CHATRESPONSE']._serialized_end=1737
+  _globals['_TOKENIZEREQUEST']._serialized_start=1740
+  _globals['_TOKENIZEREQUEST']._serialized_end=1874
+  _globals['_CHATMESSAGES']._serialized_start=1876
+  _globals['_CHATMESSAGES']._serialized_end=1940
+  _globals['_TOKENIZERESPONSE']._serialized_start=1942
+  _globals['_TOKENIZERESPONSE']._serialized_end=1979
+  _globals['_LISTMODELSREQUEST']._serialized_start=1981
+  _globals['_LISTMODELSREQUEST']._serialized_end=2000
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2002
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2068
+  _globals['_MODELINFO']._serialized_start=2070
+  _globals['_MODELINFO']._serialized_end=2151
+  _globals['_GATEWAYSERVICE']._serialized_start=2292
+  _globals['_GATEWAYSERVICE']._serialized_end=2646
 # @@protoc_insertion_point(module_scope)

@@ -116,9 +116,12 @@ type SamplingParams struct {
 	// Unset: the server's default guard.
 	RepetitionGuard *RepetitionGuard `protobuf:"bytes,11,opt,name=repetition_guard,json=repetitionGuard,proto3" json:"repetition_guard,omitempty"`
 	// Keep generating past EOS (benchmarks).
-	IgnoreEos     bool `protobuf:"varint,12,opt,name=ignore_eos,json=ignoreEos,proto3" json:"ignore_eos,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	IgnoreEos bool `protobuf:"varint,12,opt,name=ignore_eos,json=ignoreEos,proto3" json:"ignore_eos,omitempty"`
+	// Constrain the output to a grammar (structured outputs, tool calls).
+	// Unset: free text.
+	StructuredOutput *StructuredOutput `protobuf:"bytes,13,opt,name=structured_output,json=structuredOutput,proto3" json:"structured_output,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *SamplingParams) Reset() {
@@ -235,6 +238,154 @@ func (x *SamplingParams) GetIgnoreEos() bool {
 	return false
 }
 
+func (x *SamplingParams) GetStructuredOutput() *StructuredOutput {
+	if x != nil {
+		return x.StructuredOutput
+	}
+	return nil
+}
+
+// A grammar the output must follow, enforced token by token: only tokens the
+// grammar allows can be sampled, and the sequence ends (FINISH_REASON_STOP)
+// once the grammar is complete.
+type StructuredOutput struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Kind:
+	//
+	//	*StructuredOutput_JsonSchema
+	//	*StructuredOutput_AnyJson
+	//	*StructuredOutput_Regex
+	//	*StructuredOutput_Ebnf
+	//	*StructuredOutput_StructuralTag
+	Kind          isStructuredOutput_Kind `protobuf_oneof:"kind"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StructuredOutput) Reset() {
+	*x = StructuredOutput{}
+	mi := &file_kvmesh_common_v1_sampling_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StructuredOutput) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StructuredOutput) ProtoMessage() {}
+
+func (x *StructuredOutput) ProtoReflect() protoreflect.Message {
+	mi := &file_kvmesh_common_v1_sampling_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StructuredOutput.ProtoReflect.Descriptor instead.
+func (*StructuredOutput) Descriptor() ([]byte, []int) {
+	return file_kvmesh_common_v1_sampling_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *StructuredOutput) GetKind() isStructuredOutput_Kind {
+	if x != nil {
+		return x.Kind
+	}
+	return nil
+}
+
+func (x *StructuredOutput) GetJsonSchema() string {
+	if x != nil {
+		if x, ok := x.Kind.(*StructuredOutput_JsonSchema); ok {
+			return x.JsonSchema
+		}
+	}
+	return ""
+}
+
+func (x *StructuredOutput) GetAnyJson() bool {
+	if x != nil {
+		if x, ok := x.Kind.(*StructuredOutput_AnyJson); ok {
+			return x.AnyJson
+		}
+	}
+	return false
+}
+
+func (x *StructuredOutput) GetRegex() string {
+	if x != nil {
+		if x, ok := x.Kind.(*StructuredOutput_Regex); ok {
+			return x.Regex
+		}
+	}
+	return ""
+}
+
+func (x *StructuredOutput) GetEbnf() string {
+	if x != nil {
+		if x, ok := x.Kind.(*StructuredOutput_Ebnf); ok {
+			return x.Ebnf
+		}
+	}
+	return ""
+}
+
+func (x *StructuredOutput) GetStructuralTag() string {
+	if x != nil {
+		if x, ok := x.Kind.(*StructuredOutput_StructuralTag); ok {
+			return x.StructuralTag
+		}
+	}
+	return ""
+}
+
+type isStructuredOutput_Kind interface {
+	isStructuredOutput_Kind()
+}
+
+type StructuredOutput_JsonSchema struct {
+	// A JSON Schema (JSON text); the output is one compact JSON value that
+	// validates against it. Keywords the grammar cannot enforce are refused.
+	JsonSchema string `protobuf:"bytes,1,opt,name=json_schema,json=jsonSchema,proto3,oneof"`
+}
+
+type StructuredOutput_AnyJson struct {
+	// Any JSON value.
+	AnyJson bool `protobuf:"varint,2,opt,name=any_json,json=anyJson,proto3,oneof"`
+}
+
+type StructuredOutput_Regex struct {
+	// A regular expression the whole output matches.
+	Regex string `protobuf:"bytes,3,opt,name=regex,proto3,oneof"`
+}
+
+type StructuredOutput_Ebnf struct {
+	// An EBNF grammar (GBNF dialect, as llama.cpp and xgrammar read it) whose
+	// start rule is named `root`.
+	Ebnf string `protobuf:"bytes,4,opt,name=ebnf,proto3,oneof"`
+}
+
+type StructuredOutput_StructuralTag struct {
+	// An xgrammar structural tag (JSON text): free text with constrained
+	// tagged sections. The gateway builds these for tool calls.
+	StructuralTag string `protobuf:"bytes,5,opt,name=structural_tag,json=structuralTag,proto3,oneof"`
+}
+
+func (*StructuredOutput_JsonSchema) isStructuredOutput_Kind() {}
+
+func (*StructuredOutput_AnyJson) isStructuredOutput_Kind() {}
+
+func (*StructuredOutput_Regex) isStructuredOutput_Kind() {}
+
+func (*StructuredOutput_Ebnf) isStructuredOutput_Kind() {}
+
+func (*StructuredOutput_StructuralTag) isStructuredOutput_Kind() {}
+
 // Stops a sequence that has collapsed into repeating one token.
 type RepetitionGuard struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -249,7 +400,7 @@ type RepetitionGuard struct {
 
 func (x *RepetitionGuard) Reset() {
 	*x = RepetitionGuard{}
-	mi := &file_kvmesh_common_v1_sampling_proto_msgTypes[1]
+	mi := &file_kvmesh_common_v1_sampling_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -261,7 +412,7 @@ func (x *RepetitionGuard) String() string {
 func (*RepetitionGuard) ProtoMessage() {}
 
 func (x *RepetitionGuard) ProtoReflect() protoreflect.Message {
-	mi := &file_kvmesh_common_v1_sampling_proto_msgTypes[1]
+	mi := &file_kvmesh_common_v1_sampling_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -274,7 +425,7 @@ func (x *RepetitionGuard) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RepetitionGuard.ProtoReflect.Descriptor instead.
 func (*RepetitionGuard) Descriptor() ([]byte, []int) {
-	return file_kvmesh_common_v1_sampling_proto_rawDescGZIP(), []int{1}
+	return file_kvmesh_common_v1_sampling_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *RepetitionGuard) GetMaxRepeats() uint32 {
@@ -305,7 +456,7 @@ type TokenLogprob struct {
 
 func (x *TokenLogprob) Reset() {
 	*x = TokenLogprob{}
-	mi := &file_kvmesh_common_v1_sampling_proto_msgTypes[2]
+	mi := &file_kvmesh_common_v1_sampling_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -317,7 +468,7 @@ func (x *TokenLogprob) String() string {
 func (*TokenLogprob) ProtoMessage() {}
 
 func (x *TokenLogprob) ProtoReflect() protoreflect.Message {
-	mi := &file_kvmesh_common_v1_sampling_proto_msgTypes[2]
+	mi := &file_kvmesh_common_v1_sampling_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -330,7 +481,7 @@ func (x *TokenLogprob) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TokenLogprob.ProtoReflect.Descriptor instead.
 func (*TokenLogprob) Descriptor() ([]byte, []int) {
-	return file_kvmesh_common_v1_sampling_proto_rawDescGZIP(), []int{2}
+	return file_kvmesh_common_v1_sampling_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *TokenLogprob) GetTokenId() uint32 {
@@ -373,7 +524,7 @@ type TopLogprob struct {
 
 func (x *TopLogprob) Reset() {
 	*x = TopLogprob{}
-	mi := &file_kvmesh_common_v1_sampling_proto_msgTypes[3]
+	mi := &file_kvmesh_common_v1_sampling_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -385,7 +536,7 @@ func (x *TopLogprob) String() string {
 func (*TopLogprob) ProtoMessage() {}
 
 func (x *TopLogprob) ProtoReflect() protoreflect.Message {
-	mi := &file_kvmesh_common_v1_sampling_proto_msgTypes[3]
+	mi := &file_kvmesh_common_v1_sampling_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -398,7 +549,7 @@ func (x *TopLogprob) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TopLogprob.ProtoReflect.Descriptor instead.
 func (*TopLogprob) Descriptor() ([]byte, []int) {
-	return file_kvmesh_common_v1_sampling_proto_rawDescGZIP(), []int{3}
+	return file_kvmesh_common_v1_sampling_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *TopLogprob) GetTokenId() uint32 {
@@ -426,7 +577,7 @@ var File_kvmesh_common_v1_sampling_proto protoreflect.FileDescriptor
 
 const file_kvmesh_common_v1_sampling_proto_rawDesc = "" +
 	"\n" +
-	"\x1fkvmesh/common/v1/sampling.proto\x12\x10kvmesh.common.v1\"\xbc\x03\n" +
+	"\x1fkvmesh/common/v1/sampling.proto\x12\x10kvmesh.common.v1\"\x8d\x04\n" +
 	"\x0eSamplingParams\x12%\n" +
 	"\vtemperature\x18\x01 \x01(\x02H\x00R\vtemperature\x88\x01\x01\x12\x13\n" +
 	"\x05top_k\x18\x02 \x01(\rR\x04topK\x12\x18\n" +
@@ -442,10 +593,19 @@ const file_kvmesh_common_v1_sampling_proto_rawDesc = "" +
 	" \x01(\rR\vtopLogprobs\x12L\n" +
 	"\x10repetition_guard\x18\v \x01(\v2!.kvmesh.common.v1.RepetitionGuardR\x0frepetitionGuard\x12\x1d\n" +
 	"\n" +
-	"ignore_eos\x18\f \x01(\bR\tignoreEosB\x0e\n" +
+	"ignore_eos\x18\f \x01(\bR\tignoreEos\x12O\n" +
+	"\x11structured_output\x18\r \x01(\v2\".kvmesh.common.v1.StructuredOutputR\x10structuredOutputB\x0e\n" +
 	"\f_temperatureB\b\n" +
 	"\x06_top_pB\a\n" +
-	"\x05_seed\"^\n" +
+	"\x05_seed\"\xb1\x01\n" +
+	"\x10StructuredOutput\x12!\n" +
+	"\vjson_schema\x18\x01 \x01(\tH\x00R\n" +
+	"jsonSchema\x12\x1b\n" +
+	"\bany_json\x18\x02 \x01(\bH\x00R\aanyJson\x12\x16\n" +
+	"\x05regex\x18\x03 \x01(\tH\x00R\x05regex\x12\x14\n" +
+	"\x04ebnf\x18\x04 \x01(\tH\x00R\x04ebnf\x12'\n" +
+	"\x0estructural_tag\x18\x05 \x01(\tH\x00R\rstructuralTagB\x06\n" +
+	"\x04kind\"^\n" +
 	"\x0fRepetitionGuard\x12\x1f\n" +
 	"\vmax_repeats\x18\x01 \x01(\rR\n" +
 	"maxRepeats\x12*\n" +
@@ -482,22 +642,24 @@ func file_kvmesh_common_v1_sampling_proto_rawDescGZIP() []byte {
 }
 
 var file_kvmesh_common_v1_sampling_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_kvmesh_common_v1_sampling_proto_msgTypes = make([]protoimpl.MessageInfo, 4)
+var file_kvmesh_common_v1_sampling_proto_msgTypes = make([]protoimpl.MessageInfo, 5)
 var file_kvmesh_common_v1_sampling_proto_goTypes = []any{
-	(FinishReason)(0),       // 0: kvmesh.common.v1.FinishReason
-	(*SamplingParams)(nil),  // 1: kvmesh.common.v1.SamplingParams
-	(*RepetitionGuard)(nil), // 2: kvmesh.common.v1.RepetitionGuard
-	(*TokenLogprob)(nil),    // 3: kvmesh.common.v1.TokenLogprob
-	(*TopLogprob)(nil),      // 4: kvmesh.common.v1.TopLogprob
+	(FinishReason)(0),        // 0: kvmesh.common.v1.FinishReason
+	(*SamplingParams)(nil),   // 1: kvmesh.common.v1.SamplingParams
+	(*StructuredOutput)(nil), // 2: kvmesh.common.v1.StructuredOutput
+	(*RepetitionGuard)(nil),  // 3: kvmesh.common.v1.RepetitionGuard
+	(*TokenLogprob)(nil),     // 4: kvmesh.common.v1.TokenLogprob
+	(*TopLogprob)(nil),       // 5: kvmesh.common.v1.TopLogprob
 }
 var file_kvmesh_common_v1_sampling_proto_depIdxs = []int32{
-	2, // 0: kvmesh.common.v1.SamplingParams.repetition_guard:type_name -> kvmesh.common.v1.RepetitionGuard
-	4, // 1: kvmesh.common.v1.TokenLogprob.top_logprobs:type_name -> kvmesh.common.v1.TopLogprob
-	2, // [2:2] is the sub-list for method output_type
-	2, // [2:2] is the sub-list for method input_type
-	2, // [2:2] is the sub-list for extension type_name
-	2, // [2:2] is the sub-list for extension extendee
-	0, // [0:2] is the sub-list for field type_name
+	3, // 0: kvmesh.common.v1.SamplingParams.repetition_guard:type_name -> kvmesh.common.v1.RepetitionGuard
+	2, // 1: kvmesh.common.v1.SamplingParams.structured_output:type_name -> kvmesh.common.v1.StructuredOutput
+	5, // 2: kvmesh.common.v1.TokenLogprob.top_logprobs:type_name -> kvmesh.common.v1.TopLogprob
+	3, // [3:3] is the sub-list for method output_type
+	3, // [3:3] is the sub-list for method input_type
+	3, // [3:3] is the sub-list for extension type_name
+	3, // [3:3] is the sub-list for extension extendee
+	0, // [0:3] is the sub-list for field type_name
 }
 
 func init() { file_kvmesh_common_v1_sampling_proto_init() }
@@ -506,13 +668,20 @@ func file_kvmesh_common_v1_sampling_proto_init() {
 		return
 	}
 	file_kvmesh_common_v1_sampling_proto_msgTypes[0].OneofWrappers = []any{}
+	file_kvmesh_common_v1_sampling_proto_msgTypes[1].OneofWrappers = []any{
+		(*StructuredOutput_JsonSchema)(nil),
+		(*StructuredOutput_AnyJson)(nil),
+		(*StructuredOutput_Regex)(nil),
+		(*StructuredOutput_Ebnf)(nil),
+		(*StructuredOutput_StructuralTag)(nil),
+	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvmesh_common_v1_sampling_proto_rawDesc), len(file_kvmesh_common_v1_sampling_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   4,
+			NumMessages:   5,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -22,6 +22,62 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+type ToolChoiceMode int32
+
+const (
+	// Auto.
+	ToolChoiceMode_TOOL_CHOICE_MODE_UNSPECIFIED ToolChoiceMode = 0
+	// Free text, or calls of declared tools with valid arguments.
+	ToolChoiceMode_TOOL_CHOICE_MODE_AUTO ToolChoiceMode = 1
+	// Never call a tool: the tools are left out of the prompt.
+	ToolChoiceMode_TOOL_CHOICE_MODE_NONE ToolChoiceMode = 2
+	// At least one call of a declared tool, and nothing else.
+	ToolChoiceMode_TOOL_CHOICE_MODE_REQUIRED ToolChoiceMode = 3
+)
+
+// Enum value maps for ToolChoiceMode.
+var (
+	ToolChoiceMode_name = map[int32]string{
+		0: "TOOL_CHOICE_MODE_UNSPECIFIED",
+		1: "TOOL_CHOICE_MODE_AUTO",
+		2: "TOOL_CHOICE_MODE_NONE",
+		3: "TOOL_CHOICE_MODE_REQUIRED",
+	}
+	ToolChoiceMode_value = map[string]int32{
+		"TOOL_CHOICE_MODE_UNSPECIFIED": 0,
+		"TOOL_CHOICE_MODE_AUTO":        1,
+		"TOOL_CHOICE_MODE_NONE":        2,
+		"TOOL_CHOICE_MODE_REQUIRED":    3,
+	}
+)
+
+func (x ToolChoiceMode) Enum() *ToolChoiceMode {
+	p := new(ToolChoiceMode)
+	*p = x
+	return p
+}
+
+func (x ToolChoiceMode) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (ToolChoiceMode) Descriptor() protoreflect.EnumDescriptor {
+	return file_kvmesh_gateway_v1_gateway_proto_enumTypes[0].Descriptor()
+}
+
+func (ToolChoiceMode) Type() protoreflect.EnumType {
+	return &file_kvmesh_gateway_v1_gateway_proto_enumTypes[0]
+}
+
+func (x ToolChoiceMode) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use ToolChoiceMode.Descriptor instead.
+func (ToolChoiceMode) EnumDescriptor() ([]byte, []int) {
+	return file_kvmesh_gateway_v1_gateway_proto_rawDescGZIP(), []int{0}
+}
+
 type GenerateRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// A model id from ListModels.
@@ -362,14 +418,24 @@ func (x *StreamEnd) GetDecodeTimings() *v1.Timings {
 }
 
 type ChatRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Model         string                 `protobuf:"bytes,1,opt,name=model,proto3" json:"model,omitempty"`
-	Messages      []*ChatMessage         `protobuf:"bytes,2,rep,name=messages,proto3" json:"messages,omitempty"`
-	Sampling      *v1.SamplingParams     `protobuf:"bytes,3,opt,name=sampling,proto3" json:"sampling,omitempty"`
-	CacheSalt     string                 `protobuf:"bytes,4,opt,name=cache_salt,json=cacheSalt,proto3" json:"cache_salt,omitempty"`
-	User          string                 `protobuf:"bytes,5,opt,name=user,proto3" json:"user,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Model    string                 `protobuf:"bytes,1,opt,name=model,proto3" json:"model,omitempty"`
+	Messages []*ChatMessage         `protobuf:"bytes,2,rep,name=messages,proto3" json:"messages,omitempty"`
+	// `sampling.structured_output` constrains the reply (e.g. to a JSON
+	// Schema); it cannot be combined with tools.
+	Sampling  *v1.SamplingParams `protobuf:"bytes,3,opt,name=sampling,proto3" json:"sampling,omitempty"`
+	CacheSalt string             `protobuf:"bytes,4,opt,name=cache_salt,json=cacheSalt,proto3" json:"cache_salt,omitempty"`
+	User      string             `protobuf:"bytes,5,opt,name=user,proto3" json:"user,omitempty"`
+	// Functions the model may call. They are rendered into the prompt by the
+	// model's chat template, and calls in the output are returned as
+	// `ChatResponse.tool_calls`.
+	Tools []*Tool `protobuf:"bytes,6,rep,name=tools,proto3" json:"tools,omitempty"`
+	// Unset: auto.
+	ToolChoice *ToolChoice `protobuf:"bytes,7,opt,name=tool_choice,json=toolChoice,proto3" json:"tool_choice,omitempty"`
+	// Allow more than one call in a reply. Unset: true.
+	ParallelToolCalls *bool `protobuf:"varint,8,opt,name=parallel_tool_calls,json=parallelToolCalls,proto3,oneof" json:"parallel_tool_calls,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *ChatRequest) Reset() {
@@ -437,6 +503,27 @@ func (x *ChatRequest) GetUser() string {
 	return ""
 }
 
+func (x *ChatRequest) GetTools() []*Tool {
+	if x != nil {
+		return x.Tools
+	}
+	return nil
+}
+
+func (x *ChatRequest) GetToolChoice() *ToolChoice {
+	if x != nil {
+		return x.ToolChoice
+	}
+	return nil
+}
+
+func (x *ChatRequest) GetParallelToolCalls() bool {
+	if x != nil && x.ParallelToolCalls != nil {
+		return *x.ParallelToolCalls
+	}
+	return false
+}
+
 type ChatMessage struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// "system", "user", "assistant", "tool" or "developer", as the chat
@@ -444,7 +531,11 @@ type ChatMessage struct {
 	Role    string `protobuf:"bytes,1,opt,name=role,proto3" json:"role,omitempty"`
 	Content string `protobuf:"bytes,2,opt,name=content,proto3" json:"content,omitempty"`
 	// Optional author name.
-	Name          string `protobuf:"bytes,3,opt,name=name,proto3" json:"name,omitempty"`
+	Name string `protobuf:"bytes,3,opt,name=name,proto3" json:"name,omitempty"`
+	// An assistant message's calls (replayed to the model in later turns).
+	ToolCalls []*ToolCall `protobuf:"bytes,4,rep,name=tool_calls,json=toolCalls,proto3" json:"tool_calls,omitempty"`
+	// A tool message: the id of the call this is the result of.
+	ToolCallId    string `protobuf:"bytes,5,opt,name=tool_call_id,json=toolCallId,proto3" json:"tool_call_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -500,21 +591,249 @@ func (x *ChatMessage) GetName() string {
 	return ""
 }
 
+func (x *ChatMessage) GetToolCalls() []*ToolCall {
+	if x != nil {
+		return x.ToolCalls
+	}
+	return nil
+}
+
+func (x *ChatMessage) GetToolCallId() string {
+	if x != nil {
+		return x.ToolCallId
+	}
+	return ""
+}
+
+// A function the model may call.
+type Tool struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// [a-zA-Z0-9_-]{1,64}, unique within the request.
+	Name        string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	Description string `protobuf:"bytes,2,opt,name=description,proto3" json:"description,omitempty"`
+	// JSON Schema (JSON text) of the arguments object. Empty: any object.
+	ParametersJson string `protobuf:"bytes,3,opt,name=parameters_json,json=parametersJson,proto3" json:"parameters_json,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *Tool) Reset() {
+	*x = Tool{}
+	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Tool) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Tool) ProtoMessage() {}
+
+func (x *Tool) ProtoReflect() protoreflect.Message {
+	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Tool.ProtoReflect.Descriptor instead.
+func (*Tool) Descriptor() ([]byte, []int) {
+	return file_kvmesh_gateway_v1_gateway_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *Tool) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *Tool) GetDescription() string {
+	if x != nil {
+		return x.Description
+	}
+	return ""
+}
+
+func (x *Tool) GetParametersJson() string {
+	if x != nil {
+		return x.ParametersJson
+	}
+	return ""
+}
+
+// Whether and which tools the model must call.
+type ToolChoice struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Choice:
+	//
+	//	*ToolChoice_Mode
+	//	*ToolChoice_FunctionName
+	Choice        isToolChoice_Choice `protobuf_oneof:"choice"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ToolChoice) Reset() {
+	*x = ToolChoice{}
+	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ToolChoice) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ToolChoice) ProtoMessage() {}
+
+func (x *ToolChoice) ProtoReflect() protoreflect.Message {
+	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ToolChoice.ProtoReflect.Descriptor instead.
+func (*ToolChoice) Descriptor() ([]byte, []int) {
+	return file_kvmesh_gateway_v1_gateway_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *ToolChoice) GetChoice() isToolChoice_Choice {
+	if x != nil {
+		return x.Choice
+	}
+	return nil
+}
+
+func (x *ToolChoice) GetMode() ToolChoiceMode {
+	if x != nil {
+		if x, ok := x.Choice.(*ToolChoice_Mode); ok {
+			return x.Mode
+		}
+	}
+	return ToolChoiceMode_TOOL_CHOICE_MODE_UNSPECIFIED
+}
+
+func (x *ToolChoice) GetFunctionName() string {
+	if x != nil {
+		if x, ok := x.Choice.(*ToolChoice_FunctionName); ok {
+			return x.FunctionName
+		}
+	}
+	return ""
+}
+
+type isToolChoice_Choice interface {
+	isToolChoice_Choice()
+}
+
+type ToolChoice_Mode struct {
+	Mode ToolChoiceMode `protobuf:"varint,1,opt,name=mode,proto3,enum=kvmesh.gateway.v1.ToolChoiceMode,oneof"`
+}
+
+type ToolChoice_FunctionName struct {
+	// Exactly one call of this tool (it must be in `tools`).
+	FunctionName string `protobuf:"bytes,2,opt,name=function_name,json=functionName,proto3,oneof"`
+}
+
+func (*ToolChoice_Mode) isToolChoice_Choice() {}
+
+func (*ToolChoice_FunctionName) isToolChoice_Choice() {}
+
+// One call of a tool, as the model made it.
+type ToolCall struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Unique per call ("call_..."); a tool message answers it by this id.
+	Id   string `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	Name string `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
+	// The arguments as JSON text (an object).
+	Arguments     string `protobuf:"bytes,3,opt,name=arguments,proto3" json:"arguments,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ToolCall) Reset() {
+	*x = ToolCall{}
+	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ToolCall) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ToolCall) ProtoMessage() {}
+
+func (x *ToolCall) ProtoReflect() protoreflect.Message {
+	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ToolCall.ProtoReflect.Descriptor instead.
+func (*ToolCall) Descriptor() ([]byte, []int) {
+	return file_kvmesh_gateway_v1_gateway_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *ToolCall) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *ToolCall) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *ToolCall) GetArguments() string {
+	if x != nil {
+		return x.Arguments
+	}
+	return ""
+}
+
 type ChatResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	RequestId     string                 `protobuf:"bytes,1,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
-	Offset        uint32                 `protobuf:"varint,2,opt,name=offset,proto3" json:"offset,omitempty"`
-	TokenIds      []uint32               `protobuf:"varint,3,rep,packed,name=token_ids,json=tokenIds,proto3" json:"token_ids,omitempty"`
-	Text          string                 `protobuf:"bytes,4,opt,name=text,proto3" json:"text,omitempty"`
-	Logprobs      []*v1.TokenLogprob     `protobuf:"bytes,5,rep,name=logprobs,proto3" json:"logprobs,omitempty"`
-	Final         *StreamEnd             `protobuf:"bytes,6,opt,name=final,proto3" json:"final,omitempty"`
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	RequestId string                 `protobuf:"bytes,1,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	Offset    uint32                 `protobuf:"varint,2,opt,name=offset,proto3" json:"offset,omitempty"`
+	TokenIds  []uint32               `protobuf:"varint,3,rep,packed,name=token_ids,json=tokenIds,proto3" json:"token_ids,omitempty"`
+	// The reply's text, without tool-call markup.
+	Text     string             `protobuf:"bytes,4,opt,name=text,proto3" json:"text,omitempty"`
+	Logprobs []*v1.TokenLogprob `protobuf:"bytes,5,rep,name=logprobs,proto3" json:"logprobs,omitempty"`
+	Final    *StreamEnd         `protobuf:"bytes,6,opt,name=final,proto3" json:"final,omitempty"`
+	// Tool calls completed in this chunk, in output order (each sent once).
+	// With calls, the stream ends with FINISH_REASON_TOOL_CALLS.
+	ToolCalls     []*ToolCall `protobuf:"bytes,7,rep,name=tool_calls,json=toolCalls,proto3" json:"tool_calls,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ChatResponse) Reset() {
 	*x = ChatResponse{}
-	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[6]
+	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -526,7 +845,7 @@ func (x *ChatResponse) String() string {
 func (*ChatResponse) ProtoMessage() {}
 
 func (x *ChatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[6]
+	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -539,7 +858,7 @@ func (x *ChatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChatResponse.ProtoReflect.Descriptor instead.
 func (*ChatResponse) Descriptor() ([]byte, []int) {
-	return file_kvmesh_gateway_v1_gateway_proto_rawDescGZIP(), []int{6}
+	return file_kvmesh_gateway_v1_gateway_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *ChatResponse) GetRequestId() string {
@@ -584,6 +903,13 @@ func (x *ChatResponse) GetFinal() *StreamEnd {
 	return nil
 }
 
+func (x *ChatResponse) GetToolCalls() []*ToolCall {
+	if x != nil {
+		return x.ToolCalls
+	}
+	return nil
+}
+
 type TokenizeRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Model string                 `protobuf:"bytes,1,opt,name=model,proto3" json:"model,omitempty"`
@@ -600,7 +926,7 @@ type TokenizeRequest struct {
 
 func (x *TokenizeRequest) Reset() {
 	*x = TokenizeRequest{}
-	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[7]
+	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -612,7 +938,7 @@ func (x *TokenizeRequest) String() string {
 func (*TokenizeRequest) ProtoMessage() {}
 
 func (x *TokenizeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[7]
+	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -625,7 +951,7 @@ func (x *TokenizeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TokenizeRequest.ProtoReflect.Descriptor instead.
 func (*TokenizeRequest) Descriptor() ([]byte, []int) {
-	return file_kvmesh_gateway_v1_gateway_proto_rawDescGZIP(), []int{7}
+	return file_kvmesh_gateway_v1_gateway_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *TokenizeRequest) GetModel() string {
@@ -694,7 +1020,7 @@ type ChatMessages struct {
 
 func (x *ChatMessages) Reset() {
 	*x = ChatMessages{}
-	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[8]
+	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -706,7 +1032,7 @@ func (x *ChatMessages) String() string {
 func (*ChatMessages) ProtoMessage() {}
 
 func (x *ChatMessages) ProtoReflect() protoreflect.Message {
-	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[8]
+	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -719,7 +1045,7 @@ func (x *ChatMessages) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChatMessages.ProtoReflect.Descriptor instead.
 func (*ChatMessages) Descriptor() ([]byte, []int) {
-	return file_kvmesh_gateway_v1_gateway_proto_rawDescGZIP(), []int{8}
+	return file_kvmesh_gateway_v1_gateway_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *ChatMessages) GetMessages() []*ChatMessage {
@@ -738,7 +1064,7 @@ type TokenizeResponse struct {
 
 func (x *TokenizeResponse) Reset() {
 	*x = TokenizeResponse{}
-	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[9]
+	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -750,7 +1076,7 @@ func (x *TokenizeResponse) String() string {
 func (*TokenizeResponse) ProtoMessage() {}
 
 func (x *TokenizeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[9]
+	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -763,7 +1089,7 @@ func (x *TokenizeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TokenizeResponse.ProtoReflect.Descriptor instead.
 func (*TokenizeResponse) Descriptor() ([]byte, []int) {
-	return file_kvmesh_gateway_v1_gateway_proto_rawDescGZIP(), []int{9}
+	return file_kvmesh_gateway_v1_gateway_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *TokenizeResponse) GetTokenIds() []uint32 {
@@ -781,7 +1107,7 @@ type ListModelsRequest struct {
 
 func (x *ListModelsRequest) Reset() {
 	*x = ListModelsRequest{}
-	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[10]
+	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -793,7 +1119,7 @@ func (x *ListModelsRequest) String() string {
 func (*ListModelsRequest) ProtoMessage() {}
 
 func (x *ListModelsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[10]
+	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -806,7 +1132,7 @@ func (x *ListModelsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListModelsRequest.ProtoReflect.Descriptor instead.
 func (*ListModelsRequest) Descriptor() ([]byte, []int) {
-	return file_kvmesh_gateway_v1_gateway_proto_rawDescGZIP(), []int{10}
+	return file_kvmesh_gateway_v1_gateway_proto_rawDescGZIP(), []int{13}
 }
 
 type ListModelsResponse struct {
@@ -818,7 +1144,7 @@ type ListModelsResponse struct {
 
 func (x *ListModelsResponse) Reset() {
 	*x = ListModelsResponse{}
-	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[11]
+	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -830,7 +1156,7 @@ func (x *ListModelsResponse) String() string {
 func (*ListModelsResponse) ProtoMessage() {}
 
 func (x *ListModelsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[11]
+	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -843,7 +1169,7 @@ func (x *ListModelsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListModelsResponse.ProtoReflect.Descriptor instead.
 func (*ListModelsResponse) Descriptor() ([]byte, []int) {
-	return file_kvmesh_gateway_v1_gateway_proto_rawDescGZIP(), []int{11}
+	return file_kvmesh_gateway_v1_gateway_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *ListModelsResponse) GetModels() []*ModelInfo {
@@ -867,7 +1193,7 @@ type ModelInfo struct {
 
 func (x *ModelInfo) Reset() {
 	*x = ModelInfo{}
-	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[12]
+	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -879,7 +1205,7 @@ func (x *ModelInfo) String() string {
 func (*ModelInfo) ProtoMessage() {}
 
 func (x *ModelInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[12]
+	mi := &file_kvmesh_gateway_v1_gateway_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -892,7 +1218,7 @@ func (x *ModelInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ModelInfo.ProtoReflect.Descriptor instead.
 func (*ModelInfo) Descriptor() ([]byte, []int) {
-	return file_kvmesh_gateway_v1_gateway_proto_rawDescGZIP(), []int{12}
+	return file_kvmesh_gateway_v1_gateway_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ModelInfo) GetId() string {
@@ -953,18 +1279,40 @@ const file_kvmesh_gateway_v1_gateway_proto_rawDesc = "" +
 	"\atimings\x18\x03 \x01(\v2\x19.kvmesh.common.v1.TimingsR\atimings\x12>\n" +
 	"\rroute_timings\x18\x04 \x01(\v2\x19.kvmesh.common.v1.TimingsR\frouteTimings\x12B\n" +
 	"\x0fprefill_timings\x18\x05 \x01(\v2\x19.kvmesh.common.v1.TimingsR\x0eprefillTimings\x12@\n" +
-	"\x0edecode_timings\x18\x06 \x01(\v2\x19.kvmesh.common.v1.TimingsR\rdecodeTimings\"\xd0\x01\n" +
+	"\x0edecode_timings\x18\x06 \x01(\v2\x19.kvmesh.common.v1.TimingsR\rdecodeTimings\"\x8c\x03\n" +
 	"\vChatRequest\x12\x14\n" +
 	"\x05model\x18\x01 \x01(\tR\x05model\x12:\n" +
 	"\bmessages\x18\x02 \x03(\v2\x1e.kvmesh.gateway.v1.ChatMessageR\bmessages\x12<\n" +
 	"\bsampling\x18\x03 \x01(\v2 .kvmesh.common.v1.SamplingParamsR\bsampling\x12\x1d\n" +
 	"\n" +
 	"cache_salt\x18\x04 \x01(\tR\tcacheSalt\x12\x12\n" +
-	"\x04user\x18\x05 \x01(\tR\x04user\"O\n" +
+	"\x04user\x18\x05 \x01(\tR\x04user\x12-\n" +
+	"\x05tools\x18\x06 \x03(\v2\x17.kvmesh.gateway.v1.ToolR\x05tools\x12>\n" +
+	"\vtool_choice\x18\a \x01(\v2\x1d.kvmesh.gateway.v1.ToolChoiceR\n" +
+	"toolChoice\x123\n" +
+	"\x13parallel_tool_calls\x18\b \x01(\bH\x00R\x11parallelToolCalls\x88\x01\x01B\x16\n" +
+	"\x14_parallel_tool_calls\"\xad\x01\n" +
 	"\vChatMessage\x12\x12\n" +
 	"\x04role\x18\x01 \x01(\tR\x04role\x12\x18\n" +
 	"\acontent\x18\x02 \x01(\tR\acontent\x12\x12\n" +
-	"\x04name\x18\x03 \x01(\tR\x04name\"\xe6\x01\n" +
+	"\x04name\x18\x03 \x01(\tR\x04name\x12:\n" +
+	"\n" +
+	"tool_calls\x18\x04 \x03(\v2\x1b.kvmesh.gateway.v1.ToolCallR\ttoolCalls\x12 \n" +
+	"\ftool_call_id\x18\x05 \x01(\tR\n" +
+	"toolCallId\"e\n" +
+	"\x04Tool\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12 \n" +
+	"\vdescription\x18\x02 \x01(\tR\vdescription\x12'\n" +
+	"\x0fparameters_json\x18\x03 \x01(\tR\x0eparametersJson\"v\n" +
+	"\n" +
+	"ToolChoice\x127\n" +
+	"\x04mode\x18\x01 \x01(\x0e2!.kvmesh.gateway.v1.ToolChoiceModeH\x00R\x04mode\x12%\n" +
+	"\rfunction_name\x18\x02 \x01(\tH\x00R\ffunctionNameB\b\n" +
+	"\x06choice\"L\n" +
+	"\bToolCall\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
+	"\x04name\x18\x02 \x01(\tR\x04name\x12\x1c\n" +
+	"\targuments\x18\x03 \x01(\tR\targuments\"\xa2\x02\n" +
 	"\fChatResponse\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x16\n" +
@@ -972,7 +1320,9 @@ const file_kvmesh_gateway_v1_gateway_proto_rawDesc = "" +
 	"\ttoken_ids\x18\x03 \x03(\rR\btokenIds\x12\x12\n" +
 	"\x04text\x18\x04 \x01(\tR\x04text\x12:\n" +
 	"\blogprobs\x18\x05 \x03(\v2\x1e.kvmesh.common.v1.TokenLogprobR\blogprobs\x122\n" +
-	"\x05final\x18\x06 \x01(\v2\x1c.kvmesh.gateway.v1.StreamEndR\x05final\"\xab\x01\n" +
+	"\x05final\x18\x06 \x01(\v2\x1c.kvmesh.gateway.v1.StreamEndR\x05final\x12:\n" +
+	"\n" +
+	"tool_calls\x18\a \x03(\v2\x1b.kvmesh.gateway.v1.ToolCallR\ttoolCalls\"\xab\x01\n" +
 	"\x0fTokenizeRequest\x12\x14\n" +
 	"\x05model\x18\x01 \x01(\tR\x05model\x12\x14\n" +
 	"\x04text\x18\x02 \x01(\tH\x00R\x04text\x125\n" +
@@ -990,7 +1340,12 @@ const file_kvmesh_gateway_v1_gateway_proto_rawDesc = "" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\"\n" +
 	"\rmax_model_len\x18\x02 \x01(\rR\vmaxModelLen\x12\x19\n" +
 	"\bowned_by\x18\x03 \x01(\tR\aownedBy\x12\x18\n" +
-	"\acreated\x18\x04 \x01(\x04R\acreated2\xe2\x02\n" +
+	"\acreated\x18\x04 \x01(\x04R\acreated*\x87\x01\n" +
+	"\x0eToolChoiceMode\x12 \n" +
+	"\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n" +
+	"\x15TOOL_CHOICE_MODE_AUTO\x10\x01\x12\x19\n" +
+	"\x15TOOL_CHOICE_MODE_NONE\x10\x02\x12\x1d\n" +
+	"\x19TOOL_CHOICE_MODE_REQUIRED\x10\x032\xe2\x02\n" +
 	"\x0eGatewayService\x12U\n" +
 	"\bGenerate\x12\".kvmesh.gateway.v1.GenerateRequest\x1a#.kvmesh.gateway.v1.GenerateResponse0\x01\x12I\n" +
 	"\x04Chat\x12\x1e.kvmesh.gateway.v1.ChatRequest\x1a\x1f.kvmesh.gateway.v1.ChatResponse0\x01\x12S\n" +
@@ -1010,58 +1365,68 @@ func file_kvmesh_gateway_v1_gateway_proto_rawDescGZIP() []byte {
 	return file_kvmesh_gateway_v1_gateway_proto_rawDescData
 }
 
-var file_kvmesh_gateway_v1_gateway_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
+var file_kvmesh_gateway_v1_gateway_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
+var file_kvmesh_gateway_v1_gateway_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
 var file_kvmesh_gateway_v1_gateway_proto_goTypes = []any{
-	(*GenerateRequest)(nil),    // 0: kvmesh.gateway.v1.GenerateRequest
-	(*TokenIds)(nil),           // 1: kvmesh.gateway.v1.TokenIds
-	(*GenerateResponse)(nil),   // 2: kvmesh.gateway.v1.GenerateResponse
-	(*StreamEnd)(nil),          // 3: kvmesh.gateway.v1.StreamEnd
-	(*ChatRequest)(nil),        // 4: kvmesh.gateway.v1.ChatRequest
-	(*ChatMessage)(nil),        // 5: kvmesh.gateway.v1.ChatMessage
-	(*ChatResponse)(nil),       // 6: kvmesh.gateway.v1.ChatResponse
-	(*TokenizeRequest)(nil),    // 7: kvmesh.gateway.v1.TokenizeRequest
-	(*ChatMessages)(nil),       // 8: kvmesh.gateway.v1.ChatMessages
-	(*TokenizeResponse)(nil),   // 9: kvmesh.gateway.v1.TokenizeResponse
-	(*ListModelsRequest)(nil),  // 10: kvmesh.gateway.v1.ListModelsRequest
-	(*ListModelsResponse)(nil), // 11: kvmesh.gateway.v1.ListModelsResponse
-	(*ModelInfo)(nil),          // 12: kvmesh.gateway.v1.ModelInfo
-	(*v1.SamplingParams)(nil),  // 13: kvmesh.common.v1.SamplingParams
-	(*v1.TokenLogprob)(nil),    // 14: kvmesh.common.v1.TokenLogprob
-	(v1.FinishReason)(0),       // 15: kvmesh.common.v1.FinishReason
-	(*v1.Usage)(nil),           // 16: kvmesh.common.v1.Usage
-	(*v1.Timings)(nil),         // 17: kvmesh.common.v1.Timings
+	(ToolChoiceMode)(0),        // 0: kvmesh.gateway.v1.ToolChoiceMode
+	(*GenerateRequest)(nil),    // 1: kvmesh.gateway.v1.GenerateRequest
+	(*TokenIds)(nil),           // 2: kvmesh.gateway.v1.TokenIds
+	(*GenerateResponse)(nil),   // 3: kvmesh.gateway.v1.GenerateResponse
+	(*StreamEnd)(nil),          // 4: kvmesh.gateway.v1.StreamEnd
+	(*ChatRequest)(nil),        // 5: kvmesh.gateway.v1.ChatRequest
+	(*ChatMessage)(nil),        // 6: kvmesh.gateway.v1.ChatMessage
+	(*Tool)(nil),               // 7: kvmesh.gateway.v1.Tool
+	(*ToolChoice)(nil),         // 8: kvmesh.gateway.v1.ToolChoice
+	(*ToolCall)(nil),           // 9: kvmesh.gateway.v1.ToolCall
+	(*ChatResponse)(nil),       // 10: kvmesh.gateway.v1.ChatResponse
+	(*TokenizeRequest)(nil),    // 11: kvmesh.gateway.v1.TokenizeRequest
+	(*ChatMessages)(nil),       // 12: kvmesh.gateway.v1.ChatMessages
+	(*TokenizeResponse)(nil),   // 13: kvmesh.gateway.v1.TokenizeResponse
+	(*ListModelsRequest)(nil),  // 14: kvmesh.gateway.v1.ListModelsRequest
+	(*ListModelsResponse)(nil), // 15: kvmesh.gateway.v1.ListModelsResponse
+	(*ModelInfo)(nil),          // 16: kvmesh.gateway.v1.ModelInfo
+	(*v1.SamplingParams)(nil),  // 17: kvmesh.common.v1.SamplingParams
+	(*v1.TokenLogprob)(nil),    // 18: kvmesh.common.v1.TokenLogprob
+	(v1.FinishReason)(0),       // 19: kvmesh.common.v1.FinishReason
+	(*v1.Usage)(nil),           // 20: kvmesh.common.v1.Usage
+	(*v1.Timings)(nil),         // 21: kvmesh.common.v1.Timings
 }
 var file_kvmesh_gateway_v1_gateway_proto_depIdxs = []int32{
-	1,  // 0: kvmesh.gateway.v1.GenerateRequest.token_ids:type_name -> kvmesh.gateway.v1.TokenIds
-	13, // 1: kvmesh.gateway.v1.GenerateRequest.sampling:type_name -> kvmesh.common.v1.SamplingParams
-	14, // 2: kvmesh.gateway.v1.GenerateResponse.logprobs:type_name -> kvmesh.common.v1.TokenLogprob
-	3,  // 3: kvmesh.gateway.v1.GenerateResponse.final:type_name -> kvmesh.gateway.v1.StreamEnd
-	15, // 4: kvmesh.gateway.v1.StreamEnd.finish_reason:type_name -> kvmesh.common.v1.FinishReason
-	16, // 5: kvmesh.gateway.v1.StreamEnd.usage:type_name -> kvmesh.common.v1.Usage
-	17, // 6: kvmesh.gateway.v1.StreamEnd.timings:type_name -> kvmesh.common.v1.Timings
-	17, // 7: kvmesh.gateway.v1.StreamEnd.route_timings:type_name -> kvmesh.common.v1.Timings
-	17, // 8: kvmesh.gateway.v1.StreamEnd.prefill_timings:type_name -> kvmesh.common.v1.Timings
-	17, // 9: kvmesh.gateway.v1.StreamEnd.decode_timings:type_name -> kvmesh.common.v1.Timings
-	5,  // 10: kvmesh.gateway.v1.ChatRequest.messages:type_name -> kvmesh.gateway.v1.ChatMessage
-	13, // 11: kvmesh.gateway.v1.ChatRequest.sampling:type_name -> kvmesh.common.v1.SamplingParams
-	14, // 12: kvmesh.gateway.v1.ChatResponse.logprobs:type_name -> kvmesh.common.v1.TokenLogprob
-	3,  // 13: kvmesh.gateway.v1.ChatResponse.final:type_name -> kvmesh.gateway.v1.StreamEnd
-	8,  // 14: kvmesh.gateway.v1.TokenizeRequest.chat:type_name -> kvmesh.gateway.v1.ChatMessages
-	5,  // 15: kvmesh.gateway.v1.ChatMessages.messages:type_name -> kvmesh.gateway.v1.ChatMessage
-	12, // 16: kvmesh.gateway.v1.ListModelsResponse.models:type_name -> kvmesh.gateway.v1.ModelInfo
-	0,  // 17: kvmesh.gateway.v1.GatewayService.Generate:input_type -> kvmesh.gateway.v1.GenerateRequest
-	4,  // 18: kvmesh.gateway.v1.GatewayService.Chat:input_type -> kvmesh.gateway.v1.ChatRequest
-	7,  // 19: kvmesh.gateway.v1.GatewayService.Tokenize:input_type -> kvmesh.gateway.v1.TokenizeRequest
-	10, // 20: kvmesh.gateway.v1.GatewayService.ListModels:input_type -> kvmesh.gateway.v1.ListModelsRequest
-	2,  // 21: kvmesh.gateway.v1.GatewayService.Generate:output_type -> kvmesh.gateway.v1.GenerateResponse
-	6,  // 22: kvmesh.gateway.v1.GatewayService.Chat:output_type -> kvmesh.gateway.v1.ChatResponse
-	9,  // 23: kvmesh.gateway.v1.GatewayService.Tokenize:output_type -> kvmesh.gateway.v1.TokenizeResponse
-	11, // 24: kvmesh.gateway.v1.GatewayService.ListModels:output_type -> kvmesh.gateway.v1.ListModelsResponse
-	21, // [21:25] is the sub-list for method output_type
-	17, // [17:21] is the sub-list for method input_type
-	17, // [17:17] is the sub-list for extension type_name
-	17, // [17:17] is the sub-list for extension extendee
-	0,  // [0:17] is the sub-list for field type_name
+	2,  // 0: kvmesh.gateway.v1.GenerateRequest.token_ids:type_name -> kvmesh.gateway.v1.TokenIds
+	17, // 1: kvmesh.gateway.v1.GenerateRequest.sampling:type_name -> kvmesh.common.v1.SamplingParams
+	18, // 2: kvmesh.gateway.v1.GenerateResponse.logprobs:type_name -> kvmesh.common.v1.TokenLogprob
+	4,  // 3: kvmesh.gateway.v1.GenerateResponse.final:type_name -> kvmesh.gateway.v1.StreamEnd
+	19, // 4: kvmesh.gateway.v1.StreamEnd.finish_reason:type_name -> kvmesh.common.v1.FinishReason
+	20, // 5: kvmesh.gateway.v1.StreamEnd.usage:type_name -> kvmesh.common.v1.Usage
+	21, // 6: kvmesh.gateway.v1.StreamEnd.timings:type_name -> kvmesh.common.v1.Timings
+	21, // 7: kvmesh.gateway.v1.StreamEnd.route_timings:type_name -> kvmesh.common.v1.Timings
+	21, // 8: kvmesh.gateway.v1.StreamEnd.prefill_timings:type_name -> kvmesh.common.v1.Timings
+	21, // 9: kvmesh.gateway.v1.StreamEnd.decode_timings:type_name -> kvmesh.common.v1.Timings
+	6,  // 10: kvmesh.gateway.v1.ChatRequest.messages:type_name -> kvmesh.gateway.v1.ChatMessage
+	17, // 11: kvmesh.gateway.v1.ChatRequest.sampling:type_name -> kvmesh.common.v1.SamplingParams
+	7,  // 12: kvmesh.gateway.v1.ChatRequest.tools:type_name -> kvmesh.gateway.v1.Tool
+	8,  // 13: kvmesh.gateway.v1.ChatRequest.tool_choice:type_name -> kvmesh.gateway.v1.ToolChoice
+	9,  // 14: kvmesh.gateway.v1.ChatMessage.tool_calls:type_name -> kvmesh.gateway.v1.ToolCall
+	0,  // 15: kvmesh.gateway.v1.ToolChoice.mode:type_name -> kvmesh.gateway.v1.ToolChoiceMode
+	18, // 16: kvmesh.gateway.v1.ChatResponse.logprobs:type_name -> kvmesh.common.v1.TokenLogprob
+	4,  // 17: kvmesh.gateway.v1.ChatResponse.final:type_name -> kvmesh.gateway.v1.StreamEnd
+	9,  // 18: kvmesh.gateway.v1.ChatResponse.tool_calls:type_name -> kvmesh.gateway.v1.ToolCall
+	12, // 19: kvmesh.gateway.v1.TokenizeRequest.chat:type_name -> kvmesh.gateway.v1.ChatMessages
+	6,  // 20: kvmesh.gateway.v1.ChatMessages.messages:type_name -> kvmesh.gateway.v1.ChatMessage
+	16, // 21: kvmesh.gateway.v1.ListModelsResponse.models:type_name -> kvmesh.gateway.v1.ModelInfo
+	1,  // 22: kvmesh.gateway.v1.GatewayService.Generate:input_type -> kvmesh.gateway.v1.GenerateRequest
+	5,  // 23: kvmesh.gateway.v1.GatewayService.Chat:input_type -> kvmesh.gateway.v1.ChatRequest
+	11, // 24: kvmesh.gateway.v1.GatewayService.Tokenize:input_type -> kvmesh.gateway.v1.TokenizeRequest
+	14, // 25: kvmesh.gateway.v1.GatewayService.ListModels:input_type -> kvmesh.gateway.v1.ListModelsRequest
+	3,  // 26: kvmesh.gateway.v1.GatewayService.Generate:output_type -> kvmesh.gateway.v1.GenerateResponse
+	10, // 27: kvmesh.gateway.v1.GatewayService.Chat:output_type -> kvmesh.gateway.v1.ChatResponse
+	13, // 28: kvmesh.gateway.v1.GatewayService.Tokenize:output_type -> kvmesh.gateway.v1.TokenizeResponse
+	15, // 29: kvmesh.gateway.v1.GatewayService.ListModels:output_type -> kvmesh.gateway.v1.ListModelsResponse
+	26, // [26:30] is the sub-list for method output_type
+	22, // [22:26] is the sub-list for method input_type
+	22, // [22:22] is the sub-list for extension type_name
+	22, // [22:22] is the sub-list for extension extendee
+	0,  // [0:22] is the sub-list for field type_name
 }
 
 func init() { file_kvmesh_gateway_v1_gateway_proto_init() }
@@ -1073,7 +1438,12 @@ func file_kvmesh_gateway_v1_gateway_proto_init() {
 		(*GenerateRequest_Text)(nil),
 		(*GenerateRequest_TokenIds)(nil),
 	}
+	file_kvmesh_gateway_v1_gateway_proto_msgTypes[4].OneofWrappers = []any{}
 	file_kvmesh_gateway_v1_gateway_proto_msgTypes[7].OneofWrappers = []any{
+		(*ToolChoice_Mode)(nil),
+		(*ToolChoice_FunctionName)(nil),
+	}
+	file_kvmesh_gateway_v1_gateway_proto_msgTypes[10].OneofWrappers = []any{
 		(*TokenizeRequest_Text)(nil),
 		(*TokenizeRequest_Chat)(nil),
 	}
@@ -1082,13 +1452,14 @@ func file_kvmesh_gateway_v1_gateway_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvmesh_gateway_v1_gateway_proto_rawDesc), len(file_kvmesh_gateway_v1_gateway_proto_rawDesc)),
-			NumEnums:      0,
-			NumMessages:   13,
+			NumEnums:      1,
+			NumMessages:   16,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
 		GoTypes:           file_kvmesh_gateway_v1_gateway_proto_goTypes,
 		DependencyIndexes: file_kvmesh_gateway_v1_gateway_proto_depIdxs,
+		EnumInfos:         file_kvmesh_gateway_v1_gateway_proto_enumTypes,
 		MessageInfos:      file_kvmesh_gateway_v1_gateway_proto_msgTypes,
 	}.Build()
 	File_kvmesh_gateway_v1_gateway_proto = out.File

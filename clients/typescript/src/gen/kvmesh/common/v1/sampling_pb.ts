@@ -10,7 +10,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvmesh/common/v1/sampling.proto.
  */
 export const file_kvmesh_common_v1_sampling: GenFile = /*@__PURE__*/
-  fileDesc("Ch9rdm1lc2gvY29tbW9uL3YxL3NhbXBsaW5nLnByb3RvEhBrdm1lc2guY29tbW9uLnYxIsUCCg5TYW1wbGluZ1BhcmFtcxIYCgt0ZW1wZXJhdHVyZRgBIAEoAkgAiAEBEg0KBXRvcF9rGAIgASgNEhIKBXRvcF9wGAMgASgCSAGIAQESDQoFbWluX3AYBCABKAISEQoEc2VlZBgFIAEoBEgCiAEBEhIKCm1heF90b2tlbnMYBiABKA0SDAoEc3RvcBgHIAMoCRIWCg5zdG9wX3Rva2VuX2lkcxgIIAMoDRIQCghsb2dwcm9icxgJIAEoCBIUCgx0b3BfbG9ncHJvYnMYCiABKA0SOwoQcmVwZXRpdGlvbl9ndWFyZBgLIAEoCzIhLmt2bWVzaC5jb21tb24udjEuUmVwZXRpdGlvbkd1YXJkEhIKCmlnbm9yZV9lb3MYDCABKAhCDgoMX3RlbXBlcmF0dXJlQggKBl90b3BfcEIHCgVfc2VlZCJBCg9SZXBldGl0aW9uR3VhcmQSEwoLbWF4X3JlcGVhdHMYASABKA0SGQoRYWxsb3dlZF90b2tlbl9pZHMYAiADKA0idAoMVG9rZW5Mb2dwcm9iEhAKCHRva2VuX2lkGAEgASgNEg8KB2xvZ3Byb2IYAiABKAISDQoFdG9rZW4YAyABKAkSMgoMdG9wX2xvZ3Byb2JzGAQgAygLMhwua3ZtZXNoLmNvbW1vbi52MS5Ub3BMb2dwcm9iIj4KClRvcExvZ3Byb2ISEAoIdG9rZW5faWQYASABKA0SDwoHbG9ncHJvYhgCIAEoAhINCgV0b2tlbhgDIAEoCSrNAQoMRmluaXNoUmVhc29uEh0KGUZJTklTSF9SRUFTT05fVU5TUEVDSUZJRUQQABIWChJGSU5JU0hfUkVBU09OX1NUT1AQARIYChRGSU5JU0hfUkVBU09OX0xFTkdUSBACEhwKGEZJTklTSF9SRUFTT05fUkVQRVRJVElPThADEhcKE0ZJTklTSF9SRUFTT05fQUJPUlQQBBIXChNGSU5JU0hfUkVBU09OX0VSUk9SEAUSHAoYRklOSVNIX1JFQVNPTl9UT09MX0NBTExTEAZCQ1pBZ2l0aHViLmNvbS9rdm1lc2gva3ZtZXNoL2NsaWVudHMvZ28vZ2VuL2t2bWVzaC9jb21tb24vdjE7Y29tbW9udjFiBnByb3RvMw");
+  fileDesc("Ch9rdm1lc2gvY29tbW9uL3YxL3NhbXBsaW5nLnByb3RvEhBrdm1lc2guY29tbW9uLnYxIoQDCg5TYW1wbGluZ1BhcmFtcxIYCgt0ZW1wZXJhdHVyZRgBIAEoAkgAiAEBEg0KBXRvcF9rGAIgASgNEhIKBXRvcF9wGAMgASgCSAGIAQESDQoFbWluX3AYBCABKAISEQoEc2VlZBgFIAEoBEgCiAEBEhIKCm1heF90b2tlbnMYBiABKA0SDAoEc3RvcBgHIAMoCRIWCg5zdG9wX3Rva2VuX2lkcxgIIAMoDRIQCghsb2dwcm9icxgJIAEoCBIUCgx0b3BfbG9ncHJvYnMYCiABKA0SOwoQcmVwZXRpdGlvbl9ndWFyZBgLIAEoCzIhLmt2bWVzaC5jb21tb24udjEuUmVwZXRpdGlvbkd1YXJkEhIKCmlnbm9yZV9lb3MYDCABKAgSPQoRc3RydWN0dXJlZF9vdXRwdXQYDSABKAsyIi5rdm1lc2guY29tbW9uLnYxLlN0cnVjdHVyZWRPdXRwdXRCDgoMX3RlbXBlcmF0dXJlQggKBl90b3BfcEIHCgVfc2VlZCKAAQoQU3RydWN0dXJlZE91dHB1dBIVCgtqc29uX3NjaGVtYRgBIAEoCUgAEhIKCGFueV9qc29uGAIgASgISAASDwoFcmVnZXgYAyABKAlIABIOCgRlYm5mGAQgASgJSAASGAoOc3RydWN0dXJhbF90YWcYBSABKAlIAEIGCgRraW5kIkEKD1JlcGV0aXRpb25HdWFyZBITCgttYXhfcmVwZWF0cxgBIAEoDRIZChFhbGxvd2VkX3Rva2VuX2lkcxgCIAMoDSJ0CgxUb2tlbkxvZ3Byb2ISEAoIdG9rZW5faWQYASABKA0SDwoHbG9ncHJvYhgCIAEoAhINCgV0b2tlbhgDIAEoCRIyCgx0b3BfbG9ncHJvYnMYBCADKAsyHC5rdm1lc2guY29tbW9uLnYxLlRvcExvZ3Byb2IiPgoKVG9wTG9ncHJvYhIQCgh0b2tlbl9pZBgBIAEoDRIPCgdsb2dwcm9iGAIgASgCEg0KBXRva2VuGAMgASgJKs0BCgxGaW5pc2hSZWFzb24SHQoZRklOSVNIX1JFQVNPTl9VTlNQRUNJRklFRBAAEhYKEkZJTklTSF9SRUFTT05fU1RPUBABEhgKFEZJTklTSF9SRUFTT05fTEVOR1RIEAISHAoYRklOSVNIX1JFQVNPTl9SRVBFVElUSU9OEAMSFwoTRklOSVNIX1JFQVNPTl9BQk9SVBAEEhcKE0ZJTklTSF9SRUFTT05fRVJST1IQBRIcChhGSU5JU0hfUkVBU09OX1RPT0xfQ0FMTFMQBkJDWkFnaXRodWIuY29tL2t2bWVzaC9rdm1lc2gvY2xpZW50cy9nby9nZW4va3ZtZXNoL2NvbW1vbi92MTtjb21tb252MWIGcHJvdG8z");
 
 /**
  * How to pick each next token. Zero values mean "off" unless a field says
@@ -102,6 +102,14 @@ export type SamplingParams = Message<"kvmesh.common.v1.SamplingParams"> & {
    * @generated from field: bool ignore_eos = 12;
    */
   ignoreEos: boolean;
+
+  /**
+   * Constrain the output to a grammar (structured outputs, tool calls).
+   * Unset: free text.
+   *
+   * @generated from field: kvmesh.common.v1.StructuredOutput structured_output = 13;
+   */
+  structuredOutput?: StructuredOutput | undefined;
 };
 
 /**
@@ -110,6 +118,70 @@ export type SamplingParams = Message<"kvmesh.common.v1.SamplingParams"> & {
  */
 export const SamplingParamsSchema: GenMessage<SamplingParams> = /*@__PURE__*/
   messageDesc(file_kvmesh_common_v1_sampling, 0);
+
+/**
+ * A grammar the output must follow, enforced token by token: only tokens the
+ * grammar allows can be sampled, and the sequence ends (FINISH_REASON_STOP)
+ * once the grammar is complete.
+ *
+ * @generated from message kvmesh.common.v1.StructuredOutput
+ */
+export type StructuredOutput = Message<"kvmesh.common.v1.StructuredOutput"> & {
+  /**
+   * @generated from oneof kvmesh.common.v1.StructuredOutput.kind
+   */
+  kind: {
+    /**
+     * A JSON Schema (JSON text); the output is one compact JSON value that
+     * validates against it. Keywords the grammar cannot enforce are refused.
+     *
+     * @generated from field: string json_schema = 1;
+     */
+    value: string;
+    case: "jsonSchema";
+  } | {
+    /**
+     * Any JSON value.
+     *
+     * @generated from field: bool any_json = 2;
+     */
+    value: boolean;
+    case: "anyJson";
+  } | {
+    /**
+     * A regular expression the whole output matches.
+     *
+     * @generated from field: string regex = 3;
+     */
+    value: string;
+    case: "regex";
+  } | {
+    /**
+     * An EBNF grammar (GBNF dialect, as llama.cpp and xgrammar read it) whose
+     * start rule is named `root`.
+     *
+     * @generated from field: string ebnf = 4;
+     */
+    value: string;
+    case: "ebnf";
+  } | {
+    /**
+     * An xgrammar structural tag (JSON text): free text with constrained
+     * tagged sections. The gateway builds these for tool calls.
+     *
+     * @generated from field: string structural_tag = 5;
+     */
+    value: string;
+    case: "structuralTag";
+  } | { case: undefined; value?: undefined };
+};
+
+/**
+ * Describes the message kvmesh.common.v1.StructuredOutput.
+ * Use `create(StructuredOutputSchema)` to create a new message.
+ */
+export const StructuredOutputSchema: GenMessage<StructuredOutput> = /*@__PURE__*/
+  messageDesc(file_kvmesh_common_v1_sampling, 1);
 
 /**
  * Stops a sequence that has collapsed into repeating one token.
@@ -138,7 +210,7 @@ export type RepetitionGuard = Message<"kvmesh.common.v1.RepetitionGuard"> & {
  * Use `create(RepetitionGuardSchema)` to create a new message.
  */
 export const RepetitionGuardSchema: GenMessage<RepetitionGuard> = /*@__PURE__*/
-  messageDesc(file_kvmesh_common_v1_sampling, 1);
+  messageDesc(file_kvmesh_common_v1_sampling, 2);
 
 /**
  * The logprob of a chosen token, with the most likely alternatives.
@@ -174,7 +246,7 @@ export type TokenLogprob = Message<"kvmesh.common.v1.TokenLogprob"> & {
  * Use `create(TokenLogprobSchema)` to create a new message.
  */
 export const TokenLogprobSchema: GenMessage<TokenLogprob> = /*@__PURE__*/
-  messageDesc(file_kvmesh_common_v1_sampling, 2);
+  messageDesc(file_kvmesh_common_v1_sampling, 3);
 
 /**
  * One alternative token at a position.
@@ -203,7 +275,7 @@ export type TopLogprob = Message<"kvmesh.common.v1.TopLogprob"> & {
  * Use `create(TopLogprobSchema)` to create a new message.
  */
 export const TopLogprobSchema: GenMessage<TopLogprob> = /*@__PURE__*/
-  messageDesc(file_kvmesh_common_v1_sampling, 3);
+  messageDesc(file_kvmesh_common_v1_sampling, 4);
 
 /**
  * Why a sequence ended.

@@ -2,8 +2,8 @@
 // @generated from file kvmesh/gateway/v1/gateway.proto (package kvmesh.gateway.v1, syntax proto3)
 /* eslint-disable */
 
-import type { GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
-import { fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
+import type { GenEnum, GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
+import { enumDesc, fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
 import type { Timings, Usage } from "../../common/v1/accounting_pb.js";
 import { file_kvmesh_common_v1_accounting } from "../../common/v1/accounting_pb.js";
 import type { FinishReason, SamplingParams, TokenLogprob } from "../../common/v1/sampling_pb.js";
@@ -14,7 +14,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvmesh/gateway/v1/gateway.proto.
  */
 export const file_kvmesh_gateway_v1_gateway: GenFile = /*@__PURE__*/
-  fileDesc("Ch9rdm1lc2gvZ2F0ZXdheS92MS9nYXRld2F5LnByb3RvEhFrdm1lc2guZ2F0ZXdheS52MSLCAQoPR2VuZXJhdGVSZXF1ZXN0Eg0KBW1vZGVsGAEgASgJEg4KBHRleHQYAiABKAlIABIwCgl0b2tlbl9pZHMYAyABKAsyGy5rdm1lc2guZ2F0ZXdheS52MS5Ub2tlbklkc0gAEjIKCHNhbXBsaW5nGAQgASgLMiAua3ZtZXNoLmNvbW1vbi52MS5TYW1wbGluZ1BhcmFtcxISCgpjYWNoZV9zYWx0GAUgASgJEgwKBHVzZXIYBiABKAlCCAoGcHJvbXB0IhcKCFRva2VuSWRzEgsKA2lkcxgBIAMoDSK2AQoQR2VuZXJhdGVSZXNwb25zZRISCgpyZXF1ZXN0X2lkGAEgASgJEg4KBm9mZnNldBgCIAEoDRIRCgl0b2tlbl9pZHMYAyADKA0SDAoEdGV4dBgEIAEoCRIwCghsb2dwcm9icxgFIAMoCzIeLmt2bWVzaC5jb21tb24udjEuVG9rZW5Mb2dwcm9iEisKBWZpbmFsGAYgASgLMhwua3ZtZXNoLmdhdGV3YXkudjEuU3RyZWFtRW5kIq8CCglTdHJlYW1FbmQSNQoNZmluaXNoX3JlYXNvbhgBIAEoDjIeLmt2bWVzaC5jb21tb24udjEuRmluaXNoUmVhc29uEiYKBXVzYWdlGAIgASgLMhcua3ZtZXNoLmNvbW1vbi52MS5Vc2FnZRIqCgd0aW1pbmdzGAMgASgLMhkua3ZtZXNoLmNvbW1vbi52MS5UaW1pbmdzEjAKDXJvdXRlX3RpbWluZ3MYBCABKAsyGS5rdm1lc2guY29tbW9uLnYxLlRpbWluZ3MSMgoPcHJlZmlsbF90aW1pbmdzGAUgASgLMhkua3ZtZXNoLmNvbW1vbi52MS5UaW1pbmdzEjEKDmRlY29kZV90aW1pbmdzGAYgASgLMhkua3ZtZXNoLmNvbW1vbi52MS5UaW1pbmdzIqQBCgtDaGF0UmVxdWVzdBINCgVtb2RlbBgBIAEoCRIwCghtZXNzYWdlcxgCIAMoCzIeLmt2bWVzaC5nYXRld2F5LnYxLkNoYXRNZXNzYWdlEjIKCHNhbXBsaW5nGAMgASgLMiAua3ZtZXNoLmNvbW1vbi52MS5TYW1wbGluZ1BhcmFtcxISCgpjYWNoZV9zYWx0GAQgASgJEgwKBHVzZXIYBSABKAkiOgoLQ2hhdE1lc3NhZ2USDAoEcm9sZRgBIAEoCRIPCgdjb250ZW50GAIgASgJEgwKBG5hbWUYAyABKAkisgEKDENoYXRSZXNwb25zZRISCgpyZXF1ZXN0X2lkGAEgASgJEg4KBm9mZnNldBgCIAEoDRIRCgl0b2tlbl9pZHMYAyADKA0SDAoEdGV4dBgEIAEoCRIwCghsb2dwcm9icxgFIAMoCzIeLmt2bWVzaC5jb21tb24udjEuVG9rZW5Mb2dwcm9iEisKBWZpbmFsGAYgASgLMhwua3ZtZXNoLmdhdGV3YXkudjEuU3RyZWFtRW5kIoYBCg9Ub2tlbml6ZVJlcXVlc3QSDQoFbW9kZWwYASABKAkSDgoEdGV4dBgCIAEoCUgAEi8KBGNoYXQYAyABKAsyHy5rdm1lc2guZ2F0ZXdheS52MS5DaGF0TWVzc2FnZXNIABIaChJhZGRfc3BlY2lhbF90b2tlbnMYBCABKAhCBwoFaW5wdXQiQAoMQ2hhdE1lc3NhZ2VzEjAKCG1lc3NhZ2VzGAEgAygLMh4ua3ZtZXNoLmdhdGV3YXkudjEuQ2hhdE1lc3NhZ2UiJQoQVG9rZW5pemVSZXNwb25zZRIRCgl0b2tlbl9pZHMYASADKA0iEwoRTGlzdE1vZGVsc1JlcXVlc3QiQgoSTGlzdE1vZGVsc1Jlc3BvbnNlEiwKBm1vZGVscxgBIAMoCzIcLmt2bWVzaC5nYXRld2F5LnYxLk1vZGVsSW5mbyJRCglNb2RlbEluZm8SCgoCaWQYASABKAkSFQoNbWF4X21vZGVsX2xlbhgCIAEoDRIQCghvd25lZF9ieRgDIAEoCRIPCgdjcmVhdGVkGAQgASgEMuICCg5HYXRld2F5U2VydmljZRJVCghHZW5lcmF0ZRIiLmt2bWVzaC5nYXRld2F5LnYxLkdlbmVyYXRlUmVxdWVzdBojLmt2bWVzaC5nYXRld2F5LnYxLkdlbmVyYXRlUmVzcG9uc2UwARJJCgRDaGF0Eh4ua3ZtZXNoLmdhdGV3YXkudjEuQ2hhdFJlcXVlc3QaHy5rdm1lc2guZ2F0ZXdheS52MS5DaGF0UmVzcG9uc2UwARJTCghUb2tlbml6ZRIiLmt2bWVzaC5nYXRld2F5LnYxLlRva2VuaXplUmVxdWVzdBojLmt2bWVzaC5nYXRld2F5LnYxLlRva2VuaXplUmVzcG9uc2USWQoKTGlzdE1vZGVscxIkLmt2bWVzaC5nYXRld2F5LnYxLkxpc3RNb2RlbHNSZXF1ZXN0GiUua3ZtZXNoLmdhdGV3YXkudjEuTGlzdE1vZGVsc1Jlc3BvbnNlQkVaQ2dpdGh1Yi5jb20va3ZtZXNoL2t2bWVzaC9jbGllbnRzL2dvL2dlbi9rdm1lc2gvZ2F0ZXdheS92MTtnYXRld2F5djFiBnByb3RvMw", [file_kvmesh_common_v1_accounting, file_kvmesh_common_v1_sampling]);
+  fileDesc("Ch9rdm1lc2gvZ2F0ZXdheS92MS9nYXRld2F5LnByb3RvEhFrdm1lc2guZ2F0ZXdheS52MSLCAQoPR2VuZXJhdGVSZXF1ZXN0Eg0KBW1vZGVsGAEgASgJEg4KBHRleHQYAiABKAlIABIwCgl0b2tlbl9pZHMYAyABKAsyGy5rdm1lc2guZ2F0ZXdheS52MS5Ub2tlbklkc0gAEjIKCHNhbXBsaW5nGAQgASgLMiAua3ZtZXNoLmNvbW1vbi52MS5TYW1wbGluZ1BhcmFtcxISCgpjYWNoZV9zYWx0GAUgASgJEgwKBHVzZXIYBiABKAlCCAoGcHJvbXB0IhcKCFRva2VuSWRzEgsKA2lkcxgBIAMoDSK2AQoQR2VuZXJhdGVSZXNwb25zZRISCgpyZXF1ZXN0X2lkGAEgASgJEg4KBm9mZnNldBgCIAEoDRIRCgl0b2tlbl9pZHMYAyADKA0SDAoEdGV4dBgEIAEoCRIwCghsb2dwcm9icxgFIAMoCzIeLmt2bWVzaC5jb21tb24udjEuVG9rZW5Mb2dwcm9iEisKBWZpbmFsGAYgASgLMhwua3ZtZXNoLmdhdGV3YXkudjEuU3RyZWFtRW5kIq8CCglTdHJlYW1FbmQSNQoNZmluaXNoX3JlYXNvbhgBIAEoDjIeLmt2bWVzaC5jb21tb24udjEuRmluaXNoUmVhc29uEiYKBXVzYWdlGAIgASgLMhcua3ZtZXNoLmNvbW1vbi52MS5Vc2FnZRIqCgd0aW1pbmdzGAMgASgLMhkua3ZtZXNoLmNvbW1vbi52MS5UaW1pbmdzEjAKDXJvdXRlX3RpbWluZ3MYBCABKAsyGS5rdm1lc2guY29tbW9uLnYxLlRpbWluZ3MSMgoPcHJlZmlsbF90aW1pbmdzGAUgASgLMhkua3ZtZXNoLmNvbW1vbi52MS5UaW1pbmdzEjEKDmRlY29kZV90aW1pbmdzGAYgASgLMhkua3ZtZXNoLmNvbW1vbi52MS5UaW1pbmdzIroCCgtDaGF0UmVxdWVzdBINCgVtb2RlbBgBIAEoCRIwCghtZXNzYWdlcxgCIAMoCzIeLmt2bWVzaC5nYXRld2F5LnYxLkNoYXRNZXNzYWdlEjIKCHNhbXBsaW5nGAMgASgLMiAua3ZtZXNoLmNvbW1vbi52MS5TYW1wbGluZ1BhcmFtcxISCgpjYWNoZV9zYWx0GAQgASgJEgwKBHVzZXIYBSABKAkSJgoFdG9vbHMYBiADKAsyFy5rdm1lc2guZ2F0ZXdheS52MS5Ub29sEjIKC3Rvb2xfY2hvaWNlGAcgASgLMh0ua3ZtZXNoLmdhdGV3YXkudjEuVG9vbENob2ljZRIgChNwYXJhbGxlbF90b29sX2NhbGxzGAggASgISACIAQFCFgoUX3BhcmFsbGVsX3Rvb2xfY2FsbHMigQEKC0NoYXRNZXNzYWdlEgwKBHJvbGUYASABKAkSDwoHY29udGVudBgCIAEoCRIMCgRuYW1lGAMgASgJEi8KCnRvb2xfY2FsbHMYBCADKAsyGy5rdm1lc2guZ2F0ZXdheS52MS5Ub29sQ2FsbBIUCgx0b29sX2NhbGxfaWQYBSABKAkiQgoEVG9vbBIMCgRuYW1lGAEgASgJEhMKC2Rlc2NyaXB0aW9uGAIgASgJEhcKD3BhcmFtZXRlcnNfanNvbhgDIAEoCSJiCgpUb29sQ2hvaWNlEjEKBG1vZGUYASABKA4yIS5rdm1lc2guZ2F0ZXdheS52MS5Ub29sQ2hvaWNlTW9kZUgAEhcKDWZ1bmN0aW9uX25hbWUYAiABKAlIAEIICgZjaG9pY2UiNwoIVG9vbENhbGwSCgoCaWQYASABKAkSDAoEbmFtZRgCIAEoCRIRCglhcmd1bWVudHMYAyABKAki4wEKDENoYXRSZXNwb25zZRISCgpyZXF1ZXN0X2lkGAEgASgJEg4KBm9mZnNldBgCIAEoDRIRCgl0b2tlbl9pZHMYAyADKA0SDAoEdGV4dBgEIAEoCRIwCghsb2dwcm9icxgFIAMoCzIeLmt2bWVzaC5jb21tb24udjEuVG9rZW5Mb2dwcm9iEisKBWZpbmFsGAYgASgLMhwua3ZtZXNoLmdhdGV3YXkudjEuU3RyZWFtRW5kEi8KCnRvb2xfY2FsbHMYByADKAsyGy5rdm1lc2guZ2F0ZXdheS52MS5Ub29sQ2FsbCKGAQoPVG9rZW5pemVSZXF1ZXN0Eg0KBW1vZGVsGAEgASgJEg4KBHRleHQYAiABKAlIABIvCgRjaGF0GAMgASgLMh8ua3ZtZXNoLmdhdGV3YXkudjEuQ2hhdE1lc3NhZ2VzSAASGgoSYWRkX3NwZWNpYWxfdG9rZW5zGAQgASgIQgcKBWlucHV0IkAKDENoYXRNZXNzYWdlcxIwCghtZXNzYWdlcxgBIAMoCzIeLmt2bWVzaC5nYXRld2F5LnYxLkNoYXRNZXNzYWdlIiUKEFRva2VuaXplUmVzcG9uc2USEQoJdG9rZW5faWRzGAEgAygNIhMKEUxpc3RNb2RlbHNSZXF1ZXN0IkIKEkxpc3RNb2RlbHNSZXNwb25zZRIsCgZtb2RlbHMYASADKAsyHC5rdm1lc2guZ2F0ZXdheS52MS5Nb2RlbEluZm8iUQoJTW9kZWxJbmZvEgoKAmlkGAEgASgJEhUKDW1heF9tb2RlbF9sZW4YAiABKA0SEAoIb3duZWRfYnkYAyABKAkSDwoHY3JlYXRlZBgEIAEoBCqHAQoOVG9vbENob2ljZU1vZGUSIAocVE9PTF9DSE9JQ0VfTU9ERV9VTlNQRUNJRklFRBAAEhkKFVRPT0xfQ0hPSUNFX01PREVfQVVUTxABEhkKFVRPT0xfQ0hPSUNFX01PREVfTk9ORRACEh0KGVRPT0xfQ0hPSUNFX01PREVfUkVRVUlSRUQQAzLiAgoOR2F0ZXdheVNlcnZpY2USVQoIR2VuZXJhdGUSIi5rdm1lc2guZ2F0ZXdheS52MS5HZW5lcmF0ZVJlcXVlc3QaIy5rdm1lc2guZ2F0ZXdheS52MS5HZW5lcmF0ZVJlc3BvbnNlMAESSQoEQ2hhdBIeLmt2bWVzaC5nYXRld2F5LnYxLkNoYXRSZXF1ZXN0Gh8ua3ZtZXNoLmdhdGV3YXkudjEuQ2hhdFJlc3BvbnNlMAESUwoIVG9rZW5pemUSIi5rdm1lc2guZ2F0ZXdheS52MS5Ub2tlbml6ZVJlcXVlc3QaIy5rdm1lc2guZ2F0ZXdheS52MS5Ub2tlbml6ZVJlc3BvbnNlElkKCkxpc3RNb2RlbHMSJC5rdm1lc2guZ2F0ZXdheS52MS5MaXN0TW9kZWxzUmVxdWVzdBolLmt2bWVzaC5nYXRld2F5LnYxLkxpc3RNb2RlbHNSZXNwb25zZUJFWkNnaXRodWIuY29tL2t2bWVzaC9rdm1lc2gvY2xpZW50cy9nby9nZW4va3ZtZXNoL2dhdGV3YXkvdjE7Z2F0ZXdheXYxYgZwcm90bzM", [file_kvmesh_common_v1_accounting, file_kvmesh_common_v1_sampling]);
 
 /**
  * @generated from message kvmesh.gateway.v1.GenerateRequest
@@ -205,6 +205,9 @@ export type ChatRequest = Message<"kvmesh.gateway.v1.ChatRequest"> & {
   messages: ChatMessage[];
 
   /**
+   * `sampling.structured_output` constrains the reply (e.g. to a JSON
+   * Schema); it cannot be combined with tools.
+   *
    * @generated from field: kvmesh.common.v1.SamplingParams sampling = 3;
    */
   sampling?: SamplingParams | undefined;
@@ -218,6 +221,29 @@ export type ChatRequest = Message<"kvmesh.gateway.v1.ChatRequest"> & {
    * @generated from field: string user = 5;
    */
   user: string;
+
+  /**
+   * Functions the model may call. They are rendered into the prompt by the
+   * model's chat template, and calls in the output are returned as
+   * `ChatResponse.tool_calls`.
+   *
+   * @generated from field: repeated kvmesh.gateway.v1.Tool tools = 6;
+   */
+  tools: Tool[];
+
+  /**
+   * Unset: auto.
+   *
+   * @generated from field: kvmesh.gateway.v1.ToolChoice tool_choice = 7;
+   */
+  toolChoice?: ToolChoice | undefined;
+
+  /**
+   * Allow more than one call in a reply. Unset: true.
+   *
+   * @generated from field: optional bool parallel_tool_calls = 8;
+   */
+  parallelToolCalls?: boolean | undefined;
 };
 
 /**
@@ -250,6 +276,20 @@ export type ChatMessage = Message<"kvmesh.gateway.v1.ChatMessage"> & {
    * @generated from field: string name = 3;
    */
   name: string;
+
+  /**
+   * An assistant message's calls (replayed to the model in later turns).
+   *
+   * @generated from field: repeated kvmesh.gateway.v1.ToolCall tool_calls = 4;
+   */
+  toolCalls: ToolCall[];
+
+  /**
+   * A tool message: the id of the call this is the result of.
+   *
+   * @generated from field: string tool_call_id = 5;
+   */
+  toolCallId: string;
 };
 
 /**
@@ -258,6 +298,105 @@ export type ChatMessage = Message<"kvmesh.gateway.v1.ChatMessage"> & {
  */
 export const ChatMessageSchema: GenMessage<ChatMessage> = /*@__PURE__*/
   messageDesc(file_kvmesh_gateway_v1_gateway, 5);
+
+/**
+ * A function the model may call.
+ *
+ * @generated from message kvmesh.gateway.v1.Tool
+ */
+export type Tool = Message<"kvmesh.gateway.v1.Tool"> & {
+  /**
+   * [a-zA-Z0-9_-]{1,64}, unique within the request.
+   *
+   * @generated from field: string name = 1;
+   */
+  name: string;
+
+  /**
+   * @generated from field: string description = 2;
+   */
+  description: string;
+
+  /**
+   * JSON Schema (JSON text) of the arguments object. Empty: any object.
+   *
+   * @generated from field: string parameters_json = 3;
+   */
+  parametersJson: string;
+};
+
+/**
+ * Describes the message kvmesh.gateway.v1.Tool.
+ * Use `create(ToolSchema)` to create a new message.
+ */
+export const ToolSchema: GenMessage<Tool> = /*@__PURE__*/
+  messageDesc(file_kvmesh_gateway_v1_gateway, 6);
+
+/**
+ * Whether and which tools the model must call.
+ *
+ * @generated from message kvmesh.gateway.v1.ToolChoice
+ */
+export type ToolChoice = Message<"kvmesh.gateway.v1.ToolChoice"> & {
+  /**
+   * @generated from oneof kvmesh.gateway.v1.ToolChoice.choice
+   */
+  choice: {
+    /**
+     * @generated from field: kvmesh.gateway.v1.ToolChoiceMode mode = 1;
+     */
+    value: ToolChoiceMode;
+    case: "mode";
+  } | {
+    /**
+     * Exactly one call of this tool (it must be in `tools`).
+     *
+     * @generated from field: string function_name = 2;
+     */
+    value: string;
+    case: "functionName";
+  } | { case: undefined; value?: undefined };
+};
+
+/**
+ * Describes the message kvmesh.gateway.v1.ToolChoice.
+ * Use `create(ToolChoiceSchema)` to create a new message.
+ */
+export const ToolChoiceSchema: GenMessage<ToolChoice> = /*@__PURE__*/
+  messageDesc(file_kvmesh_gateway_v1_gateway, 7);
+
+/**
+ * One call of a tool, as the model made it.
+ *
+ * @generated from message kvmesh.gateway.v1.ToolCall
+ */
+export type ToolCall = Message<"kvmesh.gateway.v1.ToolCall"> & {
+  /**
+   * Unique per call ("call_..."); a tool message answers it by this id.
+   *
+   * @generated from field: string id = 1;
+   */
+  id: string;
+
+  /**
+   * @generated from field: string name = 2;
+   */
+  name: string;
+
+  /**
+   * The arguments as JSON text (an object).
+   *
+   * @generated from field: string arguments = 3;
+   */
+  arguments: string;
+};
+
+/**
+ * Describes the message kvmesh.gateway.v1.ToolCall.
+ * Use `create(ToolCallSchema)` to create a new message.
+ */
+export const ToolCallSchema: GenMessage<ToolCall> = /*@__PURE__*/
+  messageDesc(file_kvmesh_gateway_v1_gateway, 8);
 
 /**
  * @generated from message kvmesh.gateway.v1.ChatResponse
@@ -279,6 +418,8 @@ export type ChatResponse = Message<"kvmesh.gateway.v1.ChatResponse"> & {
   tokenIds: number[];
 
   /**
+   * The reply's text, without tool-call markup.
+   *
    * @generated from field: string text = 4;
    */
   text: string;
@@ -292,6 +433,14 @@ export type ChatResponse = Message<"kvmesh.gateway.v1.ChatResponse"> & {
    * @generated from field: kvmesh.gateway.v1.StreamEnd final = 6;
    */
   final?: StreamEnd | undefined;
+
+  /**
+   * Tool calls completed in this chunk, in output order (each sent once).
+   * With calls, the stream ends with FINISH_REASON_TOOL_CALLS.
+   *
+   * @generated from field: repeated kvmesh.gateway.v1.ToolCall tool_calls = 7;
+   */
+  toolCalls: ToolCall[];
 };
 
 /**
@@ -299,7 +448,7 @@ export type ChatResponse = Message<"kvmesh.gateway.v1.ChatResponse"> & {
  * Use `create(ChatResponseSchema)` to create a new message.
  */
 export const ChatResponseSchema: GenMessage<ChatResponse> = /*@__PURE__*/
-  messageDesc(file_kvmesh_gateway_v1_gateway, 6);
+  messageDesc(file_kvmesh_gateway_v1_gateway, 9);
 
 /**
  * @generated from message kvmesh.gateway.v1.TokenizeRequest
@@ -342,7 +491,7 @@ export type TokenizeRequest = Message<"kvmesh.gateway.v1.TokenizeRequest"> & {
  * Use `create(TokenizeRequestSchema)` to create a new message.
  */
 export const TokenizeRequestSchema: GenMessage<TokenizeRequest> = /*@__PURE__*/
-  messageDesc(file_kvmesh_gateway_v1_gateway, 7);
+  messageDesc(file_kvmesh_gateway_v1_gateway, 10);
 
 /**
  * A conversation, as one value.
@@ -361,7 +510,7 @@ export type ChatMessages = Message<"kvmesh.gateway.v1.ChatMessages"> & {
  * Use `create(ChatMessagesSchema)` to create a new message.
  */
 export const ChatMessagesSchema: GenMessage<ChatMessages> = /*@__PURE__*/
-  messageDesc(file_kvmesh_gateway_v1_gateway, 8);
+  messageDesc(file_kvmesh_gateway_v1_gateway, 11);
 
 /**
  * @generated from message kvmesh.gateway.v1.TokenizeResponse
@@ -378,7 +527,7 @@ export type TokenizeResponse = Message<"kvmesh.gateway.v1.TokenizeResponse"> & {
  * Use `create(TokenizeResponseSchema)` to create a new message.
  */
 export const TokenizeResponseSchema: GenMessage<TokenizeResponse> = /*@__PURE__*/
-  messageDesc(file_kvmesh_gateway_v1_gateway, 9);
+  messageDesc(file_kvmesh_gateway_v1_gateway, 12);
 
 /**
  * @generated from message kvmesh.gateway.v1.ListModelsRequest
@@ -391,7 +540,7 @@ export type ListModelsRequest = Message<"kvmesh.gateway.v1.ListModelsRequest"> &
  * Use `create(ListModelsRequestSchema)` to create a new message.
  */
 export const ListModelsRequestSchema: GenMessage<ListModelsRequest> = /*@__PURE__*/
-  messageDesc(file_kvmesh_gateway_v1_gateway, 10);
+  messageDesc(file_kvmesh_gateway_v1_gateway, 13);
 
 /**
  * @generated from message kvmesh.gateway.v1.ListModelsResponse
@@ -408,7 +557,7 @@ export type ListModelsResponse = Message<"kvmesh.gateway.v1.ListModelsResponse">
  * Use `create(ListModelsResponseSchema)` to create a new message.
  */
 export const ListModelsResponseSchema: GenMessage<ListModelsResponse> = /*@__PURE__*/
-  messageDesc(file_kvmesh_gateway_v1_gateway, 11);
+  messageDesc(file_kvmesh_gateway_v1_gateway, 14);
 
 /**
  * @generated from message kvmesh.gateway.v1.ModelInfo
@@ -444,7 +593,46 @@ export type ModelInfo = Message<"kvmesh.gateway.v1.ModelInfo"> & {
  * Use `create(ModelInfoSchema)` to create a new message.
  */
 export const ModelInfoSchema: GenMessage<ModelInfo> = /*@__PURE__*/
-  messageDesc(file_kvmesh_gateway_v1_gateway, 12);
+  messageDesc(file_kvmesh_gateway_v1_gateway, 15);
+
+/**
+ * @generated from enum kvmesh.gateway.v1.ToolChoiceMode
+ */
+export enum ToolChoiceMode {
+  /**
+   * Auto.
+   *
+   * @generated from enum value: TOOL_CHOICE_MODE_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * Free text, or calls of declared tools with valid arguments.
+   *
+   * @generated from enum value: TOOL_CHOICE_MODE_AUTO = 1;
+   */
+  AUTO = 1,
+
+  /**
+   * Never call a tool: the tools are left out of the prompt.
+   *
+   * @generated from enum value: TOOL_CHOICE_MODE_NONE = 2;
+   */
+  NONE = 2,
+
+  /**
+   * At least one call of a declared tool, and nothing else.
+   *
+   * @generated from enum value: TOOL_CHOICE_MODE_REQUIRED = 3;
+   */
+  REQUIRED = 3,
+}
+
+/**
+ * Describes the enum kvmesh.gateway.v1.ToolChoiceMode.
+ */
+export const ToolChoiceModeSchema: GenEnum<ToolChoiceMode> = /*@__PURE__*/
+  enumDesc(file_kvmesh_gateway_v1_gateway, 0);
 
 /**
  * kvmesh's public gRPC API (the generated Go and TypeScript clients call
