@@ -37,9 +37,40 @@ SHIPPED_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "pycode-sma
 RANDOM_MODEL_LABEL = "kvmesh-random-llama (RANDOM WEIGHTS: output is noise, for plumbing only)"
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML. With ``tools`` (as transformers passes them), a system turn lists them as JSON inside
+# <tools></tools> and asks for calls in the Hermes/Qwen format the gateway parses
+# (services/gateway/tool_calls/hermes.py); the first system message's text leads that turn.
+# Assistant calls are replayed in the same format, and tool results go back in a user turn as
+# <tool_response> blocks (consecutive results share one turn). Without tools, ordinary messages
+# render exactly as plain ChatML.
 CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '# Tools\n\nYou may call these functions:\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools>\n\nTo call one, write a block per call:\n<tool_call>\n"
+    "{\"name\": <function-name>, \"arguments\": <arguments-object>}\n</tool_call><|im_end|>\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or loop.previtem['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{% if loop.last or loop.nextitem['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set arguments = call['function']['arguments'] %}"
+    "{% if message['content'] or not loop.first %}{{ '\n' }}{% endif %}"
+    "{{ '<tool_call>\n{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": ' }}"
+    "{{ arguments if arguments is string else (arguments | tojson) }}"
+    "{{ '}\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )

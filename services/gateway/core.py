@@ -12,6 +12,10 @@ Whenever a request with a KV lease ends without decode finishing it (client
 cancel, decode failure), the gateway aborts the lease at once rather than
 leaving the prefill worker to wait out its TTL.
 
+Chat replies go through ``tool_calls``: with tools, the prompt shows them, a
+grammar keeps the model's calls valid, and the calls come back parsed out of
+the text (``ChatResponse.tool_calls``).
+
 Cancellation needs no extra machinery: a cancelled client call cancels the
 task running this generator; the ``CancelledError`` (or ``GeneratorExit``)
 unwinds through the ``aclosing`` blocks, which close the decode stream, which
@@ -24,6 +28,8 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -36,10 +42,14 @@ from kvmesh.prefill.v1 import prefill_pb2
 from kvmesh.router.v1 import router_pb2
 from services.gateway.auth import ANONYMOUS, tenant_cache_salt
 from services.gateway.backends import Backends
+from services.gateway.chat_messages import template_messages
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model import ServedModel
 from services.gateway.stream import Finish, Job, ResponseStream
-from services.gateway.validation import validate_prompt, validate_sampling
+from services.gateway.tool_calls import DEFAULT_FORMAT, FORMATS, ToolCallFormat
+from services.gateway.tool_calls.reply import ChatReply
+from services.gateway.tool_calls.request import tool_use
+from services.gateway.validation import validate_prompt, validate_sampling, validate_structured_output
 
 log = structlog.get_logger("kvmesh.gateway")
 
@@ -47,6 +57,20 @@ log = structlog.get_logger("kvmesh.gateway")
 MAX_ATTEMPTS = 2
 
 Chunks = AsyncGenerator[gateway_pb2.GenerateResponse, None]
+ChatChunks = AsyncGenerator[gateway_pb2.ChatResponse, None]
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A request made ready to route: its prompt, its sampling, and how its chunks reach the client."""
+
+    prompt_ids: list[int]
+    sampling: sampling_pb2.SamplingParams
+    shape: Callable[[gateway_pb2.GenerateResponse], Any]
+
+
+def _as_is(chunk: gateway_pb2.GenerateResponse) -> gateway_pb2.GenerateResponse:
+    return chunk
 
 
 class WorkerFailed(Unavailable):
@@ -67,6 +91,7 @@ class Gateway:
         max_inflight: int = 256,
         stream_idle_timeout_s: float = 600.0,
         metrics: GatewayMetrics | None = None,
+        tool_call_format: ToolCallFormat = FORMATS[DEFAULT_FORMAT],
     ) -> None:
         if max_inflight <= 0:
             raise ValueError(f"max_inflight must be > 0, got {max_inflight}")
@@ -75,6 +100,7 @@ class Gateway:
         self._max_inflight = max_inflight
         self._idle_timeout_s = stream_idle_timeout_s
         self._metrics = metrics or GatewayMetrics()
+        self._tool_format = tool_call_format
         self._inflight = 0
         self._background: set[asyncio.Task[None]] = set()  # lease aborts on their way
 
@@ -101,18 +127,34 @@ class Gateway:
         if which == "text":
             return self.model.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
         if which == "chat":
-            return self._chat_prompt(request.chat.messages)
+            return self._chat_prompt(request.chat.messages, None)
         raise InvalidArgument("nothing to tokenize: set text or chat")
 
     # -- the streaming API ---------------------------------------------------
 
     def generate(self, request: gateway_pb2.GenerateRequest, request_id: str, tenant: str = ANONYMOUS) -> Chunks:
         """``tenant`` is the authenticated caller's (``auth.ApiKeys``): it scopes the request's cache salt."""
-        return self._serve("generate", request_id, tenant, request, lambda: self._text_prompt(request))
+        def prepare() -> _Prepared:
+            validate_structured_output(request.sampling)
+            return _Prepared(self._text_prompt(request), request.sampling, _as_is)
 
-    def chat(self, request: gateway_pb2.ChatRequest, request_id: str, tenant: str = ANONYMOUS) -> Chunks:
-        """Chat yields the same chunks as generate; the servicer re-wraps them as ChatResponse."""
-        return self._serve("chat", request_id, tenant, request, lambda: self._chat_prompt(request.messages))
+        return self._serve("generate", request_id, tenant, request, prepare)
+
+    def chat(self, request: gateway_pb2.ChatRequest, request_id: str, tenant: str = ANONYMOUS) -> ChatChunks:
+        """With tools, the prompt shows them, the grammar keeps calls valid, and calls come back parsed."""
+
+        def prepare() -> _Prepared:
+            validate_structured_output(request.sampling)
+            tools = tool_use(request, self._tool_format)
+            if tools is None:
+                return _Prepared(self._chat_prompt(request.messages, None), request.sampling, ChatReply(None))
+            sampling = sampling_pb2.SamplingParams()
+            sampling.CopyFrom(request.sampling)
+            sampling.structured_output.CopyFrom(tools.grammar.to_pb())
+            prompt = self._chat_prompt(request.messages, tools.template_tools())
+            return _Prepared(prompt, sampling, ChatReply(self._tool_format.parser()))
+
+        return self._serve("chat", request_id, tenant, request, prepare)
 
     async def wait_idle(self) -> None:
         """Wait for lease aborts still on their way (shutdown, tests)."""
@@ -125,8 +167,8 @@ class Gateway:
         request_id: str,
         tenant: str,
         request: gateway_pb2.GenerateRequest | gateway_pb2.ChatRequest,
-        prompt: Callable[[], list[int]],
-    ) -> Chunks:
+        prepare: Callable[[], _Prepared],
+    ) -> AsyncGenerator[Any, None]:
         received = time.monotonic_ns()
         if self._inflight >= self._max_inflight:
             self._metrics.requests.labels(method, "resource_exhausted").inc()
@@ -136,8 +178,8 @@ class Gateway:
         outcome, stream = "internal", None
         try:
             self.model.check_name(request.model)
-            prompt_ids = prompt()
-            sampling = request.sampling
+            prepared = prepare()
+            prompt_ids, sampling = prepared.prompt_ids, prepared.sampling
             validate_prompt(prompt_ids, sampling.max_tokens, self.model.vocab_size, self.model.max_model_len)
             validate_sampling(sampling, self.model.vocab_size)
             prepare_ns = time.monotonic_ns() - received
@@ -148,7 +190,7 @@ class Gateway:
                 async for chunk in chunks:
                     if chunk.HasField("final"):
                         outcome = "ok"  # a client that stops reading after the final chunk did get it all
-                    yield chunk
+                    yield prepared.shape(chunk)
         except KvmeshError as e:
             outcome = e.code.lower()
             raise
@@ -335,15 +377,9 @@ class Gateway:
             return self.model.tokenizer.encode(request.text, add_special_tokens=True)
         raise InvalidArgument("prompt is empty: set text or token_ids")
 
-    def _chat_prompt(self, messages: Sequence[gateway_pb2.ChatMessage]) -> list[int]:
-        if not messages:
-            raise InvalidArgument("messages is empty")
-        rendered = []
-        for i, m in enumerate(messages):
-            if not m.role:
-                raise InvalidArgument(f"messages[{i}].role is empty")
-            rendered.append({"role": m.role, "content": m.content} | ({"name": m.name} if m.name else {}))
-        text = self.model.tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
+    def _chat_prompt(self, messages: Sequence[gateway_pb2.ChatMessage], tools: list[dict[str, Any]] | None) -> list[int]:
+        text = self.model.tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=True,
+                                                        tools=tools)
         # The template writes any special tokens (BOS) itself.
         return self.model.tokenizer.encode(text, add_special_tokens=False)
 

@@ -11,26 +11,27 @@ closes every core stream, which cancels the downstream calls.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 
 from kvmesh.gateway.v1 import gateway_pb2
 from kvmesh.runtime import request_id_scope
-from services.gateway.core import Chunks
 
-Event = tuple[int, gateway_pb2.GenerateResponse]
+Chunk = gateway_pb2.GenerateResponse | gateway_pb2.ChatResponse
+Stream = AsyncGenerator[Chunk, None]
+Event = tuple[int, Chunk]
 
 _ENDED = object()
 
 
 class FanIn:
-    def __init__(self, streams: Sequence[tuple[str, Chunks]]) -> None:
+    def __init__(self, streams: Sequence[tuple[str, Stream]]) -> None:
         """``streams``: (request id, stream) pairs; chunks come back tagged with the pair's index."""
         self._queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
         self._open = len(streams)
         self._tasks = [asyncio.create_task(self._read(i, rid, s)) for i, (rid, s) in enumerate(streams)]
 
-    async def _read(self, index: int, request_id: str, stream: Chunks) -> None:
+    async def _read(self, index: int, request_id: str, stream: Stream) -> None:
         with request_id_scope(request_id):
             try:
                 async with aclosing(stream):

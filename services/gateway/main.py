@@ -21,6 +21,7 @@ from services.gateway.http_server import HttpServer
 from services.gateway.metrics import GatewayMetrics, HttpMetrics
 from services.gateway.model import ServedModel
 from services.gateway.server import gateway_service
+from services.gateway.tool_calls import DEFAULT_FORMAT, FORMATS
 
 log = structlog.get_logger("kvmesh.gateway")
 
@@ -38,6 +39,8 @@ FLAGS = [
     Flag("--http-port", "port of the OpenAI-compatible HTTP API (0: a free port)", default=8000, type=int),
     Flag("--api-keys-file", "file of API keys, one 'key [tenant]' per line (no keys anywhere: auth off)"),
     Flag("--api-keys", "comma-separated 'key [tenant]' entries; prefer KVMESH_API_KEYS or the file to the command line"),
+    Flag("--tool-call-format", "how the model writes tool calls (its chat template must teach the same format)",
+         default=DEFAULT_FORMAT, choices=tuple(FORMATS)),
 ]
 
 # Where the runtime's common flags are absent (tests building the gateway with its own
@@ -69,6 +72,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
         max_inflight=args.max_inflight_requests,
         stream_idle_timeout_s=args.stream_idle_timeout_seconds,
         metrics=GatewayMetrics(ctx.registry),
+        tool_call_format=FORMATS[args.tool_call_format],
     )
 
     keys = _api_keys(args.api_keys_file, args.api_keys)

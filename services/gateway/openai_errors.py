@@ -4,15 +4,22 @@ The status comes from the error itself: ``kvmesh.errors`` classes carry their
 ``http_status`` (the same classes the gRPC interceptor maps to status codes),
 aiohttp's own HTTP errors (unknown path, wrong method, body too large) carry
 theirs, and anything else is a 500 whose details stay in the server log.
+
+``param`` names the parameter at fault: ``ParamError``s carry it, and the
+core's ``InvalidField``s name a field of the gRPC request, which
+``openai_param`` spells the way the OpenAI request does.
 """
 
 from __future__ import annotations
+
+import re
 
 from aiohttp import web
 from pydantic import ValidationError
 
 from kvmesh.errors import InvalidArgument, KvmeshError
 from services.gateway.openai_responses import ErrorDetail, ErrorResponse
+from services.gateway.validation import InvalidField
 
 # OpenAI's error type and default code per status.
 _CLIENT = "invalid_request_error"
@@ -88,6 +95,25 @@ def _closest_members(problems: list[dict]) -> list[dict]:
     return kept
 
 
+# gRPC request fields whose OpenAI parameter is spelled differently (after "[i]" became ".i").
+_RENAMED = (
+    (re.compile(r"sampling\.structured_output"), "response_format"),
+    (re.compile(r"tool_choice\..+"), "tool_choice"),
+    (re.compile(r"tools\.(\d+)\.parameters_json"), r"tools.\1.function.parameters"),
+    (re.compile(r"tools\.(\d+)\.(\w+)"), r"tools.\1.function.\2"),
+    (re.compile(r"messages\.(\d+)\.tool_calls\.(\d+)\.(\w+)"), r"messages.\1.tool_calls.\2.function.\3"),
+)
+
+
+def openai_param(field: str) -> str:
+    """A ChatRequest field path ("tools[1].parameters_json") as the OpenAI parameter ("tools.1.function.parameters")."""
+    dotted = re.sub(r"\[(\d+)\]", r".\1", field)
+    for pattern, spelling in _RENAMED:
+        if pattern.fullmatch(dotted):
+            return pattern.sub(spelling, dotted)
+    return dotted
+
+
 def error_status(exc: BaseException) -> int:
     if isinstance(exc, KvmeshError):
         return exc.http_status
@@ -108,5 +134,6 @@ def error_body(exc: BaseException, request_id: str) -> tuple[int, ErrorResponse]
         message = exc.text or exc.reason
     else:
         message = f"internal error (request_id={request_id})"
-    detail = ErrorDetail(message=message, type=kind, param=getattr(exc, "param", None), code=code)
+    param = openai_param(exc.field) if isinstance(exc, InvalidField) else getattr(exc, "param", None)
+    detail = ErrorDetail(message=message, type=kind, param=param, code=code)
     return status, ErrorResponse(error=detail)

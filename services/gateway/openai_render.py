@@ -3,7 +3,8 @@
 A renderer is fed every chunk of every choice, in arrival order (``add``);
 each call returns the stream chunk for it, and ``response``/``usage`` sum up
 once all choices have ended. Streaming and non-streaming requests go through
-the same renderer, so they cannot disagree.
+the same renderer, so they cannot disagree: a chat's tool calls go out in the
+chunk that completed them (``delta.tool_calls``) and add up to the message's.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ from services.gateway.openai_responses import (
     CompletionChoice,
     CompletionLogprobs,
     FinishReason,
+    CalledFunction,
     PromptTokensDetails,
     ResponseMessage,
     TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
@@ -84,6 +88,7 @@ class _Choice:
     finish: FinishReason | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 class _Renderer:
@@ -100,7 +105,9 @@ class _Renderer:
         self._logprobs = logprobs
         self._choices = [_Choice() for _ in range(choices)]
 
-    def _record(self, index: int, chunk: gateway_pb2.GenerateResponse) -> tuple[_Choice, FinishReason | None]:
+    def _record(
+        self, index: int, chunk: gateway_pb2.GenerateResponse | gateway_pb2.ChatResponse
+    ) -> tuple[_Choice, FinishReason | None]:
         choice = self._choices[index]
         choice.text.append(chunk.text)
         choice.completion_tokens += len(chunk.token_ids)
@@ -190,7 +197,7 @@ class ChatRenderer(_Renderer):
         super().__init__(*args, **kwargs)
         self._choice_logprobs: list[list[TokenLogprob]] = [[] for _ in self._choices]
 
-    def add(self, index: int, chunk: gateway_pb2.GenerateResponse) -> ChatCompletionChunk:
+    def add(self, index: int, chunk: gateway_pb2.ChatResponse) -> ChatCompletionChunk:
         first = not self._choices[index].started
         choice, finish = self._record(index, chunk)
         choice.started = True
@@ -199,7 +206,16 @@ class ChatRenderer(_Renderer):
             content = [self._token_logprob(lp) for lp in chunk.logprobs]
             self._choice_logprobs[index].extend(content)
             logprobs = ChatLogprobs(content=content)
-        delta = ChatDelta(role="assistant" if first else None, content=chunk.text)
+        calls = [
+            ToolCallDelta(
+                index=len(choice.tool_calls) + i, id=c.id, function=CalledFunction(name=c.name, arguments=c.arguments)
+            )
+            for i, c in enumerate(chunk.tool_calls)
+        ]
+        choice.tool_calls.extend(ToolCall(id=c.id, function=c.function) for c in calls)
+        # A chunk that carries only calls has no content (null, as OpenAI sends it).
+        text = None if calls and not chunk.text else chunk.text
+        delta = ChatDelta(role="assistant" if first else None, content=text, tool_calls=calls or None)
         piece = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[piece])
 
@@ -210,10 +226,15 @@ class ChatRenderer(_Renderer):
         choices = [
             ChatChoice(
                 index=i,
-                message=ResponseMessage(content="".join(c.text)),
+                message=_message("".join(c.text), c.tool_calls),
                 logprobs=ChatLogprobs(content=self._choice_logprobs[i]) if self._logprobs else None,
                 finish_reason=c.finish,
             )
             for i, c in enumerate(self._choices)
         ]
         return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage())
+
+
+def _message(text: str, calls: list[ToolCall]) -> ResponseMessage:
+    """A reply of calls and no text has content null."""
+    return ResponseMessage(content=None if calls and not text else text, tool_calls=calls or None)

@@ -5,12 +5,13 @@ Parsing is strict (JSON types as the schema says: no "5" for 5, no true for 1;
 
 - supported: mapped onto the request's sampling parameters;
 - known but only accepted where harmless (penalties must be 0, ``logit_bias``
-  empty, ``tools`` absent, ...): the schema allows exactly those values, and
-  any other gets a 400 saying the feature is not supported;
+  empty, ...): the schema allows exactly those values, and any other gets a
+  400 saying the feature is not supported;
 - unknown: ignored, because clients send fields a server may not know.
 
-Structured outputs and tool calls come later: ``response_format``, ``tools``
-and ``tool_choice`` are declared here so they can grow real types in place.
+What the schema cannot say (a JSON Schema the grammar cannot enforce, a
+``tool_choice`` naming an undeclared tool, ...) the gateway core checks, for
+the gRPC API too.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 from pydantic_core import PydanticCustomError
 
+from services.gateway.tool_calls.request import NAME_PATTERN
 from services.gateway.validation import MAX_TOP_LOGPROBS
 
 UINT32_MAX = 2**32 - 1
@@ -177,12 +179,23 @@ class UserMessage(Body):
     name: str | None = None
 
 
+class CalledFunction(Body):
+    name: str = Field(min_length=1)
+    arguments: str = Field(description="The arguments as JSON text (an object).")
+
+
+class AssistantToolCall(Body):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class AssistantMessage(Body):
     role: Literal["assistant"]
     content: Content | None = None
     name: str | None = None
     refusal: str | None = None
-    tool_calls: Annotated[None, _NOT_YET] = None
+    tool_calls: list[AssistantToolCall] | None = Field(None, description="The calls this turn made (content may be null).")
     function_call: Annotated[None, _NOT_YET] = None
 
 
@@ -219,8 +232,80 @@ class ResponseFormatText(Body):
     type: Literal["text"]
 
 
-def _text_format(value: Any) -> bool:
-    return isinstance(value, dict) and value.get("type") == "text"
+class ResponseFormatJsonObject(Body):
+    type: Literal["json_object"] = Field(description="Any JSON object.")
+
+
+class JsonSchemaFormat(Body):
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    # "schema" would shadow a BaseModel attribute: the field has another name, the JSON key is "schema".
+    json_schema: dict[str, Any] | None = Field(
+        None, alias="schema", description="The JSON Schema the reply follows. Default: any JSON object."
+    )
+    strict: bool | None = Field(None, description="Accepted; the schema is always enforced.")
+
+
+class ResponseFormatJsonSchema(Body):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+def _type_tag(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return f"type={kind}" if isinstance(kind, str) else None
+
+
+# Tags are "type=<type>", like messages' "role=<role>", so that error locations leave them out.
+ResponseFormat = Annotated[
+    Annotated[ResponseFormatText, Tag("type=text")]
+    | Annotated[ResponseFormatJsonObject, Tag("type=json_object")]
+    | Annotated[ResponseFormatJsonSchema, Tag("type=json_schema")],
+    Discriminator(
+        _type_tag,
+        custom_error_type="invalid_type",
+        custom_error_message="type must be one of text, json_object, json_schema",
+    ),
+]
+
+
+class FunctionDefinition(Body):
+    name: str = Field(pattern=NAME_PATTERN, description="Unique within the request.")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description='JSON Schema of the arguments, an object schema. Default: any object.'
+    )
+    strict: bool | None = Field(None, description="Accepted; calls always follow the schema.")
+
+
+class ChatTool(Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(Body):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+def _tool_choice_tag(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "mode="
+    return "type=function" if isinstance(value, (dict, NamedToolChoice)) else None
+
+
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("mode=")] | Annotated[NamedToolChoice, Tag("type=function")],
+    Discriminator(
+        _tool_choice_tag,
+        custom_error_type="invalid_tool_choice",
+        custom_error_message="""tool_choice must be 'none', 'auto', 'required' or {"type": "function", "function": {"name": ...}}""",
+    ),
+]
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -231,12 +316,10 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: TokenCount | None = Field(None, description="Default: up to the model's context.")
     logprobs: bool | None = False
     top_logprobs: TopLogprobs | None = Field(None, description="Needs logprobs: true.")
-    response_format: Annotated[
-        ResponseFormatText | None, _refused(_text_format, "only type 'text' is supported yet (no structured outputs)")
-    ] = None
-    tools: Annotated[None, _NOT_YET] = None
-    tool_choice: Annotated[None, _NOT_YET] = None
-    parallel_tool_calls: bool | None = Field(None, description="Accepted; meaningful only with tools.")
+    response_format: ResponseFormat | None = Field(None, description="Not together with tools.")
+    tools: list[ChatTool] | None = Field(None, description="Functions the model may call.")
+    tool_choice: ToolChoice | None = Field(None, description="Default: auto (none without tools). Needs tools.")
+    parallel_tool_calls: bool | None = Field(None, description="Allow several calls in one reply. Default: true.")
     functions: Annotated[None, _NOT_YET] = None
     function_call: Annotated[None, _NOT_YET] = None
     audio: Annotated[None, _NOT_YET] = None

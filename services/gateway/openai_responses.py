@@ -69,9 +69,27 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str = Field(description="JSON text of an object that validates against the tool's parameters.")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ToolCallDelta(ToolCall):
+    """A whole call, in the chunk that completed it."""
+
+    index: int = Field(description="The call's position among the choice's calls.")
+
+
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str | None
+    content: str | None = Field(description="null when the reply is tool calls only.")
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -93,6 +111,7 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = Field(None, description="Set on a choice's first chunk.")
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

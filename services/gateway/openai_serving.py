@@ -24,8 +24,8 @@ from pydantic import BaseModel, ValidationError
 
 from kvmesh.errors import KvmeshError
 from kvmesh.gateway.v1 import gateway_pb2
-from services.gateway.core import Chunks, Gateway
-from services.gateway.fan_in import FanIn
+from services.gateway.core import Gateway
+from services.gateway.fan_in import FanIn, Stream
 from services.gateway.http_context import REQUEST_ID, TENANT
 from services.gateway.openai_errors import ParamError, error_body
 from services.gateway.openai_render import ChatRenderer, CompletionRenderer, TokenTexts
@@ -93,7 +93,7 @@ class OpenAIServing:
         req: CompletionRequest | ChatCompletionRequest,
         renderer: Renderer,
         core_requests: Sequence[gateway_pb2.GenerateRequest | gateway_pb2.ChatRequest],
-        call: Callable[..., Chunks],
+        call: Callable[..., Stream],
     ) -> web.StreamResponse:
         rid, tenant = request[REQUEST_ID], request[TENANT]
         ids = [rid] if len(core_requests) == 1 else [f"{rid}-{i}" for i in range(len(core_requests))]

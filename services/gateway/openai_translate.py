@@ -5,14 +5,40 @@ prefilled and decoded on its own); with a ``seed``, choice ``i`` samples with
 ``seed + i``, so the choices differ yet every one is reproducible. Prompts
 come first: the request for prompt ``p``, choice ``i`` is at ``p * n + i``,
 which is the choice index OpenAI reports.
+
+``response_format`` becomes ``sampling.structured_output`` (json_object: a JSON
+Schema of any object); tools, tool_choice and the messages' calls map onto
+the ChatRequest's fields one to one. Their deeper checks are the core's.
 """
 
 from __future__ import annotations
 
+import json
+
 from kvmesh.common.v1 import sampling_pb2
 from kvmesh.gateway.v1 import gateway_pb2
+from kvmesh.structured.spec import GrammarSpec
 from services.gateway.openai_errors import ParamError
-from services.gateway.openai_requests import ChatCompletionRequest, CompletionRequest, Content, SamplingFields
+from services.gateway.openai_requests import (
+    AssistantMessage,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Content,
+    Message,
+    ResponseFormat,
+    ResponseFormatJsonObject,
+    ResponseFormatJsonSchema,
+    SamplingFields,
+    ToolChoice,
+    ToolMessage,
+)
+from services.gateway.tool_calls.request import ANY_OBJECT
+
+_TOOL_CHOICE_MODES = {
+    "none": gateway_pb2.TOOL_CHOICE_MODE_NONE,
+    "auto": gateway_pb2.TOOL_CHOICE_MODE_AUTO,
+    "required": gateway_pb2.TOOL_CHOICE_MODE_REQUIRED,
+}
 
 _SEED_SPACE = 2**64  # the mesh's seeds are uint64; OpenAI's may be negative
 _FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
@@ -97,17 +123,53 @@ def chat_requests(req: ChatCompletionRequest, limit: int) -> list[gateway_pb2.Ch
         raise ParamError("top_logprobs needs logprobs: true", "top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _sampling(req, max_tokens, bool(req.logprobs), req.top_logprobs or 0)
-    messages = [
-        gateway_pb2.ChatMessage(role=m.role, content=_text(m.content), name=getattr(m, "name", None) or "")
-        for m in req.messages
-    ]
-    return [
-        gateway_pb2.ChatRequest(
-            model=req.model, messages=messages, sampling=_with_seed(params, req.seed, i),
-            cache_salt=req.cache_salt or "", user=req.user or "",
-        )
-        for i in range(n)
-    ]
+    structured = _structured_output(req.response_format)
+    if structured is not None:
+        params.structured_output.CopyFrom(structured)
+    template = gateway_pb2.ChatRequest(
+        model=req.model, messages=[_message(m) for m in req.messages], cache_salt=req.cache_salt or "",
+        user=req.user or "",
+    )
+    for tool in req.tools or ():
+        f = tool.function
+        parameters = json.dumps(f.parameters) if f.parameters is not None else ""
+        template.tools.add(name=f.name, description=f.description or "", parameters_json=parameters)
+    if req.tool_choice is not None:
+        template.tool_choice.CopyFrom(_tool_choice(req.tool_choice))
+    if req.parallel_tool_calls is not None:
+        template.parallel_tool_calls = req.parallel_tool_calls
+    requests = []
+    for i in range(n):
+        r = gateway_pb2.ChatRequest()
+        r.CopyFrom(template)
+        r.sampling.CopyFrom(_with_seed(params, req.seed, i))
+        requests.append(r)
+    return requests
+
+
+def _message(m: Message) -> gateway_pb2.ChatMessage:
+    message = gateway_pb2.ChatMessage(role=m.role, content=_text(m.content), name=getattr(m, "name", None) or "")
+    if isinstance(m, AssistantMessage):
+        for call in m.tool_calls or ():
+            message.tool_calls.add(id=call.id, name=call.function.name, arguments=call.function.arguments)
+    if isinstance(m, ToolMessage):
+        message.tool_call_id = m.tool_call_id
+    return message
+
+
+def _structured_output(response_format: ResponseFormat | None) -> sampling_pb2.StructuredOutput | None:
+    if isinstance(response_format, ResponseFormatJsonObject):
+        return GrammarSpec.json_schema(ANY_OBJECT).to_pb()
+    if isinstance(response_format, ResponseFormatJsonSchema):
+        schema = response_format.json_schema.json_schema
+        return GrammarSpec.json_schema(ANY_OBJECT if schema is None else schema).to_pb()
+    return None  # text
+
+
+def _tool_choice(choice: ToolChoice) -> gateway_pb2.ToolChoice:
+    if isinstance(choice, str):
+        return gateway_pb2.ToolChoice(mode=_TOOL_CHOICE_MODES[choice])
+    return gateway_pb2.ToolChoice(function_name=choice.function.name)
 
 
 def _text(content: Content | None) -> str:

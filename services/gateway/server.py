@@ -41,14 +41,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         tenant = self._tenant(context)
         async with aclosing(self._gateway.chat(request, _request_id(), tenant)) as chunks:
             async for chunk in chunks:
-                yield gateway_pb2.ChatResponse(
-                    request_id=chunk.request_id,
-                    offset=chunk.offset,
-                    token_ids=chunk.token_ids,
-                    text=chunk.text,
-                    logprobs=chunk.logprobs,
-                    final=chunk.final if chunk.HasField("final") else None,
-                )
+                yield chunk
 
     async def Tokenize(
         self, request: gateway_pb2.TokenizeRequest, context: grpc.aio.ServicerContext

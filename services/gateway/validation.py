@@ -6,11 +6,13 @@ here answers bad input at once, without routing or tokenizing twice.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
 from kvmesh.common.v1 import sampling_pb2
 from kvmesh.errors import InvalidArgument
+from kvmesh.structured.spec import GrammarSpec
 
 # The most alternatives per token a request may ask for (OpenAI's limit too).
 MAX_TOP_LOGPROBS = 20
@@ -20,6 +22,32 @@ class PromptTooLong(InvalidArgument):
     """The prompt (with the tokens asked for) does not fit the model's context."""
 
     reason = "context_length_exceeded"
+
+
+class InvalidField(InvalidArgument):
+    """A request field is wrong. ``field`` is its path in the gRPC request (e.g. "tools[1].parameters_json"),
+    which the HTTP API reports as the OpenAI parameter it came from."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def validate_structured_output(s: sampling_pb2.SamplingParams) -> None:
+    """A constraint the workers could not compile or enforce is refused here, saying what is wrong with it."""
+    spec = GrammarSpec.from_pb(s.structured_output) if s.HasField("structured_output") else None
+    if spec is None:
+        return
+    try:
+        _check(spec)
+    except InvalidArgument as e:
+        raise InvalidField("sampling.structured_output", f"structured output: {e.message}") from None
+
+
+@functools.lru_cache(maxsize=1024)
+def _check(spec: GrammarSpec) -> None:
+    """Cached when it passes: clients repeat their schemas, and a check takes milliseconds on the event loop."""
+    spec.check()
 
 
 def validate_sampling(s: sampling_pb2.SamplingParams, vocab_size: int) -> None:

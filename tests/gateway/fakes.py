@@ -9,7 +9,7 @@ decode's ACK or the gateway's ABORT; ``leases`` left non-empty is a leak.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 from kvmesh.common.v1 import accounting_pb2, kv_pb2, sampling_pb2, worker_pb2
 from kvmesh.decode.v1 import decode_pb2
@@ -36,6 +36,7 @@ class FakeMesh:
         self.prefill_error: Exception | None = None
         self.hold_prefill = False
         self.decode_tokens = list(DECODE_TOKENS)
+        self.token_text: Callable[[int], str] = lambda token: f"<{token}>"  # each decode message's text
         self.fail_decode_at: dict[str, int] = {}  # worker id -> message index that breaks the stream
         self.hold_decode_at: dict[str, int] = {}  # worker id -> message index it never gets past
         self.held = asyncio.Event()  # a prefill or decode reached its hold point
@@ -124,7 +125,7 @@ class FakeMesh:
                 yield decode_pb2.DecodeResponse(
                     offset=i,
                     token_ids=[token],
-                    text=f"<{token}>",
+                    text=self.token_text(token),
                     final=decode_pb2.DecodeFinal(
                         finish_reason=sampling_pb2.FINISH_REASON_LENGTH,
                         usage=accounting_pb2.Usage(prompt_tokens=len(request.prompt_token_ids),

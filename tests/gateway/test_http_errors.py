@@ -16,6 +16,23 @@ from tests.gateway.test_http_api import http_gateway
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi " * 20}]}
 COMPLETION = {"model": "tiny", "prompt": PROMPT}
+JSON_SCHEMA = {"type": "json_schema"}
+
+
+def _schema(schema: dict) -> dict:
+    return JSON_SCHEMA | {"json_schema": {"name": "reply", "schema": schema}}
+
+
+def _tool(name: str, parameters: dict | None = None) -> dict:
+    return {"type": "function", "function": {"name": name} | ({"parameters": parameters} if parameters else {})}
+
+
+def _named(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
+def _call(arguments: str) -> dict:
+    return {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
 
 
 async def _post(url: str, path: str, body: object) -> tuple[int, dict]:
@@ -61,13 +78,34 @@ async def _post(url: str, path: str, body: object) -> tuple[int, dict]:
         ("/v1/chat/completions",
          CHAT | {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
          "messages.0.content", "only text content parts are supported, not 'image_url' parts"),
-        ("/v1/chat/completions", CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
-         "tools: not supported yet"),
-        ("/v1/chat/completions", CHAT | {"tool_choice": "auto"}, "tool_choice", "not supported yet"),
-        ("/v1/chat/completions", CHAT | {"response_format": {"type": "json_object"}}, "response_format",
-         "only type 'text' is supported yet"),
-        ("/v1/chat/completions", CHAT | {"messages": [{"role": "assistant", "tool_calls": []}]},
-         "messages.0.tool_calls", "not supported yet"),
+        ("/v1/chat/completions", CHAT | {"response_format": {"type": "xml"}}, "response_format",
+         "type must be one of text, json_object, json_schema"),
+        ("/v1/chat/completions", CHAT | {"response_format": JSON_SCHEMA | {"json_schema": {"name": "a b"}}},
+         "response_format.json_schema.name", "should match pattern"),
+        ("/v1/chat/completions", CHAT | {"response_format": _schema({"type": "string", "format": "idn-email"})},
+         "response_format", "structured output: json_schema: format 'idn-email' is not supported"),
+        ("/v1/chat/completions", CHAT | {"response_format": _schema({"type": "object", "not": {}})},
+         "response_format", "keyword 'not' is not supported (at /not)"),
+        ("/v1/chat/completions", CHAT | {"response_format": _schema({"type": 7})}, "response_format",
+         "not a valid JSON Schema"),
+        ("/v1/chat/completions", CHAT | {"response_format": {"type": "json_object"}, "tools": [_tool("f")]},
+         "response_format", "cannot be combined with tools"),
+        ("/v1/chat/completions", CHAT | {"tools": [_tool("a b")]}, "tools.0.function.name", "should match pattern"),
+        ("/v1/chat/completions", CHAT | {"tools": [_tool("f"), _tool("f")]}, "tools.1.function.name",
+         "tool name 'f' is declared twice"),
+        ("/v1/chat/completions", CHAT | {"tools": [_tool("f", {"type": "array"})]}, "tools.0.function.parameters",
+         "tool 'f': parameters must be a JSON Schema of an object"),
+        ("/v1/chat/completions", CHAT | {"tools": [_tool("f", {"type": "object", "if": {}})]},
+         "tools.0.function.parameters", "tool 'f' parameters: json_schema: keyword 'if' is not supported"),
+        ("/v1/chat/completions", CHAT | {"tool_choice": "auto"}, "tool_choice", "no tools are declared"),
+        ("/v1/chat/completions", CHAT | {"tool_choice": "sometimes"}, "tool_choice",
+         "Input should be 'none', 'auto' or 'required'"),
+        ("/v1/chat/completions", CHAT | {"tools": [_tool("f"), _tool("g")], "tool_choice": _named("h")},
+         "tool_choice", "names the function 'h', which is not declared (tools: f, g)"),
+        ("/v1/chat/completions", CHAT | {"messages": [{"role": "assistant", "tool_calls": [_call("[1]")]}]},
+         "messages.0.tool_calls.0.function.arguments", "must be a JSON object"),
+        ("/v1/chat/completions", CHAT | {"messages": [{"role": "assistant", "tool_calls": [_call("{")]}]},
+         "messages.0.tool_calls.0.function.arguments", "is not valid JSON"),
         ("/v1/chat/completions", CHAT | {"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
         ("/v1/chat/completions", CHAT | {"modalities": ["audio"]}, "modalities.0", "Input should be 'text'"),
     ],

@@ -35,6 +35,16 @@ def chunk(tokens: list[int], text: str, logprobs=(), final: tuple[int, int, int]
     return c
 
 
+def chat_chunk(tokens: list[int], text: str, logprobs=(), final: tuple[int, int, int] | None = None,
+               reason: int = sampling_pb2.FINISH_REASON_STOP,
+               calls: tuple[tuple[str, str, str], ...] = ()) -> gateway_pb2.ChatResponse:
+    """``chunk``'s fields in a chat chunk, with ``calls`` as (id, name, arguments)."""
+    c = gateway_pb2.ChatResponse.FromString(chunk(tokens, text, logprobs, final, reason).SerializeToString())
+    for call_id, name, arguments in calls:
+        c.tool_calls.add(id=call_id, name=name, arguments=arguments)
+    return c
+
+
 def renderer(cls, choices: int = 1, per_prompt: int = 1, logprobs: bool = True):
     return cls("id-1", 100, "tiny", choices=choices, per_prompt=per_prompt, texts=TokenTexts(Texts()), logprobs=logprobs)
 
@@ -58,7 +68,7 @@ def test_completion_logprobs_in_the_legacy_format_with_running_offsets() -> None
 
 def test_chat_logprobs_carry_bytes_unless_a_token_is_part_of_a_character() -> None:
     r = renderer(ChatRenderer)
-    piece = r.add(0, chunk([1, 9], "t1", [lp(1, -0.1, (9, -2.0)), lp(9, -0.2)], final=(4, 2, 0)))
+    piece = r.add(0, chat_chunk([1, 9], "t1", [lp(1, -0.1, (9, -2.0)), lp(9, -0.2)], final=(4, 2, 0)))
 
     content = piece.choices[0].logprobs.content
     assert [(c.token, c.bytes) for c in content] == [("t1", [116, 49]), ("\ufffd", None)]
@@ -68,16 +78,48 @@ def test_chat_logprobs_carry_bytes_unless_a_token_is_part_of_a_character() -> No
 
 def test_without_logprobs_requested_there_are_none() -> None:
     r = renderer(ChatRenderer, logprobs=False)
-    piece = r.add(0, chunk([1], "t1", final=(4, 1, 0)))
+    piece = r.add(0, chat_chunk([1], "t1", final=(4, 1, 0)))
 
     assert piece.choices[0].logprobs is None and r.response().choices[0].logprobs is None
 
 
 def test_chat_chunks_name_the_role_once_per_choice() -> None:
     r = renderer(ChatRenderer, choices=2, per_prompt=2, logprobs=False)
-    roles = [r.add(i, chunk([1], "x")).choices[0].delta.role for i in (0, 1, 0, 1)]
+    roles = [r.add(i, chat_chunk([1], "x")).choices[0].delta.role for i in (0, 1, 0, 1)]
 
     assert roles == ["assistant", "assistant", None, None]
+
+
+def test_tool_calls_go_out_in_the_chunk_that_completed_them_and_add_up_to_the_message() -> None:
+    r = renderer(ChatRenderer, logprobs=False)
+    chunks = [
+        r.add(0, chat_chunk([1, 2], "Let me look.")),
+        r.add(0, chat_chunk([3, 4], "", calls=(("call_a", "f", '{"x": 1}'),))),
+        r.add(0, chat_chunk([5], "", calls=(("call_b", "g", "{}"),), final=(4, 5, 0),
+                            reason=sampling_pb2.FINISH_REASON_TOOL_CALLS)),
+    ]
+
+    deltas = [c.choices[0].delta for c in chunks]
+    assert [d.content for d in deltas] == ["Let me look.", None, None]
+    assert [d.tool_calls and [(t.index, t.id, t.function.name, t.function.arguments) for t in d.tool_calls]
+            for d in deltas] == [None, [(0, "call_a", "f", '{"x": 1}')], [(1, "call_b", "g", "{}")]]
+    [choice] = r.response().choices
+    assert choice.finish_reason == chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert choice.message.content == "Let me look."
+    assert [(t.id, t.type, t.function.name) for t in choice.message.tool_calls] == [
+        ("call_a", "function", "f"), ("call_b", "function", "g")]
+
+
+def test_a_reply_of_calls_only_has_null_content_and_a_plain_reply_no_calls() -> None:
+    calls_only = renderer(ChatRenderer, logprobs=False)
+    calls_only.add(0, chat_chunk([1], "", calls=(("call_a", "f", "{}"),), final=(4, 1, 0),
+                                 reason=sampling_pb2.FINISH_REASON_TOOL_CALLS))
+    plain = renderer(ChatRenderer, logprobs=False)
+    plain.add(0, chat_chunk([1], "", final=(4, 1, 0)))
+
+    assert calls_only.response().choices[0].message.content is None
+    message = plain.response().choices[0].message
+    assert message.content == "" and message.tool_calls is None
 
 
 def test_usage_counts_each_prompt_once_and_its_least_cached_copy() -> None:

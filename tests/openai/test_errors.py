@@ -31,9 +31,9 @@ def _error(info: pytest.ExceptionInfo) -> dict:
         ({"temperature": 5}, "temperature", "temperature: Input should be less than or equal to 2"),
         ({"presence_penalty": 1.0}, "presence_penalty", "kvmesh has no repetition penalties"),
         ({"logit_bias": {"5": 10}}, "logit_bias", "only an empty object is accepted"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools",
-         "tools: not supported yet"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "only type 'text' is supported yet"),
+        ({"tool_choice": "auto"}, "tool_choice", "no tools are declared"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "array", "uniqueItems": True}}}}, "response_format", "keyword 'uniqueItems' is not supported"),
         ({"top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs: true"),
         ({"n": 0}, "n", "n: Input should be greater than or equal to 1"),
     ],
