@@ -29,7 +29,21 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: checkpoint's on CUDA, float32 on CPU)")
     p.add_argument("--quantization", choices=("fp8",), help="fp8 weights (CUDA only)")
     p.add_argument("--json", action="store_true", help="print one JSON object with token_ids, text, finish_reason")
+    grammar = p.add_mutually_exclusive_group()
+    grammar.add_argument("--json-schema", help="constrain the output to this JSON Schema (JSON text)")
+    grammar.add_argument("--regex", help="constrain the output to this regular expression")
+    grammar.add_argument("--ebnf", help="constrain the output to this EBNF grammar (start rule: root)")
     p.set_defaults(func=_generate)
+
+
+def _grammar(args: argparse.Namespace):
+    from kvmesh.structured.spec import GrammarSpec
+
+    for kind in ("json_schema", "regex", "ebnf"):
+        source = getattr(args, kind)
+        if source is not None:
+            return GrammarSpec(kind, source)
+    return None
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -56,6 +70,7 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop,
         repetition_limit=args.repetition_limit,
+        grammar=_grammar(args),
     )
     rid = engine.add_request(prompt_ids, params)
     token_ids: list[int] = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -20,7 +21,7 @@ from kvmesh.blocks import BlockHash, block_hashes, model_fingerprint
 from kvmesh.engine.block_manager import BlockEventSink, BlockManager
 from kvmesh.engine.config import EngineConfig, ModelConfig, dtype_name
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
-from kvmesh.engine.grammar import GrammarCache, GrammarStats, MaskJob, MaskRows, allowed_prefix
+from kvmesh.engine.grammar import GrammarCache, GrammarStats, Masks, MaskRows, allowed_prefix
 from kvmesh.engine.kv_cache import KV_LAYOUT, BlockPayload, KVCache
 from kvmesh.engine.model import AttentionMetadata, CausalLM
 from kvmesh.engine.sampler import token_logprobs, verify
@@ -64,6 +65,7 @@ class EngineStats:
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
     grammar_masked_rows: int = 0  # logits rows masked by a request's grammar
+    grammar_mask_seconds: float = 0.0  # engine-thread time spent filling and applying those masks
 
 
 @dataclass
@@ -346,26 +348,30 @@ class LLMEngine:
             query_start_loc=torch.tensor(starts, dtype=torch.long, device=dev),
             is_decode=all(n == 1 for n in batch.num_new),
         )
-        masks = self._start_masks(sampling, len(logits_idx))
         logits = self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
             self.kv.tensor,
             meta,
             torch.tensor(logits_idx, dtype=torch.long, device=dev),
-        ).cpu()
+        )
+        # Launched (on a GPU still running): fill the grammar masks meanwhile, apply them on the
+        # device, and only then wait for the logits.
+        t0 = time.perf_counter()
+        masks = self._grammar_masks(sampling, len(logits_idx))
         if masks is not None:
             self.stats.grammar_masked_rows += masks.apply(logits)
-        return sampling, logits
+            self.stats.grammar_mask_seconds += time.perf_counter() - t0
+        return sampling, logits.cpu()
 
-    def _start_masks(self, sampling: list[Sequence], num_rows: int) -> MaskJob | None:
-        """Start filling the grammar masks of the constrained sequences' rows (None if there are none)."""
+    def _grammar_masks(self, sampling: list[Sequence], num_rows: int) -> Masks | None:
+        """The grammar masks of the constrained sequences' rows (None if there are none)."""
         rows, row = [], 0
         for seq in sampling:
             if seq.grammar is not None:
                 rows.append(MaskRows(seq.grammar, row, list(seq.draft_ids)))
             row += len(seq.draft_ids) + 1
-        return MaskJob(rows, num_rows, self.model_config.vocab_size) if rows else None
+        return Masks(rows, num_rows, self.model_config.vocab_size) if rows else None
 
     def _append_tokens(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
         """Append tokens one by one until a stop condition; returns what the caller sees."""
