@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 import openai
@@ -35,9 +35,11 @@ class Served:
     gateway: Gateway
     api: HttpApi
     registry: CollectorRegistry
+    clients: list[openai.AsyncOpenAI] = field(default_factory=list)  # closed with the server
 
     def client(self, api_key: str = "unused") -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=30)
+        self.clients.append(openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=30))
+        return self.clients[-1]
 
 
 @asynccontextmanager
@@ -48,9 +50,12 @@ async def http_gateway(model: ServedModel, mesh: FakeMesh, keys: ApiKeys | None 
     api = HttpApi(gateway, keys or ApiKeys(), registry, HttpMetrics(registry))
     server = HttpServer(api, "127.0.0.1", 0, grace_seconds=1.0)
     await server.start()
+    served = Served(f"http://127.0.0.1:{server.port}", gateway, api, registry)
     try:
-        yield Served(f"http://127.0.0.1:{server.port}", gateway, api, registry)
+        yield served
     finally:
+        for client in served.clients:
+            await client.close()
         await server.stop()
         await gateway.wait_idle()
 

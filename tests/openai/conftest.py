@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import openai
@@ -48,8 +48,10 @@ def client(base_url: str) -> openai.OpenAI:
 
 
 @pytest.fixture
-def aclient(base_url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+async def aclient(base_url: str) -> AsyncIterator[openai.AsyncOpenAI]:
+    # Closed by the test's own event loop: left to the garbage collector, it would close on a dead one.
+    async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=300) as client:
+        yield client
 
 
 @dataclass(frozen=True)

@@ -112,10 +112,10 @@ async def test_a_gateway_whose_router_is_gone_answers_503_at_once(openai_model) 
             "--rpc-timeout-seconds", "5"]
     args = parse_flags("kvmesh-gateway", [*common_flags(0, 0), *FLAGS], argv, environ={})
     async with serve("gateway", build, args, grace_seconds=1.0):
-        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="x", max_retries=0,
-                                    timeout=30)
-        with pytest.raises(openai.InternalServerError) as info:
-            await client.chat.completions.create(model=MODEL, messages=HI, stream=True)
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="x", max_retries=0,
+                                      timeout=30) as client:
+            with pytest.raises(openai.InternalServerError) as info:
+                await client.chat.completions.create(model=MODEL, messages=HI, stream=True)
 
     assert info.value.status_code == 503 and _error(info)["code"] == "service_unavailable"
     assert f"router ({dead})" in _error(info)["message"]

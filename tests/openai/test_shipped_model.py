@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import jsonschema
@@ -36,9 +36,10 @@ def shipped_url(tmp_path_factory) -> Iterator[str]:
 
 
 @pytest.fixture
-def shipped_client(shipped_url: str) -> openai.AsyncOpenAI:
+async def shipped_client(shipped_url: str) -> AsyncIterator[openai.AsyncOpenAI]:
     # Per test: an async client belongs to the event loop of the test that made it.
-    return openai.AsyncOpenAI(base_url=shipped_url, api_key="unused", max_retries=0, timeout=300)
+    async with openai.AsyncOpenAI(base_url=shipped_url, api_key="unused", max_retries=0, timeout=300) as client:
+        yield client
 
 
 async def test_every_json_schema_reply_validates(shipped_client) -> None:

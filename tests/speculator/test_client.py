@@ -183,9 +183,13 @@ async def test_answers_that_miss_the_budget_are_dropped():
         await asyncio.sleep(0)
         assert step_over.is_set() and drafts == {}
         assert counter(registry, "kvmesh_speculator_client_late_updates_total") == 1
-        # The late answer (for the old context length) never lands on a later step.
+        # The late answer (for the old context length) never lands on a later step. A step may
+        # itself miss the 50 ms budget on a loaded machine (an empty answer): then the next one.
         seq.output_ids += LOOP[:2]
-        assert await propose(proposer, (seq, 2)) == {"r": LOOP[2:4]}
+        answers = []
+        while not answers or (answers[-1] == {} and len(answers) < 20):
+            answers.append(await propose(proposer, (seq, 2)))
+        assert answers[-1] == {"r": LOOP[2:4]} and all(a == {} for a in answers[:-1])
 
 
 def test_the_budget_must_be_positive():
