@@ -68,3 +68,31 @@ async def test_an_unenforceable_schema_is_invalid_argument_saying_why(gateway):
         await _generate(gateway, [1, 2, 3], spec)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "keyword 'uniqueItems' is not supported" in e.value.details()
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+}
+
+
+async def test_grpc_chat_with_a_required_tool_streams_one_valid_call(gateway):
+    request = gateway_pb2.ChatRequest(
+        messages=[gateway_pb2.ChatMessage(role="user", content="Hi")],
+        sampling=sampling_pb2.SamplingParams(temperature=0.0, max_tokens=150),
+        tools=[gateway_pb2.Tool(name="weather", parameters_json=json.dumps(WEATHER))],
+        tool_choice=gateway_pb2.ToolChoice(mode=gateway_pb2.TOOL_CHOICE_MODE_REQUIRED),
+        parallel_tool_calls=False,
+    )
+    calls, text, final = [], [], None
+    async for msg in gateway.Chat(request):
+        calls += msg.tool_calls
+        text.append(msg.text)
+        if msg.HasField("final"):
+            final = msg.final
+    assert final.finish_reason == sampling_pb2.FINISH_REASON_TOOL_CALLS
+    assert "".join(text).strip() == ""  # calls only: no markup leaks into the text
+    [call] = calls
+    assert call.name == "weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
