@@ -8,8 +8,9 @@ again), and forbidden tokens get ``-inf``. Greedy and sampled decoding then
 can only pick allowed tokens, a forbidden draft is always rejected, and
 accepted tokens advance the matcher as they are appended.
 
-Masks are filled on the CPU while the model runs (``Masks``): the forward
-pass does not need them, only sampling does.
+Masks are filled on the CPU between launching the forward pass and reading
+its logits (``Masks``): the forward does not need them, only sampling does,
+so on a GPU they cost no step time.
 """
 
 from __future__ import annotations
@@ -59,15 +60,15 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[i
 class GrammarCache:
     """Compiles constraints against one model's vocabulary; each distinct one once (LRU).
 
-    Thread-safe: services compile off the engine thread (``prepare``) so a slow schema
-    never stalls a step, and the engine then finds it cached.
+    Thread-safe: services compile off the engine thread (``AsyncEngine.generate``) so a
+    slow schema never stalls a step, and the engine then finds it cached.
     """
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int], threads: int = 1) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
         self.info = tokenizer_info(tokenizer, vocab_size, stop_token_ids)
         self.vocab_size = vocab_size
         # xgrammar's own cache is off: ours is keyed by the spec and bounded in entries.
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self.stats = GrammarStats()
