@@ -60,6 +60,18 @@ def _parse_bool(raw: str) -> bool:
     raise ValueError(f"expected one of {sorted(_TRUE | _FALSE)}")
 
 
+def _shows_reason(convert: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``convert`` for argparse, which would replace a ValueError's reason by "invalid value"."""
+
+    def parse(raw: str) -> Any:
+        try:
+            return convert(raw)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"invalid value {raw!r}: {e}") from None
+
+    return parse
+
+
 def parse_flags(
     prog: str,
     flags: Sequence[Flag],
@@ -75,7 +87,7 @@ def parse_flags(
         if f.type is bool:
             parser.add_argument(f.name, action=argparse.BooleanOptionalAction, **kwargs)
         else:
-            parser.add_argument(f.name, type=f.type, choices=f.choices, **kwargs)
+            parser.add_argument(f.name, type=_shows_reason(f.type), choices=f.choices, **kwargs)
     # argparse's own `required` cannot see the environment, so presence is checked here.
     ns = parser.parse_args(argv)
     for f in flags:

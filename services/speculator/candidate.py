@@ -13,6 +13,7 @@ MAX_MATCH_TOKENS = 32
 class Source(StrEnum):
     PROMPT = "prompt"  # the request's own context (prompt lookup)
     SUFFIX = "suffix"  # the shared index of finished sequences
+    DRAFT_MODEL = "draft_model"  # a draft model's greedy continuation (the service's --draft-model)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,11 +9,21 @@ The rule between them (``candidate.better``): the candidate whose match with
 the context's tail is longer wins (measured up to 32 tokens, past the
 n-gram that found it), then the longer draft, then the request's own context.
 
+A third source is optional: a draft model's greedy continuation (the
+service's ``--draft-model``). The core does not run it: ``Session.plan``
+says which requests it should continue, the caller runs the model on all
+of a round's in one batch, and ``Session.decide`` picks. Under the same rule the model's
+draft counts as a match of ``draft_model_match_tokens``: an n-gram candidate
+matching at least that much of the context's tail (with a draft as long) is a
+repeated passage and wins; a shorter match, likelier to be chance, loses to
+the model's draft. The model is asked only when its draft could win.
+
 A ``Session`` is one decode worker's stream: it holds the per-request state
 (so two workers may use the same request id), fed incrementally by
 ``update`` and dropped by ``finish`` or when the stream ends (``close``).
 Proposed/accepted counters are shared across sessions. Not thread-safe: the
-server calls it from its event loop, ``LocalProposer`` from the engine thread.
+server calls it from its event loop, ``LocalProposer`` from the engine thread
+(the service's draft model runs on a thread of its own, on copies of contexts).
 """
 
 from __future__ import annotations
@@ -32,6 +42,15 @@ from services.speculator.suffix_index import SuffixIndex
 log = structlog.get_logger(__name__)
 
 
+# The n-gram match length a draft model's draft counts as, unless configured
+# (SpeculatorConfig.draft_model_match_tokens). Measured with models/pycode-draft
+# on models/pycode-small's greedy continuations of 12 code prompts (k=4): its
+# drafts were accepted more often than n-gram drafts matching up to 8 tokens,
+# less often than those matching 9-15 and those at the 32-token cap (a verbatim
+# repeat: 97% vs 89%), with no clear winner between.
+DRAFT_MODEL_MATCH_TOKENS = 9
+
+
 @dataclass(frozen=True)
 class SpeculatorConfig:
     # Prompt lookup: n-gram sizes tried in the request's own context. Single
@@ -47,10 +66,29 @@ class SpeculatorConfig:
     # False: learned sequences are indexed at once (in-process use); True: the
     # caller runs ``maintain_index`` in chunks off the request path (the service).
     defer_indexing: bool = False
+    # None: no draft model. Otherwise a draft model's draft counts as a match of
+    # this many tokens against the n-gram candidates (see the module docstring).
+    draft_model_match_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_draft_tokens < 1:
             raise ValueError("max_draft_tokens must be at least 1")
+        if self.draft_model_match_tokens is not None and not 0 <= self.draft_model_match_tokens <= MAX_MATCH_TOKENS:
+            raise ValueError(f"draft_model_match_tokens must be between 0 and {MAX_MATCH_TOKENS}")
+
+
+@dataclass(frozen=True, slots=True)
+class DraftPlan:
+    """One request's draft, half decided: what the n-gram sources found, and what
+    (if anything) the draft model should continue before ``Session.decide``."""
+
+    request_id: str
+    num_tokens: int  # the draft length wanted, capped at max_draft_tokens
+    ngram: Candidate | None
+    # A copy of the request's known tokens, for the draft model to continue (its
+    # own thread may read it while the context grows); None: the n-gram candidate
+    # cannot lose to the model, or there is no model.
+    model_context: list[int] | None
 
 
 @dataclass(frozen=True)
@@ -106,13 +144,20 @@ class Speculator:
         return self.suffix_index.maintain(max_tokens)
 
     def draft(self, context: RequestContext, k: int) -> Candidate | None:
-        """The better of the two sources' continuations of ``context`` (at most k tokens)."""
+        """The better of the two n-gram sources' continuations of ``context`` (at most k tokens)."""
         k = min(k, self.config.max_draft_tokens)
         if k <= 0 or not context.tokens:
             return None
         own = context.lookup(k)
         shared = self.suffix_index.lookup(context.tokens[-MAX_MATCH_TOKENS:], k)
         return better(own, shared)
+
+    def model_candidate(self, token_ids: list[int]) -> Candidate | None:
+        """The draft model's draft as a candidate (None when there is no model or no draft)."""
+        match_tokens = self.config.draft_model_match_tokens
+        if match_tokens is None or not token_ids:
+            return None
+        return Candidate(token_ids, Source.DRAFT_MODEL, match_tokens)
 
     def learn(self, tokens: list[int]) -> None:
         """Add a finished sequence to the shared index (indexed now unless ``defer_indexing``)."""
@@ -172,20 +217,39 @@ class Session:
         ctx.extend(token_ids)
 
     def propose(self, request_id: str, num_tokens: int, deadline_ns: int | None = None) -> Candidate | None:
-        """Draft up to ``num_tokens`` tokens continuing the request's context.
+        """Draft up to ``num_tokens`` tokens continuing the request's context, from the
+        n-gram sources only (``plan`` + ``decide`` bring in a draft model).
 
         None when there is nothing to propose, the request is unknown, or
         ``deadline_ns`` (a ``time.perf_counter_ns()`` value) passed before the
         draft was ready: a late draft is useless to the decode step, so it is
         not counted as proposed.
         """
+        plan = self.plan(request_id, num_tokens, deadline_ns)
+        return None if plan is None else self.decide(plan, [], deadline_ns)
+
+    def plan(self, request_id: str, num_tokens: int, deadline_ns: int | None = None) -> DraftPlan | None:
+        """The n-gram candidate for the request, and whether the draft model should be asked:
+        only when the speculator has one and its full-length draft would beat that candidate.
+        None when the request is unknown or ``deadline_ns`` already passed (counted as late)."""
         ctx = self._requests.get(request_id)
         if ctx is None:
             return None
         if deadline_ns is not None and time.perf_counter_ns() > deadline_ns:
             self._spec.late_drafts += 1
             return None
-        candidate = self._spec.draft(ctx, num_tokens)
+        spec = self._spec
+        k = min(num_tokens, spec.config.max_draft_tokens)
+        ngram = spec.draft(ctx, k)
+        best_model_case = spec.model_candidate([0] * k)  # a full-length draft: the most the model can offer
+        wants_model = bool(ctx.tokens) and best_model_case is not None and better(ngram, best_model_case) is not ngram
+        return DraftPlan(request_id, k, ngram, list(ctx.tokens) if wants_model else None)
+
+    def decide(self, plan: DraftPlan, model_draft: list[int], deadline_ns: int | None = None) -> Candidate | None:
+        """The draft to send: the better of the plan's n-gram candidate and ``model_draft``
+        (the draft model's tokens for ``plan.model_context``; empty when it was not asked
+        or had none). None when there is nothing to propose or the deadline passed."""
+        candidate = better(plan.ngram, self._spec.model_candidate(model_draft[: plan.num_tokens]))
         if candidate is None or not candidate.token_ids:
             return None
         if deadline_ns is not None and time.perf_counter_ns() > deadline_ns:

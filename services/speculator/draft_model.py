@@ -35,11 +35,16 @@ class DraftRequest:
     num_tokens: int  # draft length wanted
 
 
+def draft_engine_config(device: str = "cpu") -> EngineConfig:
+    """The draft engine's default set-up on ``device``."""
+    # A pool of ~16k tokens of draft KV: plenty of room to keep recent requests'
+    # prefixes cached between calls.
+    return EngineConfig(device=device, num_blocks=1024, max_num_batched_tokens=2048)
+
+
 class DraftModelProposer:
     def __init__(self, model_path: str | Path, config: EngineConfig | None = None, max_draft_tokens: int = 8) -> None:
-        # The default pool holds ~16k tokens of draft KV: plenty of room to keep
-        # recent requests' prefixes cached between calls.
-        self.engine = LLMEngine(model_path, config or EngineConfig(num_blocks=1024, max_num_batched_tokens=2048))
+        self.engine = LLMEngine(model_path, config or draft_engine_config())
         self.max_draft_tokens = max_draft_tokens
         self._calls = itertools.count()
 

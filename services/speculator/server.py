@@ -8,6 +8,12 @@ sent at all, since the step has moved on. A single update gets a
 ProposeResponse of its own; an UpdateBatch (one decode step) gets one
 ProposeResponse whose ``drafts`` answer its updates.
 
+With a draft model (``DraftModelWorker``), the updates of one message that
+the n-gram sources cannot answer well are continued by the model in one
+batched call on its own thread; the stream's next message waits for that
+call, at most until the message's deadline, and other streams are served
+meanwhile.
+
 On shutdown ``drain`` ends the open streams (the decode workers reconnect
 elsewhere or run without drafts) instead of letting them hold the server for
 the whole grace period, and refuses new ones.
@@ -17,7 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -27,13 +34,21 @@ from kvmesh.speculator.v1 import speculator_pb2, speculator_pb2_grpc
 from services.speculator.core import Session, Speculator
 from services.speculator.maintenance import IndexMaintainer
 
+if TYPE_CHECKING:  # it pulls in torch, which a speculator without a draft model never loads
+    from services.speculator.draft_worker import DraftModelWorker
+
 _END = object()  # the client finished writing, or the server is draining
 
 
 class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServiceServicer):
-    def __init__(self, speculator: Speculator, maintainer: IndexMaintainer) -> None:
+    def __init__(
+        self, speculator: Speculator, maintainer: IndexMaintainer, draft_model: DraftModelWorker | None = None
+    ) -> None:
+        if (draft_model is None) != (speculator.config.draft_model_match_tokens is None):
+            raise ValueError("a draft model needs draft_model_match_tokens in the speculator's config, and only one")
         self._spec = speculator
         self._maintainer = maintainer
+        self._draft_model = draft_model
         self._inboxes: set[asyncio.Queue] = set()
         self._draining = False
 
@@ -51,7 +66,7 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServiceServicer):
                 if isinstance(item, BaseException):
                     raise item
                 received_ns, request = item
-                response = self._handle(session, request, received_ns)
+                response = await self._handle(session, request, received_ns)
                 if response is not None:
                     yield response
         finally:
@@ -59,7 +74,7 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServiceServicer):
             self._inboxes.discard(inbox)
             session.close()
 
-    def _handle(
+    async def _handle(
         self, session: Session, request: speculator_pb2.ProposeRequest, received_ns: int
     ) -> speculator_pb2.ProposeResponse | None:
         kind = request.WhichOneof("update")
@@ -67,17 +82,16 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServiceServicer):
             batch = request.batch
             for update in batch.contexts:
                 _apply(session, update)
-            drafts = [
-                draft
-                for update in batch.contexts
-                if update.num_draft_tokens and (draft := _draft(session, update, received_ns)) is not None
-            ]
+            wanting = [update for update in batch.contexts if update.num_draft_tokens]
+            drafts = [draft for draft in await self._drafts(session, wanting, received_ns) if draft is not None]
             self._finish(session, batch.finished)
             return speculator_pb2.ProposeResponse(drafts=drafts, timings=_timings(received_ns)) if drafts else None
         if kind == "context":
             update = request.context
             _apply(session, update)
-            draft = _draft(session, update, received_ns) if update.num_draft_tokens else None
+            if not update.num_draft_tokens:
+                return None
+            (draft,) = await self._drafts(session, [update], received_ns)
             if draft is None:
                 return None
             return speculator_pb2.ProposeResponse(
@@ -90,6 +104,36 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServiceServicer):
             self._finish(session, [request.finished])
             return None
         raise InvalidArgument("ProposeRequest carries no update")
+
+    async def _drafts(
+        self, session: Session, updates: Sequence[speculator_pb2.ContextUpdate], received_ns: int
+    ) -> list[speculator_pb2.Draft | None]:
+        """The answers to ``updates`` (each asking for drafts), in order: a draft (empty when there
+        is nothing to propose), or None when its deadline passed: no answer beats a late one."""
+        deadlines = [received_ns + u.deadline_us * 1000 if u.deadline_us else None for u in updates]
+        plans = [session.plan(u.request_id, u.num_draft_tokens, d) for u, d in zip(updates, deadlines)]
+        asks = [(p, d) for p, d in zip(plans, deadlines) if p is not None and p.model_context is not None]
+        model_drafts: dict[str, list[int]] = {}
+        if asks:
+            # One call for the whole message, awaited until the last of its deadlines.
+            latest = None if any(d is None for _, d in asks) else max(d for _, d in asks)
+            model_drafts = await self._draft_model.draft([p for p, _ in asks], latest)
+        answers: list[speculator_pb2.Draft | None] = []
+        for update, deadline_ns, plan in zip(updates, deadlines, plans):
+            candidate = (
+                None if plan is None else session.decide(plan, model_drafts.get(plan.request_id, []), deadline_ns)
+            )
+            if deadline_ns is not None and time.perf_counter_ns() > deadline_ns:
+                answers.append(None)
+                continue
+            answers.append(
+                speculator_pb2.Draft(
+                    request_id=update.request_id,
+                    context_length=update.context_length,
+                    token_ids=candidate.token_ids if candidate is not None else [],
+                )
+            )
+        return answers
 
     def _finish(self, session: Session, finished: Iterable[speculator_pb2.RequestFinished]) -> None:
         learned = False
@@ -119,20 +163,6 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServiceServicer):
 
 def _apply(session: Session, update: speculator_pb2.ContextUpdate) -> None:
     session.update(update.request_id, list(update.token_ids), update.context_length, update.accepted_draft_tokens)
-
-
-def _draft(session: Session, update: speculator_pb2.ContextUpdate, received_ns: int) -> speculator_pb2.Draft | None:
-    """The answer to an update asking for drafts (empty when there is nothing to propose),
-    or None when its deadline passed: no answer beats a late one."""
-    deadline_ns = received_ns + update.deadline_us * 1000 if update.deadline_us else None
-    candidate = session.propose(update.request_id, update.num_draft_tokens, deadline_ns)
-    if deadline_ns is not None and time.perf_counter_ns() > deadline_ns:
-        return None
-    return speculator_pb2.Draft(
-        request_id=update.request_id,
-        context_length=update.context_length,
-        token_ids=candidate.token_ids if candidate is not None else [],
-    )
 
 
 def _timings(received_ns: int) -> accounting_pb2.Timings:
