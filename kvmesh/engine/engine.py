@@ -501,4 +501,3 @@ class LLMEngine:
         self.blocks.release([b])  # cached-free: reusable by the next request with this prefix
         self.stats.imported_blocks += 1
         return True
-

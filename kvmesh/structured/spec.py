@@ -20,7 +20,6 @@ from kvmesh.errors import InvalidArgument
 from kvmesh.structured.json_schema import check_schema
 
 Kind = Literal["json_schema", "any_json", "regex", "ebnf", "structural_tag"]
-KINDS: tuple[Kind, ...] = ("json_schema", "any_json", "regex", "ebnf", "structural_tag")
 
 # Compact JSON: free whitespace lets a model pad forever between tokens of a value
 # (a well-known failure of grammar-constrained JSON), and no client needs it.

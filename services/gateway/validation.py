@@ -39,14 +39,15 @@ def validate_structured_output(s: sampling_pb2.SamplingParams) -> None:
     if spec is None:
         return
     try:
-        _check(spec)
+        check_grammar(spec)
     except InvalidArgument as e:
         raise InvalidField("sampling.structured_output", f"structured output: {e.message}") from None
 
 
 @functools.lru_cache(maxsize=1024)
-def _check(spec: GrammarSpec) -> None:
-    """Cached when it passes: clients repeat their schemas, and a check takes milliseconds on the event loop."""
+def check_grammar(spec: GrammarSpec) -> None:
+    """``spec.check()``, cached when it passes: clients repeat their schemas and tools, and a check
+    takes milliseconds on the event loop."""
     spec.check()
 
 

@@ -19,7 +19,7 @@ from kvmesh.errors import InvalidArgument
 from kvmesh.gateway.v1 import gateway_pb2
 from kvmesh.structured.spec import GrammarSpec
 from services.gateway.tool_calls.format import CallPolicy, Tool, ToolCallFormat
-from services.gateway.validation import InvalidField
+from services.gateway.validation import InvalidField, check_grammar
 
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 _NAME = re.compile(NAME_PATTERN)
@@ -72,7 +72,7 @@ def tool_use(request: gateway_pb2.ChatRequest, fmt: ToolCallFormat) -> ToolUse |
         raise InvalidField("tool_choice.mode", f"unknown tool_choice mode {choice.mode}")
     grammar = GrammarSpec("structural_tag", json.dumps(fmt.structural_tag(policy)))
     try:
-        grammar.check()
+        check_grammar(grammar)
     except InvalidArgument as e:
         raise InvalidField("tools", f"the tools' grammar cannot be built: {e.message}") from None
     return ToolUse(tools, grammar)
