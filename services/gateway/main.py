@@ -27,7 +27,7 @@ log = structlog.get_logger("kvmesh.gateway")
 
 FLAGS = [
     Flag("--router-address", "router host:port", required=True),
-    Flag("--model", "local Hugging Face model folder (default: the embedded default model, random weights)"),
+    Flag("--model", "local Hugging Face model folder (default: the installed default model, SmolLM2-135M-Instruct)"),
     Flag("--model-name", "the model id clients use (default: the folder's name)"),
     Flag("--max-model-len", "context limit (default: the model's; set it like the workers')", type=int),
     Flag("--max-inflight-requests", "generation requests in flight at most; beyond: RESOURCE_EXHAUSTED", default=256, type=int),

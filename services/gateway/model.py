@@ -30,7 +30,7 @@ class ServedModel:
     vocab_size: int
     max_model_len: int
     # Set for checkpoints kvmesh wrote itself (config.json "kvmesh_label"),
-    # e.g. the random-weights default: clients must be able to see it.
+    # e.g. a random-weights test model: clients must be able to see it.
     label: str | None
     created: int  # unix seconds, when loaded
 
