@@ -163,11 +163,17 @@ func (c *checker) workload(w Workload) {
 	if err != nil || sel.Empty() || !sel.Matches(labels.Set(w.Template.Labels)) {
 		c.errorf("%s: its selector %v does not select its own pod template (%v)", where, w.Selector, err)
 	}
+	if w.Kind == "StatefulSet" && !c.headlessServiceFor(w) {
+		c.errorf("%s: serviceName %q is not a rendered headless Service selecting its pods", where, w.ServiceName)
+	}
 	s := component(w.Template)
 	if s == "" {
 		return
 	}
 	spec := w.Template.Spec
+	if sc := spec.SecurityContext; sc == nil || sc.RunAsNonRoot == nil || !*sc.RunAsNonRoot {
+		c.errorf("%s: not runAsNonRoot (the image runs as its kvmesh user)", where)
+	}
 	if len(spec.Containers) != 1 || spec.Containers[0].Name != s {
 		c.errorf("%s: want one container named %s", where, s)
 		return
@@ -208,6 +214,48 @@ func (c *checker) workload(w Workload) {
 	}
 	c.drain(where, spec, ct, env)
 	c.addresses(where, env)
+	c.modelMount(where, spec, ct, env)
+}
+
+func (c *checker) headlessServiceFor(w Workload) bool {
+	for _, svc := range c.r.Services {
+		if svc.Name == w.ServiceName && svc.Spec.ClusterIP == corev1.ClusterIPNone &&
+			slices.ContainsFunc(c.selected(svc.Spec.Selector), func(o Workload) bool { return o.Name == w.Name }) {
+			return true
+		}
+	}
+	return false
+}
+
+// A model on the cache claim is read where the claim is mounted, read-only, and
+// the pod waits for the marker the model-init Job writes inside that folder.
+func (c *checker) modelMount(where string, spec corev1.PodSpec, ct corev1.Container, env map[string]corev1.EnvVar) {
+	model := env["KVMESH_MODEL"].Value
+	var mounted string
+	for _, v := range spec.Volumes {
+		if v.PersistentVolumeClaim == nil {
+			continue
+		}
+		for _, m := range ct.VolumeMounts {
+			if m.Name == v.Name && model != "" && strings.HasPrefix(model, strings.TrimSuffix(m.MountPath, "/")+"/") {
+				mounted = m.MountPath
+			}
+		}
+	}
+	if mounted == "" {
+		return // a model inside the image (model.source=image), or a service without one
+	}
+	for _, init := range spec.InitContainers {
+		if init.Name == "wait-for-model" {
+			if marker := init.Command[len(init.Command)-1]; filepath.Dir(marker) != model {
+				c.errorf("%s: waits for %s, which is not in KVMESH_MODEL=%s", where, marker, model)
+			}
+			return
+		}
+	}
+	if len(c.r.Jobs) > 0 {
+		c.errorf("%s: loads %s from the cache the Job fills, without waiting for it", where, model)
+	}
 }
 
 // Every KVMESH_* variable is the env twin of a flag this service defines; the

@@ -63,11 +63,12 @@ type Render struct {
 
 // Workload is a Deployment or a StatefulSet: what owns long-running pods.
 type Workload struct {
-	Kind     string
-	Name     string
-	Replicas *int32
-	Selector *metav1.LabelSelector
-	Template corev1.PodTemplateSpec
+	Kind        string
+	Name        string
+	Replicas    *int32
+	Selector    *metav1.LabelSelector
+	Template    corev1.PodTemplateSpec
+	ServiceName string // a StatefulSet's governing Service
 }
 
 // decodeFile splits a multi-document YAML file and decodes each document strictly:
@@ -124,10 +125,10 @@ func (r *Render) add(source string, obj any) {
 	case *corev1.PersistentVolumeClaim:
 		r.Claims, kind, name = append(r.Claims, o), "PersistentVolumeClaim", o.Name
 	case *appsv1.Deployment:
-		r.Workloads = append(r.Workloads, Workload{"Deployment", o.Name, o.Spec.Replicas, o.Spec.Selector, o.Spec.Template})
+		r.Workloads = append(r.Workloads, Workload{"Deployment", o.Name, o.Spec.Replicas, o.Spec.Selector, o.Spec.Template, ""})
 		kind, name = "Deployment", o.Name
 	case *appsv1.StatefulSet:
-		r.Workloads = append(r.Workloads, Workload{"StatefulSet", o.Name, o.Spec.Replicas, o.Spec.Selector, o.Spec.Template})
+		r.Workloads = append(r.Workloads, Workload{"StatefulSet", o.Name, o.Spec.Replicas, o.Spec.Selector, o.Spec.Template, o.Spec.ServiceName})
 		kind, name = "StatefulSet", o.Name
 	case *batchv1.Job:
 		r.Jobs, kind, name = append(r.Jobs, o), "Job", o.Name
