@@ -7,6 +7,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -39,6 +40,8 @@ var addressOf = map[string]string{
 }
 
 const gpuResource corev1.ResourceName = "nvidia.com/gpu"
+
+var envRef = regexp.MustCompile(`\$\(([A-Za-z_][A-Za-z0-9_]*)\)`)
 
 type flagInfo struct {
 	Required bool `json:"required"`
@@ -185,6 +188,14 @@ func (c *checker) workload(w Workload) {
 	env := envMap(ct)
 	if len(env) != len(ct.Env) {
 		c.errorf("%s: an env var is set twice", where)
+	}
+	// Kubernetes expands $(VAR) only for variables defined earlier in the list.
+	for i, e := range ct.Env {
+		for _, ref := range envRef.FindAllStringSubmatch(e.Value, -1) {
+			if !slices.ContainsFunc(ct.Env[:i], func(d corev1.EnvVar) bool { return d.Name == ref[1] }) {
+				c.errorf("%s: %s uses $(%s), which is not defined before it", where, e.Name, ref[1])
+			}
+		}
 	}
 	c.envMatchesFlags(where, s, ct)
 	port := c.intEnv(where, env, "KVMESH_PORT")
