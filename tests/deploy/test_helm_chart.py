@@ -82,21 +82,39 @@ def test_invalid_values_are_rejected_with_their_message(path: Path) -> None:
     assert first.removeprefix("# expect: ") in result.stderr, result.stderr
 
 
-def test_the_go_test_decodes_every_manifest_strictly_and_checks_the_invariants(tmp_path: Path) -> None:
-    """deploy/helm/validate: k8s.io/api types, probes, env against the flags, GPUs, PDBs, HPAs, ..."""
+def go_test(tmp_path: Path, renders: dict[str, str], gpu_cases: list[str]) -> subprocess.CompletedProcess:
+    """deploy/helm/validate's test over `renders` (case name -> `helm template` output)."""
     rendered_dir = tmp_path / "rendered"
     rendered_dir.mkdir()
-    for case in CASES:
-        (rendered_dir / f"{case}.yaml").write_text(rendered(case))
+    for case, text in renders.items():
+        (rendered_dir / f"{case}.yaml").write_text(text)
     # The flags docs/services.md is generated from, straight from the code: nothing committed to go stale.
     flags = tmp_path / "flags.json"
     gen = run([sys.executable, "scripts/flag_tables.py", "--json", str(flags)],
               env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert gen.returncode == 0, gen.stderr
-    result = run(["go", "test", "-count=1", "./...", "-args",
-                  f"-rendered={rendered_dir}", f"-flags={flags}", f"-gpu-cases={','.join(GPU_CASES)}"],
-                 cwd=VALIDATE, timeout=600)
+    return run(["go", "test", "-count=1", "./...", "-args",
+                f"-rendered={rendered_dir}", f"-flags={flags}", f"-gpu-cases={','.join(gpu_cases)}"],
+               cwd=VALIDATE, timeout=600)
+
+
+def test_the_go_test_decodes_every_manifest_strictly_and_checks_the_invariants(tmp_path: Path) -> None:
+    """deploy/helm/validate: k8s.io/api types, probes, env against the flags, GPUs, PDBs, HPAs, ..."""
+    result = go_test(tmp_path, {case: rendered(case) for case in CASES}, GPU_CASES)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_go_test_fails_on_an_env_var_no_flag_reads_and_on_a_gpu_worker_without_a_gpu(tmp_path: Path) -> None:
+    """What the schema lets through (any KVMESH_* name, gpus: 0) and only the Go test catches."""
+    renders = {}
+    for case, override in {"typo": "router.env.KVMESH_REDIS_ADDRESS=redis://x:6379/0", "no-gpu": "decode.gpus=0"}.items():
+        result = run([tool("helm"), "template", RELEASE, str(CHART), "--set", override], timeout=120)
+        assert result.returncode == 0, result.stderr
+        renders[case] = result.stdout
+    result = go_test(tmp_path, renders, ["no-gpu"])
+    assert result.returncode != 0
+    assert "KVMESH_REDIS_ADDRESS is not a flag of router" in result.stdout, result.stdout
+    assert "decode requests no GPU" in result.stdout, result.stdout
 
 
 @cache
