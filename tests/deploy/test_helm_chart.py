@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import tarfile
+import tomllib
 from functools import cache
 from pathlib import Path
 
@@ -223,3 +224,13 @@ def test_the_vendored_redis_chart_is_the_packaged_source() -> None:
     assert packaged == source, "stale: run helm dependency update deploy/helm/kvmesh"
     lock = yaml.safe_load((CHART / "Chart.lock").read_text())
     assert [(d["name"], d["version"]) for d in lock["dependencies"]] == [("redis", version)]
+
+
+def test_the_chart_pins_what_the_repository_does() -> None:
+    """appVersion is kvmesh's version, and the Redis image is the one compose runs."""
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert chart["appVersion"] == project["version"]
+    redis = yaml.safe_load((REDIS_CHART / "values.yaml").read_text())["image"]
+    compose = (ROOT / "compose" / "docker-compose.yml").read_text()
+    assert f"${{KVMESH_REDIS_IMAGE:-{redis['repository']}:{redis['tag']}}}" in compose
