@@ -74,6 +74,11 @@ def test_helm_lint_strict(case: str) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_helm_lint_strict_the_redis_subchart() -> None:
+    result = run([tool("helm"), "lint", "--strict", str(REDIS_CHART)], timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("path", INVALID, ids=[p.stem for p in INVALID])
 def test_invalid_values_are_rejected_with_their_message(path: Path) -> None:
     first = path.read_text().splitlines()[0]
