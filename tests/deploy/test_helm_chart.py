@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvmesh.models.catalog import CATALOG, model_dir
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "kvmesh"
 REDIS_CHART = ROOT / "deploy" / "helm" / "redis"
@@ -165,7 +167,15 @@ def test_gpu_values_run_two_plus_two_gpu_workers_from_the_model_cache() -> None:
         assert env_of(d)["KVMESH_MODEL"]["value"] == "/models/smollm2-135m-instruct"
         assert d["spec"]["template"]["spec"]["initContainers"][0]["name"] == "wait-for-model"
     (job,) = by_kind("gpu", "Job").values()
-    assert job["spec"]["template"]["spec"]["containers"][0]["args"][:2] == ["models", "install"]
+    init = job["spec"]["template"]["spec"]["containers"][0]
+    assert init["args"] == ["models", "install", "smollm2-135m-instruct"]
+    # `kvmesh models install` puts the folder where the services read it.
+    (env,) = init["env"]
+    assert env["name"] == "KVMESH_MODELS_DIR"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(env["name"], env["value"])
+        folder = model_dir(CATALOG["smollm2-135m-instruct"])
+    assert str(folder) == env_of(deployments[f"{RELEASE}-kvmesh-decode"])["KVMESH_MODEL"]["value"]
     assert set(by_kind("gpu", "PersistentVolumeClaim")) == {f"{RELEASE}-kvmesh-model-cache"}
     assert by_kind("gpu", "ServiceMonitor") and by_kind("gpu", "ConfigMap")
 

@@ -258,8 +258,14 @@ func (c *checker) modelMount(where string, spec corev1.PodSpec, ct corev1.Contai
 	}
 	for _, init := range spec.InitContainers {
 		if init.Name == "wait-for-model" {
-			if marker := init.Command[len(init.Command)-1]; filepath.Dir(marker) != model {
+			marker := init.Command[len(init.Command)-1]
+			if filepath.Dir(marker) != model {
 				c.errorf("%s: waits for %s, which is not in KVMESH_MODEL=%s", where, marker, model)
+			}
+			for _, j := range c.r.Jobs {
+				if cmd := j.Spec.Template.Spec.Containers[0].Command; cmd[len(cmd)-1] != marker {
+					c.errorf("%s: waits for %s; Job/%s writes %s", where, marker, j.Name, cmd[len(cmd)-1])
+				}
 			}
 			return
 		}
