@@ -69,7 +69,9 @@ def _default(flag: Flag) -> str:
         return "on" if flag.default else "off"
     if isinstance(flag.default, (tuple, list)):
         return "`" + ",".join(map(str, flag.default)) + "`"
-    return f"`{flag.default}`"
+    # Control characters (a default of " \t\n-=|...") as escapes: raw, "\r" does not survive a read back.
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(flag.default))
+    return f"`{_cell(shown)}`"
 
 
 def _cell(text: str) -> str:
