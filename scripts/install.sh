@@ -28,3 +28,6 @@ fi
 # The Go and TypeScript clients: the pinned protoc plugins into .tools/bin,
 # clients/go's modules, clients/typescript's npm packages.
 clients/install.sh
+
+# helm and kubectl-validate into .tools/bin: tests/deploy/ validates deploy/helm/ with them.
+scripts/install_deploy_tools.sh
