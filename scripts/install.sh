@@ -17,6 +17,11 @@ fi
 python3 -m pip install -q --disable-pip-version-check -r requirements-test.txt
 python3 -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 
+# NIXL (KV bytes between workers; UCX bundled, imports without CUDA). --no-deps: its wheel
+# asks for torch and numpy, both already pinned above; the `nixl` meta-package would pick
+# a CUDA variant from torch.version.cuda and pin versions not served for Python 3.11.
+python3 -m pip install -q --disable-pip-version-check --no-deps nixl-cu12==1.5.1
+
 if [ -f package-lock.json ]; then
   npm ci --silent --no-audit --no-fund
 fi
