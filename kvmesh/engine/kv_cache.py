@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy
 import torch
 
+from kvmesh.checksum import Crc32, checksum
 from kvmesh.engine.config import dtype_name, parse_dtype
 from kvmesh.errors import InvalidArgument
 
@@ -61,6 +62,17 @@ class KVCache:
         threads spin-wait on each other (~100x slower); numpy's copy is one memcpy per run.
         """
         return self.tensor[:, :, block_id].view(torch.uint8).numpy()
+
+    def block_checksum(self, block_id: int) -> bytes:
+        """``checksum(export_block(b).data)``, on host memory without the copy: the block's
+        contiguous (layer, k/v) pieces are summed in the export's order."""
+        if self.tensor.device.type != "cpu":
+            return checksum(self.export_block(block_id).data)
+        crc = Crc32()
+        for layer in self.tensor:
+            for kv in layer:
+                crc.update(kv[block_id].view(torch.uint8).numpy())
+        return crc.digest()
 
     def export_block(self, block_id: int) -> BlockPayload:
         if self.tensor.device.type == "cpu":

@@ -13,6 +13,7 @@ from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
 from kvmesh.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from services.decode import main as decode_main
 from services.prefill import main as prefill_main
+from kvmesh.worker.kv_nixl import load_nixl
 from tests.engine.conftest import write_checkpoint
 from tests.service_helpers import serve_main
 
@@ -36,9 +37,12 @@ def greedy(n=N_NEW, **kw):
     return sampling_pb2.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
 
 
-@pytest.fixture
-async def services(model):
-    engine_args = ["--model", str(model), "--num-blocks", "64"]
+@pytest.fixture(params=["grpc", "nixl"])
+async def services(model, request):
+    if request.param == "nixl" and load_nixl() is None:
+        pytest.skip("NIXL is not installed (scripts/install.sh installs it)")
+    """Both KV transports run every hand-off test (on NIXL, both agents share this process)."""
+    engine_args = ["--model", str(model), "--num-blocks", "64", "--kv-transport", request.param]
     async with serve_main("prefill", prefill_main, [*engine_args, "--lease-ttl-ms", "1500"]) as p, \
             serve_main("decode", decode_main, engine_args) as d:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{p.port}") as pc, \
@@ -62,6 +66,8 @@ async def test_remote_prefill_then_decode_matches_colocated_engine(services, exp
     pre = await prefill.Prefill(prefill_pb2.PrefillRequest(request_id="r1", token_ids=PROMPT, sampling=greedy()))
     assert pre.first_token_id == expected[0]
     assert pre.handoff.mode == kv_pb2.HANDOFF_MODE_PULL and len(pre.handoff.block_hashes) == 3
+    on_nixl = p.servicer_of("kvmesh.prefill.v1.PrefillService").worker.nixl is not None
+    assert pre.handoff.HasField("nixl") == on_nixl
     assert pre.computed_tokens == len(PROMPT)
     remote = decode_pb2.RemotePrefill(first_token_id=pre.first_token_id, handoff=pre.handoff)
     tokens, final = await _decode(
@@ -77,6 +83,8 @@ async def test_remote_prefill_then_decode_matches_colocated_engine(services, exp
     # The lease was acknowledged and nothing stays pinned on prefill.
     pre_worker = p.servicer_of("kvmesh.prefill.v1.PrefillService").worker
     assert len(pre_worker.leases) == 0 and pre_worker.counters.leases_acked == 1
+    # On NIXL the bytes never went through PullKV.
+    assert pre_worker.counters.blocks_sent == (0 if on_nixl else 3)
     pre_engine = pre_worker.engine.engine
     assert pre_engine.blocks.num_free == 64
     # A second prompt sharing the prefix computes only the new blocks on prefill.
