@@ -31,15 +31,24 @@ from kvmesh.errors import DeadlineExceeded, Unavailable
 if TYPE_CHECKING:
     import torch
 
+    from kvmesh.engine.kv_cache import KVCache
+
 log = structlog.get_logger(__name__)
 
-# Bounded as vLLM's NixlConnector bounds it: otherwise UCX keeps every region it ever
-# mapped for a peer's transfers, and a long-running worker's memory only grows.
-_UCX_DEFAULTS = {"UCX_RCACHE_MAX_UNRELEASED": "1024"}
+# UCX settings, unless the environment says otherwise:
+# - the registration cache bounded as vLLM's NixlConnector bounds it: otherwise UCX keeps every
+#   region it ever mapped for a peer's transfers, and a long-running worker's memory only grows;
+# - no UCP keepalive: when it finds a peer dead while requests to it are pending (the holder of a
+#   READ stalled, its reader killed meanwhile) UCX aborts the whole process ("Fatal: unexpected
+#   error: Endpoint timeout", reproduced here over TCP). Dead peers are this code's to notice
+#   anyway: a READ has a deadline, a lease a TTL, and a socket error still fails a transfer.
+_UCX_DEFAULTS = {"UCX_RCACHE_MAX_UNRELEASED": "1024", "UCX_KEEPALIVE_INTERVAL": "inf"}
 # How often a waiting READ asks for its state: from 0.2 ms (a small READ is done at
 # once) doubling up to 5 ms (a long one costs the event loop ~200 polls a second).
 _POLL_FIRST_S = 0.0002
 _POLL_MAX_S = 0.005
+# Checksum threads per verification: the CPU count, at most 4.
+_CHECKSUM_THREADS = min(4, os.cpu_count() or 1)
 
 
 def load_nixl() -> Any | None:
@@ -54,6 +63,17 @@ def load_nixl() -> Any | None:
             continue
         return module
     return None
+
+
+async def block_checksums(kv: KVCache, block_ids: list[int]) -> list[bytes]:
+    """``kv.block_checksum`` of each block, in slices on worker threads at once: zlib releases
+    the GIL, so a READ's verification (or a lease's checksums) runs at the speed of all the
+    cores it finds idle rather than one, and the event loop and the engine keep going. Only for
+    blocks nobody writes meanwhile (held by a lease, or reserved for a READ that ended)."""
+    step = -(-len(block_ids) // _CHECKSUM_THREADS) or 1
+    slices = [block_ids[i : i + step] for i in range(0, len(block_ids), step)]
+    done = await asyncio.gather(*(asyncio.to_thread(lambda s=s: [kv.block_checksum(b) for b in s]) for s in slices))
+    return [digest for part in done for digest in part]
 
 
 def layout_mismatch(mine: kv_pb2.KVLayout, theirs: kv_pb2.KVLayout) -> str:
@@ -216,8 +236,11 @@ class NixlEndpoint:
         self.name = f"kvmesh-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._tensor = tensor  # kept alive: NIXL holds its address
         self.region = PoolRegion.of(tensor)
+        # No progress thread: NIXL's polls without pause (most of a core per idle worker, measured
+        # here). Transfers progress when polled instead: the reader's ``NixlRead.wait``, the
+        # holder's ``notifications`` (which also serves TCP reads: see release_on_notifications).
         config = nixl.nixl_agent_config(
-            backends=["UCX"], sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+            backends=["UCX"], sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT, enable_prog_thread=False
         )
         self.agent = nixl.nixl_agent(self.name, config)
         if "UCX" not in self.agent.backends:

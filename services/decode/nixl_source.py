@@ -25,7 +25,7 @@ from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvmesh.prefill.v1 import prefill_pb2
 from kvmesh.runtime.client_errors import from_rpc_error
-from kvmesh.worker.kv_nixl import NixlEndpoint, NixlRead, PoolRegion, layout_mismatch
+from kvmesh.worker.kv_nixl import NixlEndpoint, NixlRead, PoolRegion, block_checksums, layout_mismatch
 from kvmesh.worker.kv_transport import read_timeout_s
 from services.decode.core import RemotePrefill, Tally
 from services.decode.prefill_client import GrpcKVSource
@@ -136,10 +136,9 @@ class NixlKVSource:
 
 
 async def _verify(engine: AsyncEngine, blocks: list[int], sums: list[bytes], hashes: list[BlockHash]) -> None:
-    """Checksums of the READ's blocks, on a worker thread (zlib releases the GIL): the engine
-    keeps stepping, and nothing else touches reserved blocks."""
-    kv = engine.engine.kv
-    got = await asyncio.to_thread(lambda: [kv.block_checksum(b) for b in blocks])
+    """Checksums of the READ's blocks, on worker threads: the engine keeps stepping, and
+    nothing else touches reserved blocks."""
+    got = await block_checksums(engine.engine.kv, blocks)
     bad = [h for h, a, b in zip(hashes, got, sums) if a != b]
     if bad:
         raise InvalidArgument(f"{len(bad)} KV blocks read over NIXL fail their checksum (first {bad[0].hex()})")

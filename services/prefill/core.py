@@ -26,7 +26,7 @@ from kvmesh.engine.kv_cache import BlockPayload
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import TokenLogprob
 from kvmesh.errors import InvalidArgument, NotFound
-from kvmesh.worker.kv_nixl import NixlBlocks, NixlEndpoint
+from kvmesh.worker.kv_nixl import NixlBlocks, NixlEndpoint, block_checksums
 from kvmesh.worker.kv_tiers import fetch_prefix_from_kvstore, store_held_blocks
 from kvmesh.worker.kvstore_client import KVStoreClient
 from services.prefill.leases import Lease, LeaseTable
@@ -145,10 +145,9 @@ class PrefillWorker:
         )
 
     async def _nixl_blocks(self, block_ids: list[int]) -> NixlBlocks:
-        """The held blocks' places in the pool and their checksums (computed on a worker thread,
-        zlib releasing the GIL; held blocks are pinned and no longer written)."""
-        kv = self.engine.engine.kv
-        sums = await asyncio.to_thread(lambda: [kv.block_checksum(b) for b in block_ids])
+        """The held blocks' places in the pool and their checksums (on worker threads; held
+        blocks are pinned and no longer written)."""
+        sums = await block_checksums(self.engine.engine.kv, block_ids)
         return NixlBlocks(self.nixl.name, block_ids, sums)
 
     async def pull(self, lease_id: str, hashes: list[BlockHash]) -> AsyncIterator[ExportedBlock]:
@@ -209,10 +208,11 @@ class PrefillWorker:
                 log.warning("lease expired; blocks unpinned", lease_id=lease.lease_id, blocks=n)
             await asyncio.sleep(interval_s)
 
-    async def release_on_notifications(self, busy_interval_s: float = 0.002, idle_interval_s: float = 0.02) -> None:
+    async def release_on_notifications(self, busy_interval_s: float = 0.001, idle_interval_s: float = 0.02) -> None:
         """Runs for the service's lifetime on a NIXL worker: a decode worker's READ of a lease's
         blocks ends with a notification naming the lease, which releases it (as an ACK) at once.
-        Polls often while leases are open, rarely when none is."""
+        Polls often while leases are open, rarely when none is: without a progress thread each
+        poll is also what serves a READ over TCP (UCX_TLS=tcp), where the holder sends the bytes."""
         assert self.nixl is not None
         while True:
             for msg in self.nixl.notifications():
