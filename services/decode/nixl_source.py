@@ -15,6 +15,7 @@ gRPC) goes through the gRPC stream.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import structlog
@@ -65,14 +66,19 @@ class NixlKVSource:
         read: NixlRead | None = None
         adopted = False
         try:
+            t0 = time.perf_counter()
             read = self._endpoint.read(agent, src, dst, remote.lease_id.encode())
             log.debug("NIXL READ posted", lease_id=remote.lease_id, blocks=len(dst), bytes=read.nbytes)
             await read.wait(read_timeout_s(self._read_floor_s, read.nbytes))
             self._notified.add(remote.lease_id)  # delivered with the READ's completion
             tally(len(dst), read.nbytes)
+            t1 = time.perf_counter()
             await _verify(engine, dst, sums, missing)
+            t2 = time.perf_counter()
             await engine.call(lambda e: e.adopt_reserved(list(zip(missing, dst))))
             adopted = True
+            log.debug("NIXL READ adopted", lease_id=remote.lease_id, read_ms=round(1e3 * (t1 - t0), 2),
+                      verify_ms=round(1e3 * (t2 - t1), 2), adopt_ms=round(1e3 * (time.perf_counter() - t2), 2))
         finally:
             if not adopted:
                 self._free_when_settled(engine, read, dst)
