@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -43,10 +44,10 @@ log = structlog.get_logger(__name__)
 #   error: Endpoint timeout", reproduced here over TCP). Dead peers are this code's to notice
 #   anyway: a READ has a deadline, a lease a TTL, and a socket error still fails a transfer.
 _UCX_DEFAULTS = {"UCX_RCACHE_MAX_UNRELEASED": "1024", "UCX_KEEPALIVE_INTERVAL": "inf"}
-# How often a waiting READ asks for its state, which is also what moves its bytes (no progress
-# thread): from 0.2 ms (a small READ is done at once) doubling up to 1 ms. Measured on 96 MiB
-# (shared memory): the same READ time at 0.2 ms and 1 ms, a fifth slower at 5 ms.
+# How often a waiting READ asks whether it is done (the progress thread moves its bytes):
+# from 0.2 ms (a small READ is done at once) doubling up to 1 ms.
 _POLL_FIRST_S = 0.0002
+_PROGRESS_PAUSE_US = 100
 _POLL_MAX_S = 0.001
 # Checksum threads per verification: the CPU count, at most 4.
 _CHECKSUM_THREADS = min(4, os.cpu_count() or 1)
@@ -228,6 +229,30 @@ class NixlRead:
             log.warning("releasing a finished NIXL transfer failed", error=str(e))
 
 
+def _agent_with_paced_progress(nixl: Any, name: str, config: Any) -> Any:
+    """A ``nixl_agent`` whose progress thread pauses ``_PROGRESS_PAUSE_US`` between rounds.
+
+    The progress thread (C++, no GIL) is what moves a READ's bytes while neither side's Python
+    asks, and on the holder what serves a READ over TCP and acknowledges one over shared memory
+    (without it a 12 MiB READ waited ~10 ms more for the holder's next poll). NIXL's Python
+    wrapper runs it without any pause — most of a core per idle worker, measured here — and
+    exposes no setting for it, so the binding's constructor is wrapped for the one call to set
+    the pause (idle cost then ~3% of a core).
+    """
+    bindings = sys.modules[nixl.nixl_agent.__module__].nixlBind
+    real = bindings.nixlAgent
+
+    def paced(agent_name: str, agent_config: Any) -> Any:
+        agent_config.pthrDelay = _PROGRESS_PAUSE_US
+        return real(agent_name, agent_config)
+
+    bindings.nixlAgent = paced
+    try:
+        return nixl.nixl_agent(name, config)
+    finally:
+        bindings.nixlAgent = real
+
+
 class NixlEndpoint:
     """This worker's NIXL agent with its KV pool registered; reads from peers' pools."""
 
@@ -237,13 +262,10 @@ class NixlEndpoint:
         self.name = f"kvmesh-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._tensor = tensor  # kept alive: NIXL holds its address
         self.region = PoolRegion.of(tensor)
-        # No progress thread: NIXL's polls without pause (most of a core per idle worker, measured
-        # here). Transfers progress when polled instead: the reader's ``NixlRead.wait``, the
-        # holder's ``notifications`` (which also serves TCP reads: see release_on_notifications).
         config = nixl.nixl_agent_config(
-            backends=["UCX"], sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT, enable_prog_thread=False
+            backends=["UCX"], sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT, enable_prog_thread=True
         )
-        self.agent = nixl.nixl_agent(self.name, config)
+        self.agent = _agent_with_paced_progress(nixl, self.name, config)
         if "UCX" not in self.agent.backends:
             raise RuntimeError("NIXL's UCX backend did not start")
         self._registered = self.agent.register_memory(tensor)

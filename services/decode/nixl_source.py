@@ -68,6 +68,7 @@ class NixlKVSource:
         try:
             t0 = time.perf_counter()
             read = self._endpoint.read(agent, src, dst, remote.lease_id.encode())
+            t_post = time.perf_counter()
             log.debug("NIXL READ posted", lease_id=remote.lease_id, blocks=len(dst), bytes=read.nbytes)
             await read.wait(read_timeout_s(self._read_floor_s, read.nbytes))
             self._notified.add(remote.lease_id)  # delivered with the READ's completion
@@ -78,6 +79,7 @@ class NixlKVSource:
             await engine.call(lambda e: e.adopt_reserved(list(zip(missing, dst))))
             adopted = True
             log.debug("NIXL READ adopted", lease_id=remote.lease_id, read_ms=round(1e3 * (t1 - t0), 2),
+                      post_ms=round(1e3 * (t_post - t0), 2),
                       verify_ms=round(1e3 * (t2 - t1), 2), adopt_ms=round(1e3 * (time.perf_counter() - t2), 2))
         finally:
             if not adopted:

@@ -6,6 +6,7 @@ import asyncio
 
 import grpc
 import pytest
+import torch
 
 from kvmesh.common.v1 import kv_pb2, sampling_pb2
 from kvmesh.decode.v1 import decode_pb2, decode_pb2_grpc
@@ -93,6 +94,24 @@ async def test_remote_prefill_then_decode_matches_colocated_engine(services, exp
     )
     assert again.reused_tokens == 3 * BS and again.computed_tokens == 20
     await prefill.ReleaseLease(prefill_pb2.ReleaseLeaseRequest(lease_id=again.handoff.lease_id))
+
+
+@pytest.mark.parametrize("services", ["nixl"], indirect=True)
+async def test_a_block_that_fails_its_checksum_after_a_nixl_read_is_refused(services, expected):
+    p, d, prefill, decode = services
+    pre = await prefill.Prefill(prefill_pb2.PrefillRequest(request_id="r", token_ids=PROMPT, sampling=greedy()))
+    # One bit of the second block flipped in prefill's pool after its checksum went out.
+    pool = p.servicer_of("kvmesh.prefill.v1.PrefillService").worker.engine.engine.kv.tensor
+    pool[0, 0, pre.handoff.nixl.block_ids[1]].view(torch.uint8)[0, 0, 0] ^= 1
+    remote = decode_pb2.RemotePrefill(first_token_id=pre.first_token_id, handoff=pre.handoff)
+    tokens, _ = await _decode(
+        decode, decode_pb2.DecodeRequest(request_id="r", prompt_token_ids=PROMPT, sampling=greedy(), remote=remote)
+    )
+    assert tokens == expected  # recomputed on decode
+    worker = d.servicer_of("kvmesh.decode.v1.DecodeService").worker
+    assert worker.counters.transfer_failures == 1
+    # None of the READ's blocks was adopted, and every reserved one went back to the pool.
+    assert await worker.engine.call(lambda e: (e.stats.imported_blocks, e.blocks.num_free)) == (0, 64)
 
 
 async def test_unreleased_lease_expires_and_unpins(services):

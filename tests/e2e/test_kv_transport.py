@@ -216,3 +216,34 @@ async def test_peer_with_another_block_size_is_refused(start_pair, colocated, tr
     assert "layout mismatch" in (mesh.run_dir / "logs" / "decode.log").read_text(errors="replace")
     if transport == "nixl":  # refused at the handshake, before any byte moved
         assert d["kvmesh_decode_bytes_pulled_total"] == 0
+
+
+@pytest.mark.skipif(load_nixl() is None, reason="NIXL not installed")
+async def test_a_read_past_its_deadline_is_abandoned_and_recomputed(start_pair, colocated):
+    # A stopped holder never serves a READ over TCP: the transfer stays in progress, as one to a
+    # peer that hangs would. Decode's own deadline ends it.
+    tcp = {"UCX_TLS": "tcp,self"}
+    mesh = start_pair("nixl", prefill_env=tcp, decode_env=tcp)
+    pair = Pair(mesh)
+    try:
+        await pair.hand_off("warm", prompt(0))
+        tokens = prompt(1)
+        pre = await pair.prefill_call("r", tokens)
+        mesh.kill("prefill", signal.SIGSTOP)
+        try:
+            got = [t async for msg in pair.decode_call("r", tokens, pre) for t in msg.token_ids]
+        finally:
+            mesh.kill("prefill", signal.SIGCONT)
+    finally:
+        await pair.close()
+    assert got == colocated(tokens)
+    assert metrics(mesh, "decode")["kvmesh_decode_transfer_failures_total"] == 1
+    assert "still in progress after" in (mesh.run_dir / "logs" / "decode.log").read_text(errors="replace")
+
+    def nothing_held() -> bool:
+        p, d = metrics(mesh, "prefill"), metrics(mesh, "decode")
+        return (p["kvmesh_prefill_active_leases"], p["kvmesh_engine_kv_blocks_in_use"],
+                d["kvmesh_engine_kv_blocks_in_use"]) == (0, 0, 0)
+
+    # The abandoned READ's blocks go back once it can no longer land; the lease is aborted.
+    assert await eventually(nothing_held, attempts=200)
