@@ -9,8 +9,10 @@ pieces, so both sides prepare one descriptor per piece of their whole pool once
 and a READ names pieces by index.
 
 Known behaviour of NIXL/UCX this module works around: a transfer can stay in
-progress forever when its peer dies (every wait here has a deadline), and UCX's
-registration cache grows without bound unless told otherwise.
+progress forever when its peer dies (every wait here has a deadline); UCX's
+registration cache grows without bound unless told otherwise; its keepalive can
+abort a process whose peer died (off); NIXL's progress thread spins a core
+unless paced.
 """
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ _UCX_DEFAULTS = {"UCX_RCACHE_MAX_UNRELEASED": "1024", "UCX_KEEPALIVE_INTERVAL": 
 # How often a waiting READ asks whether it is done (the progress thread moves its bytes):
 # from 0.2 ms (a small READ is done at once) doubling up to 1 ms.
 _POLL_FIRST_S = 0.0002
-_PROGRESS_PAUSE_US = 100
 _POLL_MAX_S = 0.001
+# The progress thread's pause between rounds (see _agent_with_paced_progress).
+_PROGRESS_PAUSE_US = 100
 # Checksum threads per verification: the CPU count, at most 4.
 _CHECKSUM_THREADS = min(4, os.cpu_count() or 1)
 
