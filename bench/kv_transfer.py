@@ -278,6 +278,10 @@ def main() -> int:
                      for t, v in ttft.items()])
     print("\nblock checksum (CRC-32, each end once per block): "
           + ", ".join(f"{bs}-token blocks {g:.2f} GB/s" for bs, g in checksums.items()))
+    for c in cells:  # what verification adds to each transfer at that rate (decode's end; prefill's is before its answer)
+        ms = c["bytes"] / checksums[c["block_size"]] / 1e6
+        c["checksum_ms"] = ms
+        print(f"  {c['blocks']} blocks of {c['block_size']} tokens: {ms:.1f} ms per end")
     write_json(args.json, {"cells": cells, "ttft": ttft, "checksum_gbps": checksums, "trials": args.trials})
     return 0
 
