@@ -20,9 +20,9 @@ def launch(tmp_path) -> Iterator:
     started: list[subprocess.Popen] = []
     children: list[int] = []
 
-    def start(start_delay_s: float = 0.0) -> tuple[subprocess.Popen, dict[str, int]]:
+    def start(start_delay_s: float = 0.0, *extra: str) -> tuple[subprocess.Popen, dict[str, int]]:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.launcher.run_mesh", str(tmp_path), str(start_delay_s)],
+            [sys.executable, "-m", "tests.launcher.run_mesh", str(tmp_path), str(start_delay_s), *extra],
             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         started.append(proc)
@@ -91,6 +91,22 @@ def test_a_crashed_child_is_reported_while_the_rest_keep_serving(launch) -> None
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1  # something crashed along the way
     assert wait_gone([pids["gateway"]]) == []
+
+
+def test_a_supervising_launcher_restarts_a_crashed_child(launch, tmp_path) -> None:
+    proc, pids = launch(0.0, "restart")
+    _wait_for_line(proc, "the test mesh is up")
+
+    os.kill(pids["router"], signal.SIGKILL)
+    assert "router exited unexpectedly (code -9); restarting it in 0.2 s" in _wait_for_line(proc, "exited unexpectedly", "stderr")
+    _wait_for_line(proc, "router is serving again (restart 1)", "stderr")
+    restarted = read_pid(tmp_path / "router.pid")
+    assert restarted != pids["router"] and alive(restarted)
+
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1  # it did crash along the way
+    assert wait_gone([restarted, pids["gateway"]]) == []
 
 
 def test_up_refuses_a_missing_model_folder(tmp_path: Path) -> None:
