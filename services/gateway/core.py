@@ -6,8 +6,10 @@ chosen prefill worker and then ``Decode`` with the remote result. Every decode
 message goes to the client as it arrives.
 
 Failures: a worker that is unreachable or breaks before the client got a
-token is excluded and the request is routed once more; after tokens were
-sent the client gets UNAVAILABLE (a stream cannot be resumed elsewhere).
+token is excluded and the request is routed once more; a decode worker that
+fails after tokens were sent (stream broken, or silent past the idle timeout)
+is excluded and the stream migrates to another decode worker, which resumes
+after the tokens already sent (``migration.py``), up to a limit per request.
 Whenever a request with a KV lease ends without decode finishing it (client
 cancel, decode failure), the gateway aborts the lease at once rather than
 leaving the prefill worker to wait out its TTL.
@@ -44,6 +46,7 @@ from services.gateway.auth import ANONYMOUS, tenant_cache_salt
 from services.gateway.backends import Backends
 from services.gateway.chat_messages import template_messages
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.migration import MigrationPolicy, resumed
 from services.gateway.model import ServedModel
 from services.gateway.stream import Finish, Job, ResponseStream
 from services.gateway.tool_calls import DEFAULT_FORMAT, FORMATS, ToolCallFormat
@@ -92,6 +95,7 @@ class Gateway:
         stream_idle_timeout_s: float = 600.0,
         metrics: GatewayMetrics | None = None,
         tool_call_format: ToolCallFormat = FORMATS[DEFAULT_FORMAT],
+        migration: MigrationPolicy = MigrationPolicy(),
     ) -> None:
         if max_inflight <= 0:
             raise ValueError(f"max_inflight must be > 0, got {max_inflight}")
@@ -101,6 +105,7 @@ class Gateway:
         self._idle_timeout_s = stream_idle_timeout_s
         self._metrics = metrics or GatewayMetrics()
         self._tool_format = tool_call_format
+        self._migration = migration
         self._inflight = 0
         self._background: set[asyncio.Task[None]] = set()  # lease aborts on their way
 
@@ -208,30 +213,54 @@ class Gateway:
     async def _run(self, job: Job, stream: ResponseStream) -> Chunks:
         excluded: list[str] = []
         failure: WorkerFailed | None = None
-        for attempt in range(1, MAX_ATTEMPTS + 1):
+        attempts = migrations = 0
+        while True:
             try:
                 plan = await self._route(job, excluded)
             except Unavailable as e:
                 if failure is None:
                     raise
+                if stream.tokens_sent:
+                    raise Unavailable(f"{failure.message} after {stream.tokens_sent} tokens were streamed; "
+                                      f"no other worker to resume on: {e.message}") from None
                 raise Unavailable(f"{failure.message}; no other worker to retry on: {e.message}") from None
             try:
-                async with aclosing(self._attempt(job, plan, stream)) as chunks:
+                if stream.tokens_sent:
+                    chunks = self._resume(job, plan, stream)
+                else:
+                    attempts += 1
+                    chunks = self._attempt(job, plan, stream)
+                async with aclosing(chunks):
                     async for chunk in chunks:
                         yield chunk
                 return
             except WorkerFailed as e:
+                excluded.append(e.worker_id)
+                failure = e
                 if stream.tokens_sent:
-                    raise Unavailable(
-                        f"{e.message} after {stream.tokens_sent} tokens were streamed; the request cannot be resumed"
-                    ) from None
-                if attempt == MAX_ATTEMPTS:
+                    if migrations >= self._migration.max_migrations:
+                        self._metrics.migrations.labels("limit").inc()
+                        raise Unavailable(
+                            f"{e.message} after {stream.tokens_sent} tokens were streamed, and this request "
+                            f"already moved {migrations} times (the limit)"
+                        ) from None
+                    migrations += 1
+                    self._metrics.migrations.labels("resumed").inc()
+                    log.warning("decode worker failed mid-stream; migrating the stream", worker_id=e.worker_id,
+                                tokens_sent=stream.tokens_sent, migration=migrations, error=e.message)
+                    continue
+                if attempts == MAX_ATTEMPTS:
                     raise Unavailable(f"{e.message} (after a retry on another worker)") from None
                 log.warning("worker failed before the first token; retrying elsewhere", stage=e.stage,
                             worker_id=e.worker_id, error=e.message)
                 self._metrics.retries.labels(e.stage).inc()
-                excluded.append(e.worker_id)
-                failure = e
+
+    async def _resume(self, job: Job, plan: router_pb2.RouteResponse, stream: ResponseStream) -> Chunks:
+        """Continue on ``plan``'s decode worker after the tokens already sent; it prefills them itself."""
+        request = resumed(self._decode_request(job, local=decode_pb2.LocalPrefill()), stream.token_ids)
+        async with aclosing(self._decode(plan.decode_worker, request, stream, plan.timings, None, None)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def _route(self, job: Job, excluded: Sequence[str]) -> router_pb2.RouteResponse:
         plan = await self._backends.route(
@@ -328,6 +357,8 @@ class Gateway:
                     # Remote prefill: the prefill worker knows what it reused; decode
                     # only imported what prefill handed over.
                     cached = final.usage.cached_tokens if prefill_reused_tokens is None else prefill_reused_tokens
+                    # A resumed request's cache hits may cover streamed tokens too: usage counts the prompt's.
+                    cached = min(cached, len(request.prompt_token_ids))
                     finish = Finish(final.finish_reason, cached, route_timings, prefill_timings, final.timings)
                 yield stream.chunk(msg.token_ids, msg.text, msg.logprobs, finish)
                 if finish is not None:

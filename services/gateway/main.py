@@ -19,6 +19,7 @@ from services.gateway.grpc_backends import GrpcBackends
 from services.gateway.http_app import HttpApi
 from services.gateway.http_server import HttpServer
 from services.gateway.metrics import GatewayMetrics, HttpMetrics
+from services.gateway.migration import DEFAULT_MAX_MIGRATIONS, MigrationPolicy
 from services.gateway.model import ServedModel
 from services.gateway.server import gateway_service
 from services.gateway.tool_calls import DEFAULT_FORMAT, FORMATS
@@ -35,6 +36,8 @@ FLAGS = [
     Flag("--prefill-timeout-seconds", "deadline of a Prefill call", default=600.0, type=float),
     Flag("--stream-idle-timeout-seconds", "longest silence of a decode stream before it counts as failed",
          default=600.0, type=float),
+    Flag("--max-migrations", "times one stream may move to another decode worker after its own failed "
+         "mid-stream (0: such a stream ends with UNAVAILABLE)", default=DEFAULT_MAX_MIGRATIONS, type=int),
     Flag("--http-host", "address of the OpenAI-compatible HTTP API (default: --host's)"),
     Flag("--http-port", "port of the OpenAI-compatible HTTP API (0: a free port)", default=8000, type=int),
     Flag("--api-keys-file", "file of API keys, one 'key [tenant]' per line (no keys anywhere: auth off)"),
@@ -73,6 +76,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
         stream_idle_timeout_s=args.stream_idle_timeout_seconds,
         metrics=GatewayMetrics(ctx.registry),
         tool_call_format=FORMATS[args.tool_call_format],
+        migration=MigrationPolicy(args.max_migrations),
     )
 
     keys = _api_keys(args.api_keys_file, args.api_keys)

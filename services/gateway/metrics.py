@@ -41,6 +41,13 @@ class GatewayMetrics:
             ["stage"],
             registry=reg,
         )
+        self.migrations = Counter(
+            "kvmesh_gateway_migrations",
+            "Streams moved to another decode worker after theirs failed mid-stream, by outcome "
+            "(resumed, or limit: the request's migrations were used up).",
+            ["outcome"],
+            registry=reg,
+        )
 
 
 class HttpMetrics:

@@ -111,9 +111,13 @@ class FakeMesh:
             raise Unavailable("unreachable: connection refused")
         remote = request.WhichOneof("prefill") == "remote"
         tokens = [request.remote.first_token_id if remote else FIRST_TOKEN, *self.decode_tokens]
+        resume = len(request.resume_token_ids)  # a migrated stream: continue as the unbroken one would
+        assert list(request.resume_token_ids) == tokens[:resume]
         self.open_streams += 1
         try:
             for i, token in enumerate(tokens):
+                if i < resume:
+                    continue
                 if self.hold_decode_at.get(worker) == i:
                     self.held.set()
                     await asyncio.Event().wait()
