@@ -10,6 +10,8 @@ token is excluded and the request is routed once more; a decode worker that
 fails after tokens were sent (stream broken, or silent past the idle timeout)
 is excluded and the stream migrates to another decode worker, which resumes
 after the tokens already sent (``migration.py``), up to a limit per request.
+A router that cannot be reached is stood in for by the decode workers it
+named last, for a bounded time (``route_fallback.py``).
 Whenever a request with a KV lease ends without decode finishing it (client
 cancel, decode failure), the gateway aborts the lease at once rather than
 leaving the prefill worker to wait out its TTL.
@@ -43,11 +45,12 @@ from kvmesh.gateway.v1 import gateway_pb2
 from kvmesh.prefill.v1 import prefill_pb2
 from kvmesh.router.v1 import router_pb2
 from services.gateway.auth import ANONYMOUS, tenant_cache_salt
-from services.gateway.backends import Backends
+from services.gateway.backends import Backends, RouterUnreachable
 from services.gateway.chat_messages import template_messages
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import MigrationPolicy, resumed
 from services.gateway.model import ServedModel
+from services.gateway.route_fallback import LastKnownWorkers
 from services.gateway.stream import Finish, Job, ResponseStream
 from services.gateway.tool_calls import DEFAULT_FORMAT, FORMATS, ToolCallFormat
 from services.gateway.tool_calls.reply import ChatReply
@@ -96,6 +99,7 @@ class Gateway:
         metrics: GatewayMetrics | None = None,
         tool_call_format: ToolCallFormat = FORMATS[DEFAULT_FORMAT],
         migration: MigrationPolicy = MigrationPolicy(),
+        known_workers: LastKnownWorkers | None = None,
     ) -> None:
         if max_inflight <= 0:
             raise ValueError(f"max_inflight must be > 0, got {max_inflight}")
@@ -106,6 +110,7 @@ class Gateway:
         self._metrics = metrics or GatewayMetrics()
         self._tool_format = tool_call_format
         self._migration = migration
+        self._known_workers = known_workers or LastKnownWorkers()
         self._inflight = 0
         self._background: set[asyncio.Task[None]] = set()  # lease aborts on their way
 
@@ -263,15 +268,22 @@ class Gateway:
                 yield chunk
 
     async def _route(self, job: Job, excluded: Sequence[str]) -> router_pb2.RouteResponse:
-        plan = await self._backends.route(
-            router_pb2.RouteRequest(
-                request_id=job.request_id,
-                tokens=router_pb2.TokenPrompt(token_ids=job.prompt_ids),
-                cache_salt=job.cache_salt,
-                max_new_tokens=job.sampling.max_tokens,
-                exclude_worker_ids=excluded,
-            )
+        request = router_pb2.RouteRequest(
+            request_id=job.request_id,
+            tokens=router_pb2.TokenPrompt(token_ids=job.prompt_ids),
+            cache_salt=job.cache_salt,
+            max_new_tokens=job.sampling.max_tokens,
+            exclude_worker_ids=excluded,
         )
+        try:
+            plan = await self._backends.route(request)
+        except RouterUnreachable as e:
+            plan = self._known_workers.plan(request, e)  # Unavailable once the outage outlasts its bound
+            self._metrics.router_fallbacks.inc()
+            log.warning("router unreachable; routing on its last known workers", error=e.message,
+                        decode_worker=plan.decode_worker.worker_id)
+            return plan
+        self._known_workers.learn(plan)
         if not plan.decode_worker.address or not (plan.prefill_locally or plan.prefill_worker.address):
             raise KvmeshError(f"the router returned an incomplete plan: {plan}")
         return plan

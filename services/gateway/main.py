@@ -21,6 +21,7 @@ from services.gateway.http_server import HttpServer
 from services.gateway.metrics import GatewayMetrics, HttpMetrics
 from services.gateway.migration import DEFAULT_MAX_MIGRATIONS, MigrationPolicy
 from services.gateway.model import ServedModel
+from services.gateway.route_fallback import DEFAULT_HOLD_S, LastKnownWorkers
 from services.gateway.server import gateway_service
 from services.gateway.tool_calls import DEFAULT_FORMAT, FORMATS
 
@@ -38,6 +39,9 @@ FLAGS = [
          default=600.0, type=float),
     Flag("--max-migrations", "times one stream may move to another decode worker after its own failed "
          "mid-stream (0: such a stream ends with UNAVAILABLE)", default=DEFAULT_MAX_MIGRATIONS, type=int),
+    Flag("--router-fallback-seconds", "while the router cannot be reached, route on the decode workers it named "
+         "last for this long after its last answer, then fail with UNAVAILABLE (0: fail at once)",
+         default=DEFAULT_HOLD_S, type=float),
     Flag("--http-host", "address of the OpenAI-compatible HTTP API (default: --host's)"),
     Flag("--http-port", "port of the OpenAI-compatible HTTP API (0: a free port)", default=8000, type=int),
     Flag("--api-keys-file", "file of API keys, one 'key [tenant]' per line (no keys anywhere: auth off)"),
@@ -77,6 +81,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
         metrics=GatewayMetrics(ctx.registry),
         tool_call_format=FORMATS[args.tool_call_format],
         migration=MigrationPolicy(args.max_migrations),
+        known_workers=LastKnownWorkers(args.router_fallback_seconds),
     )
 
     keys = _api_keys(args.api_keys_file, args.api_keys)

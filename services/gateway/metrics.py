@@ -48,6 +48,11 @@ class GatewayMetrics:
             ["outcome"],
             registry=reg,
         )
+        self.router_fallbacks = Counter(
+            "kvmesh_gateway_router_fallbacks",
+            "Requests routed on the last known decode workers because the router could not be reached.",
+            registry=reg,
+        )
 
 
 class HttpMetrics:

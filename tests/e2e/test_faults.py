@@ -34,6 +34,7 @@ DECODE = ("decode-0", "decode-1")
 PROMPT = list(range(50, 90))
 MAX_TOKENS = 460  # all the tiny model's context allows: a stream long enough to break in the middle
 IDLE_TIMEOUT_S = 4  # the gateway's bound on a decode stream's silence (a hung worker)
+ROUTER_FALLBACK_S = 5  # how long the gateway routes on its last known workers while the router is out
 SCHEMA = {"type": "array", "items": {"type": "boolean"}, "minItems": 80, "maxItems": 100}
 
 
@@ -46,7 +47,11 @@ def faults_mesh(e2e_model, tmp_path_factory):
         role_env={
             "router": {"KVMESH_LEASE_TTL_MS": "1500"},
             "prefill": {"KVMESH_LEASE_TTL_MS": "3000"},
-            "gateway": {"KVMESH_STREAM_IDLE_TIMEOUT_SECONDS": str(IDLE_TIMEOUT_S)},
+            "gateway": {
+                "KVMESH_STREAM_IDLE_TIMEOUT_SECONDS": str(IDLE_TIMEOUT_S),
+                "KVMESH_RPC_TIMEOUT_SECONDS": "1",
+                "KVMESH_ROUTER_FALLBACK_SECONDS": str(ROUTER_FALLBACK_S),
+            },
         },
         restart=RestartPolicy(initial_backoff_s=0.2),
     )
@@ -196,4 +201,43 @@ async def test_a_structured_output_resumes_with_its_grammar_and_stays_valid(faul
     assert got[-1].final.usage.completion_tokens == sum(len(m.token_ids) for m in got)
     assert metrics(mesh, "gateway")['kvmesh_gateway_migrations_total{outcome=resumed}'] == migrated_before + 1
     await _healed(mesh, router, victim, restarts[victim] + 1)
+    await _no_leaks(mesh)
+
+
+async def _tokens(gateway, n: int) -> list[int]:
+    return [t for m in await _complete(gateway, _request(n, ignore_eos=True)) for t in m.token_ids]
+
+
+async def test_a_hung_router_is_routed_around_for_a_bounded_time_then_unavailable(faults_mesh, stubs) -> None:
+    mesh, (gateway, router) = faults_mesh, stubs
+    for _ in range(4):  # the gateway learns both decode workers from the router's plans
+        await _tokens(gateway, 4)
+    expected = await _tokens(gateway, 64)
+    fallbacks = metrics(mesh, "gateway").get("kvmesh_gateway_router_fallbacks_total", 0)
+    router_pid = mesh.process("router").pid
+    os.killpg(router_pid, signal.SIGSTOP)  # hung, not dead: Route gets no answer, only its deadline
+    stopped_at = time.monotonic()
+    try:
+        assert await _tokens(gateway, 64) == expected  # routed on the last known workers, prefilled locally
+        assert metrics(mesh, "gateway")["kvmesh_gateway_router_fallbacks_total"] == fallbacks + 1
+
+        await asyncio.sleep(max(0.0, ROUTER_FALLBACK_S + 0.5 - (time.monotonic() - stopped_at)))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _tokens(gateway, 4)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no answer within 1 s" in err.value.details()
+        assert f"longer than the {ROUTER_FALLBACK_S} s this gateway routes on its last known workers" in err.value.details()
+    finally:
+        os.killpg(router_pid, signal.SIGCONT)
+
+    # Back: the workers' leases lapsed meanwhile, so they register again; then requests route as before.
+    for _ in range(300):
+        try:
+            if await _tokens(gateway, 64) == expected:
+                break
+        except grpc.aio.AioRpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
+        await asyncio.sleep(0.1)
+    assert await _tokens(gateway, 64) == expected
+    assert await _live_decode_workers(router) == set(DECODE)
     await _no_leaks(mesh)

@@ -113,7 +113,8 @@ async def test_a_router_that_does_not_answer_gives_unavailable_at_the_deadline(m
         assert await _metric(rt, "kvmesh_gateway_inflight_requests") == 0
 
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert info.value.details() == f"router ({mesh.address}): no answer within 0.2 s"
+    assert info.value.details() == f"router ({mesh.address}): no answer within 0.2 s; " \
+        "no known workers to route on without it (no answer since this gateway started)"
 
 
 async def test_a_dead_decode_worker_is_retried_and_its_lease_aborted(model_dir, mesh) -> None:
