@@ -1,9 +1,11 @@
-"""Workers killed or hung mid-stream, with real processes: the stream migrates and the mesh heals itself.
+"""Peers killed or hung mid-request, with real processes: streams migrate, deadlines fire, the mesh heals itself.
 
-One supervised mesh (two decode workers) serves every test here: each test
-breaks one decode worker while it streams, the gateway moves the stream to the
-other one, and the supervisor restarts the victim, which registers with the
-router again before the next test.
+One supervised mesh (two decode workers, one prefill worker) serves every test
+here. A decode worker killed or hung mid-stream: the gateway moves the stream
+to the other one and the client sees the same tokens; the supervisor restarts
+the victim, which registers with the router again before the next test. A hung
+prefill worker, kvstore or router costs a deadline, not the request (the
+router: for a bounded time).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ DECODE = ("decode-0", "decode-1")
 PROMPT = list(range(50, 90))
 MAX_TOKENS = 460  # all the tiny model's context allows: a stream long enough to break in the middle
 IDLE_TIMEOUT_S = 4  # the gateway's bound on a decode stream's silence (a hung worker)
+PREFILL_TIMEOUT_S = 3  # the gateway's deadline on a Prefill call (a hung prefill worker)
 ROUTER_FALLBACK_S = 5  # how long the gateway routes on its last known workers while the router is out
 SCHEMA = {"type": "array", "items": {"type": "boolean"}, "minItems": 80, "maxItems": 100}
 
@@ -50,6 +53,7 @@ def faults_mesh(e2e_model, tmp_path_factory):
             "gateway": {
                 "KVMESH_STREAM_IDLE_TIMEOUT_SECONDS": str(IDLE_TIMEOUT_S),
                 "KVMESH_RPC_TIMEOUT_SECONDS": "1",
+                "KVMESH_PREFILL_TIMEOUT_SECONDS": str(PREFILL_TIMEOUT_S),
                 "KVMESH_ROUTER_FALLBACK_SECONDS": str(ROUTER_FALLBACK_S),
             },
         },
@@ -66,9 +70,9 @@ async def stubs(faults_mesh):
         yield gateway_pb2_grpc.GatewayServiceStub(gch), router_pb2_grpc.RouterServiceStub(rch)
 
 
-def _request(max_tokens: int, **sampling) -> gateway_pb2.GenerateRequest:
+def _request(max_tokens: int, prompt: list[int] = PROMPT, **sampling) -> gateway_pb2.GenerateRequest:
     return gateway_pb2.GenerateRequest(
-        token_ids=gateway_pb2.TokenIds(ids=PROMPT),
+        token_ids=gateway_pb2.TokenIds(ids=prompt),
         sampling=sampling_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, **sampling),
     )
 
@@ -82,6 +86,15 @@ async def _read_all(call) -> list[gateway_pb2.GenerateResponse]:
 
 async def _complete(gateway, request) -> list[gateway_pb2.GenerateResponse]:
     return await _read_all(gateway.Generate(request))
+
+
+async def _tokens(gateway, n: int, prompt: list[int] = PROMPT) -> list[int]:
+    return [t for m in await _complete(gateway, _request(n, prompt, ignore_eos=True)) for t in m.token_ids]
+
+
+async def _live_workers(router) -> set[str]:
+    resp = await router.ListWorkers(router_pb2.ListWorkersRequest())
+    return {w.endpoint.worker_id for w in resp.workers}
 
 
 async def _live_decode_workers(router) -> set[str]:
@@ -204,8 +217,28 @@ async def test_a_structured_output_resumes_with_its_grammar_and_stays_valid(faul
     await _no_leaks(mesh)
 
 
-async def _tokens(gateway, n: int) -> list[int]:
-    return [t for m in await _complete(gateway, _request(n, ignore_eos=True)) for t in m.token_ids]
+@pytest.mark.parametrize("peer", ["prefill-0", "kvstore"])
+async def test_a_hung_prefill_worker_or_kvstore_costs_a_deadline_not_the_request(faults_mesh, stubs, peer) -> None:
+    """Prefill hung before its hand-off: the call's deadline, then the retry (the router has no other prefill
+    worker, so decode prefills). The kvstore hung: lookups time out and the workers compute instead."""
+    mesh, (gateway, router) = faults_mesh, stubs
+    # A prompt no worker holds yet, so its blocks are looked up in the kvstore.
+    prompt = list(range(100, 140)) if peer == "kvstore" else PROMPT
+    pid = mesh.process(peer).pid
+    os.killpg(pid, signal.SIGSTOP)
+    try:
+        during = await asyncio.wait_for(_tokens(gateway, 64, prompt), timeout=60)
+    finally:
+        os.killpg(pid, signal.SIGCONT)
+    assert during == await _tokens(gateway, 64, prompt)
+    if peer == "prefill-0":
+        assert metrics(mesh, "gateway")["kvmesh_gateway_retries_total{stage=prefill}"] >= 1
+    for _ in range(300):  # a stopped worker's lease lapsed: it registers again
+        if await _live_workers(router) == {"prefill-0", *DECODE, "kvstore"}:
+            break
+        await asyncio.sleep(0.1)
+    assert await _tokens(gateway, 64, prompt) == during
+    await _no_leaks(mesh)
 
 
 async def test_a_hung_router_is_routed_around_for_a_bounded_time_then_unavailable(faults_mesh, stubs) -> None:
