@@ -10,7 +10,10 @@ anchor is the ``none`` round in the same run: the same storm with no kill.
 Per round:
 - completed: streams that ended normally with exactly the tokens the same
   prompt gave before any fault (greedy); ``migrated``: streams the gateway
-  moved to another decode worker (its migration counter);
+  moved to another decode worker mid-stream, ``retried``: requests it routed
+  again after a worker failed before their first token (its counters),
+  ``kv lost``: KV hand-offs whose pull failed, so decode computed the prompt
+  itself (the decode workers' transfer failures);
 - errors: streams that ended with a gRPC status (a clear error);
 - hangs: streams not finished ``--hang-after`` seconds after the kill;
 - wrong: streams that ended "normally" with other tokens than the reference
@@ -67,6 +70,7 @@ PROMPTS = [
     "def __repr__(self):\n    return ",
     "try:\n    import json\nexcept ImportError:\n    ",
 ]
+COUNTS = ("completed", "migrated", "retried", "kv_lost", "errors", "hangs", "wrong")
 VICTIMS = ("none", "decode", "prefill", "kvstore", "speculator", "router", "redis", "gateway")
 
 
@@ -74,15 +78,12 @@ VICTIMS = ("none", "decode", "prefill", "kvstore", "speculator", "router", "redi
 class Tally:
     completed: int = 0
     migrated: int = 0
+    retried: int = 0
+    kv_lost: int = 0
     errors: int = 0
     hangs: int = 0
     wrong: int = 0
     error_samples: list[str] = field(default_factory=list)
-
-    def add(self, other: Tally) -> None:
-        for k in ("completed", "migrated", "errors", "hangs", "wrong"):
-            setattr(self, k, getattr(self, k) + getattr(other, k))
-        self.error_samples = (self.error_samples + other.error_samples)[:5]
 
 
 def metrics(mesh: Mesh, name: str) -> dict[str, float]:
@@ -220,30 +221,51 @@ class Bench:
     def victim_process(self, victim: str) -> str | None:
         if victim == "none":
             return None
-        if victim in ("decode", "prefill"):
+        if victim == "decode":
             busy = {w: metrics(self.mesh, w).get("kvmesh_engine_kv_blocks_in_use", 0) for w in self.workers
                     if w.startswith(victim)}
             return max(busy, key=busy.get)
         return victim
 
-    def migrations(self) -> float:
-        return metrics(self.mesh, "gateway").get("kvmesh_gateway_migrations_total{outcome=resumed}", 0.0)
+    async def busy_prefill_worker(self, jobs: list[asyncio.Future]) -> str:
+        """The first prefill worker seen computing or holding KV for a hand-off."""
+        prefill = [w for w in self.workers if w.startswith("prefill")]
+        while not all(j.done() for j in jobs):
+            for w in prefill:
+                m = await asyncio.to_thread(metrics, self.mesh, w)
+                if m.get("kvmesh_engine_kv_blocks_in_use", 0) or m.get("kvmesh_prefill_active_leases", 0):
+                    return w
+        return prefill[0]  # everything was over before a prefill was seen: kill one anyway
+
+    def counts(self) -> tuple[float, float, float]:
+        """The gateway's migrations and retries so far, and the decode workers' failed KV pulls."""
+        m = metrics(self.mesh, "gateway")
+        retries = sum(v for k, v in m.items() if k.startswith("kvmesh_gateway_retries_total"))
+        lost = sum(metrics(self.mesh, w).get("kvmesh_decode_transfer_failures_total", 0.0)
+                   for w in self.workers if w.startswith("decode"))
+        return m.get("kvmesh_gateway_migrations_total{outcome=resumed}", 0.0), retries, lost
+
+    def count_moves(self, tally: Tally, before: tuple[float, float, float]) -> None:
+        after = self.counts()
+        # max: a restarted worker counts from zero again
+        tally.migrated, tally.retried, tally.kv_lost = (max(0, int(a - b)) for a, b in zip(after, before))
 
     async def round(self, victim: str) -> dict:
         await self.healthy()
         args, tally = self.args, Tally()
         progress: list[list[int]] = [[] for _ in range(args.streams)]
         hang_at: list[float] = []
-        migrated_before = self.migrations()
+        moves_before = self.counts()
         jobs = [
             asyncio.ensure_future(self.stream(PROMPTS[i % len(PROMPTS)], args.max_tokens, progress[i], tally, hang_at))
             for i in range(args.streams)
         ]
-        # Prefill: kill while prompts are still prefilled; the rest: while the streams are mid-way.
-        started_enough = 1 if victim == "prefill" else args.streams // 2
-        while sum(1 for p in progress if p) < started_enough and not all(j.done() for j in jobs):
-            await asyncio.sleep(0.01)
-        name = await asyncio.to_thread(self.victim_process, victim)
+        if victim == "prefill":  # kill it while it prefills or holds KV not yet handed off
+            name = await self.busy_prefill_worker(jobs)
+        else:  # the rest: while the streams are mid-way
+            while sum(1 for p in progress if p) < args.streams // 2 and not all(j.done() for j in jobs):
+                await asyncio.sleep(0.01)
+            name = await asyncio.to_thread(self.victim_process, victim)
         restarts = self.mesh.restarts(name) if name else 0
         kill_t = time.monotonic()
         if name:
@@ -262,7 +284,7 @@ class Bench:
         stop.set()
         recovery_s = await probes
         if victim != "gateway":  # a restarted gateway counts from zero
-            tally.migrated = int(self.migrations() - migrated_before)
+            self.count_moves(tally, moves_before)
         return {"victim": victim, "process": name, **asdict(tally), "recovery_s": recovery_s, "back_s": back_s,
                 "leaks": await self.leaks()}
 
@@ -270,7 +292,7 @@ class Bench:
         args, tally, kills = self.args, Tally(), []
         rng = random.Random(0)
         end = time.monotonic() + minutes * 60
-        migrated_before = self.migrations()
+        moves_before = self.counts()
 
         async def client() -> None:
             while time.monotonic() < end:
@@ -288,7 +310,7 @@ class Bench:
 
         await asyncio.gather(killer(), *(client() for _ in range(args.streams)))
         await self.healthy()
-        tally.migrated = int(self.migrations() - migrated_before)
+        self.count_moves(tally, moves_before)
         return {"minutes": minutes, "kills": kills, **asdict(tally), "leaks": await self.leaks()}
 
 
@@ -335,20 +357,18 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvmesh-faults-") as tmp:
         result = asyncio.run(run(args, Path(tmp)))
 
-    headers = ["victim", "completed", "migrated", "errors", "hangs", "wrong", "recovery s", "back s",
+    headers = ["victim", "completed", "migrated", "retried", "kv lost", "errors", "hangs", "wrong", "recovery s", "back s",
                "leaked blocks", "leases", "in flight"]
     if args.soak:
         s = result["soak"]
         print(f"soak: {s['minutes']:g} min, {args.streams} streams, {len(s['kills'])} kills: {', '.join(s['kills'])}")
-        rows = [["(all)", s["completed"], s["migrated"], s["errors"], s["hangs"], s["wrong"], "", "",
-                 s["leaks"]["kv_blocks"], s["leaks"]["leases"], s["leaks"]["inflight"]]]
+        rows = [["(all)", *(s[k] for k in COUNTS), "", "", *s["leaks"].values()]]
         samples = s["error_samples"]
     else:
         print(f"fault matrix: {args.decode} decode + {args.prefill} prefill workers, {args.streams} concurrent "
               f"greedy streams of {args.max_tokens} tokens; the victim SIGKILLed mid-stream and restarted")
         rows = [[r["victim"] + (f" ({r['process']})" if r["process"] and r["process"] != r["victim"] else ""),
-                 r["completed"], r["migrated"], r["errors"], r["hangs"], r["wrong"], f"{r['recovery_s']:.1f}",
-                 f"{r['back_s']:.1f}", r["leaks"]["kv_blocks"], r["leaks"]["leases"], r["leaks"]["inflight"]]
+                 *(r[k] for k in COUNTS), f"{r['recovery_s']:.1f}", f"{r['back_s']:.1f}", *r["leaks"].values()]
                 for r in result["rounds"]]
         samples = [f"{r['victim']}: {e}" for r in result["rounds"] for e in r["error_samples"][:2]]
     print_table(headers, [[f"{c:g}" if isinstance(c, float) else str(c) for c in row] for row in rows])

@@ -226,11 +226,13 @@ class Gateway:
                 if failure is None:
                     raise
                 if stream.tokens_sent:
+                    self._metrics.migrations.labels("no_worker").inc()
                     raise Unavailable(f"{failure.message} after {stream.tokens_sent} tokens were streamed; "
                                       f"no other worker to resume on: {e.message}") from None
                 raise Unavailable(f"{failure.message}; no other worker to retry on: {e.message}") from None
             try:
                 if stream.tokens_sent:
+                    self._metrics.migrations.labels("resumed").inc()
                     chunks = self._resume(job, plan, stream)
                 else:
                     attempts += 1
@@ -250,7 +252,6 @@ class Gateway:
                             f"already moved {migrations} times (the limit)"
                         ) from None
                     migrations += 1
-                    self._metrics.migrations.labels("resumed").inc()
                     log.warning("decode worker failed mid-stream; migrating the stream", worker_id=e.worker_id,
                                 tokens_sent=stream.tokens_sent, migration=migrations, error=e.message)
                     continue

@@ -43,8 +43,8 @@ class GatewayMetrics:
         )
         self.migrations = Counter(
             "kvmesh_gateway_migrations",
-            "Streams moved to another decode worker after theirs failed mid-stream, by outcome "
-            "(resumed, or limit: the request's migrations were used up).",
+            "Streams whose decode worker failed mid-stream, by outcome: resumed (moved to another worker), "
+            "no_worker (none left to resume on), limit (the request's migrations were used up).",
             ["outcome"],
             registry=reg,
         )

@@ -95,6 +95,8 @@ async def test_no_decode_worker_left_to_migrate_to_names_the_failure(model) -> N
         "decode worker d0 (d0:1) failed: unreachable: Socket closed after 2 tokens were streamed; "
         "no other worker to resume on: no worker available for this request"
     )
+    assert sample(gateway, "kvmesh_gateway_migrations_total", outcome="no_worker") == 1
+    assert sample(gateway, "kvmesh_gateway_migrations_total", outcome="resumed") == 0
 
 
 async def test_two_failed_attempts_give_unavailable(model) -> None:
