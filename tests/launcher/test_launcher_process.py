@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kvmesh.launcher.cli import add_up_parser
 from kvmesh.launcher.topology import REPO_ROOT
 from tests.launcher.helpers import alive, kill_if_alive, read_pid, wait_gone
 
@@ -118,3 +120,12 @@ def test_up_refuses_a_missing_model_folder(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert f"--model {tmp_path / 'nope'}: not a directory" in result.stderr
+
+
+def test_up_takes_replica_counts_and_a_restart_policy() -> None:
+    parser = argparse.ArgumentParser()
+    add_up_parser(parser.add_subparsers())
+    args = parser.parse_args(["up", "--decode-replicas", "2", "--prefill-replicas", "3", "--max-restarts", "7"])
+    assert (args.decode, args.prefill, args.max_restarts, args.restart) == (2, 3, 7, True)
+    assert parser.parse_args(["up", "--decode", "4", "--no-restart"]).decode == 4  # the short spelling stays
+    assert parser.parse_args(["up", "--no-restart"]).restart is False
