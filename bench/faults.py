@@ -321,7 +321,8 @@ async def run(args: argparse.Namespace, run_dir: Path) -> dict:
                    "KVMESH_LEASE_TTL_MS": "3000"},
         "prefill": {"KVMESH_NUM_BLOCKS": "512"},
         "decode": {"KVMESH_NUM_BLOCKS": "512", "KVMESH_NUM_SPECULATIVE_TOKENS": "4"},
-        "gateway": {"KVMESH_STREAM_IDLE_TIMEOUT_SECONDS": "10", "KVMESH_RPC_TIMEOUT_SECONDS": "2",
+        "gateway": {"KVMESH_STREAM_IDLE_TIMEOUT_SECONDS": "10", "KVMESH_TOKEN_STALL_TIMEOUT_SECONDS": "5",
+                    "KVMESH_RPC_TIMEOUT_SECONDS": "2",
                     "KVMESH_PREFILL_TIMEOUT_SECONDS": "10"},
     }
     options = MeshOptions(model=MODEL, prefill=args.prefill, decode=args.decode, publish=False, gateway_port=0,

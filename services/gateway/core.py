@@ -96,6 +96,7 @@ class Gateway:
         *,
         max_inflight: int = 256,
         stream_idle_timeout_s: float = 600.0,
+        token_stall_timeout_s: float = 30.0,
         metrics: GatewayMetrics | None = None,
         tool_call_format: ToolCallFormat = FORMATS[DEFAULT_FORMAT],
         migration: MigrationPolicy = MigrationPolicy(),
@@ -106,7 +107,10 @@ class Gateway:
         self.model = model
         self._backends = backends
         self._max_inflight = max_inflight
+        # Silence allowed before a decode stream's first message (queueing, KV transfer, prefill)
+        # and between its messages once tokens flow (a steady stream that stops is a hung worker).
         self._idle_timeout_s = stream_idle_timeout_s
+        self._stall_timeout_s = token_stall_timeout_s
         self._metrics = metrics or GatewayMetrics()
         self._tool_format = tool_call_format
         self._migration = migration
@@ -354,16 +358,18 @@ class Gateway:
         who = f"decode worker {worker.worker_id} ({worker.address})"
         messages = self._backends.decode(worker.address, request)
         async with aclosing(messages):
+            limit = self._idle_timeout_s
             while True:
                 try:
-                    async with asyncio.timeout(self._idle_timeout_s):
+                    async with asyncio.timeout(limit):
                         msg = await anext(messages)
                 except StopAsyncIteration:
                     raise WorkerFailed("decode", worker, f"{who} ended its stream without a final message") from None
                 except TimeoutError:
-                    raise WorkerFailed("decode", worker, f"{who} sent nothing for {self._idle_timeout_s:g} s") from None
+                    raise WorkerFailed("decode", worker, f"{who} sent nothing for {limit:g} s") from None
                 except Unavailable as e:
                     raise WorkerFailed("decode", worker, f"{who} failed: {e.message}") from None
+                limit = self._stall_timeout_s
                 finish = None
                 if msg.HasField("final"):
                     final = msg.final

@@ -35,8 +35,10 @@ FLAGS = [
     Flag("--max-inflight-requests", "generation requests in flight at most; beyond: RESOURCE_EXHAUSTED", default=256, type=int),
     Flag("--rpc-timeout-seconds", "deadline of Route and ReleaseLease calls", default=10.0, type=float),
     Flag("--prefill-timeout-seconds", "deadline of a Prefill call", default=600.0, type=float),
-    Flag("--stream-idle-timeout-seconds", "longest silence of a decode stream before it counts as failed",
-         default=600.0, type=float),
+    Flag("--stream-idle-timeout-seconds", "longest silence of a decode stream before its first message "
+         "(queueing, KV transfer, prefill) before it counts as failed", default=600.0, type=float),
+    Flag("--token-stall-timeout-seconds", "longest silence between a decode stream's messages once tokens flow; "
+         "past it the worker counts as hung and the stream migrates", default=30.0, type=float),
     Flag("--max-migrations", "times one stream may move to another decode worker after its own failed "
          "mid-stream (0: such a stream ends with UNAVAILABLE)", default=DEFAULT_MAX_MIGRATIONS, type=int),
     Flag("--router-fallback-seconds", "while the router cannot be reached, route on the decode workers it named "
@@ -78,6 +80,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
         backends,
         max_inflight=args.max_inflight_requests,
         stream_idle_timeout_s=args.stream_idle_timeout_seconds,
+        token_stall_timeout_s=args.token_stall_timeout_seconds,
         metrics=GatewayMetrics(ctx.registry),
         tool_call_format=FORMATS[args.tool_call_format],
         migration=MigrationPolicy(args.max_migrations),

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.timeout(300)
 DECODE = ("decode-0", "decode-1")
 PROMPT = list(range(50, 90))
 MAX_TOKENS = 460  # all the tiny model's context allows: a stream long enough to break in the middle
-IDLE_TIMEOUT_S = 4  # the gateway's bound on a decode stream's silence (a hung worker)
+STALL_TIMEOUT_S = 4  # the gateway's bound on a decode stream's silence once tokens flow (a hung worker)
 PREFILL_TIMEOUT_S = 3  # the gateway's deadline on a Prefill call (a hung prefill worker)
 ROUTER_FALLBACK_S = 5  # how long the gateway routes on its last known workers while the router is out
 SCHEMA = {"type": "array", "items": {"type": "boolean"}, "minItems": 80, "maxItems": 100}
@@ -51,7 +51,7 @@ def faults_mesh(e2e_model, tmp_path_factory):
             "router": {"KVMESH_LEASE_TTL_MS": "1500"},
             "prefill": {"KVMESH_LEASE_TTL_MS": "3000"},
             "gateway": {
-                "KVMESH_STREAM_IDLE_TIMEOUT_SECONDS": str(IDLE_TIMEOUT_S),
+                "KVMESH_TOKEN_STALL_TIMEOUT_SECONDS": str(STALL_TIMEOUT_S),
                 "KVMESH_RPC_TIMEOUT_SECONDS": "1",
                 "KVMESH_PREFILL_TIMEOUT_SECONDS": str(PREFILL_TIMEOUT_S),
                 "KVMESH_ROUTER_FALLBACK_SECONDS": str(ROUTER_FALLBACK_S),

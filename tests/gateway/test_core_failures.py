@@ -158,3 +158,16 @@ async def test_a_silent_decode_stream_counts_as_failed(model) -> None:
     assert ("decode", "d0") in mesh.cancelled  # the silent stream was closed, not left open
     assert len(chunks) == 4
     assert mesh.open_streams == 0
+
+
+async def test_a_stream_that_stalls_after_its_first_tokens_migrates_at_the_stall_timeout(model) -> None:
+    mesh = FakeMesh()
+    mesh.hold_decode_at["d0"] = 2  # two tokens, then a hung worker
+    gateway = make_gateway(model, mesh, stream_idle_timeout_s=600, token_stall_timeout_s=0.05)
+
+    chunks = await collect(gateway, request())
+
+    assert [t for c in chunks for t in c.token_ids] == [FIRST_TOKEN, *DECODE_TOKENS]
+    assert [w for w, _ in mesh.decodes] == ["d0", "d1"]
+    assert ("decode", "d0") in mesh.cancelled and mesh.open_streams == 0
+    assert sample(gateway, "kvmesh_gateway_migrations_total", outcome="resumed") == 1
