@@ -30,7 +30,7 @@ from kvmesh.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.structured.spec import GrammarSpec
 from tests.e2e.mesh_helpers import metrics, start_mesh
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 DECODE = ("decode-0", "decode-1")
 PROMPT = list(range(50, 90))
