@@ -10,6 +10,7 @@ import sys
 from kvmesh.errors import KvmeshError
 from kvmesh.launcher.cli import add_up_parser
 from kvmesh.launcher.health_cli import add_health_parser
+from kvmesh.models.cli import add_models_parser
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -110,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     add_up_parser(sub)
     add_health_parser(sub)
+    add_models_parser(sub)
     for name in SERVICES:
         sub.add_parser(name, help=f"run the {name} service (its flags: kvmesh {name} --help)", add_help=False)
     return parser

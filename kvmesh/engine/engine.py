@@ -24,6 +24,7 @@ from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.grammar import GrammarCache, GrammarStats, Masks, MaskRows, allowed_prefix
 from kvmesh.engine.kv_cache import KV_LAYOUT, BlockPayload, KVCache
 from kvmesh.engine.model import AttentionMetadata, CausalLM
+from kvmesh.engine.penalties import PenaltyState, adjust_row
 from kvmesh.engine.sampler import token_logprobs, verify
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import ScheduledBatch, Scheduler
@@ -392,6 +393,7 @@ class LLMEngine:
             meta,
             torch.tensor(logits_idx, dtype=torch.long, device=dev),
         )
+        self._adjust_logits(sampling, logits)
         # Launched (on a GPU still running): fill the grammar masks meanwhile, apply them on the
         # device, and only then wait for the logits.
         t0 = time.perf_counter()
@@ -400,6 +402,20 @@ class LLMEngine:
             self.stats.grammar_masked_rows += masks.apply(logits)
             self.stats.grammar_mask_seconds += time.perf_counter() - t0
         return sampling, logits.cpu()
+
+    @torch.inference_mode()  # the logits are inference tensors: adjusting them in place needs it
+    def _adjust_logits(self, sampling: list[Sequence], logits: torch.Tensor) -> None:
+        """logit_bias and penalties on the rows of the sequences that ask for them (in place)."""
+        row = 0
+        for seq in sampling:
+            k = len(seq.draft_ids)
+            if seq.params.adjusts_logits:
+                if seq.penalties is None:
+                    seq.penalties = PenaltyState.new(seq.prompt_ids, logits.shape[1], logits.device)
+                seq.penalties.catch_up(seq.output_ids)
+                for i in range(k + 1):
+                    adjust_row(logits[row + i], seq.params, seq.penalties, seq.draft_ids[:i])
+            row += k + 1
 
     def _grammar_masks(self, sampling: list[Sequence], num_rows: int) -> Masks | None:
         """The grammar masks of the constrained sequences' rows (None if there are none)."""

@@ -8,7 +8,7 @@ from kvmesh.engine.config import EngineConfig
 from kvmesh.runtime import Flag
 
 ENGINE_FLAGS = [
-    Flag("--model", "local Hugging Face model folder (default: the embedded default model)"),
+    Flag("--model", "local Hugging Face model folder (default: the installed default model, SmolLM2-135M-Instruct)"),
     Flag("--device", "torch device, e.g. cuda:0 or cpu", default="cpu"),
     Flag("--dtype", "float32 | bfloat16 | float16 (default: checkpoint's on CUDA, float32 on CPU)"),
     Flag("--block-size", "tokens per KV block", default=16, type=int),

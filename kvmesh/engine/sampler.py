@@ -3,7 +3,9 @@
 Greedy rows are one batched argmax. Sampled rows apply temperature, top-k,
 top-p and min-p, then draw with the request's own ``torch.Generator`` so a
 seeded request is reproducible whatever else shares its batch. Logprobs are
-those of the model's distribution (log-softmax of the raw logits).
+those of the model's distribution (log-softmax of the logits, after the
+request's own logit_bias, penalties and grammar mask; before temperature,
+top-k, top-p and min-p).
 
 A sequence with speculator drafts ``d_0..d_{k-1}`` owns k+1 rows: row i is the
 model's distribution after the context plus ``d_0..d_{i-1}``. ``verify``

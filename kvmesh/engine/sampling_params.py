@@ -8,6 +8,12 @@ from kvmesh.errors import InvalidArgument
 from kvmesh.structured.spec import GrammarSpec
 
 
+# OpenAI's ranges (penalties and logit_bias); repetition_penalty's bound keeps logits finite.
+PENALTY_LIMIT = 2.0
+LOGIT_BIAS_LIMIT = 100.0
+REPETITION_PENALTY_MAX = 100.0
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -27,10 +33,24 @@ class SamplingParams:
     repetition_allow: list[int] = field(default_factory=list)
     # Only tokens this grammar allows are sampled; the grammar's end finishes the request.
     grammar: GrammarSpec | None = None
+    # Logit adjustments before sampling (kvmesh.engine.penalties), greedy included. OpenAI's:
+    # subtract presence once per token already generated, frequency per occurrence of it.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # transformers': over prompt and output tokens, divide positive logits, multiply negative ones.
+    repetition_penalty: float = 1.0
+    # Added to a token's logit (OpenAI's logit_bias: -100 bans, +100 forces in practice).
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+        )
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidArgument naming the first bad field."""
@@ -53,3 +73,14 @@ class SamplingParams:
                 raise InvalidArgument(f"stop_token_ids: {t} is outside the vocabulary")
         if any(not s for s in self.stop):
             raise InvalidArgument("stop strings must be non-empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
+                raise InvalidArgument(f"{name} must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}], got {value}")
+        if not 0.0 < self.repetition_penalty <= REPETITION_PENALTY_MAX:
+            raise InvalidArgument(f"repetition_penalty must be in (0, {REPETITION_PENALTY_MAX}], got {self.repetition_penalty}")
+        for t, bias in self.logit_bias.items():
+            if not 0 <= t < vocab_size:
+                raise InvalidArgument(f"logit_bias: {t} is outside the vocabulary")
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise InvalidArgument(f"logit_bias[{t}] must be in [-{LOGIT_BIAS_LIMIT}, {LOGIT_BIAS_LIMIT}], got {bias}")

@@ -10,6 +10,7 @@ import xgrammar as xgr
 
 from kvmesh.blocks import BlockHash
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.engine.penalties import PenaltyState
 from kvmesh.engine.sampling_params import SamplingParams
 
 
@@ -59,6 +60,8 @@ class Sequence:
     grammar: xgr.GrammarMatcher | None = None
     # Text already handed to the caller (stop strings are held back until resolved).
     emitted_text_len: int = 0
+    # Token counts for logit_bias / penalties (None: the request asks for none, or not yet sampled).
+    penalties: PenaltyState | None = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from kvmesh.errors import ModelLoadError
 from kvmesh.launcher.compose import COMPOSE_FILE, compose_variables
 from kvmesh.launcher.restart import RestartPolicy
 from kvmesh.launcher.supervisor import Mesh, MeshError, StartInterrupted
@@ -157,7 +158,7 @@ def serve_mesh(mesh: Mesh, banner: Sequence[str]) -> int:
 
 
 def _resolve_model(flag: str | None, options: MeshOptions) -> tuple[Path | None, str | None]:
-    """The model folder every service gets, and its kvmesh label if it has one (random weights); None: reported."""
+    """The model folder every service gets, and its kvmesh label if it has one; None: reported."""
     if flag is not None:
         path = Path(flag).expanduser().resolve()
         if not path.is_dir():
@@ -172,10 +173,14 @@ def _resolve_model(flag: str | None, options: MeshOptions) -> tuple[Path | None,
         return None, None
     from kvmesh.engine.default_model import default_model_path
 
-    # The compose file's default folder is missing here: the embedded default model stands in.
-    # Written once here, so the services starting together never race to write it.
-    default = default_model_path()
-    _say(f"no --model and no {path}: serving the embedded default model {default}")
+    # The compose file's default folder is missing here (KVMESH_MODELS_DIR moved the model cache,
+    # say): the installed default model stands in, or the error says how to install it.
+    try:
+        default = default_model_path()
+    except ModelLoadError as e:
+        _say(e.message)
+        return None, None
+    _say(f"no --model and no {path}: serving the installed default model {default}")
     return default, _label(default)
 
 

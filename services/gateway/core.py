@@ -193,7 +193,7 @@ class Gateway:
         try:
             self.model.check_name(request.model)
             prepared = prepare()
-            prompt_ids, sampling = prepared.prompt_ids, prepared.sampling
+            prompt_ids, sampling = prepared.prompt_ids, self.model.defaults.apply(prepared.sampling)
             validate_prompt(prompt_ids, sampling.max_tokens, self.model.vocab_size, self.model.max_model_len)
             validate_sampling(sampling, self.model.vocab_size)
             prepare_ns = time.monotonic_ns() - received

@@ -15,6 +15,7 @@ import structlog
 from kvmesh.runtime import Flag, ServiceContext, ServiceDef, run
 from services.gateway.auth import ApiKeys
 from services.gateway.core import Gateway
+from services.gateway.generation_defaults import DEFAULT_REPETITION_ALLOW_CHARS, DEFAULT_REPETITION_LIMIT
 from services.gateway.grpc_backends import GrpcBackends
 from services.gateway.http_app import HttpApi
 from services.gateway.http_server import HttpServer
@@ -29,7 +30,7 @@ log = structlog.get_logger("kvmesh.gateway")
 
 FLAGS = [
     Flag("--router-address", "router host:port", required=True),
-    Flag("--model", "local Hugging Face model folder (default: the embedded default model, random weights)"),
+    Flag("--model", "local Hugging Face model folder (default: the installed default model, SmolLM2-135M-Instruct)"),
     Flag("--model-name", "the model id clients use (default: the folder's name)"),
     Flag("--max-model-len", "context limit (default: the model's; set it like the workers')", type=int),
     Flag("--max-inflight-requests", "generation requests in flight at most; beyond: RESOURCE_EXHAUSTED", default=256, type=int),
@@ -48,6 +49,14 @@ FLAGS = [
     Flag("--http-port", "port of the OpenAI-compatible HTTP API (0: a free port)", default=8000, type=int),
     Flag("--api-keys-file", "file of API keys, one 'key [tenant]' per line (no keys anywhere: auth off)"),
     Flag("--api-keys", "comma-separated 'key [tenant]' entries; prefer KVMESH_API_KEYS or the file to the command line"),
+    Flag("--default-max-tokens", "max_tokens of a request that sets none (0: up to the context; the legacy "
+         "completions API keeps OpenAI's 16)", default=0, type=int),
+    Flag("--repetition-guard", "stop a sequence when one token repeats more than this many times in a row, "
+         "unless the request sets its own guard (0: off)", default=DEFAULT_REPETITION_LIMIT, type=int),
+    Flag("--repetition-guard-allow", "tokens made only of these characters may repeat without limit",
+         default=DEFAULT_REPETITION_ALLOW_CHARS),
+    Flag("--generation-config", "'model': the model folder's generation_config.json gives unset sampling "
+         "settings their defaults; 'none': the API's defaults", default="model", choices=("model", "none")),
     Flag("--tool-call-format", "how the model writes tool calls (its chat template must teach the same format)",
          default=DEFAULT_FORMAT, choices=tuple(FORMATS)),
 ]
@@ -64,14 +73,19 @@ def _model_path(flag: str | None) -> Path:
     from kvmesh.engine.default_model import default_model_path, model_label
 
     path = default_model_path()
-    log.warning("no --model: serving the embedded default model", label=model_label(path))
+    log.info("no --model: serving the installed default model", label=model_label(path))
     return path
 
 
 def build(ctx: ServiceContext) -> ServiceDef:
     args = ctx.args
-    model = ServedModel.load(_model_path(args.model), args.model_name, args.max_model_len)
-    log.info("model", model=model.name, path=str(model.path), max_model_len=model.max_model_len, label=model.label)
+    model = ServedModel.load(
+        _model_path(args.model), args.model_name, args.max_model_len,
+        use_generation_config=args.generation_config == "model", max_tokens=args.default_max_tokens,
+        repetition_limit=args.repetition_guard, repetition_allow_chars=args.repetition_guard_allow,
+    )
+    log.info("model", model=model.name, path=str(model.path), max_model_len=model.max_model_len, label=model.label,
+             defaults=model.defaults.describe())
     backends = GrpcBackends(
         args.router_address, rpc_timeout_s=args.rpc_timeout_seconds, prefill_timeout_s=args.prefill_timeout_seconds
     )

@@ -14,6 +14,7 @@ from pathlib import Path
 from kvmesh.engine.config import ModelConfig
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import ModelLoadError, NotFound
+from services.gateway.generation_defaults import GenerationDefaults
 
 
 class UnknownModel(NotFound):
@@ -30,13 +31,19 @@ class ServedModel:
     vocab_size: int
     max_model_len: int
     # Set for checkpoints kvmesh wrote itself (config.json "kvmesh_label"),
-    # e.g. the random-weights default: clients must be able to see it.
+    # e.g. a random-weights test model: clients must be able to see it.
     label: str | None
     created: int  # unix seconds, when loaded
+    # What requests get for the settings they leave unset.
+    defaults: GenerationDefaults = GenerationDefaults()
 
     @classmethod
-    def load(cls, path: Path, name: str | None = None, max_model_len: int | None = None) -> ServedModel:
-        """Read the folder's tokenizer and config; ``max_model_len`` may only lower the model's context."""
+    def load(
+        cls, path: Path, name: str | None = None, max_model_len: int | None = None, **defaults: object
+    ) -> ServedModel:
+        """Read the folder's tokenizer and config; ``max_model_len`` may only lower the model's context.
+        ``defaults``: GenerationDefaults.for_model's options (none: the model's generation_config.json,
+        no default max tokens, no repetition guard)."""
         if not path.is_dir():
             raise ModelLoadError(f"{path}: not a model folder")
         config = ModelConfig.from_dir(path)
@@ -45,14 +52,17 @@ class ServedModel:
             if max_model_len <= 0:
                 raise ModelLoadError(f"max_model_len must be > 0, got {max_model_len}")
             context = min(context, max_model_len)
+        tokenizer = Tokenizer(path)
+        defaults.setdefault("repetition_limit", 0)
         return cls(
             name=name or path.resolve().name,
             path=path,
-            tokenizer=Tokenizer(path),
+            tokenizer=tokenizer,
             vocab_size=config.vocab_size,
             max_model_len=context,
             label=config.raw.get("kvmesh_label"),
             created=int(time.time()),
+            defaults=GenerationDefaults.for_model(path, tokenizer, **defaults),
         )
 
     def check_name(self, requested: str) -> None:

@@ -4,9 +4,9 @@ Parsing is strict (JSON types as the schema says: no "5" for 5, no true for 1;
 16.0 is the integer 16, as in JSON Schema) and every field is one of three kinds:
 
 - supported: mapped onto the request's sampling parameters;
-- known but only accepted where harmless (penalties must be 0, ``logit_bias``
-  empty, ...): the schema allows exactly those values, and any other gets a
-  400 saying the feature is not supported;
+- known but only accepted where harmless (``echo`` false, ...): the schema
+  allows exactly those values, and any other gets a 400 saying the feature is
+  not supported;
 - unknown: ignored, because clients send fields a server may not know.
 
 What the schema cannot say (a JSON Schema the grammar cannot enforce, a
@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 from pydantic_core import PydanticCustomError
 
+from kvmesh.engine.sampling_params import LOGIT_BIAS_LIMIT, PENALTY_LIMIT, REPETITION_PENALTY_MAX
 from services.gateway.tool_calls.request import NAME_PATTERN
 from services.gateway.validation import MAX_TOP_LOGPROBS
 
@@ -85,7 +86,13 @@ class StreamOptions(Body):
     include_usage: bool | None = Field(None, description="Send a last chunk with the request's usage (and no choices).")
 
 
-_penalty_refused = _refused(lambda v: v == 0, "not supported (kvmesh has no repetition penalties): only 0 is accepted")
+def _token_id_keys(value: Any) -> Any:
+    # JSON object keys are strings: logit_bias names token ids as "123".
+    if isinstance(value, dict):
+        for key in value:
+            if not (isinstance(key, str) and key.isdigit() and int(key) <= UINT32_MAX):
+                raise PydanticCustomError("token_id", "keys must be token ids (decimal strings), got {key!r}", {"key": key})
+    return value
 
 
 class SamplingFields(Body):
@@ -100,11 +107,20 @@ class SamplingFields(Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = Field(None, description="Only with stream: true.")
     user: str | None = Field(None, description="The end user, for logs.")
-    presence_penalty: Annotated[float | None, _penalty_refused] = Field(None, ge=0, le=0)
-    frequency_penalty: Annotated[float | None, _penalty_refused] = Field(None, ge=0, le=0)
+    presence_penalty: float | None = Field(
+        None, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT, description="Lower a token's logit once it was generated."
+    )
+    frequency_penalty: float | None = Field(
+        None, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT, description="Lower a token's logit per time it was generated."
+    )
     logit_bias: Annotated[
-        dict[str, float] | None, _refused(lambda v: v == {}, "not supported: only an empty object is accepted")
-    ] = Field(None, max_length=0)
+        dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None,
+        BeforeValidator(_token_id_keys),
+    ] = Field(None, description="Token id (as a string) -> bias added to its logit.")
+    repetition_penalty: float | None = Field(
+        None, gt=0, le=REPETITION_PENALTY_MAX,
+        description="kvmesh extension (transformers' repetition penalty over prompt and output); default: the model's.",
+    )
     # kvmesh extensions (also understood by other OpenAI-compatible servers).
     top_k: TopK | None = Field(None, description="kvmesh extension: 0 = off.")
     min_p: float | None = Field(None, ge=0, lt=1, description="kvmesh extension: 0 = off.")

@@ -54,7 +54,12 @@ def _sampling(req: SamplingFields, max_tokens: int | None, logprobs: bool, top_l
         top_k=req.top_k or 0,
         min_p=req.min_p or 0.0,
         ignore_eos=bool(req.ignore_eos),
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
     )
+    if req.repetition_penalty is not None:
+        params.repetition_penalty = req.repetition_penalty
     if req.temperature is not None:
         params.temperature = req.temperature
     if req.top_p is not None:

@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 
 from kvmesh.common.v1 import sampling_pb2
+from kvmesh.engine.sampling_params import LOGIT_BIAS_LIMIT, PENALTY_LIMIT, REPETITION_PENALTY_MAX
 from kvmesh.errors import InvalidArgument
 from kvmesh.structured.spec import GrammarSpec
 
@@ -66,6 +67,18 @@ def validate_sampling(s: sampling_pb2.SamplingParams, vocab_size: int) -> None:
         raise InvalidArgument("sampling.stop: stop strings must be non-empty")
     _check_ids("sampling.stop_token_ids", s.stop_token_ids, vocab_size)
     _check_ids("sampling.repetition_guard.allowed_token_ids", s.repetition_guard.allowed_token_ids, vocab_size)
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        if not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:  # also refuses NaN
+            raise InvalidArgument(f"sampling.{name} must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}], got {value}")
+    if s.HasField("repetition_penalty") and not 0.0 < s.repetition_penalty <= REPETITION_PENALTY_MAX:
+        raise InvalidArgument(f"sampling.repetition_penalty must be in (0, {REPETITION_PENALTY_MAX}], got {s.repetition_penalty}")
+    _check_ids("sampling.logit_bias", list(s.logit_bias), vocab_size)
+    bad = next((t for t, b in s.logit_bias.items() if not -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT), None)
+    if bad is not None:
+        raise InvalidArgument(
+            f"sampling.logit_bias[{bad}] must be in [-{LOGIT_BIAS_LIMIT}, {LOGIT_BIAS_LIMIT}], got {s.logit_bias[bad]}"
+        )
 
 
 def validate_prompt(prompt_ids: Sequence[int], max_tokens: int, vocab_size: int, max_model_len: int) -> None:

@@ -139,6 +139,13 @@ def test_the_cpu_file_is_the_same_topology_without_gpus(tmp_path) -> None:
 # -- in step with the code (no docker-compose needed) ------------------------------------------------------
 
 
+@pytest.mark.parametrize("compose_file", [COMPOSE_FILE, CPU_COMPOSE_FILE], ids=["gpu", "cpu"])
+def test_the_monitoring_services_have_health_checks(compose_file) -> None:
+    services = yaml.safe_load(compose_file.read_text())["services"]
+    for name, ready in (("prometheus", "http://127.0.0.1:9090/-/ready"), ("grafana", "http://127.0.0.1:3000/api/health")):
+        assert services[name]["healthcheck"]["test"][-1] == ready
+
+
 def test_the_cpu_file_is_generated_from_the_gpu_file() -> None:
     assert CPU_COMPOSE_FILE.read_text() == render(), "stale: run python -m kvmesh.launcher.compose_cpu"
 

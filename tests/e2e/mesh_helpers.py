@@ -8,8 +8,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh.engine.default_model import train_tokenizer, write_tokenizer
 from kvmesh.launcher.restart import RestartPolicy
+from kvmesh.models.bpe import train_tokenizer, write_tokenizer
 from kvmesh.launcher.supervisor import Mesh
 from kvmesh.launcher.topology import MeshOptions, build_topology, free_port
 from tests.engine.conftest import VOCAB, write_checkpoint

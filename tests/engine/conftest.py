@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvmesh.engine.default_model import train_tokenizer, write_tokenizer
+from kvmesh.models.bpe import train_tokenizer, write_tokenizer
 
 VOCAB = 512
 _COMMON = dict(

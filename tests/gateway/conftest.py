@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.engine.default_model import train_tokenizer, write_tokenizer
+from kvmesh.models.bpe import train_tokenizer, write_tokenizer
 from services.gateway.model import ServedModel
 
 CONTEXT = 256

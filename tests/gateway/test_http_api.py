@@ -123,14 +123,19 @@ async def test_chat_parameters_reach_the_mesh(model, mesh) -> None:
             logprobs=True,
             top_logprobs=2,
             user="alice",
-            presence_penalty=0,
-            extra_body={"top_k": 8, "min_p": 0.1, "ignore_eos": True, "cache_salt": "s1", "some_future_field": 1},
+            presence_penalty=0.5,
+            frequency_penalty=-0.25,
+            logit_bias={"7": -100, "12": 2.5},
+            extra_body={"top_k": 8, "min_p": 0.1, "ignore_eos": True, "cache_salt": "s1", "some_future_field": 1,
+                        "repetition_penalty": 1.2},
         )
 
     [(_, prefill)] = mesh.prefills
     s = prefill.sampling
     assert (s.temperature, round(s.top_p, 6), list(s.stop), s.seed, s.max_tokens) == (0.5, 0.9, ["x", "yz"], 3, 5)
     assert (s.logprobs, s.top_logprobs, s.top_k, round(s.min_p, 6), s.ignore_eos) == (True, 2, 8, 0.1, True)
+    assert (s.presence_penalty, s.frequency_penalty, round(s.repetition_penalty, 6)) == (0.5, -0.25, 1.2)
+    assert dict(s.logit_bias) == {7: -100.0, 12: 2.5}
     assert prefill.cache_salt == b"s1"
 
 

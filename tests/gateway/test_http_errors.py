@@ -59,9 +59,12 @@ async def _post(url: str, path: str, body: object) -> tuple[int, dict]:
         ("/v1/completions", COMPLETION | {"prompt": [-1]}, "prompt.0", "prompt.0: Input should be greater than or equal to 0"),
         ("/v1/completions", COMPLETION | {"n": 1.5}, "n", "n: Input should be a valid integer"),
         ("/v1/completions", COMPLETION | {"prompt": [1, 100_000]}, None, "token id 100000 is outside the vocabulary"),
-        ("/v1/completions", COMPLETION | {"presence_penalty": 0.5}, "presence_penalty", "no repetition penalties"),
-        ("/v1/completions", COMPLETION | {"frequency_penalty": -1}, "frequency_penalty", "only 0 is accepted"),
-        ("/v1/completions", COMPLETION | {"logit_bias": {"5": 1}}, "logit_bias", "only an empty object"),
+        ("/v1/completions", COMPLETION | {"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+        ("/v1/completions", COMPLETION | {"frequency_penalty": -3}, "frequency_penalty", "greater than or equal to -2"),
+        ("/v1/completions", COMPLETION | {"logit_bias": {"x": 1}}, "logit_bias", "keys must be token ids"),
+        ("/v1/completions", COMPLETION | {"logit_bias": {"5": 101}}, "logit_bias", "less than or equal to 100"),
+        ("/v1/completions", COMPLETION | {"logit_bias": {"100000": 1}}, None, "token id 100000 is outside the vocabulary"),
+        ("/v1/completions", COMPLETION | {"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
         ("/v1/completions", COMPLETION | {"echo": True}, "echo", "not supported"),
         ("/v1/completions", COMPLETION | {"suffix": "x"}, "suffix", "not supported yet"),
         ("/v1/completions", COMPLETION | {"best_of": 3}, "best_of", "best_of must equal n (1)"),
@@ -121,7 +124,7 @@ async def test_bad_requests_are_400_naming_the_parameter(model, path, body, para
     assert mesh.routes == []
 
 
-async def test_harmless_values_of_unsupported_fields_are_accepted(model) -> None:
+async def test_neutral_values_and_fields_we_do_not_use_are_accepted(model) -> None:
     harmless = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"},
                 "tools": None, "parallel_tool_calls": True, "modalities": ["text"], "store": False, "metadata": {}}
     async with http_gateway(model, FakeMesh()) as served:

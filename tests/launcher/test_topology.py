@@ -94,8 +94,8 @@ def test_named_volumes_live_in_the_run_dir_and_bind_mounts_are_host_folders() ->
 
     assert topo.get("kvstore").env["KVMESH_DISK_DIR"] == str(RUN / "volumes" / "kvstore-data")
     # No model override: the compose file's read-only bind mount, resolved beside the compose file.
-    shipped = str(REPO_ROOT / "models" / "pycode-small")
-    assert topo.get("decode-0").env["KVMESH_MODEL"] == shipped and topo.get("gateway").env["KVMESH_MODEL"] == shipped
+    installed = str(Path.home() / ".cache" / "kvmesh" / "models" / "smollm2-135m-instruct")
+    assert topo.get("decode-0").env["KVMESH_MODEL"] == installed and topo.get("gateway").env["KVMESH_MODEL"] == installed
     assert compose_model_path(_options(model=None, compose_vars={"KVMESH_MODEL_DIR": "/srv/llama"})) == Path("/srv/llama")
 
 

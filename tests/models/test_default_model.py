@@ -1,27 +1,24 @@
-"""The shipped model is the default; the random-weights model is only the fallback."""
+"""The default model is the installed SmolLM2 folder; without an install, a clear error says what to run."""
 
 from __future__ import annotations
 
-import logging
+import pytest
 
-from kvmesh.engine import default_model
-from kvmesh.engine.default_model import RANDOM_MODEL_LABEL, default_model_path, model_label
+from kvmesh.engine.default_model import default_model_path, model_label
+from kvmesh.errors import ModelLoadError
+from kvmesh.models.catalog import DEFAULT_MODEL, models_dir
 
 from .conftest import SMALL
 
 
-def test_the_shipped_model_is_the_default(caplog):
-    with caplog.at_level(logging.INFO, logger=default_model.__name__):
-        assert default_model_path() == SMALL
-    assert "shipped" in caplog.text
+def test_the_installed_smollm2_is_the_default():
+    path = default_model_path()
+    assert path == models_dir() / "smollm2-135m-instruct"
+    assert model_label(path) == "smollm2-135m-instruct"
     assert model_label(SMALL).startswith("pycode-small")
 
 
-def test_random_model_is_the_fallback_when_the_folder_is_missing(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(default_model, "SHIPPED_MODEL_DIR", tmp_path / "absent")
-    monkeypatch.setenv("KVMESH_CACHE", str(tmp_path / "cache"))
-    with caplog.at_level(logging.WARNING, logger=default_model.__name__):
-        path = default_model_path()
-    assert path.is_relative_to(tmp_path / "cache")
-    assert model_label(path) == RANDOM_MODEL_LABEL
-    assert "not found" in caplog.text
+def test_a_missing_install_names_the_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVMESH_MODELS_DIR", str(tmp_path / "empty"))
+    with pytest.raises(ModelLoadError, match=rf"{DEFAULT_MODEL.name} is not installed .*kvmesh models install"):
+        default_model_path()

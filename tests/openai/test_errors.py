@@ -29,8 +29,8 @@ def _error(info: pytest.ExceptionInfo) -> dict:
     ("kwargs", "param", "message"),
     [
         ({"temperature": 5}, "temperature", "temperature: Input should be less than or equal to 2"),
-        ({"presence_penalty": 1.0}, "presence_penalty", "kvmesh has no repetition penalties"),
-        ({"logit_bias": {"5": 10}}, "logit_bias", "only an empty object is accepted"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "presence_penalty: Input should be less than or equal to 2"),
+        ({"logit_bias": {"5": 150}}, "logit_bias", "Input should be less than or equal to 100"),
         ({"tool_choice": "auto"}, "tool_choice", "no tools are declared"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
             "type": "array", "uniqueItems": True}}}}, "response_format", "keyword 'uniqueItems' is not supported"),

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.engine.default_model import train_tokenizer, write_tokenizer
+from kvmesh.models.bpe import train_tokenizer, write_tokenizer
 from tests.engine.conftest import VOCAB
 
 

@@ -120,8 +120,19 @@ type SamplingParams struct {
 	// Constrain the output to a grammar (structured outputs, tool calls).
 	// Unset: free text.
 	StructuredOutput *StructuredOutput `protobuf:"bytes,13,opt,name=structured_output,json=structuredOutput,proto3" json:"structured_output,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// OpenAI's penalties, over the generated tokens, in [-2, 2]: each token's
+	// logit is lowered by presence_penalty once it occurred and by
+	// frequency_penalty per occurrence. 0: off.
+	PresencePenalty  float32 `protobuf:"fixed32,14,opt,name=presence_penalty,json=presencePenalty,proto3" json:"presence_penalty,omitempty"`
+	FrequencyPenalty float32 `protobuf:"fixed32,15,opt,name=frequency_penalty,json=frequencyPenalty,proto3" json:"frequency_penalty,omitempty"`
+	// transformers' repetition penalty over prompt and output tokens: a seen
+	// token's logit is divided by it when positive, multiplied when negative.
+	// Unset: the server's default for the model (usually 1.0, off).
+	RepetitionPenalty *float32 `protobuf:"fixed32,16,opt,name=repetition_penalty,json=repetitionPenalty,proto3,oneof" json:"repetition_penalty,omitempty"`
+	// Added to these tokens' logits before sampling, each in [-100, 100].
+	LogitBias     map[uint32]float32 `protobuf:"bytes,17,rep,name=logit_bias,json=logitBias,proto3" json:"logit_bias,omitempty" protobuf_key:"varint,1,opt,name=key" protobuf_val:"fixed32,2,opt,name=value"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *SamplingParams) Reset() {
@@ -241,6 +252,34 @@ func (x *SamplingParams) GetIgnoreEos() bool {
 func (x *SamplingParams) GetStructuredOutput() *StructuredOutput {
 	if x != nil {
 		return x.StructuredOutput
+	}
+	return nil
+}
+
+func (x *SamplingParams) GetPresencePenalty() float32 {
+	if x != nil {
+		return x.PresencePenalty
+	}
+	return 0
+}
+
+func (x *SamplingParams) GetFrequencyPenalty() float32 {
+	if x != nil {
+		return x.FrequencyPenalty
+	}
+	return 0
+}
+
+func (x *SamplingParams) GetRepetitionPenalty() float32 {
+	if x != nil && x.RepetitionPenalty != nil {
+		return *x.RepetitionPenalty
+	}
+	return 0
+}
+
+func (x *SamplingParams) GetLogitBias() map[uint32]float32 {
+	if x != nil {
+		return x.LogitBias
 	}
 	return nil
 }
@@ -577,7 +616,7 @@ var File_kvmesh_common_v1_sampling_proto protoreflect.FileDescriptor
 
 const file_kvmesh_common_v1_sampling_proto_rawDesc = "" +
 	"\n" +
-	"\x1fkvmesh/common/v1/sampling.proto\x12\x10kvmesh.common.v1\"\x8d\x04\n" +
+	"\x1fkvmesh/common/v1/sampling.proto\x12\x10kvmesh.common.v1\"\xbe\x06\n" +
 	"\x0eSamplingParams\x12%\n" +
 	"\vtemperature\x18\x01 \x01(\x02H\x00R\vtemperature\x88\x01\x01\x12\x13\n" +
 	"\x05top_k\x18\x02 \x01(\rR\x04topK\x12\x18\n" +
@@ -594,10 +633,19 @@ const file_kvmesh_common_v1_sampling_proto_rawDesc = "" +
 	"\x10repetition_guard\x18\v \x01(\v2!.kvmesh.common.v1.RepetitionGuardR\x0frepetitionGuard\x12\x1d\n" +
 	"\n" +
 	"ignore_eos\x18\f \x01(\bR\tignoreEos\x12O\n" +
-	"\x11structured_output\x18\r \x01(\v2\".kvmesh.common.v1.StructuredOutputR\x10structuredOutputB\x0e\n" +
+	"\x11structured_output\x18\r \x01(\v2\".kvmesh.common.v1.StructuredOutputR\x10structuredOutput\x12)\n" +
+	"\x10presence_penalty\x18\x0e \x01(\x02R\x0fpresencePenalty\x12+\n" +
+	"\x11frequency_penalty\x18\x0f \x01(\x02R\x10frequencyPenalty\x122\n" +
+	"\x12repetition_penalty\x18\x10 \x01(\x02H\x03R\x11repetitionPenalty\x88\x01\x01\x12N\n" +
+	"\n" +
+	"logit_bias\x18\x11 \x03(\v2/.kvmesh.common.v1.SamplingParams.LogitBiasEntryR\tlogitBias\x1a<\n" +
+	"\x0eLogitBiasEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\rR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\x02R\x05value:\x028\x01B\x0e\n" +
 	"\f_temperatureB\b\n" +
 	"\x06_top_pB\a\n" +
-	"\x05_seed\"\xb1\x01\n" +
+	"\x05_seedB\x15\n" +
+	"\x13_repetition_penalty\"\xb1\x01\n" +
 	"\x10StructuredOutput\x12!\n" +
 	"\vjson_schema\x18\x01 \x01(\tH\x00R\n" +
 	"jsonSchema\x12\x1b\n" +
@@ -642,7 +690,7 @@ func file_kvmesh_common_v1_sampling_proto_rawDescGZIP() []byte {
 }
 
 var file_kvmesh_common_v1_sampling_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_kvmesh_common_v1_sampling_proto_msgTypes = make([]protoimpl.MessageInfo, 5)
+var file_kvmesh_common_v1_sampling_proto_msgTypes = make([]protoimpl.MessageInfo, 6)
 var file_kvmesh_common_v1_sampling_proto_goTypes = []any{
 	(FinishReason)(0),        // 0: kvmesh.common.v1.FinishReason
 	(*SamplingParams)(nil),   // 1: kvmesh.common.v1.SamplingParams
@@ -650,16 +698,18 @@ var file_kvmesh_common_v1_sampling_proto_goTypes = []any{
 	(*RepetitionGuard)(nil),  // 3: kvmesh.common.v1.RepetitionGuard
 	(*TokenLogprob)(nil),     // 4: kvmesh.common.v1.TokenLogprob
 	(*TopLogprob)(nil),       // 5: kvmesh.common.v1.TopLogprob
+	nil,                      // 6: kvmesh.common.v1.SamplingParams.LogitBiasEntry
 }
 var file_kvmesh_common_v1_sampling_proto_depIdxs = []int32{
 	3, // 0: kvmesh.common.v1.SamplingParams.repetition_guard:type_name -> kvmesh.common.v1.RepetitionGuard
 	2, // 1: kvmesh.common.v1.SamplingParams.structured_output:type_name -> kvmesh.common.v1.StructuredOutput
-	5, // 2: kvmesh.common.v1.TokenLogprob.top_logprobs:type_name -> kvmesh.common.v1.TopLogprob
-	3, // [3:3] is the sub-list for method output_type
-	3, // [3:3] is the sub-list for method input_type
-	3, // [3:3] is the sub-list for extension type_name
-	3, // [3:3] is the sub-list for extension extendee
-	0, // [0:3] is the sub-list for field type_name
+	6, // 2: kvmesh.common.v1.SamplingParams.logit_bias:type_name -> kvmesh.common.v1.SamplingParams.LogitBiasEntry
+	5, // 3: kvmesh.common.v1.TokenLogprob.top_logprobs:type_name -> kvmesh.common.v1.TopLogprob
+	4, // [4:4] is the sub-list for method output_type
+	4, // [4:4] is the sub-list for method input_type
+	4, // [4:4] is the sub-list for extension type_name
+	4, // [4:4] is the sub-list for extension extendee
+	0, // [0:4] is the sub-list for field type_name
 }
 
 func init() { file_kvmesh_common_v1_sampling_proto_init() }
@@ -681,7 +731,7 @@ func file_kvmesh_common_v1_sampling_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvmesh_common_v1_sampling_proto_rawDesc), len(file_kvmesh_common_v1_sampling_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   5,
+			NumMessages:   6,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -10,7 +10,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvmesh/common/v1/sampling.proto.
  */
 export const file_kvmesh_common_v1_sampling: GenFile = /*@__PURE__*/
-  fileDesc("Ch9rdm1lc2gvY29tbW9uL3YxL3NhbXBsaW5nLnByb3RvEhBrdm1lc2guY29tbW9uLnYxIoQDCg5TYW1wbGluZ1BhcmFtcxIYCgt0ZW1wZXJhdHVyZRgBIAEoAkgAiAEBEg0KBXRvcF9rGAIgASgNEhIKBXRvcF9wGAMgASgCSAGIAQESDQoFbWluX3AYBCABKAISEQoEc2VlZBgFIAEoBEgCiAEBEhIKCm1heF90b2tlbnMYBiABKA0SDAoEc3RvcBgHIAMoCRIWCg5zdG9wX3Rva2VuX2lkcxgIIAMoDRIQCghsb2dwcm9icxgJIAEoCBIUCgx0b3BfbG9ncHJvYnMYCiABKA0SOwoQcmVwZXRpdGlvbl9ndWFyZBgLIAEoCzIhLmt2bWVzaC5jb21tb24udjEuUmVwZXRpdGlvbkd1YXJkEhIKCmlnbm9yZV9lb3MYDCABKAgSPQoRc3RydWN0dXJlZF9vdXRwdXQYDSABKAsyIi5rdm1lc2guY29tbW9uLnYxLlN0cnVjdHVyZWRPdXRwdXRCDgoMX3RlbXBlcmF0dXJlQggKBl90b3BfcEIHCgVfc2VlZCKAAQoQU3RydWN0dXJlZE91dHB1dBIVCgtqc29uX3NjaGVtYRgBIAEoCUgAEhIKCGFueV9qc29uGAIgASgISAASDwoFcmVnZXgYAyABKAlIABIOCgRlYm5mGAQgASgJSAASGAoOc3RydWN0dXJhbF90YWcYBSABKAlIAEIGCgRraW5kIkEKD1JlcGV0aXRpb25HdWFyZBITCgttYXhfcmVwZWF0cxgBIAEoDRIZChFhbGxvd2VkX3Rva2VuX2lkcxgCIAMoDSJ0CgxUb2tlbkxvZ3Byb2ISEAoIdG9rZW5faWQYASABKA0SDwoHbG9ncHJvYhgCIAEoAhINCgV0b2tlbhgDIAEoCRIyCgx0b3BfbG9ncHJvYnMYBCADKAsyHC5rdm1lc2guY29tbW9uLnYxLlRvcExvZ3Byb2IiPgoKVG9wTG9ncHJvYhIQCgh0b2tlbl9pZBgBIAEoDRIPCgdsb2dwcm9iGAIgASgCEg0KBXRva2VuGAMgASgJKs0BCgxGaW5pc2hSZWFzb24SHQoZRklOSVNIX1JFQVNPTl9VTlNQRUNJRklFRBAAEhYKEkZJTklTSF9SRUFTT05fU1RPUBABEhgKFEZJTklTSF9SRUFTT05fTEVOR1RIEAISHAoYRklOSVNIX1JFQVNPTl9SRVBFVElUSU9OEAMSFwoTRklOSVNIX1JFQVNPTl9BQk9SVBAEEhcKE0ZJTklTSF9SRUFTT05fRVJST1IQBRIcChhGSU5JU0hfUkVBU09OX1RPT0xfQ0FMTFMQBkJDWkFnaXRodWIuY29tL2t2bWVzaC9rdm1lc2gvY2xpZW50cy9nby9nZW4va3ZtZXNoL2NvbW1vbi92MTtjb21tb252MWIGcHJvdG8z");
+  fileDesc("Ch9rdm1lc2gvY29tbW9uL3YxL3NhbXBsaW5nLnByb3RvEhBrdm1lc2guY29tbW9uLnYxIugECg5TYW1wbGluZ1BhcmFtcxIYCgt0ZW1wZXJhdHVyZRgBIAEoAkgAiAEBEg0KBXRvcF9rGAIgASgNEhIKBXRvcF9wGAMgASgCSAGIAQESDQoFbWluX3AYBCABKAISEQoEc2VlZBgFIAEoBEgCiAEBEhIKCm1heF90b2tlbnMYBiABKA0SDAoEc3RvcBgHIAMoCRIWCg5zdG9wX3Rva2VuX2lkcxgIIAMoDRIQCghsb2dwcm9icxgJIAEoCBIUCgx0b3BfbG9ncHJvYnMYCiABKA0SOwoQcmVwZXRpdGlvbl9ndWFyZBgLIAEoCzIhLmt2bWVzaC5jb21tb24udjEuUmVwZXRpdGlvbkd1YXJkEhIKCmlnbm9yZV9lb3MYDCABKAgSPQoRc3RydWN0dXJlZF9vdXRwdXQYDSABKAsyIi5rdm1lc2guY29tbW9uLnYxLlN0cnVjdHVyZWRPdXRwdXQSGAoQcHJlc2VuY2VfcGVuYWx0eRgOIAEoAhIZChFmcmVxdWVuY3lfcGVuYWx0eRgPIAEoAhIfChJyZXBldGl0aW9uX3BlbmFsdHkYECABKAJIA4gBARJDCgpsb2dpdF9iaWFzGBEgAygLMi8ua3ZtZXNoLmNvbW1vbi52MS5TYW1wbGluZ1BhcmFtcy5Mb2dpdEJpYXNFbnRyeRowCg5Mb2dpdEJpYXNFbnRyeRILCgNrZXkYASABKA0SDQoFdmFsdWUYAiABKAI6AjgBQg4KDF90ZW1wZXJhdHVyZUIICgZfdG9wX3BCBwoFX3NlZWRCFQoTX3JlcGV0aXRpb25fcGVuYWx0eSKAAQoQU3RydWN0dXJlZE91dHB1dBIVCgtqc29uX3NjaGVtYRgBIAEoCUgAEhIKCGFueV9qc29uGAIgASgISAASDwoFcmVnZXgYAyABKAlIABIOCgRlYm5mGAQgASgJSAASGAoOc3RydWN0dXJhbF90YWcYBSABKAlIAEIGCgRraW5kIkEKD1JlcGV0aXRpb25HdWFyZBITCgttYXhfcmVwZWF0cxgBIAEoDRIZChFhbGxvd2VkX3Rva2VuX2lkcxgCIAMoDSJ0CgxUb2tlbkxvZ3Byb2ISEAoIdG9rZW5faWQYASABKA0SDwoHbG9ncHJvYhgCIAEoAhINCgV0b2tlbhgDIAEoCRIyCgx0b3BfbG9ncHJvYnMYBCADKAsyHC5rdm1lc2guY29tbW9uLnYxLlRvcExvZ3Byb2IiPgoKVG9wTG9ncHJvYhIQCgh0b2tlbl9pZBgBIAEoDRIPCgdsb2dwcm9iGAIgASgCEg0KBXRva2VuGAMgASgJKs0BCgxGaW5pc2hSZWFzb24SHQoZRklOSVNIX1JFQVNPTl9VTlNQRUNJRklFRBAAEhYKEkZJTklTSF9SRUFTT05fU1RPUBABEhgKFEZJTklTSF9SRUFTT05fTEVOR1RIEAISHAoYRklOSVNIX1JFQVNPTl9SRVBFVElUSU9OEAMSFwoTRklOSVNIX1JFQVNPTl9BQk9SVBAEEhcKE0ZJTklTSF9SRUFTT05fRVJST1IQBRIcChhGSU5JU0hfUkVBU09OX1RPT0xfQ0FMTFMQBkJDWkFnaXRodWIuY29tL2t2bWVzaC9rdm1lc2gvY2xpZW50cy9nby9nZW4va3ZtZXNoL2NvbW1vbi92MTtjb21tb252MWIGcHJvdG8z");
 
 /**
  * How to pick each next token. Zero values mean "off" unless a field says
@@ -110,6 +110,36 @@ export type SamplingParams = Message<"kvmesh.common.v1.SamplingParams"> & {
    * @generated from field: kvmesh.common.v1.StructuredOutput structured_output = 13;
    */
   structuredOutput?: StructuredOutput | undefined;
+
+  /**
+   * OpenAI's penalties, over the generated tokens, in [-2, 2]: each token's
+   * logit is lowered by presence_penalty once it occurred and by
+   * frequency_penalty per occurrence. 0: off.
+   *
+   * @generated from field: float presence_penalty = 14;
+   */
+  presencePenalty: number;
+
+  /**
+   * @generated from field: float frequency_penalty = 15;
+   */
+  frequencyPenalty: number;
+
+  /**
+   * transformers' repetition penalty over prompt and output tokens: a seen
+   * token's logit is divided by it when positive, multiplied when negative.
+   * Unset: the server's default for the model (usually 1.0, off).
+   *
+   * @generated from field: optional float repetition_penalty = 16;
+   */
+  repetitionPenalty?: number | undefined;
+
+  /**
+   * Added to these tokens' logits before sampling, each in [-100, 100].
+   *
+   * @generated from field: map<uint32, float> logit_bias = 17;
+   */
+  logitBias: { [key: number]: number };
 };
 
 /**

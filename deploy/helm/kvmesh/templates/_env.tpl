@@ -1,0 +1,122 @@
+{{/*
+Each service's environment: the KVMESH_* twins of its flags (docs/services.md),
+as compose/docker-compose.yml sets them. Peers are Service DNS names
+(kvmesh.address). tests/deploy/ checks every KVMESH_* name against the flags
+the service defines.
+*/}}
+
+{{/* Argument: (list $ "router"). The flags every service has, then `env:` from values. */}}
+{{- define "kvmesh.env.common" -}}
+{{- $root := index . 0 -}}{{- $c := index . 1 -}}{{- $v := index $root.Values $c -}}
+- name: KVMESH_HOST
+  value: {{ $root.Values.common.bindHost | quote }}
+- name: KVMESH_PORT
+  value: {{ $v.port | quote }}
+- name: KVMESH_METRICS_PORT
+  value: {{ $v.metricsPort | quote }}
+- name: KVMESH_LOG_LEVEL
+  value: {{ $root.Values.common.logLevel | quote }}
+- name: KVMESH_GRACE_SECONDS
+  value: {{ include "kvmesh.graceSeconds" . | quote }}
+- name: PYTHONUNBUFFERED
+  value: "1"
+# Several torch processes may share a node's cores: sleeping OpenMP waiters.
+- name: OMP_WAIT_POLICY
+  value: PASSIVE
+{{- end -}}
+
+{{/* Workers register with the router under an address others dial: the pod IP. */}}
+{{- define "kvmesh.env.advertise" -}}
+{{- $root := index . 0 -}}{{- $c := index . 1 -}}
+- name: POD_IP
+  valueFrom:
+    fieldRef: {fieldPath: status.podIP}
+- name: KVMESH_ADVERTISE_ADDRESS
+  value: "$(POD_IP):{{ (index $root.Values $c).port }}"
+{{- end -}}
+
+{{- define "kvmesh.env.model" -}}
+- name: KVMESH_MODEL
+  value: {{ include "kvmesh.modelDir" . | quote }}
+{{- end -}}
+
+{{/* Argument: (list $ "prefill"). What prefill and decode share: the engine's settings. */}}
+{{- define "kvmesh.env.worker" -}}
+{{- $root := index . 0 -}}{{- $c := index . 1 -}}{{- $v := index $root.Values $c -}}
+- name: KVMESH_ROUTER_ADDRESS
+  value: {{ include "kvmesh.address" (list $root "router") | quote }}
+- name: KVMESH_KVSTORE_ADDRESS
+  value: {{ include "kvmesh.address" (list $root "kvstore") | quote }}
+{{ include "kvmesh.env.model" $root }}
+# The pod sees only the GPUs it requested; the first is its cuda:0.
+- name: KVMESH_DEVICE
+  value: {{ ternary "cuda:0" "cpu" (gt (int $v.gpus) 0) | quote }}
+- name: KVMESH_NUM_BLOCKS
+  value: {{ $v.numBlocks | quote }}
+{{- with $v.maxModelLen }}
+- name: KVMESH_MAX_MODEL_LEN
+  value: {{ . | quote }}
+{{- end }}
+{{ include "kvmesh.env.advertise" . }}
+{{- end -}}
+
+{{- define "kvmesh.env.router" -}}
+- name: KVMESH_REDIS_URL
+  value: {{ include "kvmesh.redisUrl" . | quote }}
+{{- end -}}
+
+{{- define "kvmesh.env.kvstore" -}}
+- name: KVMESH_ROUTER_ADDRESS
+  value: {{ include "kvmesh.address" (list . "router") | quote }}
+# A StatefulSet pod's name is stable: the same worker id after a restart, with the same disk.
+- name: KVMESH_WORKER_ID
+  valueFrom:
+    fieldRef: {fieldPath: metadata.name}
+- name: KVMESH_RAM_BUDGET_BYTES
+  value: {{ .Values.kvstore.ramBudgetBytes | int64 | quote }}
+{{- if .Values.kvstore.disk.enabled }}
+- name: KVMESH_DISK_DIR
+  value: /var/lib/kvmesh/kvstore
+- name: KVMESH_DISK_BUDGET_BYTES
+  value: {{ .Values.kvstore.disk.budgetBytes | int64 | quote }}
+{{- end }}
+{{ include "kvmesh.env.advertise" (list . "kvstore") }}
+{{- end -}}
+
+{{- define "kvmesh.env.speculator" -}}
+{{- end -}}
+
+{{- define "kvmesh.env.prefill" -}}
+{{ include "kvmesh.env.worker" (list . "prefill") }}
+{{- end -}}
+
+{{- define "kvmesh.env.decode" -}}
+{{ include "kvmesh.env.worker" (list . "decode") }}
+- name: KVMESH_SPECULATOR_ADDRESS
+  value: {{ include "kvmesh.address" (list . "speculator") | quote }}
+- name: KVMESH_NUM_SPECULATIVE_TOKENS
+  value: {{ .Values.decode.numSpeculativeTokens | quote }}
+{{- end -}}
+
+{{- define "kvmesh.env.gateway" -}}
+- name: KVMESH_ROUTER_ADDRESS
+  value: {{ include "kvmesh.address" (list . "router") | quote }}
+{{ include "kvmesh.env.model" . }}
+- name: KVMESH_MODEL_NAME
+  value: {{ .Values.model.name | quote }}
+- name: KVMESH_HTTP_PORT
+  value: {{ .Values.gateway.httpPort | quote }}
+{{- if .Values.gateway.apiKeys.enabled }}
+- name: KVMESH_API_KEYS
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvmesh.apiKeysSecret" . }}
+      key: {{ .Values.gateway.apiKeys.secretKey }}
+{{- end }}
+{{- end -}}
+
+{{/* Argument: (list $ "decode"). The service's own grace period, else the common one. */}}
+{{- define "kvmesh.graceSeconds" -}}
+{{- $root := index . 0 -}}{{- $v := index $root.Values (index . 1) -}}
+{{- $v.graceSeconds | default $root.Values.common.graceSeconds -}}
+{{- end -}}

@@ -1,0 +1,173 @@
+{{/*
+One kvmesh service's workload: a Deployment (a StatefulSet for the kvstore,
+whose replicas own their disk tier). Argument: (list $ "decode").
+Every container has grpc.health.v1 probes on its own gRPC port: NOT_SERVING
+while the model loads (the startupProbe waits up to startupSeconds) and while
+draining (readiness drops at SIGTERM, so Service endpoints let go first).
+*/}}
+{{- define "kvmesh.workload" -}}
+{{- $root := index . 0 -}}{{- $c := index . 1 -}}{{- $v := index $root.Values $c -}}
+{{- $usesModel := has $c (list "prefill" "decode" "gateway") -}}
+{{- $gpus := int ($v.gpus | default 0) -}}
+{{- $stateful := eq $c "kvstore" -}}
+{{- $autoscaled := and $v.autoscaling $v.autoscaling.enabled -}}
+{{- $grace := int (include "kvmesh.graceSeconds" .) -}}
+{{- $preStop := int $root.Values.common.preStopSeconds -}}
+apiVersion: apps/v1
+kind: {{ ternary "StatefulSet" "Deployment" $stateful }}
+metadata:
+  name: {{ include "kvmesh.name" . }}
+  labels:
+    {{- include "kvmesh.labels" . | nindent 4 }}
+spec:
+  {{- if not $autoscaled }}
+  replicas: {{ $v.replicas }}
+  {{- end }}
+  selector:
+    matchLabels:
+      {{- include "kvmesh.selectorLabels" . | nindent 6 }}
+  {{- if $stateful }}
+  serviceName: {{ include "kvmesh.name" . }}
+  podManagementPolicy: Parallel
+  {{- else if $v.strategy }}
+  strategy:
+    {{- toYaml $v.strategy | nindent 4 }}
+  {{- end }}
+  template:
+    metadata:
+      labels:
+        {{- include "kvmesh.labels" . | nindent 8 }}
+      {{- with $root.Values.common.podAnnotations }}
+      annotations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+    spec:
+      terminationGracePeriodSeconds: {{ add $preStop $grace 15 }}
+      securityContext:
+        {{- toYaml $root.Values.common.podSecurityContext | nindent 8 }}
+      {{- with $root.Values.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- if $root.Values.common.topologySpread.enabled }}
+      topologySpreadConstraints:
+        - maxSkew: 1
+          topologyKey: {{ $root.Values.common.topologySpread.topologyKey }}
+          whenUnsatisfiable: {{ $root.Values.common.topologySpread.whenUnsatisfiable }}
+          labelSelector:
+            matchLabels:
+              {{- include "kvmesh.selectorLabels" . | nindent 14 }}
+      {{- end }}
+      {{- if and $usesModel (include "kvmesh.waitsForModel" $root) }}
+      initContainers:
+        # The model-init Job fills the cache once; until it has, there is nothing to load.
+        - name: wait-for-model
+          image: {{ include "kvmesh.image" $root }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          command: ["sh", "-c", "until [ -f \"$0\" ]; do echo \"waiting for $0 (the model-init Job)\"; sleep 10; done", {{ include "kvmesh.modelReady" $root | quote }}]
+          resources:
+            requests: {cpu: 10m, memory: 16Mi}
+            limits: {memory: 64Mi}
+          volumeMounts:
+            - name: model
+              mountPath: {{ $root.Values.model.cache.mountPath }}
+              readOnly: true
+      {{- end }}
+      containers:
+        - name: {{ $c }}
+          image: {{ include "kvmesh.image" $root }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          args: [{{ $c | quote }}]
+          ports:
+            - name: grpc
+              containerPort: {{ $v.port }}
+            - name: metrics
+              containerPort: {{ $v.metricsPort }}
+            {{- if eq $c "gateway" }}
+            - name: http
+              containerPort: {{ $v.httpPort }}
+            {{- end }}
+          {{- $env := printf "%s\n%s" (include "kvmesh.env.common" .) (include (printf "kvmesh.env.%s" $c) $root) }}
+          {{- range $e := fromYamlArray $env }}
+          {{- if hasKey $v.env $e.name }}
+          {{- fail (printf "%s.env.%s: the chart sets %s itself; use the value that sets it" $c $e.name $e.name) }}
+          {{- end }}
+          {{- end }}
+          env:
+            {{- $env | nindent 12 }}
+            {{- range $name, $value := $v.env }}
+            - name: {{ $name }}
+              value: {{ $value | toString | quote }}
+            {{- end }}
+          startupProbe:
+            grpc: {port: {{ $v.port }}}
+            periodSeconds: 10
+            timeoutSeconds: 5
+            failureThreshold: {{ max 1 (div (add $v.startupSeconds 9) 10) }}
+          readinessProbe:
+            grpc: {port: {{ $v.port }}}
+            periodSeconds: 5
+            timeoutSeconds: 5
+            failureThreshold: 2
+          livenessProbe:
+            grpc: {port: {{ $v.port }}}
+            periodSeconds: 10
+            timeoutSeconds: 5
+            failureThreshold: 3
+          lifecycle:
+            preStop:
+              sleep: {seconds: {{ $preStop }}}
+          resources:
+            {{- $res := deepCopy ($v.resources | default dict) }}
+            {{- if gt $gpus 0 }}
+            {{- $limits := merge (dict "nvidia.com/gpu" $gpus) ($res.limits | default dict) }}
+            {{- $requests := merge (dict "nvidia.com/gpu" $gpus) ($res.requests | default dict) }}
+            {{- $_ := set $res "limits" $limits }}
+            {{- $_ := set $res "requests" $requests }}
+            {{- end }}
+            {{- toYaml $res | nindent 12 }}
+          {{- if or $usesModel (and $stateful $v.disk.enabled) }}
+          volumeMounts:
+            {{- if and $usesModel (eq $root.Values.model.source "cache") }}
+            - name: model
+              mountPath: {{ $root.Values.model.cache.mountPath }}
+              readOnly: true
+            {{- end }}
+            {{- if and $stateful $v.disk.enabled }}
+            - name: disk
+              mountPath: /var/lib/kvmesh/kvstore
+            {{- end }}
+          {{- end }}
+      {{- if and $usesModel (eq $root.Values.model.source "cache") }}
+      volumes:
+        - name: model
+          persistentVolumeClaim:
+            claimName: {{ include "kvmesh.modelClaim" $root }}
+            readOnly: true
+      {{- end }}
+  {{- if and $stateful $v.disk.enabled }}
+  volumeClaimTemplates:
+    - metadata:
+        name: disk
+      spec:
+        accessModes: ["ReadWriteOnce"]
+        {{- with $v.disk.storageClassName }}
+        storageClassName: {{ . }}
+        {{- end }}
+        resources:
+          requests:
+            storage: {{ $v.disk.size }}
+  {{- end }}
+{{- end -}}

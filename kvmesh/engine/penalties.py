@@ -1,0 +1,67 @@
+"""Logit adjustments a request asks for: logit_bias, then the repetition, frequency and presence penalties.
+
+Applied to the raw logits before grammar masks and sampling (greedy picks the
+argmax of the adjusted row), in vLLM's order: bias first, then penalties.
+- ``logit_bias``: added to the named tokens' logits (OpenAI).
+- ``repetition_penalty`` (transformers' RepetitionPenaltyLogitsProcessor): every token
+  seen in the prompt or the output has its logit divided by the penalty when positive,
+  multiplied when negative.
+- ``frequency_penalty`` / ``presence_penalty`` (OpenAI): over the *generated* tokens,
+  ``logit -= count * frequency + (count > 0) * presence``.
+
+A row that verifies drafts sees the drafts before it as already generated, so
+speculation changes nothing. Per sequence the counts live in dense [V] tensors on the
+logits' device, caught up with the tokens appended since the last step: a step costs a
+few vector ops per adjusted row, however long the sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class PenaltyState:
+    """A sequence's token counts as the penalties need them."""
+
+    output_counts: torch.Tensor  # [V] float32: occurrences in the output
+    seen: torch.Tensor  # [V] bool: in the prompt or the output
+    num_counted: int = 0  # output tokens already in output_counts
+
+    @classmethod
+    def new(cls, prompt_ids: list[int], vocab_size: int, device: torch.device) -> PenaltyState:
+        seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        seen[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
+        return cls(torch.zeros(vocab_size, dtype=torch.float32, device=device), seen)
+
+    def catch_up(self, output_ids: list[int]) -> None:
+        new = output_ids[self.num_counted :]
+        if new:
+            ids = torch.tensor(new, dtype=torch.long, device=self.seen.device)
+            self.output_counts.index_add_(0, ids, torch.ones(len(new), device=ids.device))
+            self.seen[ids] = True
+            self.num_counted = len(output_ids)
+
+
+def adjust_row(row: torch.Tensor, params: SamplingParams, state: PenaltyState, drafts: list[int]) -> None:
+    """Adjust one logits row [V] in place; ``drafts`` are the draft tokens before this row."""
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=row.device)
+        row.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=row.dtype, device=row.device))
+    counts, seen = state.output_counts, state.seen
+    if drafts:
+        ids = torch.tensor(drafts, dtype=torch.long, device=row.device)
+        counts = counts.index_add(0, ids, torch.ones(len(drafts), device=row.device))
+        seen = seen.clone()
+        seen[ids] = True
+    if params.repetition_penalty != 1.0:
+        p = params.repetition_penalty
+        row.copy_(torch.where(seen, torch.where(row < 0, row * p, row / p), row))
+    if params.frequency_penalty:
+        row.sub_(counts * params.frequency_penalty)
+    if params.presence_penalty:
+        row.sub_((counts > 0).to(row.dtype) * params.presence_penalty)

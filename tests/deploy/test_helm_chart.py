@@ -1,0 +1,251 @@
+"""deploy/helm/kvmesh, validated offline: helm lint --strict, helm template over the values matrix in
+ci/ (and the negative cases in ci/invalid/, which values.schema.json or the templates must reject
+with their message), kubectl-validate against Kubernetes' OpenAPI schemas, and the Go test in
+deploy/helm/validate/ that decodes every manifest strictly into k8s.io/api types and checks the
+chart's invariants. helm and kubectl-validate are built into .tools/bin by scripts/install_deploy_tools.sh
+(scripts/install.sh runs it): a missing tool fails these tests, it does not skip them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tomllib
+from functools import cache
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvmesh.models.catalog import CATALOG, model_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "kvmesh"
+REDIS_CHART = ROOT / "deploy" / "helm" / "redis"
+VALIDATE = ROOT / "deploy" / "helm" / "validate"
+TOOLS = ROOT / ".tools" / "bin"
+CASES = {"default": None, **{p.name.removesuffix("-values.yaml"): p for p in sorted((CHART / "ci").glob("*-values.yaml"))}}
+INVALID = sorted((CHART / "ci" / "invalid").glob("*.yaml"))
+# Cases whose prefill and decode must request GPUs (cpu-values runs them on the CPU).
+GPU_CASES = sorted(set(CASES) - {"cpu"})
+# The CRD kubectl-validate checks the ServiceMonitor against: prometheus-operator's, the release
+# whose Go types (pkg/apis/monitoring, pinned in deploy/helm/validate/go.mod) the Go test decodes into.
+MONITORING_TYPES = "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring"
+# kubectl-validate v0.0.4 embeds schemas up to this Kubernetes version.
+KUBE_VERSION = "1.30"
+RELEASE = "ci"
+
+
+def tool(name: str) -> str:
+    path = TOOLS / name
+    assert path.is_file(), f"{path} is missing: scripts/install_deploy_tools.sh (run by scripts/install.sh) builds it"
+    return str(path)
+
+
+def run(cmd: list[str], cwd: Path = ROOT, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def helm_template(values: Path | None) -> subprocess.CompletedProcess:
+    cmd = [tool("helm"), "template", RELEASE, str(CHART), "--namespace", "kvmesh"]
+    return run(cmd + (["-f", str(values)] if values else []), timeout=120)
+
+
+@cache
+def rendered(case: str) -> str:
+    result = helm_template(CASES[case])
+    assert result.returncode == 0, f"helm template ({case}):\n{result.stderr}"
+    return result.stdout
+
+
+def manifests(case: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all(rendered(case)) if d]
+
+
+def by_kind(case: str, kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in manifests(case) if d["kind"] == kind}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_helm_lint_strict(case: str) -> None:
+    values = CASES[case]
+    result = run([tool("helm"), "lint", "--strict", str(CHART), *(["-f", str(values)] if values else [])], timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_helm_lint_strict_the_redis_subchart() -> None:
+    result = run([tool("helm"), "lint", "--strict", str(REDIS_CHART)], timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("path", INVALID, ids=[p.stem for p in INVALID])
+def test_invalid_values_are_rejected_with_their_message(path: Path) -> None:
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# expect: "), f"{path.name}: the first line must be `# expect: <part of the error>`"
+    result = helm_template(path)
+    assert result.returncode != 0, f"{path.name} rendered; it must be rejected"
+    assert first.removeprefix("# expect: ") in result.stderr, result.stderr
+
+
+def go_test(tmp_path: Path, renders: dict[str, str], gpu_cases: list[str]) -> subprocess.CompletedProcess:
+    """deploy/helm/validate's test over `renders` (case name -> `helm template` output)."""
+    rendered_dir = tmp_path / "rendered"
+    rendered_dir.mkdir()
+    for case, text in renders.items():
+        (rendered_dir / f"{case}.yaml").write_text(text)
+    # The flags docs/services.md is generated from, straight from the code: nothing committed to go stale.
+    flags = tmp_path / "flags.json"
+    gen = run([sys.executable, "scripts/flag_tables.py", "--json", str(flags)],
+              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert gen.returncode == 0, gen.stderr
+    return run(["go", "test", "-count=1", "./...", "-args",
+                f"-rendered={rendered_dir}", f"-flags={flags}", f"-gpu-cases={','.join(gpu_cases)}"],
+               cwd=VALIDATE, timeout=600)
+
+
+def test_the_go_test_decodes_every_manifest_strictly_and_checks_the_invariants(tmp_path: Path) -> None:
+    """deploy/helm/validate: k8s.io/api types, probes, env against the flags, GPUs, PDBs, HPAs, ..."""
+    result = go_test(tmp_path, {case: rendered(case) for case in CASES}, GPU_CASES)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_go_test_fails_on_an_env_var_no_flag_reads_and_on_a_gpu_worker_without_a_gpu(tmp_path: Path) -> None:
+    """What the schema lets through (any KVMESH_* name, gpus: 0) and only the Go test catches."""
+    renders = {}
+    for case, override in {"typo": "router.env.KVMESH_REDIS_ADDRESS=redis://x:6379/0", "no-gpu": "decode.gpus=0"}.items():
+        result = run([tool("helm"), "template", RELEASE, str(CHART), "--set", override], timeout=120)
+        assert result.returncode == 0, result.stderr
+        renders[case] = result.stdout
+    result = go_test(tmp_path, renders, ["no-gpu"])
+    assert result.returncode != 0
+    assert "KVMESH_REDIS_ADDRESS is not a flag of router" in result.stdout, result.stdout
+    assert "decode requests no GPU" in result.stdout, result.stdout
+
+
+@cache
+def service_monitor_crds() -> Path:
+    (version,) = re.findall(rf"^\s*{re.escape(MONITORING_TYPES)} (v\S+)$", (VALIDATE / "go.mod").read_text(), re.M)
+    operator = f"github.com/prometheus-operator/prometheus-operator@{version}"
+    result = run(["go", "mod", "download", "-json", operator], timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    crds = Path(json.loads(result.stdout)["Dir"]) / "example" / "prometheus-operator-crd"
+    assert (crds / "monitoring.coreos.com_servicemonitors.yaml").is_file(), crds
+    return crds
+
+
+def test_kubectl_validate_accepts_every_manifest(tmp_path: Path) -> None:
+    crds = tmp_path / "crds"
+    crds.mkdir()
+    (crds / "servicemonitors.yaml").write_text((service_monitor_crds() / "monitoring.coreos.com_servicemonitors.yaml").read_text())
+    for case in CASES:
+        (tmp_path / f"{case}.yaml").write_text(rendered(case))
+    files = sorted(str(p) for p in tmp_path.glob("*.yaml"))
+    result = run([tool("kubectl-validate"), *files, "--version", KUBE_VERSION, "--local-crds", str(crds), "-o", "json"], timeout=120)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr
+    report = json.loads(result.stdout)
+    assert set(report) == set(files), report.keys()
+    assert all(r["status"] == "Success" for per_file in report.values() for r in per_file), report
+
+
+# -- what a particular values case must produce ----------------------------------------------------------
+
+
+def env_of(workload: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in workload["spec"]["template"]["spec"]["containers"][0].get("env", [])}
+
+
+def test_gpu_values_run_two_plus_two_gpu_workers_from_the_model_cache() -> None:
+    deployments = by_kind("gpu", "Deployment")
+    for role in ("prefill", "decode"):
+        d = deployments[f"{RELEASE}-kvmesh-{role}"]
+        assert d["spec"]["replicas"] == 2
+        limits = d["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == 1
+        assert env_of(d)["KVMESH_MODEL"]["value"] == "/models/smollm2-135m-instruct"
+        assert d["spec"]["template"]["spec"]["initContainers"][0]["name"] == "wait-for-model"
+    (job,) = by_kind("gpu", "Job").values()
+    init = job["spec"]["template"]["spec"]["containers"][0]
+    assert init["args"] == ["models", "install", "smollm2-135m-instruct"]
+    # `kvmesh models install` puts the folder where the services read it.
+    (env,) = init["env"]
+    assert env["name"] == "KVMESH_MODELS_DIR"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(env["name"], env["value"])
+        folder = model_dir(CATALOG["smollm2-135m-instruct"])
+    assert str(folder) == env_of(deployments[f"{RELEASE}-kvmesh-decode"])["KVMESH_MODEL"]["value"]
+    assert set(by_kind("gpu", "PersistentVolumeClaim")) == {f"{RELEASE}-kvmesh-model-cache"}
+    assert by_kind("gpu", "ServiceMonitor") and by_kind("gpu", "ConfigMap")
+
+
+def test_cpu_values_need_no_gpu_and_no_model_cache() -> None:
+    for role in ("prefill", "decode"):
+        d = by_kind("cpu", "Deployment")[f"{RELEASE}-kvmesh-{role}"]
+        assert "nvidia.com/gpu" not in d["spec"]["template"]["spec"]["containers"][0]["resources"].get("limits", {})
+        assert env_of(d)["KVMESH_DEVICE"]["value"] == "cpu"
+    assert not by_kind("cpu", "Job") and not by_kind("cpu", "PersistentVolumeClaim")
+
+
+def test_external_redis_replaces_the_subchart() -> None:
+    router = by_kind("external-redis", "Deployment")[f"{RELEASE}-kvmesh-router"]
+    assert env_of(router)["KVMESH_REDIS_URL"]["value"] == "rediss://redis.infra.svc.cluster.local:6380/2"
+    assert router["spec"]["replicas"] == 3
+    assert not [d for d in manifests("external-redis") if d["metadata"]["labels"].get("app.kubernetes.io/name") == "redis"]
+    assert by_kind("default", "StatefulSet")[f"{RELEASE}-redis"]
+    default_router = by_kind("default", "Deployment")[f"{RELEASE}-kvmesh-router"]
+    assert env_of(default_router)["KVMESH_REDIS_URL"]["value"] == f"redis://{RELEASE}-redis:6379/0"
+
+
+def test_autoscaling_scales_prefill_and_decode_on_their_own_signals() -> None:
+    hpas = by_kind("autoscaling", "HorizontalPodAutoscaler")
+    metric = {name.rsplit("-", 1)[1]: h["spec"]["metrics"][0]["pods"]["metric"]["name"] for name, h in hpas.items()}
+    assert metric == {"prefill": "kvmesh_engine_waiting_sequences", "decode": "kvmesh_engine_running_sequences"}
+    assert not by_kind("default", "HorizontalPodAutoscaler")
+
+
+def test_decode_drains_longer_than_the_others() -> None:
+    d = by_kind("default", "Deployment")[f"{RELEASE}-kvmesh-decode"]
+    assert env_of(d)["KVMESH_GRACE_SECONDS"]["value"] == "120"
+    assert d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 5 + 120 + 15
+    assert d["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+
+
+# -- one source of truth for what the chart vendors ------------------------------------------------------
+
+
+def test_the_dashboard_is_composes_and_its_datasource_uid_follows_the_value() -> None:
+    copy = (CHART / "files" / "kvmesh.json").read_text()
+    assert copy == (ROOT / "compose" / "grafana" / "dashboards" / "kvmesh.json").read_text(), (
+        "deploy/helm/kvmesh/files/kvmesh.json must equal compose/grafana/dashboards/kvmesh.json: copy it over")
+    (cm,) = by_kind("gpu", "ConfigMap").values()
+    shipped = cm["data"]["kvmesh.json"]
+    json.loads(shipped)
+    assert "kvmesh-prometheus" not in shipped  # gpu-values sets datasourceUid: prometheus
+    assert shipped.count('"uid": "prometheus"') == copy.count('"uid": "kvmesh-prometheus"') > 0
+
+
+def test_the_vendored_redis_chart_is_the_packaged_source() -> None:
+    """charts/redis-<version>.tgz is deploy/helm/redis packaged (`helm dependency update deploy/helm/kvmesh`)."""
+    version = yaml.safe_load((REDIS_CHART / "Chart.yaml").read_text())["version"]
+    tgz = CHART / "charts" / f"redis-{version}.tgz"
+    assert sorted(p.name for p in (CHART / "charts").iterdir()) == [tgz.name]
+    with tarfile.open(tgz) as tar:
+        packaged = {m.name.removeprefix("redis/"): tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+    source = {str(p.relative_to(REDIS_CHART)): p.read_bytes() for p in REDIS_CHART.rglob("*") if p.is_file()}
+    # helm package rewrites Chart.yaml (keys sorted, comments dropped): compared as data.
+    assert yaml.safe_load(packaged.pop("Chart.yaml")) == yaml.safe_load(source.pop("Chart.yaml"))
+    assert packaged == source, "stale: run helm dependency update deploy/helm/kvmesh"
+    lock = yaml.safe_load((CHART / "Chart.lock").read_text())
+    assert [(d["name"], d["version"]) for d in lock["dependencies"]] == [("redis", version)]
+
+
+def test_the_chart_pins_what_the_repository_does() -> None:
+    """appVersion is kvmesh's version, and the Redis image is the one compose runs."""
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert chart["appVersion"] == project["version"]
+    redis = yaml.safe_load((REDIS_CHART / "values.yaml").read_text())["image"]
+    compose = (ROOT / "compose" / "docker-compose.yml").read_text()
+    assert f"${{KVMESH_REDIS_IMAGE:-{redis['repository']}:{redis['tag']}}}" in compose
