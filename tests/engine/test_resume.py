@@ -55,6 +55,17 @@ def test_greedy_resume_continues_with_exactly_the_unbroken_tokens_and_text(engin
     assert rest_reason == reason == "length"
 
 
+def test_penalties_count_the_resumed_tokens_as_output(engine) -> None:
+    prompt = engine.tokenizer.encode("def main():\n")
+    params = SamplingParams(max_tokens=32, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5,
+                            repetition_penalty=1.3)
+    full, _, _ = _stream(engine, prompt, params)
+
+    rest, _, _ = _stream(engine, prompt, params, resume_ids=full[:11])
+
+    assert full[:11] + rest == full
+
+
 def test_a_stop_string_held_back_at_the_cut_is_released_or_cut_as_unbroken(engine) -> None:
     prompt = engine.tokenizer.encode("class A:\n")
     free, free_text, _ = _stream(engine, prompt, SamplingParams(max_tokens=30, ignore_eos=True))
