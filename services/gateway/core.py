@@ -7,7 +7,7 @@ message goes to the client as it arrives.
 
 Failures: a worker that is unreachable or breaks before the client got a
 token is excluded and the request is routed once more; a decode worker that
-fails after tokens were sent (stream broken, or silent past the idle timeout)
+fails after tokens were sent (stream broken, or silent past its timeouts)
 is excluded and the stream migrates to another decode worker, which resumes
 after the tokens already sent (``migration.py``), up to a limit per request.
 A router that cannot be reached is stood in for by the decode workers it
@@ -288,9 +288,9 @@ class Gateway:
             log.warning("router unreachable; routing on its last known workers", error=e.message,
                         decode_worker=plan.decode_worker.worker_id)
             return plan
-        self._known_workers.learn(plan)
         if not plan.decode_worker.address or not (plan.prefill_locally or plan.prefill_worker.address):
             raise KvmeshError(f"the router returned an incomplete plan: {plan}")
+        self._known_workers.learn(plan)
         return plan
 
     async def _attempt(self, job: Job, plan: router_pb2.RouteResponse, stream: ResponseStream) -> Chunks:
