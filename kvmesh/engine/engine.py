@@ -36,6 +36,9 @@ from kvmesh.errors import InvalidArgument, NotFound, ResourceExhausted
 
 log = structlog.get_logger(__name__)
 
+# Mixes the resume point into a resumed request's seed (an odd 63-bit constant: the golden ratio).
+_RESUME_SEED_STEP = 0x4F1BBCDCBFA53E0B
+
 
 @dataclass
 class RequestOutput:
@@ -179,6 +182,7 @@ class LLMEngine:
         first_token: int | None = None,
         first_logprob: TokenLogprob | None = None,
         hold_prompt_blocks: bool = False,
+        resume_ids: list[int] | None = None,
     ) -> str:
         """Queue a request; raises InvalidArgument for anything it could never serve.
 
@@ -187,6 +191,10 @@ class LLMEngine:
         streaming as usual) and the next step computes only what the cache lacks.
         ``hold_prompt_blocks`` keeps the prompt's full blocks referenced after the request
         finishes, for a KV hand-off, until ``release_held``.
+        ``resume_ids`` continues a request another worker had started (a migration): those
+        tokens are its output so far, already delivered, so they count against max_tokens,
+        stop strings and the repetition guard and advance its grammar, but are not emitted
+        again; the first step computes their KV with the prompt's and samples what follows.
         """
         arrival = next(self._arrivals)
         request_id = request_id or f"req-{arrival}"
@@ -207,6 +215,10 @@ class LLMEngine:
             seq.grammar = self.grammars.matcher(params.grammar)
             if first_token is not None and not self.grammars.allows(seq.grammar, first_token):
                 raise InvalidArgument(f"first token {first_token} is not allowed by the request's grammar")
+        if resume_ids:
+            if first_token is not None:
+                raise InvalidArgument("a resumed request is prefilled here: it cannot also carry a first token")
+            self._resume(seq, resume_ids)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         self.stats.prompt_tokens += len(prompt_ids)
@@ -215,6 +227,31 @@ class LLMEngine:
                 seq.logprobs.append(first_logprob or TokenLogprob(first_token, float("nan")))
             self._pending.append(self._append_tokens(seq, [first_token]))
         return request_id
+
+    def _resume(self, seq: Sequence, resume_ids: list[int]) -> None:
+        """Put the tokens another worker already delivered in place as this sequence's output."""
+        p = seq.params
+        if len(resume_ids) >= p.max_tokens or seq.num_tokens + len(resume_ids) >= self.max_model_len:
+            raise InvalidArgument(
+                f"{len(resume_ids)} resumed tokens leave no room to generate (max_tokens {p.max_tokens})"
+            )
+        vocab = self.model_config.vocab_size
+        for token in resume_ids:
+            if not 0 <= token < vocab:
+                raise InvalidArgument(f"resumed token {token} is outside the vocabulary")
+            seq.output_ids.append(token)
+            if seq.detok is not None:
+                seq.detok.add(token)
+            if seq.grammar is not None and not seq.grammar.accept_token(token):
+                raise InvalidArgument(f"resumed token {token} is not allowed by the request's grammar there")
+        # The text the first worker had released: all of it but a tail that might begin a
+        # stop string, which it held back (and this worker releases or cuts later, as it would have).
+        seq.emitted_text_len = len(releasable_text(seq, finished=False))
+        if p.seed is not None:
+            # The same seed from the same point again, not the stream of draws that made the
+            # first tokens: a resumed sampled request is a valid continuation, reproducible for
+            # a given resume point, but not the text an unbroken run would have sampled.
+            seq.generator = torch.Generator().manual_seed((p.seed + _RESUME_SEED_STEP * len(resume_ids)) % 2**63)
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size

@@ -4,10 +4,12 @@
 ``compose/docker-compose.yml`` (commands, ``KVMESH_*`` environment, ports,
 devices, start order), ``MeshOptions`` overriding what the compose file says;
 ``Mesh(topology)`` runs them (start in dependency order until healthy, stop in
-reverse, no orphans).
+reverse, no orphans; with a ``RestartPolicy``, crashed processes are restarted
+with backoff until they crash-loop).
 """
 
 from kvmesh.launcher.compose import COMPOSE_FILE, ComposeError
+from kvmesh.launcher.restart import RestartPolicy
 from kvmesh.launcher.supervisor import Mesh, MeshError, RunningProcess, StartInterrupted
 from kvmesh.launcher.topology import MeshOptions, ProcessSpec, Topology, build_topology, free_port
 
@@ -18,6 +20,7 @@ __all__ = [
     "MeshError",
     "MeshOptions",
     "ProcessSpec",
+    "RestartPolicy",
     "RunningProcess",
     "StartInterrupted",
     "Topology",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from kvmesh.errors import ModelLoadError
 from kvmesh.launcher.compose import COMPOSE_FILE, compose_variables
+from kvmesh.launcher.restart import RestartPolicy
 from kvmesh.launcher.supervisor import Mesh, MeshError, StartInterrupted
 from kvmesh.launcher.topology import MeshOptions, build_topology, compose_model_path, describe
 
@@ -32,8 +33,22 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     p.add_argument("--model", help="local Hugging Face model folder (default: the compose file's model folder, "
                    "KVMESH_MODEL_DIR; the embedded default model when that is the shipped one and missing)")
     p.add_argument("--model-name", help="model id the gateway serves (default: the folder's name)")
-    p.add_argument("--prefill", type=int, metavar="N", help="prefill workers (default: the compose file's replicas; 0: decode prefills)")
-    p.add_argument("--decode", type=int, metavar="M", help="decode workers (default: the compose file's replicas)")
+    p.add_argument("--prefill-replicas", "--prefill", dest="prefill", type=int, metavar="N",
+                   help="prefill workers (default: the compose file's replicas; 0: decode prefills)")
+    p.add_argument("--decode-replicas", "--decode", dest="decode", type=int, metavar="M",
+                   help="decode workers (default: the compose file's replicas); 2 or more: a dead one's streams "
+                   "migrate to the others")
+    p.add_argument("--restart", action=argparse.BooleanOptionalAction, default=True,
+                   help="restart a process that exits unexpectedly, with exponential backoff (default on)")
+    p.add_argument("--restart-backoff", type=float, default=RestartPolicy.initial_backoff_s, metavar="S",
+                   help="seconds before the first restart; doubled for each crash in a row (default: %(default)s)")
+    p.add_argument("--restart-backoff-max", type=float, default=RestartPolicy.max_backoff_s, metavar="S",
+                   help="the longest wait between restarts (default: %(default)s)")
+    p.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts, metavar="K",
+                   help="restarts in a row (each crashing before it ran --restart-stable-after) before giving up "
+                   "on a crash-looping process (default: %(default)s)")
+    p.add_argument("--restart-stable-after", type=float, default=RestartPolicy.stable_after_s, metavar="S",
+                   help="a run this long resets the backoff and the crash count (default: %(default)s)")
     p.add_argument("--speculator", action=argparse.BooleanOptionalAction, default=True, help="run the speculator (default on)")
     p.add_argument("--host", default="127.0.0.1", help="address every service binds to")
     p.add_argument("--gateway-port", type=int, help="the gateway's public gRPC port (default: the compose file's "
@@ -90,11 +105,16 @@ def run_up(args: argparse.Namespace) -> int:
         options = replace(options, model=model)
         run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="kvmesh-run-"))
         topology = build_topology(options, run_dir)
+        policy = RestartPolicy(
+            initial_backoff_s=args.restart_backoff, max_backoff_s=args.restart_backoff_max,
+            max_restarts=args.max_restarts, stable_after_s=args.restart_stable_after,
+        ) if args.restart else None
     except ValueError as e:  # ComposeError included
         _say(str(e))
         return 2
     _say(f"topology from {compose_file}; run dir {run_dir} (logs in {run_dir / 'logs'})")
-    mesh = Mesh(topology, run_dir, start_timeout_s=args.start_timeout, stop_timeout_s=args.stop_timeout, on_progress=_say)
+    mesh = Mesh(topology, run_dir, start_timeout_s=args.start_timeout, stop_timeout_s=args.stop_timeout, on_progress=_say,
+                restart=policy)
     banner = [f"kvmesh is up: model {args.model_name or model.name} ({model})" + (f" -- {label}" if label else "")]
     return serve_mesh(mesh, [*banner, *describe(topology, run_dir), "Ctrl-C stops the mesh."])
 
@@ -104,7 +124,8 @@ def serve_mesh(mesh: Mesh, banner: Sequence[str]) -> int:
 
     A process that crashes after start-up is reported with its last log lines
     and the rest keep serving (as ``docker compose`` does: the mesh is built to
-    lose a worker); the exit code is then 1.
+    lose a worker); a supervising mesh (``RestartPolicy``) restarts it and
+    reports that itself. The exit code is then 1.
     """
     previous = {sig: signal.signal(sig, lambda *_: mesh.interrupt()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -121,9 +142,14 @@ def serve_mesh(mesh: Mesh, banner: Sequence[str]) -> int:
         while (name := mesh.wait(known=crashed)) is not None:
             crashed.append(name)
             code = mesh.process(name).popen.returncode
-            _say(f"{name} exited unexpectedly (code {code}); the rest keep serving. Its last log lines:\n{mesh.log_tail(name)}")
+            if mesh.supervised:
+                _say(f"{name} stays down; the rest keep serving")
+            else:
+                _say(f"{name} exited unexpectedly (code {code}); the rest keep serving. "
+                     f"Its last log lines:\n{mesh.log_tail(name)}")
         _say("stopping the mesh (a second Ctrl-C kills it at once)")
-        return 1 if crashed else 0
+        restarted = any(mesh.restarts(p.name) for p in mesh.topology.processes)
+        return 1 if crashed or restarted else 0
     finally:
         mesh.stop()
         for sig, handler in previous.items():

@@ -8,8 +8,19 @@ with SIGKILL, still stops the mesh). Output goes to ``<run_dir>/logs/<name>.log`
     with Mesh(topology) as mesh:          # start() ... stop()
         mesh.kill("decode-0", signal.SIGKILL)
 
+With a ``RestartPolicy`` the mesh supervises itself once started: a thread
+watches every process, and one that exits without being stopped or killed
+through this object is started again (same command, same ports, so its peers
+find it where it was) after an exponential backoff, until it crash-loops
+(``restart.py``); then it is left down and reported. A restarted worker
+registers with the router again on its own; until then the router stops
+routing to the dead one when its lease lapses (``--lease-ttl-ms``, 10 s by
+default) or when the new one registers under the same worker id, whichever
+comes first, and the gateway meanwhile retries or migrates what it sent there.
+
 Call ``start`` from a thread that lives as long as the mesh (the main
 thread): Linux delivers the parent-death signal when the spawning thread ends.
+(The supervising thread, which spawns restarts, lives until ``stop``.)
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvmesh.launcher.restart import CrashRecord, RestartPolicy
 from kvmesh.launcher.topology import ProcessSpec, Topology
 
 EXEC_CHILD = Path(__file__).with_name("exec_child.py")
@@ -70,6 +82,7 @@ class Mesh:
         start_timeout_s: float = 600.0,
         stop_timeout_s: float | None = None,
         on_progress: Callable[[str], None] | None = None,
+        restart: RestartPolicy | None = None,
     ) -> None:
         self.topology = topology
         self.run_dir = run_dir if run_dir is not None else Path(tempfile.mkdtemp(prefix="kvmesh-run-"))
@@ -81,6 +94,10 @@ class Mesh:
         self._ended_on_purpose: set[str] = set()  # killed or stopped by us: not a crash
         self._interrupted = threading.Event()
         self._hurry = threading.Event()
+        self._restart = restart
+        self._records: dict[str, CrashRecord] = {}
+        self._supervisor: threading.Thread | None = None
+        self._stopping = threading.Event()
 
     # -- life cycle ----------------------------------------------------------
 
@@ -98,10 +115,18 @@ class Mesh:
         except BaseException:
             self.stop()
             raise
+        if self._restart is not None:
+            now = time.monotonic()
+            self._records = {name: CrashRecord(started_at=now) for name in self._procs}
+            self._supervisor = threading.Thread(target=self._supervise, name="kvmesh-supervisor", daemon=True)
+            self._supervisor.start()
         return self
 
     def stop(self) -> None:
         """SIGTERM level by level, last started first; SIGKILL what outlives the stop timeout. Idempotent."""
+        self._stopping.set()  # no restarts from here on
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join()
         for level in reversed(self.topology.levels()):
             procs = [self._procs[s.name] for s in level if s.name in self._procs]
             self._ended_on_purpose.update(p.spec.name for p in procs)
@@ -132,6 +157,23 @@ class Mesh:
         if sig == signal.SIGKILL:
             proc.popen.wait()
 
+    def crash(self, name: str, sig: signal.Signals = signal.SIGKILL) -> int:
+        """Kill one process (and its group) as the OOM killer or a fault would: not on purpose, so a
+        supervising mesh restarts it. Returns the pid that was killed."""
+        proc = self._procs[name]
+        self._signal(proc, sig)
+        return proc.pid
+
+    @property
+    def supervised(self) -> bool:
+        """Whether crashed processes are restarted (a ``RestartPolicy`` was given)."""
+        return self._restart is not None
+
+    def restarts(self, name: str) -> int:
+        """How many times the supervisor started ``name`` again."""
+        record = self._records.get(name)
+        return record.total_restarts if record is not None else 0
+
     def __enter__(self) -> Mesh:
         return self.start()
 
@@ -147,8 +189,13 @@ class Mesh:
         return self.topology.get(name).address
 
     def crashed(self) -> list[str]:
-        """Processes that exited without being stopped or killed through this object."""
-        return [n for n, p in self._procs.items() if n not in self._ended_on_purpose and p.popen.poll() is not None]
+        """Processes that exited without being stopped or killed through this object and stay down:
+        all of them without a restart policy; with one, those the supervisor gave up on."""
+        return [
+            n for n, p in list(self._procs.items())
+            if n not in self._ended_on_purpose and p.popen.poll() is not None
+            and (self._restart is None or self._records[n].gave_up)
+        ]
 
     def wait(self, known: Collection[str] = ()) -> str | None:
         """Block until a process not in ``known`` crashes (returns its name) or ``interrupt`` is called (None)."""
@@ -167,6 +214,54 @@ class Mesh:
         except FileNotFoundError:
             return f"[{name}] (no log)"
         return "\n".join(f"[{name}] {line}" for line in text.splitlines()[-lines:])
+
+    # -- supervision -------------------------------------------------------------
+
+    def _supervise(self) -> None:
+        """Until ``stop``: restart what crashed after its backoff, report when it serves again, give up on loops."""
+        assert self._restart is not None
+        policy = self._restart
+        due: dict[str, float] = {}  # name -> when to start it again
+        recovering: set[str] = set()  # restarted, not yet reported healthy
+        channels: dict[str, grpc.Channel] = {}
+        try:
+            while not self._stopping.wait(_POLL_S):
+                now = time.monotonic()
+                for name, proc in list(self._procs.items()):
+                    record = self._records[name]
+                    if name in self._ended_on_purpose or record.gave_up or name in due or proc.popen.poll() is None:
+                        continue
+                    recovering.discard(name)
+                    code = proc.popen.returncode
+                    self._signal(proc, signal.SIGKILL)  # whatever it spawned and left behind in its group
+                    delay = record.crashed(policy, now)
+                    if delay is None:
+                        self._progress(
+                            f"{name} crashed {record.restarts_in_a_row + 1} times in a row (code {code}), each time "
+                            f"within {policy.stable_after_s:g} s of starting: a crash loop; not restarting it again. "
+                            f"Its last log lines:\n{self.log_tail(name)}"
+                        )
+                        continue
+                    due[name] = now + delay
+                    self._progress(
+                        f"{name} exited unexpectedly (code {code}); restarting it in {delay:g} s "
+                        f"(restart {record.restarts_in_a_row + 1} of at most {policy.max_restarts} in a row). "
+                        f"Its last log lines:\n{self.log_tail(name)}"
+                    )
+                for name, when in list(due.items()):
+                    if now >= when and not self._stopping.is_set():
+                        del due[name]
+                        self._spawn(self._procs[name].spec)
+                        self._records[name].restarted(time.monotonic())
+                        recovering.add(name)
+                for name in list(recovering):
+                    proc = self._procs[name]
+                    if proc.popen.poll() is None and _healthy(proc.spec, channels):
+                        recovering.discard(name)
+                        self._progress(f"{name} is serving again (restart {self._records[name].total_restarts})")
+        finally:
+            for channel in channels.values():
+                channel.close()
 
     # -- internals -------------------------------------------------------------
 

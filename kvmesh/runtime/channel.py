@@ -32,6 +32,11 @@ CHANNEL_OPTIONS = [
     # middle of PullKV) fails the call in ~40 s instead of hanging it.
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
+    # A peer that died comes back on the same address (the supervisor restarts it there):
+    # reconnect within 2 s rather than gRPC's default backoff of up to 2 minutes, during
+    # which every call to it would fail at once although it serves again.
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 
 

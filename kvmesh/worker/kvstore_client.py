@@ -50,8 +50,12 @@ class KVStoreClient:
             return 0
 
     async def get(self, hashes: list[BlockHash]) -> AsyncIterator[tuple[BlockHash, BlockPayload]]:
-        """The blocks, in order, stopping at the first one the store no longer has."""
-        call = self._stub.Get(kvstore_pb2.GetRequest(block_hashes=hashes))
+        """The blocks, in order, stopping at the first one the store no longer has.
+
+        The whole stream has a deadline (ten times a unary call's, as a put has): a store that
+        hangs part way fails the fetch, and the caller computes the rest, instead of waiting forever.
+        """
+        call = self._stub.Get(kvstore_pb2.GetRequest(block_hashes=hashes), timeout=self._timeout_s * 10)
         assembler = BlockAssembler()
         try:
             async for msg in call:
@@ -64,7 +68,7 @@ class KVStoreClient:
                         self.counters["blocks_fetched"] += 1
                         yield block
         except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e, f"kvstore {self.address}") from None
+            raise from_rpc_error(e, f"kvstore {self.address}", self._timeout_s * 10) from None
         finally:
             call.cancel()
 

@@ -116,8 +116,12 @@ class DecodeWorker:
         params: SamplingParams,
         cache_salt: bytes = b"",
         remote: RemotePrefill | None = None,
+        resume_ids: list[int] | None = None,
     ) -> AsyncIterator[tuple[RequestOutput, int]]:
-        """Stream the request's outputs, each with the KV transfer time (ns) spent before it."""
+        """Stream the request's outputs, each with the KV transfer time (ns) spent before it.
+
+        ``resume_ids``: a migrated request's output so far (``LLMEngine.add_request``); local prefill only.
+        """
         self.counters.requests += 1
         self.counters.active_requests += 1
         try:
@@ -135,6 +139,8 @@ class DecodeWorker:
                 self.counters.kvstore_fetched_blocks += await fetch_prefix_from_kvstore(
                     self.engine, self.kvstore, hashes
                 )
+                if resume_ids:
+                    options = {"resume_ids": resume_ids}
             async for out in self.engine.generate(prompt_ids, params, request_id, cache_salt, **options):
                 yield out, transfer_ns
         finally:

@@ -27,6 +27,8 @@ FLAGS = [
     *KV_TRANSPORT_FLAGS,
     Flag("--advertise-address", "host:port the gateway uses to reach this worker (default: host:port)"),
     Flag("--speculator-address", "speculator host:port (unset: drafts from an in-process prompt lookup)"),
+    Flag("--kv-pull-timeout-seconds", "deadline of pulling a prompt's KV from a prefill worker (past it, decode "
+         "computes what did not arrive)", default=60.0, type=float),
     Flag("--spec-budget-ms", "how long a decode step waits for drafts before running without them", default=5.0, type=float),
 ]
 
@@ -35,7 +37,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
     args = ctx.args
     address = args.advertise_address or f"{args.host}:{args.port}"
     servicer = DecodeServicer()
-    grpc_source = GrpcKVSource()
+    grpc_source = GrpcKVSource(pull_timeout_s=args.kv_pull_timeout_seconds)
     state: dict = {}
 
     async def start() -> None:

@@ -15,9 +15,12 @@ from services.decode.core import StreamedKVSource
 
 
 class GrpcKVSource(StreamedKVSource):
-    def __init__(self, release_timeout_s: float = 5.0) -> None:
+    def __init__(self, release_timeout_s: float = 5.0, pull_timeout_s: float = 60.0) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._release_timeout_s = release_timeout_s
+        # A prefill worker that hangs mid-transfer fails the pull at this deadline (decode then
+        # computes what did not arrive) rather than holding the request forever.
+        self._pull_timeout_s = pull_timeout_s
         keep_transfer_memory_mapped()  # process-wide malloc setting: PullKV streams need it (kv_wire)
 
     def stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
@@ -27,7 +30,9 @@ class GrpcKVSource(StreamedKVSource):
 
     async def pull(self, address: str, lease_id: str, hashes: list[BlockHash]) -> AsyncIterator[ReceivedBlock]:
         """The blocks as they arrive whole; their checksums are the caller's to verify."""
-        call = self.stub(address).PullKV(prefill_pb2.PullKVRequest(lease_id=lease_id, block_hashes=hashes))
+        call = self.stub(address).PullKV(
+            prefill_pb2.PullKVRequest(lease_id=lease_id, block_hashes=hashes), timeout=self._pull_timeout_s
+        )
         assembler = BlockAssembler()
         try:
             async for msg in call:
@@ -36,7 +41,7 @@ class GrpcKVSource(StreamedKVSource):
                     yield block
             assembler.close()
         except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e, f"prefill worker {address}") from None
+            raise from_rpc_error(e, f"prefill worker {address}", self._pull_timeout_s) from None
         finally:
             call.cancel()
 

@@ -44,10 +44,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 first_logprob=logprob_from_pb(r.first_token_logprob) if r.HasField("first_token_logprob") else None,
                 nixl=NixlBlocks.from_pb(r.handoff.nixl) if r.handoff.HasField("nixl") else None,
             )
-        offset = 0
+        resume = list(request.resume_token_ids)
+        if resume and remote is not None:
+            raise InvalidArgument("resume_token_ids need local prefill: their KV is computed here")
+        offset = len(resume)
         accepted = 0
         first_token_ns = None
-        async for out, transfer_ns in self.worker.decode(request.request_id, prompt, params, request.cache_salt, remote):
+        async for out, transfer_ns in self.worker.decode(
+            request.request_id, prompt, params, request.cache_salt, remote, resume
+        ):
             first_token_ns = first_token_ns or time.perf_counter_ns() - t0
             accepted += out.num_draft_accepted
             msg = decode_pb2.DecodeResponse(

@@ -7,6 +7,9 @@ protobuf types, passed through unchanged (the KV hand-off in particular).
 What an implementation promises the core:
 - a peer that cannot be reached, times out, or breaks a stream raises
   ``kvmesh.errors.Unavailable`` (the core retries those on another worker);
+  ``route`` raises its subclass ``RouterUnreachable`` when the router itself
+  could not be asked (down, or no answer by the deadline), as opposed to the
+  router answering UNAVAILABLE (no worker to route to);
 - any status the peer itself answered raises the matching ``KvmeshError``;
 - closing the ``decode`` iterator (or cancelling the task reading it) cancels
   the downstream call, so the decode worker aborts the sequence and frees its KV;
@@ -19,8 +22,13 @@ from collections.abc import AsyncGenerator
 from typing import Protocol
 
 from kvmesh.decode.v1 import decode_pb2
+from kvmesh.errors import Unavailable
 from kvmesh.prefill.v1 import prefill_pb2
 from kvmesh.router.v1 import router_pb2
+
+
+class RouterUnreachable(Unavailable):
+    """The router could not be asked: it is down or did not answer by the deadline."""
 
 
 class Backends(Protocol):

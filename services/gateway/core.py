@@ -6,8 +6,12 @@ chosen prefill worker and then ``Decode`` with the remote result. Every decode
 message goes to the client as it arrives.
 
 Failures: a worker that is unreachable or breaks before the client got a
-token is excluded and the request is routed once more; after tokens were
-sent the client gets UNAVAILABLE (a stream cannot be resumed elsewhere).
+token is excluded and the request is routed once more; a decode worker that
+fails after tokens were sent (stream broken, or silent past its timeouts)
+is excluded and the stream migrates to another decode worker, which resumes
+after the tokens already sent (``migration.py``), up to a limit per request.
+A router that cannot be reached is stood in for by the decode workers it
+named last, for a bounded time (``route_fallback.py``).
 Whenever a request with a KV lease ends without decode finishing it (client
 cancel, decode failure), the gateway aborts the lease at once rather than
 leaving the prefill worker to wait out its TTL.
@@ -41,10 +45,12 @@ from kvmesh.gateway.v1 import gateway_pb2
 from kvmesh.prefill.v1 import prefill_pb2
 from kvmesh.router.v1 import router_pb2
 from services.gateway.auth import ANONYMOUS, tenant_cache_salt
-from services.gateway.backends import Backends
+from services.gateway.backends import Backends, RouterUnreachable
 from services.gateway.chat_messages import template_messages
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.migration import MigrationPolicy, resumed
 from services.gateway.model import ServedModel
+from services.gateway.route_fallback import LastKnownWorkers
 from services.gateway.stream import Finish, Job, ResponseStream
 from services.gateway.tool_calls import DEFAULT_FORMAT, FORMATS, ToolCallFormat
 from services.gateway.tool_calls.reply import ChatReply
@@ -90,17 +96,25 @@ class Gateway:
         *,
         max_inflight: int = 256,
         stream_idle_timeout_s: float = 600.0,
+        token_stall_timeout_s: float = 30.0,
         metrics: GatewayMetrics | None = None,
         tool_call_format: ToolCallFormat = FORMATS[DEFAULT_FORMAT],
+        migration: MigrationPolicy = MigrationPolicy(),
+        known_workers: LastKnownWorkers | None = None,
     ) -> None:
         if max_inflight <= 0:
             raise ValueError(f"max_inflight must be > 0, got {max_inflight}")
         self.model = model
         self._backends = backends
         self._max_inflight = max_inflight
+        # Silence allowed before a decode stream's first message (queueing, KV transfer, prefill)
+        # and between its messages once tokens flow (a steady stream that stops is a hung worker).
         self._idle_timeout_s = stream_idle_timeout_s
+        self._stall_timeout_s = token_stall_timeout_s
         self._metrics = metrics or GatewayMetrics()
         self._tool_format = tool_call_format
+        self._migration = migration
+        self._known_workers = known_workers or LastKnownWorkers()
         self._inflight = 0
         self._background: set[asyncio.Task[None]] = set()  # lease aborts on their way
 
@@ -208,43 +222,75 @@ class Gateway:
     async def _run(self, job: Job, stream: ResponseStream) -> Chunks:
         excluded: list[str] = []
         failure: WorkerFailed | None = None
-        for attempt in range(1, MAX_ATTEMPTS + 1):
+        attempts = migrations = 0
+        while True:
             try:
                 plan = await self._route(job, excluded)
             except Unavailable as e:
                 if failure is None:
                     raise
+                if stream.tokens_sent:
+                    self._metrics.migrations.labels("no_worker").inc()
+                    raise Unavailable(f"{failure.message} after {stream.tokens_sent} tokens were streamed; "
+                                      f"no other worker to resume on: {e.message}") from None
                 raise Unavailable(f"{failure.message}; no other worker to retry on: {e.message}") from None
             try:
-                async with aclosing(self._attempt(job, plan, stream)) as chunks:
+                if stream.tokens_sent:
+                    self._metrics.migrations.labels("resumed").inc()
+                    chunks = self._resume(job, plan, stream)
+                else:
+                    attempts += 1
+                    chunks = self._attempt(job, plan, stream)
+                async with aclosing(chunks):
                     async for chunk in chunks:
                         yield chunk
                 return
             except WorkerFailed as e:
+                excluded.append(e.worker_id)
+                failure = e
                 if stream.tokens_sent:
-                    raise Unavailable(
-                        f"{e.message} after {stream.tokens_sent} tokens were streamed; the request cannot be resumed"
-                    ) from None
-                if attempt == MAX_ATTEMPTS:
+                    if migrations >= self._migration.max_migrations:
+                        self._metrics.migrations.labels("limit").inc()
+                        raise Unavailable(
+                            f"{e.message} after {stream.tokens_sent} tokens were streamed, and this request "
+                            f"already moved {migrations} times (the limit)"
+                        ) from None
+                    migrations += 1
+                    log.warning("decode worker failed mid-stream; migrating the stream", worker_id=e.worker_id,
+                                tokens_sent=stream.tokens_sent, migration=migrations, error=e.message)
+                    continue
+                if attempts == MAX_ATTEMPTS:
                     raise Unavailable(f"{e.message} (after a retry on another worker)") from None
                 log.warning("worker failed before the first token; retrying elsewhere", stage=e.stage,
                             worker_id=e.worker_id, error=e.message)
                 self._metrics.retries.labels(e.stage).inc()
-                excluded.append(e.worker_id)
-                failure = e
+
+    async def _resume(self, job: Job, plan: router_pb2.RouteResponse, stream: ResponseStream) -> Chunks:
+        """Continue on ``plan``'s decode worker after the tokens already sent; it prefills them itself."""
+        request = resumed(self._decode_request(job, local=decode_pb2.LocalPrefill()), stream.token_ids)
+        async with aclosing(self._decode(plan.decode_worker, request, stream, plan.timings, None, None)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def _route(self, job: Job, excluded: Sequence[str]) -> router_pb2.RouteResponse:
-        plan = await self._backends.route(
-            router_pb2.RouteRequest(
-                request_id=job.request_id,
-                tokens=router_pb2.TokenPrompt(token_ids=job.prompt_ids),
-                cache_salt=job.cache_salt,
-                max_new_tokens=job.sampling.max_tokens,
-                exclude_worker_ids=excluded,
-            )
+        request = router_pb2.RouteRequest(
+            request_id=job.request_id,
+            tokens=router_pb2.TokenPrompt(token_ids=job.prompt_ids),
+            cache_salt=job.cache_salt,
+            max_new_tokens=job.sampling.max_tokens,
+            exclude_worker_ids=excluded,
         )
+        try:
+            plan = await self._backends.route(request)
+        except RouterUnreachable as e:
+            plan = self._known_workers.plan(request, e)  # Unavailable once the outage outlasts its bound
+            self._metrics.router_fallbacks.inc()
+            log.warning("router unreachable; routing on its last known workers", error=e.message,
+                        decode_worker=plan.decode_worker.worker_id)
+            return plan
         if not plan.decode_worker.address or not (plan.prefill_locally or plan.prefill_worker.address):
             raise KvmeshError(f"the router returned an incomplete plan: {plan}")
+        self._known_workers.learn(plan)
         return plan
 
     async def _attempt(self, job: Job, plan: router_pb2.RouteResponse, stream: ResponseStream) -> Chunks:
@@ -312,22 +358,26 @@ class Gateway:
         who = f"decode worker {worker.worker_id} ({worker.address})"
         messages = self._backends.decode(worker.address, request)
         async with aclosing(messages):
+            limit = self._idle_timeout_s
             while True:
                 try:
-                    async with asyncio.timeout(self._idle_timeout_s):
+                    async with asyncio.timeout(limit):
                         msg = await anext(messages)
                 except StopAsyncIteration:
                     raise WorkerFailed("decode", worker, f"{who} ended its stream without a final message") from None
                 except TimeoutError:
-                    raise WorkerFailed("decode", worker, f"{who} sent nothing for {self._idle_timeout_s:g} s") from None
+                    raise WorkerFailed("decode", worker, f"{who} sent nothing for {limit:g} s") from None
                 except Unavailable as e:
                     raise WorkerFailed("decode", worker, f"{who} failed: {e.message}") from None
+                limit = self._stall_timeout_s
                 finish = None
                 if msg.HasField("final"):
                     final = msg.final
                     # Remote prefill: the prefill worker knows what it reused; decode
                     # only imported what prefill handed over.
                     cached = final.usage.cached_tokens if prefill_reused_tokens is None else prefill_reused_tokens
+                    # A resumed request's cache hits may cover streamed tokens too: usage counts the prompt's.
+                    cached = min(cached, len(request.prompt_token_ids))
                     finish = Finish(final.finish_reason, cached, route_timings, prefill_timings, final.timings)
                 yield stream.chunk(msg.token_ids, msg.text, msg.logprobs, finish)
                 if finish is not None:

@@ -18,6 +18,7 @@ from kvmesh.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from kvmesh.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.runtime import create_channel
 from kvmesh.runtime.client_errors import from_rpc_error
+from services.gateway.backends import RouterUnreachable
 
 Stub = TypeVar("Stub")
 
@@ -43,7 +44,10 @@ class GrpcBackends:
         try:
             return await stub.Route(request, timeout=self._rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e, f"router ({self._router_address})", self._rpc_timeout_s) from None
+            error = from_rpc_error(e, f"router ({self._router_address})", self._rpc_timeout_s)
+            if _unreachable(e, self._channels[self._router_address]):
+                raise RouterUnreachable(error.message) from None
+            raise error from None
 
     async def prefill(self, address: str, request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
         stub = self._stub(prefill_pb2_grpc.PrefillServiceStub, address)
@@ -76,3 +80,13 @@ class GrpcBackends:
             await channel.close()
         self._channels.clear()
         self._stubs.clear()
+
+
+def _unreachable(error: grpc.aio.AioRpcError, channel: grpc.aio.Channel) -> bool:
+    """The peer was never asked (no connection) or never answered (deadline): not an answer of its own.
+
+    Both kinds come back as UNAVAILABLE; a peer that answered leaves its channel READY.
+    """
+    if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return True
+    return error.code() == grpc.StatusCode.UNAVAILABLE and channel.get_state() != grpc.ChannelConnectivity.READY

@@ -20,7 +20,9 @@ from services.gateway.grpc_backends import GrpcBackends
 from services.gateway.http_app import HttpApi
 from services.gateway.http_server import HttpServer
 from services.gateway.metrics import GatewayMetrics, HttpMetrics
+from services.gateway.migration import DEFAULT_MAX_MIGRATIONS, MigrationPolicy
 from services.gateway.model import ServedModel
+from services.gateway.route_fallback import DEFAULT_HOLD_S, LastKnownWorkers
 from services.gateway.server import gateway_service
 from services.gateway.tool_calls import DEFAULT_FORMAT, FORMATS
 
@@ -34,8 +36,15 @@ FLAGS = [
     Flag("--max-inflight-requests", "generation requests in flight at most; beyond: RESOURCE_EXHAUSTED", default=256, type=int),
     Flag("--rpc-timeout-seconds", "deadline of Route and ReleaseLease calls", default=10.0, type=float),
     Flag("--prefill-timeout-seconds", "deadline of a Prefill call", default=600.0, type=float),
-    Flag("--stream-idle-timeout-seconds", "longest silence of a decode stream before it counts as failed",
-         default=600.0, type=float),
+    Flag("--stream-idle-timeout-seconds", "longest silence of a decode stream before its first message "
+         "(queueing, KV transfer, prefill) before it counts as failed", default=600.0, type=float),
+    Flag("--token-stall-timeout-seconds", "longest silence between a decode stream's messages once tokens flow; "
+         "past it the worker counts as hung and the stream migrates", default=30.0, type=float),
+    Flag("--max-migrations", "times one stream may move to another decode worker after its own failed "
+         "mid-stream (0: such a stream ends with UNAVAILABLE)", default=DEFAULT_MAX_MIGRATIONS, type=int),
+    Flag("--router-fallback-seconds", "while the router cannot be reached, route on the decode workers it named "
+         "last for this long after its last answer, then fail with UNAVAILABLE (0: fail at once)",
+         default=DEFAULT_HOLD_S, type=float),
     Flag("--http-host", "address of the OpenAI-compatible HTTP API (default: --host's)"),
     Flag("--http-port", "port of the OpenAI-compatible HTTP API (0: a free port)", default=8000, type=int),
     Flag("--api-keys-file", "file of API keys, one 'key [tenant]' per line (no keys anywhere: auth off)"),
@@ -85,8 +94,11 @@ def build(ctx: ServiceContext) -> ServiceDef:
         backends,
         max_inflight=args.max_inflight_requests,
         stream_idle_timeout_s=args.stream_idle_timeout_seconds,
+        token_stall_timeout_s=args.token_stall_timeout_seconds,
         metrics=GatewayMetrics(ctx.registry),
         tool_call_format=FORMATS[args.tool_call_format],
+        migration=MigrationPolicy(args.max_migrations),
+        known_workers=LastKnownWorkers(args.router_fallback_seconds),
     )
 
     keys = _api_keys(args.api_keys_file, args.api_keys)

@@ -41,6 +41,18 @@ class GatewayMetrics:
             ["stage"],
             registry=reg,
         )
+        self.migrations = Counter(
+            "kvmesh_gateway_migrations",
+            "Streams whose decode worker failed mid-stream, by outcome: resumed (moved to another worker), "
+            "no_worker (none left to resume on), limit (the request's migrations were used up).",
+            ["outcome"],
+            registry=reg,
+        )
+        self.router_fallbacks = Counter(
+            "kvmesh_gateway_router_fallbacks",
+            "Requests routed on the last known decode workers because the router could not be reached.",
+            registry=reg,
+        )
 
 
 class HttpMetrics:

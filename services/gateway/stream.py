@@ -46,6 +46,7 @@ class ResponseStream:
         self._job = job
         self._metrics = metrics
         self.tokens_sent = 0
+        self.token_ids: list[int] = []  # what the client got, to resume from if its decode worker fails
         self._first_ns: int | None = None
         self._last_ns = 0
 
@@ -57,6 +58,7 @@ class ResponseStream:
         finish: Finish | None = None,
     ) -> gateway_pb2.GenerateResponse:
         offset = self.tokens_sent
+        self.token_ids.extend(token_ids)
         self._count(len(token_ids))
         return gateway_pb2.GenerateResponse(
             request_id=self._job.request_id,

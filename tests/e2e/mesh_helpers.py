@@ -8,6 +8,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvmesh.launcher.restart import RestartPolicy
 from kvmesh.models.bpe import train_tokenizer, write_tokenizer
 from kvmesh.launcher.supervisor import Mesh
 from kvmesh.launcher.topology import MeshOptions, build_topology, free_port
@@ -28,7 +29,13 @@ def write_model(path: Path) -> Path:
 
 
 def start_mesh(
-    model: Path, run_dir: Path, decode_workers: int = 1, role_env: dict[str, dict[str, str]] | None = None
+    model: Path,
+    run_dir: Path,
+    decode_workers: int = 1,
+    role_env: dict[str, dict[str, str]] | None = None,
+    *,
+    prefill_workers: int = 1,
+    restart: RestartPolicy | None = None,
 ) -> Mesh:
     env = {
         # Never prefill on decode, so the tests see the disaggregated path every time.
@@ -40,8 +47,9 @@ def start_mesh(
     }
     for role, extra in (role_env or {}).items():
         env[role] = {**env.get(role, {}), **extra}
-    options = MeshOptions(model=model, decode=decode_workers, gateway_port=0, grace_seconds=3.0, role_env=env)
-    return Mesh(build_topology(options, run_dir), run_dir).start()
+    options = MeshOptions(model=model, prefill=prefill_workers, decode=decode_workers, gateway_port=0,
+                          grace_seconds=3.0, role_env=env)
+    return Mesh(build_topology(options, run_dir), run_dir, restart=restart).start()
 
 
 def http_url(mesh: Mesh) -> str:

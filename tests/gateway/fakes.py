@@ -16,6 +16,7 @@ from kvmesh.decode.v1 import decode_pb2
 from kvmesh.errors import Unavailable
 from kvmesh.prefill.v1 import prefill_pb2
 from kvmesh.router.v1 import router_pb2
+from services.gateway.backends import RouterUnreachable
 
 FIRST_TOKEN = 7
 DECODE_TOKENS = [11, 12, 13]
@@ -52,7 +53,7 @@ class FakeMesh:
     async def route(self, request: router_pb2.RouteRequest) -> router_pb2.RouteResponse:
         self.routes.append(request)
         if self.router_down:
-            raise Unavailable("router (r:1) unreachable: connection refused")
+            raise RouterUnreachable("router (r:1) unreachable: connection refused")
         excluded = set(request.exclude_worker_ids)
         decode = [w for w in self.decode_workers if w not in excluded]
         prefill = [w for w in self.prefill_workers if w not in excluded]
@@ -111,9 +112,13 @@ class FakeMesh:
             raise Unavailable("unreachable: connection refused")
         remote = request.WhichOneof("prefill") == "remote"
         tokens = [request.remote.first_token_id if remote else FIRST_TOKEN, *self.decode_tokens]
+        resume = len(request.resume_token_ids)  # a migrated stream: continue as the unbroken one would
+        assert list(request.resume_token_ids) == tokens[:resume]
         self.open_streams += 1
         try:
             for i, token in enumerate(tokens):
+                if i < resume:
+                    continue
                 if self.hold_decode_at.get(worker) == i:
                     self.held.set()
                     await asyncio.Event().wait()

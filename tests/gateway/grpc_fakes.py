@@ -28,6 +28,7 @@ class Mesh(router_pb2_grpc.RouterServiceServicer, prefill_pb2_grpc.PrefillServic
         self.address = ""  # set once serving
         self.dead_decode_address = ""  # routed to first when set, until the gateway excludes it
         self.route_delay_s = 0.0
+        self.route_error: Exception | None = None  # what Route answers instead of a plan
         self.fail_decode_after: int | None = None
         self.hold_decode_after: int | None = None
         self.decode_started = asyncio.Event()
@@ -39,6 +40,8 @@ class Mesh(router_pb2_grpc.RouterServiceServicer, prefill_pb2_grpc.PrefillServic
     async def Route(self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext) -> router_pb2.RouteResponse:
         self.request_ids.append(current_request_id())
         await asyncio.sleep(self.route_delay_s)
+        if self.route_error is not None:
+            raise self.route_error
         decode = worker_pb2.WorkerEndpoint(worker_id="decode-0", address=self.address)
         if self.dead_decode_address and "decode-dead" not in request.exclude_worker_ids:
             decode = worker_pb2.WorkerEndpoint(worker_id="decode-dead", address=self.dead_decode_address)

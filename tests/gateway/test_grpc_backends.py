@@ -11,6 +11,9 @@ from kvmesh.decode.v1 import decode_pb2
 from kvmesh.errors import FailedPrecondition, InvalidArgument, KvmeshError, ResourceExhausted, Unavailable
 from kvmesh.runtime import Runtime
 from kvmesh.runtime.client_errors import from_rpc_error
+from kvmesh.router.v1 import router_pb2
+from kvmesh.launcher import free_port
+from services.gateway.backends import RouterUnreachable
 from services.gateway.grpc_backends import GrpcBackends
 from tests.gateway.grpc_fakes import Mesh, build_mesh
 
@@ -36,6 +39,29 @@ def test_status_codes_become_domain_errors(code, cls, message) -> None:
     error = from_rpc_error(_rpc_error(code, "Socket closed"), "decode-0", 2.0)
 
     assert type(error) is cls and error.message == message
+
+
+async def test_a_router_that_cannot_be_asked_is_unreachable_but_its_own_unavailable_answer_is_not() -> None:
+    mesh = Mesh()
+    rt = Runtime("router", build_mesh(mesh), metrics_port=None)
+    await rt.start()
+    alive = GrpcBackends(f"127.0.0.1:{rt.port}", rpc_timeout_s=0.3)
+    dead = GrpcBackends(f"127.0.0.1:{free_port()}", rpc_timeout_s=0.3)
+    try:
+        mesh.route_error = Unavailable("no live prefill or decode worker to route to")
+        with pytest.raises(Unavailable) as answered:
+            await alive.route(router_pb2.RouteRequest())
+        assert type(answered.value) is Unavailable and "no live prefill" in answered.value.message
+
+        mesh.route_error, mesh.route_delay_s = None, 5.0  # hung: no answer by the deadline
+        with pytest.raises(RouterUnreachable, match="no answer within 0.3 s"):
+            await alive.route(router_pb2.RouteRequest())
+        with pytest.raises(RouterUnreachable, match="router"):
+            await dead.route(router_pb2.RouteRequest())
+    finally:
+        await rt.stop(grace_seconds=0)
+        await alive.close()
+        await dead.close()
 
 
 async def test_a_decode_stream_whose_server_stops_is_unavailable() -> None:

@@ -209,7 +209,7 @@ async def test_a_failure_after_the_first_token_ends_the_stream_with_an_error_eve
                 got.append(chunk.choices[0].delta.content)
 
     assert got == ["<7>", "<11>"]
-    assert "after 2 tokens were streamed; the request cannot be resumed" in info.value.message
+    assert "after 2 tokens were streamed; no other worker to resume on" in info.value.message
     assert served.gateway.inflight == 0 and mesh.leases == set()
 
 

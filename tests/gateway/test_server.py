@@ -113,7 +113,8 @@ async def test_a_router_that_does_not_answer_gives_unavailable_at_the_deadline(m
         assert await _metric(rt, "kvmesh_gateway_inflight_requests") == 0
 
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert info.value.details() == f"router ({mesh.address}): no answer within 0.2 s"
+    assert info.value.details() == f"router ({mesh.address}): no answer within 0.2 s; " \
+        "no known workers to route on without it (no answer since this gateway started)"
 
 
 async def test_a_dead_decode_worker_is_retried_and_its_lease_aborted(model_dir, mesh) -> None:
@@ -125,9 +126,9 @@ async def test_a_dead_decode_worker_is_retried_and_its_lease_aborted(model_dir, 
     assert mesh.released == ["lease-1"]  # the first attempt's hand-off, aborted
 
 
-async def test_a_decode_failure_after_tokens_gives_unavailable(model_dir, mesh) -> None:
+async def test_a_decode_failure_after_tokens_without_migrations_gives_unavailable(model_dir, mesh) -> None:
     mesh.fail_decode_after = 2
-    async with running_gateway(model_dir, mesh) as (stub, rt):
+    async with running_gateway(model_dir, mesh, "--max-migrations", "0") as (stub, rt):
         call = stub.Generate(PROMPT)
         received = []
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -139,7 +140,7 @@ async def test_a_decode_failure_after_tokens_gives_unavailable(model_dir, mesh) 
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert info.value.details() == (
         f"decode worker decode-0 ({mesh.address}) failed: the worker is going away "
-        "after 2 tokens were streamed; the request cannot be resumed"
+        "after 2 tokens were streamed, and this request already moved 0 times (the limit)"
     )
 
 

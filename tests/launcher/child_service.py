@@ -23,6 +23,7 @@ log = structlog.get_logger("child")
 FLAGS = [
     Flag("--pid-file", "write this process's pid here once started"),
     Flag("--fail-at-start", "raise in the start hook, like a service whose model is missing", default=False, type=bool),
+    Flag("--fail-at-start-if-exists", "fail like --fail-at-start while this file exists (a crash loop to be)"),
     Flag("--start-delay-s", "seconds the start hook takes", default=0.0, type=float),
     Flag("--require-serving", "host:port that must already be SERVING when this one starts"),
     Flag("--ignore-sigterm", "keep running on SIGTERM", default=False, type=bool),
@@ -42,7 +43,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
     async def start() -> None:
         if args.pid_file:
             Path(args.pid_file).write_text(str(os.getpid()))
-        if args.fail_at_start:
+        if args.fail_at_start or (args.fail_at_start_if_exists and Path(args.fail_at_start_if_exists).exists()):
             raise RuntimeError("boom: the model folder is missing")
         if args.require_serving and not await _is_serving(args.require_serving):
             raise RuntimeError(f"{args.require_serving} is not serving yet")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kvmesh.launcher.cli import add_up_parser
 from kvmesh.launcher.topology import REPO_ROOT
 from tests.launcher.helpers import alive, kill_if_alive, read_pid, wait_gone
 
@@ -20,9 +22,9 @@ def launch(tmp_path) -> Iterator:
     started: list[subprocess.Popen] = []
     children: list[int] = []
 
-    def start(start_delay_s: float = 0.0) -> tuple[subprocess.Popen, dict[str, int]]:
+    def start(start_delay_s: float = 0.0, *extra: str) -> tuple[subprocess.Popen, dict[str, int]]:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.launcher.run_mesh", str(tmp_path), str(start_delay_s)],
+            [sys.executable, "-m", "tests.launcher.run_mesh", str(tmp_path), str(start_delay_s), *extra],
             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         started.append(proc)
@@ -93,6 +95,22 @@ def test_a_crashed_child_is_reported_while_the_rest_keep_serving(launch) -> None
     assert wait_gone([pids["gateway"]]) == []
 
 
+def test_a_supervising_launcher_restarts_a_crashed_child(launch, tmp_path) -> None:
+    proc, pids = launch(0.0, "restart")
+    _wait_for_line(proc, "the test mesh is up")
+
+    os.kill(pids["router"], signal.SIGKILL)
+    assert "router exited unexpectedly (code -9); restarting it in 0.2 s" in _wait_for_line(proc, "exited unexpectedly", "stderr")
+    _wait_for_line(proc, "router is serving again (restart 1)", "stderr")
+    restarted = read_pid(tmp_path / "router.pid")
+    assert restarted != pids["router"] and alive(restarted)
+
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1  # it did crash along the way
+    assert wait_gone([restarted, pids["gateway"]]) == []
+
+
 def test_up_refuses_a_missing_model_folder(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-c", "import sys; from kvmesh.launcher.cli import add_up_parser, run_up; import argparse;"
@@ -102,3 +120,12 @@ def test_up_refuses_a_missing_model_folder(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert f"--model {tmp_path / 'nope'}: not a directory" in result.stderr
+
+
+def test_up_takes_replica_counts_and_a_restart_policy() -> None:
+    parser = argparse.ArgumentParser()
+    add_up_parser(parser.add_subparsers())
+    args = parser.parse_args(["up", "--decode-replicas", "2", "--prefill-replicas", "3", "--max-restarts", "7"])
+    assert (args.decode, args.prefill, args.max_restarts, args.restart) == (2, 3, 7, True)
+    assert parser.parse_args(["up", "--decode", "4", "--no-restart"]).decode == 4  # the short spelling stays
+    assert parser.parse_args(["up", "--no-restart"]).restart is False

@@ -27,7 +27,7 @@ from kvmesh.common.v1 import kv_pb2 as kvmesh_dot_common_dot_v1_dot_kv__pb2
 from kvmesh.common.v1 import sampling_pb2 as kvmesh_dot_common_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvmesh/decode/v1/decode.proto\x12\x10kvmesh.decode.v1\x1a!kvmesh/common/v1/accounting.proto\x1a\x19kvmesh/common/v1/kv.proto\x1a\x1fkvmesh/common/v1/sampling.proto\"\xf4\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x32\n\x08sampling\x18\x03 \x01(\x0b\x32 .kvmesh.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\x0c\x12/\n\x05local\x18\x05 \x01(\x0b\x32\x1e.kvmesh.decode.v1.LocalPrefillH\x00\x12\x31\n\x06remote\x18\x06 \x01(\x0b\x32\x1f.kvmesh.decode.v1.RemotePrefillH\x00\x42\t\n\x07prefill\"\x0e\n\x0cLocalPrefill\"\x92\x01\n\rRemotePrefill\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12;\n\x13\x66irst_token_logprob\x18\x02 \x01(\x0b\x32\x1e.kvmesh.common.v1.TokenLogprob\x12,\n\x07handoff\x18\x03 \x01(\x0b\x32\x1b.kvmesh.common.v1.KVHandoff\"\xc0\x01\n\x0e\x44\x65\x63odeResponse\x12\x0e\n\x06offset\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1e.kvmesh.common.v1.TokenLogprob\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x05 \x01(\r\x12,\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x1d.kvmesh.decode.v1.DecodeFinal\"\xe9\x01\n\x0b\x44\x65\x63odeFinal\x12\x35\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1e.kvmesh.common.v1.FinishReason\x12\x11\n\tstop_text\x18\x02 \x01(\t\x12&\n\x05usage\x18\x03 \x01(\x0b\x32\x17.kvmesh.common.v1.Usage\x12*\n\x07timings\x18\x04 \x01(\x0b\x32\x19.kvmesh.common.v1.Timings\x12\x1d\n\x15\x64raft_tokens_proposed\x18\x05 \x01(\r\x12\x1d\n\x15\x64raft_tokens_accepted\x18\x06 \x01(\r2^\n\rDecodeService\x12M\n\x06\x44\x65\x63ode\x12\x1f.kvmesh.decode.v1.DecodeRequest\x1a .kvmesh.decode.v1.DecodeResponse0\x01\x42\x43ZAgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/decode/v1;decodev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvmesh/decode/v1/decode.proto\x12\x10kvmesh.decode.v1\x1a!kvmesh/common/v1/accounting.proto\x1a\x19kvmesh/common/v1/kv.proto\x1a\x1fkvmesh/common/v1/sampling.proto\"\x8e\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x32\n\x08sampling\x18\x03 \x01(\x0b\x32 .kvmesh.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\x0c\x12/\n\x05local\x18\x05 \x01(\x0b\x32\x1e.kvmesh.decode.v1.LocalPrefillH\x00\x12\x31\n\x06remote\x18\x06 \x01(\x0b\x32\x1f.kvmesh.decode.v1.RemotePrefillH\x00\x12\x18\n\x10resume_token_ids\x18\x07 \x03(\rB\t\n\x07prefill\"\x0e\n\x0cLocalPrefill\"\x92\x01\n\rRemotePrefill\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12;\n\x13\x66irst_token_logprob\x18\x02 \x01(\x0b\x32\x1e.kvmesh.common.v1.TokenLogprob\x12,\n\x07handoff\x18\x03 \x01(\x0b\x32\x1b.kvmesh.common.v1.KVHandoff\"\xc0\x01\n\x0e\x44\x65\x63odeResponse\x12\x0e\n\x06offset\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1e.kvmesh.common.v1.TokenLogprob\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x05 \x01(\r\x12,\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x1d.kvmesh.decode.v1.DecodeFinal\"\xe9\x01\n\x0b\x44\x65\x63odeFinal\x12\x35\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1e.kvmesh.common.v1.FinishReason\x12\x11\n\tstop_text\x18\x02 \x01(\t\x12&\n\x05usage\x18\x03 \x01(\x0b\x32\x17.kvmesh.common.v1.Usage\x12*\n\x07timings\x18\x04 \x01(\x0b\x32\x19.kvmesh.common.v1.Timings\x12\x1d\n\x15\x64raft_tokens_proposed\x18\x05 \x01(\r\x12\x1d\n\x15\x64raft_tokens_accepted\x18\x06 \x01(\r2^\n\rDecodeService\x12M\n\x06\x44\x65\x63ode\x12\x1f.kvmesh.decode.v1.DecodeRequest\x1a .kvmesh.decode.v1.DecodeResponse0\x01\x42\x43ZAgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/decode/v1;decodev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,15 +36,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'ZAgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/decode/v1;decodev1'
   _globals['_DECODEREQUEST']._serialized_start=147
-  _globals['_DECODEREQUEST']._serialized_end=391
-  _globals['_LOCALPREFILL']._serialized_start=393
-  _globals['_LOCALPREFILL']._serialized_end=407
-  _globals['_REMOTEPREFILL']._serialized_start=410
-  _globals['_REMOTEPREFILL']._serialized_end=556
-  _globals['_DECODERESPONSE']._serialized_start=559
-  _globals['_DECODERESPONSE']._serialized_end=751
-  _globals['_DECODEFINAL']._serialized_start=754
-  _globals['_DECODEFINAL']._serialized_end=987
-  _globals['_DECODESERVICE']._serialized_start=989
-  _globals['_DECODESERVICE']._serialized_end=1083
+  _globals['_DECODEREQUEST']._serialized_end=417
+  _globals['_LOCALPREFILL']._serialized_start=419
+  _globals['_LOCALPREFILL']._serialized_end=433
+  _globals['_REMOTEPREFILL']._serialized_start=436
+  _globals['_REMOTEPREFILL']._serialized_end=582
+  _globals['_DECODERESPONSE']._serialized_start=585
+  _globals['_DECODERESPONSE']._serialized_end=777
+  _globals['_DECODEFINAL']._serialized_start=780
+  _globals['_DECODEFINAL']._serialized_end=1013
+  _globals['_DECODESERVICE']._serialized_start=1015
+  _globals['_DECODESERVICE']._serialized_end=1109
 # @@protoc_insertion_point(module_scope)
