@@ -133,10 +133,19 @@ class ReferenceCache:
         return torch.from_numpy(np.array(mm[self.offsets[i] : self.offsets[i + 1]]))
 
 
-def evaluate(ref: ReferenceCache, test: LogitSource, limit_chunks: int | None = None) -> TokenStats:
-    """Run ``test`` over the cached reference's chunks (the first ``limit_chunks`` of them)."""
+def spread(n: int, k: int | None) -> list[int]:
+    """``k`` chunk indices spread evenly over ``n`` (all when k is None or >= n): a search subset
+    that mixes chat answers and text."""
+    if k is None or k >= n:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / max(1, k - 1)) for i in range(k)})
+
+
+def evaluate(ref: ReferenceCache, test: LogitSource, chunks: list[int] | None = None) -> TokenStats:
+    """Run ``test`` over the cached reference's chunks (those indexed by ``chunks``; all when None)."""
     parts = []
-    for i, ids in enumerate(ref.chunks[:limit_chunks]):
+    for i in range(len(ref.chunks)) if chunks is None else chunks:
+        ids = ref.chunks[i]
         parts.append(compare_logprobs(ref.logprobs(i), test(ids[:-1]), ids[1:], i))
     return TokenStats.concat(parts)
 

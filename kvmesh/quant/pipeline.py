@@ -27,6 +27,9 @@ class FidelitySession:
         from transformers import AutoTokenizer
 
         self.model_path, self.log = model, log
+        # One thread: on a shared, oversubscribed CPU two threads ran this model's forward 2-4x
+        # slower than one (every parallel op waits for its slowest thread).
+        torch.set_num_threads(1)
         torch.manual_seed(0)
         self.runner = HFRunner(model)
         tokenizer = AutoTokenizer.from_pretrained(model)
@@ -60,10 +63,10 @@ class FidelitySession:
         total = sum(self.runner.params(m) for m in mods)
         return sum(self.runner.params(m) * (get_format(plan[m]).bits if m in plan else UNQUANTIZED_BITS) for m in mods) / total
 
-    def stats(self, plan: Plan, limit_chunks: int | None = None) -> fidelity.TokenStats:
+    def stats(self, plan: Plan, chunks: list[int] | None = None) -> fidelity.TokenStats:
         self.runner.apply(plan)
         try:
-            return fidelity.evaluate(self.ref, self.runner, limit_chunks)
+            return fidelity.evaluate(self.ref, self.runner, chunks)
         finally:
             self.runner.apply({})
 
@@ -84,15 +87,17 @@ class FidelitySession:
         """Sensitivities once, then for each budget the additive plan and its local search."""
         groups = search.layer_groups(self.runner.modules, self.runner.params, layers_per_group)
 
+        subset = fidelity.spread(len(self.ref.chunks), search_chunks)
+
         def measure(plan: Plan) -> float:
-            return float(self.stats(plan, search_chunks).kl.mean())
+            return float(self.stats(plan, subset).kl.mean())
 
         self.log(f"[quant] sensitivity of {len(groups)} layer groups x {len(formats)} formats")
         sens = search.sensitivities(groups, formats, measure)
         out: dict[str, Any] = {
             "groups": [{"name": g.name, "params": g.params} for g in groups],
             "sensitivity": {f"{g}:{f}": v for (g, f), v in sens.items()},
-            "search_tokens": int(self.ref.offsets[min(search_chunks, len(self.ref.chunks))]),
+            "search_tokens": sum(len(self.ref.chunks[i]) - 1 for i in subset),
             "budgets": {},
         }
         for budget in budgets:
