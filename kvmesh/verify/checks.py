@@ -120,6 +120,20 @@ def topk_kl(golden_lp, top: list[dict], bytes_to_id: dict[bytes, int]) -> float 
     return max(0.0, kl + rest_g * math.log(rest_g / rest_s))
 
 
+def _divergence(golden: Golden, gold, gold_ids: list[int], content: list[dict], k: int) -> dict[str, Any]:
+    """Where and how the replies part: the next tokens of each, and how far below the golden's top
+    choice the golden put the served token (a near-tie when small, in nats)."""
+    served_id = golden.bytes_to_id.get(_bytes(content[k])) if k < len(content) else None
+    margin = None
+    if served_id is not None and k < len(gold.logprobs):
+        lp = gold.logprobs[k]
+        margin = float(lp.max() - lp[served_id])
+    return {
+        "token": k, "golden": b"".join(golden.token_bytes[i] for i in gold_ids[k : k + 3]).decode(errors="replace"),
+        "served": b"".join(_bytes(e) for e in content[k : k + 3]).decode(errors="replace"), "margin_nats": margin,
+    }  # fmt: skip
+
+
 def greedy_checks(ep: Endpoint, model: str, golden: Golden, max_tokens: int, min_agreement: float,
                   max_kl: float) -> tuple[list[Check], list[dict[str, Any]]]:  # fmt: skip
     rows, kls, agreed, total = [], [], 0, 0
@@ -134,8 +148,10 @@ def greedy_checks(ep: Endpoint, model: str, golden: Golden, max_tokens: int, min
             total += len(gold.ids)
             continue
         choice = body["choices"][0]
-        gold_ids = [i for i in gold.ids if i not in golden.eos]
         content = (choice.get("logprobs") or {}).get("content") or []
+        gold_ids = list(gold.ids)
+        if gold_ids and gold_ids[-1] in golden.eos and len(content) < len(gold_ids):
+            gold_ids.pop()  # an endpoint that leaves the EOS token out of its logprobs
         k = agreed_tokens(golden, gold_ids, [_bytes(e) for e in content])
         full = k == len(gold_ids) == len(content)
         agreed, total = agreed + k, total + len(gold_ids)
@@ -150,9 +166,7 @@ def greedy_checks(ep: Endpoint, model: str, golden: Golden, max_tokens: int, min
             finish_ok += choice.get("finish_reason") == gold.finish_reason
         rows.append({
             "prompt": prompt, "agreed": k, "golden_tokens": len(gold_ids), "identical": full,
-            "first_divergence": None if full else {
-                "token": k, "golden": b"".join(golden.token_bytes[i] for i in gold_ids[k : k + 3]).decode(errors="replace"),
-                "served": b"".join(_bytes(e) for e in content[k : k + 3]).decode(errors="replace")},
+            "first_divergence": None if full else _divergence(golden, gold, gold_ids, content, k),
             "prompt_tokens": [prompt_tokens, len(gold.prompt_ids)],
             "finish_reason": [choice.get("finish_reason"), gold.finish_reason],
         })  # fmt: skip

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 
@@ -15,8 +14,12 @@ def add_verify_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model", help="model name to request (default: the first of GET /v1/models)")
     p.add_argument("--api-key", help="Bearer token for the endpoint")
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
-    p.add_argument("--min-agreement", type=float, default=0.6, help="least greedy agreement to pass (default 0.6)")
-    p.add_argument("--max-kl", type=float, default=0.05, help="most mean top-k KL to pass (default 0.05)")
+    # Greedy agreement is exact only on identical weights and arithmetic; faithful quantization
+    # still flips near-ties (SmolLM2's fp8 plan: ~40% of tokens before the first divergence, every
+    # divergence a near-tie), so the default bound is loose and the KL bound is the tight check.
+    p.add_argument("--min-agreement", type=float, default=0.25,
+                   help="least fraction of greedy tokens before the first divergence (default 0.25; 1.0 for same weights)")
+    p.add_argument("--max-kl", type=float, default=0.05, help="most mean top-k KL(golden||served) to pass (default 0.05)")
     p.add_argument("--json", type=Path, help="also write the checks and per-prompt rows here")
     p.set_defaults(func=_verify)
 
@@ -37,7 +40,8 @@ def _verify(args: argparse.Namespace) -> int:
     for r in rows:
         if r.get("first_divergence"):
             d = r["first_divergence"]
-            print(f"  diverged at token {d['token']}: {r['prompt'][:40]!r}: golden {d['golden']!r} served {d['served']!r}")
+            margin = "" if d["margin_nats"] is None else f" (golden put it {d['margin_nats']:.2f} nats below its top-1)"
+            print(f"  diverged at token {d['token']}: {r['prompt'][:40]!r}: golden {d['golden']!r} served {d['served']!r}{margin}")
     failed = [c.name for c in checks if not c.ok]
     print("PASS" if not failed else f"FAIL: {'; '.join(failed)}")
     if args.json:

@@ -75,6 +75,3 @@ class Golden:
         logprobs = [torch.log_softmax(step[0].float(), -1) for step in out.logits]
         finish = "stop" if ids and ids[-1] in self.eos else "length"
         return GoldenReply(prompt, ids, logprobs, finish)
-
-    def text(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
