@@ -48,7 +48,8 @@ def main() -> None:
     for fmt in ("fp8-channel", "nvfp4", "int8-channel", "fp8-tensor"):
         add(fmt, s.report({m: fmt for m in s.runner.modules}))
     budgets = [float(b) for b in args.budgets.split(",")]
-    searched = s.search(args.search_formats.split(","), budgets, args.layers_per_group, args.search_chunks, args.max_trials)
+    formats = args.search_formats.split(",")
+    searched = s.search(formats, budgets, args.layers_per_group, args.search_chunks, args.max_trials)
     out["search"] = searched
     write_json(args.json, out)
     for b in budgets:

@@ -18,8 +18,10 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", choices=sorted(FORMATS), help="one format for every decoder projection")
     p.add_argument("--plan", choices=("auto",), help="auto: search a per-layer-group plan under --budget-bits")
     p.add_argument("--budget-bits", type=float, help="average stored bits per projection weight (with --plan auto)")
-    p.add_argument("--search-formats", default=SEARCH_FORMATS, help=f"formats the search picks from (default {SEARCH_FORMATS})")
-    p.add_argument("--layers-per-group", type=int, default=5, help="layers per sensitivity group (attention and MLP apart)")
+    p.add_argument("--search-formats", default=SEARCH_FORMATS,
+                   help=f"formats the search picks from (default {SEARCH_FORMATS})")
+    p.add_argument("--layers-per-group", type=int, default=5,
+                   help="layers per sensitivity group (attention and MLP apart)")
     p.add_argument("--search-chunks", type=int, default=4, help="eval chunks the search measures on (default 4)")
     p.add_argument("--max-trials", type=int, default=4, help="whole configs the local search measures per budget")
     p.add_argument("--quantize-head", action="store_true", help="also quantize the LM head (tied: the embedding)")
@@ -45,7 +47,9 @@ def _quantize(args: argparse.Namespace) -> int:
     result: dict = {**session.info}
     if args.plan == "auto":
         formats = args.search_formats.split(",")
-        searched = session.search(formats, [args.budget_bits], args.layers_per_group, args.search_chunks, args.max_trials)
+        searched = session.search(
+            formats, [args.budget_bits], args.layers_per_group, args.search_chunks, args.max_trials
+        )
         plan = searched["budgets"][str(args.budget_bits)]["plan"]
         result["search"] = searched
         name = f"auto@{args.budget_bits}bits"

@@ -54,13 +54,16 @@ def text_chunks(tokenizer, tokens: int, chunk_len: int) -> list[torch.Tensor]:
 def chat_chunks(tokenizer, generate: Generate, prompts: tuple[str, ...]) -> list[torch.Tensor]:
     chunks = []
     for prompt in prompts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        messages = [{"role": "user", "content": prompt}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         chunks.append(torch.tensor(ids + generate(ids)))
     return chunks
 
 
-def build(tokenizer, generate: Generate, tokens: int, chunk_len: int = 512, prompts: tuple[str, ...] = CHAT_PROMPTS) -> list[torch.Tensor]:
+def build(
+    tokenizer, generate: Generate, tokens: int, chunk_len: int = 512, prompts: tuple[str, ...] = CHAT_PROMPTS
+) -> list[torch.Tensor]:
     """Chat chunks first, then text until at least ``tokens`` positions are scored in all."""
     chat = chat_chunks(tokenizer, generate, prompts)
     scored = sum(len(c) - 1 for c in chat)

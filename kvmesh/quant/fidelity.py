@@ -152,7 +152,10 @@ def evaluate(ref: ReferenceCache, test: LogitSource, chunks: list[int] | None = 
 
 def format_rows(rows: list[tuple[str, dict[str, Any]]]) -> str:
     """The printed table: one row per config."""
-    head = f"{'config':<28} {'bits':>5} {'KL mean [95% CI]':>30} {'KL p99':>9} {'KL max':>8} {'same top1 [95% CI]':>26} {'RMS dp':>7} {'PPL ratio':>9}"
+    head = (
+        f"{'config':<28} {'bits':>5} {'KL mean [95% CI]':>30} {'KL p99':>9} {'KL max':>8} "
+        f"{'same top1 [95% CI]':>26} {'RMS dp':>7} {'PPL ratio':>9}"
+    )
     lines = [head, "-" * len(head)]
     for name, r in rows:
         lo, hi = r["kl_mean_ci95"]
@@ -161,6 +164,7 @@ def format_rows(rows: list[tuple[str, dict[str, Any]]]) -> str:
         lines.append(
             f"{name:<28} {'' if bits is None else f'{bits:.2f}':>5} "
             f"{r['kl_mean']:>10.5f} [{lo:.5f}, {hi:.5f}] {r['kl_p99']:>9.5f} {r['kl_max']:>8.4f} "
-            f"{100 * r['same_top1']:>7.2f}% [{100 * tlo:.2f}, {100 * thi:.2f}] {100 * r['rms_dp']:>6.2f}% {r['ppl_ratio']:>9.4f}"
+            f"{100 * r['same_top1']:>7.2f}% [{100 * tlo:.2f}, {100 * thi:.2f}] "
+            f"{100 * r['rms_dp']:>6.2f}% {r['ppl_ratio']:>9.4f}"
         )
     return "\n".join(lines)

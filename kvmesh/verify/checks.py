@@ -3,9 +3,9 @@
 Each check returns a ``Check`` (name, measured value, pass/fail, why). Greedy agreement walks
 the golden tokens while each one's bytes equal the served token's (``logprobs.content[i].bytes``):
 the tokens before the first divergence (raw bytes or the UTF-8 of the token's text, which is
-what endpoints that render partial UTF-8 tokens as U+FFFD send). KL uses the served ``top_logprobs``: at agreeing positions the golden
-full-vocabulary distribution and the served one are both coarsened to {its top-k tokens, the
-rest}, and KL(golden || served) over those k+1 outcomes is a lower bound on the full KL (data
+what endpoints that render partial UTF-8 tokens as U+FFFD send). KL uses the served
+``top_logprobs``: at agreeing positions the golden full-vocabulary distribution and the served
+one are both coarsened to {its top-k tokens, the rest}, and KL(golden || served) over those k+1 outcomes is a lower bound on the full KL (data
 processing), computable against any endpoint that returns top logprobs.
 """
 
@@ -33,7 +33,10 @@ PROMPTS = (
 WEATHER = {
     "type": "object",
     # A bounded city, so that even a model that knows nothing of tools ends its call in time.
-    "properties": {"city": {"type": "string", "pattern": "^[A-Za-z ]{1,16}$"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "properties": {
+        "city": {"type": "string", "pattern": "^[A-Za-z ]{1,16}$"},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
     "required": ["city", "unit"],
 }
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",

@@ -18,8 +18,9 @@ def add_verify_parser(sub: argparse._SubParsersAction) -> None:
     # still flips near-ties (SmolLM2's fp8 plan: ~40% of tokens before the first divergence, every
     # divergence a near-tie), so the default bound is loose and the KL bound is the tight check.
     p.add_argument("--min-agreement", type=float, default=0.25,
-                   help="least fraction of greedy tokens before the first divergence (default 0.25; 1.0 for same weights)")
-    p.add_argument("--max-kl", type=float, default=0.05, help="most mean top-k KL(golden||served) to pass (default 0.05)")
+                   help="least fraction of greedy tokens before the first divergence (0.25; 1.0 for same weights)")
+    p.add_argument("--max-kl", type=float, default=0.05,
+                   help="most mean top-k KL(golden||served) to pass (default 0.05)")
     p.add_argument("--json", type=Path, help="also write the checks and per-prompt rows here")
     p.set_defaults(func=_verify)
 
@@ -35,13 +36,14 @@ def _verify(args: argparse.Namespace) -> int:
     checks = preflight(ep, model)
     greedy, rows = greedy_checks(ep, model, golden, args.max_tokens, args.min_agreement, args.max_kl)
     checks += [*greedy, tool_check(ep, model)]
-    print(f"kvmesh verify: {args.endpoint} (model {model}) against transformers on {golden.model.name_or_path or args.model}")
+    print(f"kvmesh verify: {args.endpoint} (model {model}) against transformers on {golden.path}")
     print(render(checks))
     for r in rows:
         if r.get("first_divergence"):
             d = r["first_divergence"]
             margin = "" if d["margin_nats"] is None else f" (golden put it {d['margin_nats']:.2f} nats below its top-1)"
-            print(f"  diverged at token {d['token']}: {r['prompt'][:40]!r}: golden {d['golden']!r} served {d['served']!r}{margin}")
+            where = f"  diverged at token {d['token']}: {r['prompt'][:40]!r}:"
+            print(f"{where} golden {d['golden']!r} served {d['served']!r}{margin}")
     failed = [c.name for c in checks if not c.ok]
     print("PASS" if not failed else f"FAIL: {'; '.join(failed)}")
     if args.json:

@@ -44,6 +44,7 @@ class Golden:
     def __init__(self, path: Path) -> None:
         from transformers import AutoTokenizer
 
+        self.path = path
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = load_hf_model(path, torch.float32)
         eos = self.model.config.eos_token_id
