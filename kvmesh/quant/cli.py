@@ -24,7 +24,8 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
                    help="layers per sensitivity group (attention and MLP apart)")
     p.add_argument("--search-chunks", type=int, default=4, help="eval chunks the search measures on (default 4)")
     p.add_argument("--max-trials", type=int, default=4, help="whole configs the local search measures per budget")
-    p.add_argument("--quantize-head", action="store_true", help="also quantize the LM head (tied: the embedding)")
+    p.add_argument("--head-format", choices=sorted(FORMATS),
+                   help="also quantize the LM head (tied: the embedding) in this format (kept bf16 by default)")
     p.add_argument("--eval-tokens", type=int, default=20000, help="scored tokens of the eval set (default 20000)")
     p.add_argument("--cache-dir", type=Path, help="where the eval set and reference log-probs are cached")
     p.set_defaults(func=_quantize)
@@ -56,9 +57,9 @@ def _quantize(args: argparse.Namespace) -> int:
     else:
         plan = {m: args.format for m in session.runner.modules}
         name = args.format
-    if args.quantize_head:
-        plan["lm_head"] = args.format or formats[-1]
-        name += "+head"
+    if args.head_format:
+        plan["lm_head"] = args.head_format
+        name += f"+head:{args.head_format}"
     write_checkpoint(model, Path(args.out), plan)
     log(f"[quant] wrote {args.out}; evaluating {name} on {session.info['eval_tokens']} tokens")
     rows = [("bf16 vs fp32 (noise floor)", session.noise_floor()), (name, session.report(plan))]
