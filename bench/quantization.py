@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvmesh.engine.default_model import default_model_path  # noqa: E402
 from kvmesh.quant import fidelity  # noqa: E402
-from kvmesh.quant.pipeline import DEFAULT_CACHE, FidelitySession, write_json  # noqa: E402
+from kvmesh.quant.pipeline import DEFAULT_CACHE, FidelitySession, one_thread, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -34,6 +34,11 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=Path("bench/results/quantization.json"))
     args = ap.parse_args()
 
+    with one_thread():
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     s = FidelitySession(args.model or default_model_path(), args.eval_tokens, args.cache_dir)
     out = {**s.info, "rows": {}, "search": None}
     rows = []

@@ -34,15 +34,22 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
 def _quantize(args: argparse.Namespace) -> int:
     from kvmesh.engine.default_model import default_model_path
     from kvmesh.errors import InvalidArgument
-    from kvmesh.quant import fidelity
-    from kvmesh.quant.checkpoint import write_checkpoint
-    from kvmesh.quant.pipeline import DEFAULT_CACHE, FidelitySession, write_json
+    from kvmesh.quant.pipeline import one_thread
 
     if (args.plan is None) == (args.format is None):
         raise InvalidArgument("give either --format F or --plan auto --budget-bits B")
     if args.plan == "auto" and args.budget_bits is None:
         raise InvalidArgument("--plan auto needs --budget-bits")
     model = Path(args.model) if args.model else default_model_path()
+    with one_thread():
+        return _run(args, model)
+
+
+def _run(args: argparse.Namespace, model: Path) -> int:
+    from kvmesh.quant import fidelity
+    from kvmesh.quant.checkpoint import write_checkpoint
+    from kvmesh.quant.pipeline import DEFAULT_CACHE, FidelitySession, write_json
+
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
     session = FidelitySession(model, args.eval_tokens, args.cache_dir or DEFAULT_CACHE, log=log)
     result: dict = {**session.info}

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +22,24 @@ DEFAULT_CACHE = Path.home() / ".cache" / "kvmesh" / "quant"
 Log = Callable[[str], None]
 
 
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Evaluate on one CPU thread: on a shared, oversubscribed CPU two threads ran SmolLM2's forward
+    2-4x slower than one (every parallel op waits for its slowest thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class FidelitySession:
     def __init__(self, model: Path, eval_tokens: int, cache_dir: Path = DEFAULT_CACHE, chunk_len: int = 512,
                  prompts: tuple[str, ...] = evalset.CHAT_PROMPTS, log: Log = print) -> None:  # fmt: skip
         from transformers import AutoTokenizer
 
         self.model_path, self.log = model, log
-        # One thread: on a shared, oversubscribed CPU two threads ran this model's forward 2-4x
-        # slower than one (every parallel op waits for its slowest thread).
-        torch.set_num_threads(1)
         torch.manual_seed(0)
         self.runner = HFRunner(model)
         tokenizer = AutoTokenizer.from_pretrained(model)
