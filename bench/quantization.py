@@ -25,6 +25,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path)
     ap.add_argument("--eval-tokens", type=int, default=20000)
+    ap.add_argument("--uniform", default="fp8-channel,nvfp4,int8-channel,fp8-tensor",
+                    help="formats to report applied to every projection ('' for none)")
     ap.add_argument("--budgets", default="6.0,5.0", help="average bits per projection weight")
     ap.add_argument("--search-formats", default="fp8-channel,nvfp4")
     ap.add_argument("--layers-per-group", type=int, default=5)
@@ -50,7 +52,7 @@ def run(args: argparse.Namespace) -> None:
         print(fidelity.format_rows(rows[-1:]).splitlines()[-1], flush=True)
 
     add("bf16 vs fp32 (noise floor)", s.noise_floor())
-    for fmt in ("fp8-channel", "nvfp4", "int8-channel", "fp8-tensor"):
+    for fmt in filter(None, args.uniform.split(",")):
         add(fmt, s.report({m: fmt for m in s.runner.modules}))
     budgets = [float(b) for b in args.budgets.split(",")]
     formats = args.search_formats.split(",")
