@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _table import print_table  # noqa: E402
+from roofline import ceilings  # noqa: E402
 
 
 def write_model(path: Path) -> int:
@@ -129,6 +130,7 @@ def main() -> int:
         n_params = sum(p.numel() for p in engine.model.parameters())
         kv_s, kv_out = run_kvmesh(engine, prompts, args.new_tokens)
         one_s, one_out = run_kvmesh(engine, prompts[:1], args.new_tokens)
+        roof = ceilings(engine.model, args.requests, engine.dtype)
         del engine
         hf_s, hf_out = run_transformers(path, prompts, args.new_tokens, args.dtype)
 
@@ -148,6 +150,11 @@ def main() -> int:
         "identical_outputs": f"{identical}/{args.requests}",
         "one_alone_identical_to_batched": one_out[0] == kv_out[0],
         "torch_threads": torch.get_num_threads(),
+        "roofline": roof,
+        "fraction_of_roofline": {
+            "batch": (total / kv_s) / roof[f"batch{args.requests}_tokens_per_s"],
+            "one_alone": (args.new_tokens / one_s) / roof["batch1_tokens_per_s"],
+        },
     }
     print(f"engine benchmark: {args.model} ({n_params / 1e6:.1f}M params), {args.requests} requests x "
           f"{result['prompt_lens'][0]}-{result['prompt_lens'][1]} prompt + {args.new_tokens} new tokens, greedy, CPU {args.dtype}")
@@ -160,6 +167,11 @@ def main() -> int:
         ],
     )
     print(f"ratio kvmesh / transformers: {result['ratio']:.2f}x   identical outputs: {result['identical_outputs']}")
+    frac = result["fraction_of_roofline"]
+    print(f"roofline: batch {args.requests} = {roof[f'batch{args.requests}_tokens_per_s']:.0f} tok/s (the step's matmuls alone, "
+          f"{roof[f'batch{args.requests}_matmul_gflop_s']:.0f} GFLOP/s), batch 1 = {roof['batch1_tokens_per_s']:.0f} tok/s "
+          f"(weights {roof['weight_bytes'] / 1e6:.0f} MB at {roof['copy_bandwidth_gb_s']:.1f} GB/s copy bandwidth)")
+    print(f"kvmesh at {frac['batch']:.0%} of the batch-{args.requests} roofline, {frac['one_alone']:.0%} of the batch-1 roofline")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.json}")

@@ -1,24 +1,28 @@
-"""KV transfer prefill -> decode vs a raw loopback TCP copy of the same bytes, same run.
+"""KV transfer prefill -> decode per transport vs a raw loopback TCP copy of the same bytes, same run.
 
-Starts one prefill and one decode worker as real processes (no router: this
-script plays the gateway's part). Each trial prefills a fresh prompt and hands
-it to decode, which pulls the prompt's full blocks over PullKV and imports
-them; the time is decode's own ``DecodeFinal.timings.transfer_ns`` (missing-block
-lookup, pull, checksums, import, lease release). After each round a raw TCP
-copy of the same byte count runs, so both sides of the ratio see the same
-machine load; the ratio of medians is the result.
+Transports: ``grpc`` (the chunked PullKV stream), ``nixl`` (one NIXL READ into
+decode's pool, UCX's default transports: shared memory on one host) and
+``nixl_tcp`` (the same with ``UCX_TLS=tcp,self`` on both ends: the cross-host
+mode). Cells: 64 and 512 blocks, for two block sizes (``--block-sizes``).
 
-Two conditions: decode idle, and decode busy with other sequences (every
-engine-thread call then waits for the running step to end).
+Real processes, no router: this script plays the gateway. Per block size it
+starts a prefill worker on NIXL (which also serves PullKV), one with
+``UCX_TLS=tcp,self``, and a decode worker per transport. Prefill's KV is
+computed once per prompt: each trial re-prefills a cached prompt (one token
+computed, a fresh lease on the same blocks), and decode's pool holds only one
+cell's blocks, so the prompts a decode worker cycles through are always evicted
+before they come round again and every trial moves every block. The time is
+decode's own ``DecodeFinal.timings.transfer_ns`` (missing-block lookup, handshake
+cached from the warm-up, transfer, checksum verification, import or adoption,
+lease release). A raw TCP copy of the same byte count runs after each round, so
+each ratio compares medians taken under the same load.
 
-``--compare-with DIR`` also starts a pair from another checkout (e.g. the last
-commit: ``git archive HEAD | tar -x -C /tmp/base``) and alternates trials
-between the two, for a before/after under the same load. In the idle condition
-it also reports the CPU both processes spent per transfer (during the decode
-call, which includes decoding its two tokens): steadier than wall time on a
-shared machine.
+Also: the TTFT of one ``--ttft-tokens`` prompt per transport (fresh, computed on
+prefill), as a gateway sees it: the Prefill call plus decode's first token (the
+transfer comes before it); and what the block checksum costs (CRC-32 over the
+pool's blocks, as both ends compute it).
 
-Run: ``python bench/kv_transfer.py [--tokens 2048] [--trials 8] [--compare-with DIR] [--json PATH]``.
+Run: ``flock /tmp/kvmesh-bench.lock python bench/kv_transfer.py [--trials 5] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -51,34 +55,34 @@ from kvmesh.launcher.topology import REPO_ROOT, ProcessSpec, Topology, free_port
 from kvmesh.prefill.v1 import prefill_pb2, prefill_pb2_grpc  # noqa: E402
 
 VOCAB = 2048
-BUSY_STREAMS = 4
-_TICK_MS = 1000 / os.sysconf("SC_CLK_TCK")
+TRANSPORTS = ("grpc", "nixl", "nixl_tcp")
+TCP_ONLY = {"UCX_TLS": "tcp,self"}
+MARGIN_BLOCKS = 8
 
 
-def write_model(path: Path) -> None:
-    """The same shape as bench/mesh.py's model: 6 layers, 4 KV heads of 64, fp32 -> 192 KiB blocks."""
+def write_model(path: Path, max_tokens: int) -> None:
+    """bench/mesh.py's model shape: 6 layers, 4 KV heads of 64, fp32 -> 192 KiB per 16-token block."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
         vocab_size=VOCAB, hidden_size=256, intermediate_size=704, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=8192,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=max_tokens,
         initializer_range=0.1, eos_token_id=0,
     )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(path)
 
 
-def worker(role: str, label: str, checkout: Path, model: Path, num_blocks: int, block_size: int = 16) -> ProcessSpec:
+def worker(name: str, role: str, model: Path, num_blocks: int, block_size: int, env: dict[str, str]) -> ProcessSpec:
     port, metrics_port = free_port(), free_port()
     env = {
         "KVMESH_HOST": "127.0.0.1", "KVMESH_PORT": str(port), "KVMESH_METRICS_PORT": str(metrics_port),
         "KVMESH_MODEL": str(model), "KVMESH_NUM_BLOCKS": str(num_blocks), "KVMESH_BLOCK_SIZE": str(block_size),
-        "KVMESH_WORKER_ID": f"{role}-{label}",
-        "KVMESH_LOG_LEVEL": "warning", "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE",
+        "KVMESH_WORKER_ID": name, "KVMESH_LOG_LEVEL": "warning", "PYTHONUNBUFFERED": "1",
+        "OMP_WAIT_POLICY": "PASSIVE", "KVMESH_MAX_NUM_BATCHED_TOKENS": "2048", **env,
     }
-    # `python -m services.<role>.main` from ``checkout`` runs that checkout's code.
     argv = (sys.executable, "-m", f"services.{role}.main")
-    return ProcessSpec(f"{role}-{label}", role, argv, env, "127.0.0.1", port, metrics_port, "cpu", workdir=checkout)
+    return ProcessSpec(name, role, argv, env, "127.0.0.1", port, metrics_port, "cpu", workdir=REPO_ROOT)
 
 
 def raw_tcp_s(nbytes: int) -> float:
@@ -108,147 +112,177 @@ def raw_tcp_s(nbytes: int) -> float:
     return dt
 
 
-def cpu_ms(pid: int) -> float:
-    """User + system CPU a process (all its threads) has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * _TICK_MS
-
-
 def greedy(n: int) -> sampling_pb2.SamplingParams:
     return sampling_pb2.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
 @dataclasses.dataclass
 class Pair:
-    label: str
+    transport: str
     prefill: prefill_pb2_grpc.PrefillServiceStub
     decode: decode_pb2_grpc.DecodeServiceStub
-    pids: tuple[int, int]
 
 
-async def hand_off(pair: Pair, rid: str, prompt: list[int]) -> tuple[int, int, float]:
-    """Prefill ``prompt``, decode it remotely: (blocks handed off, decode's transfer ns, CPU ms)."""
+@dataclasses.dataclass
+class HandOff:
+    blocks: int
+    prefill_ns: int
+    transfer_ns: int
+    ttft_ns: int
+
+
+async def hand_off(pair: Pair, rid: str, prompt: list[int]) -> HandOff:
+    """Prefill ``prompt``, decode it remotely; TTFT = the Prefill call + decode's first token."""
+    t0 = time.perf_counter_ns()
     pre = await pair.prefill.Prefill(prefill_pb2.PrefillRequest(request_id=rid, token_ids=prompt, sampling=greedy(2)))
+    prefill_ns = time.perf_counter_ns() - t0
+    if pair.transport != "grpc":
+        assert pre.handoff.HasField("nixl"), "the prefill worker did not offer its blocks over NIXL"
     remote = decode_pb2.RemotePrefill(first_token_id=pre.first_token_id, handoff=pre.handoff)
-    cpu0 = sum(map(cpu_ms, pair.pids))
-    final = None
+    ttft_ns = final = None
     async for msg in pair.decode.Decode(
         decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=greedy(2), remote=remote)
     ):
+        ttft_ns = ttft_ns or time.perf_counter_ns() - t0
         if msg.HasField("final"):
             final = msg.final
-    return len(pre.handoff.block_hashes), final.timings.transfer_ns, sum(map(cpu_ms, pair.pids)) - cpu0
+    return HandOff(len(pre.handoff.block_hashes), prefill_ns, final.timings.transfer_ns, ttft_ns)
 
 
-async def keep_busy(decode, stop: asyncio.Event, name: str, seed: int) -> None:
-    """A local-prefill stream on decode, restarted until ``stop``: keeps its engine stepping."""
+async def fill(prefill: prefill_pb2_grpc.PrefillServiceStub, rid: str, prompt: list[int]) -> None:
+    """Compute ``prompt``'s KV on the prefill worker (no decode worker sees it)."""
+    pre = await prefill.Prefill(prefill_pb2.PrefillRequest(request_id=rid, token_ids=prompt, sampling=greedy(2)))
+    await prefill.ReleaseLease(prefill_pb2.ReleaseLeaseRequest(lease_id=pre.handoff.lease_id))
+
+
+def prompts_for(blocks: int, block_size: int, decode_pool: int, seed: int) -> list[list[int]]:
+    """Enough distinct prompts of ``blocks`` full blocks (plus one token) that cycling through
+    them overflows decode's pool: each comes back only after LRU evicted it."""
+    count = decode_pool // blocks + 1
     g = torch.Generator().manual_seed(seed)
-    i = 0
-    while not stop.is_set():
-        prompt = torch.randint(1, VOCAB, (32,), generator=g).tolist()
-        call = decode.Decode(decode_pb2.DecodeRequest(
-            request_id=f"busy-{name}-{i}", prompt_token_ids=prompt, sampling=greedy(200), local={}
-        ))
-        async for _ in call:
-            if stop.is_set():
-                call.cancel()
-                break
-        i += 1
+    return [torch.randint(1, VOCAB, (blocks * block_size + 1,), generator=g).tolist() for _ in range(count)]
 
 
-async def measure(pairs: list[Pair], args: argparse.Namespace, block_nbytes: int) -> dict:
-    g = torch.Generator().manual_seed(1)
-    for pair in pairs:
-        await hand_off(pair, "warm-up", torch.randint(1, VOCAB, (64,), generator=g).tolist())
-    result: dict = {}
-    for condition in ("idle", "busy"):
-        stop = asyncio.Event()
-        busy = [
-            asyncio.create_task(keep_busy(p.decode, stop, f"{p.label}-{s}", s))
-            for p in pairs for s in range(BUSY_STREAMS if condition == "busy" else 0)
-        ]
-        await asyncio.sleep(0.5 if busy else 0)
-        gbps: dict[str, list[float]] = {p.label: [] for p in pairs}
-        cpu: dict[str, list[float]] = {p.label: [] for p in pairs}
-        raw: list[float] = []
-        try:
+def checksum_gbps(block_size: int, model: Path) -> float:
+    """CRC-32 over pool blocks as both ends compute it (KVCache.block_checksum), GB/s."""
+    engine = LLMEngine(model, EngineConfig(num_blocks=256, block_size=block_size))
+    engine.kv.tensor.normal_()
+    t0 = time.perf_counter()
+    for b in range(256):
+        engine.kv.block_checksum(b)
+    return 256 * engine.kv.block_nbytes / (time.perf_counter() - t0) / 1e9
+
+
+async def measure_block_size(mesh: Mesh, args: argparse.Namespace, block_size: int, block_nbytes: int,
+                             decode_pool: int) -> tuple[list[dict], dict]:
+    channels = []
+
+    def stub(kind, name):
+        channels.append(grpc.aio.insecure_channel(mesh.address(name)))
+        return kind(channels[-1])
+
+    pairs = [
+        Pair(t, stub(prefill_pb2_grpc.PrefillServiceStub, "prefill-tcp" if t == "nixl_tcp" else "prefill"),
+             stub(decode_pb2_grpc.DecodeServiceStub, f"decode-{t}"))
+        for t in TRANSPORTS
+    ]
+    try:
+        warm = torch.randint(1, VOCAB, (4 * block_size + 1,)).tolist()
+        for pair in pairs:  # handshakes, connections, first-call costs
+            await hand_off(pair, f"warm-{pair.transport}", warm)
+        cells = []
+        for blocks in args.blocks:
+            prompts = prompts_for(blocks, block_size, decode_pool, seed=blocks)
+            for i, prompt in enumerate(prompts):  # compute each prompt's KV once on both prefill workers
+                for p, name in ((pairs[0].prefill, "main"), (pairs[2].prefill, "tcp")):
+                    await fill(p, f"fill-{blocks}-{i}-{name}", prompt)
+            gbps: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
+            raw: list[float] = []
             for t in range(args.trials):
-                for pair in pairs if t % 2 == 0 else pairs[::-1]:  # neither always goes first
-                    prompt = torch.randint(1, VOCAB, (args.tokens,), generator=g).tolist()
-                    blocks, ns, cpu_used = await hand_off(pair, f"{condition}-{pair.label}-{t}", prompt)
-                    nbytes = blocks * block_nbytes
-                    gbps[pair.label].append(nbytes / ns)
-                    cpu[pair.label].append(cpu_used)
-                raw.append(nbytes / raw_tcp_s(nbytes) / 1e9)
-        finally:
-            stop.set()
-            await asyncio.gather(*busy)
-        raw_p50 = statistics.median(raw)
-        result[condition] = {"bytes": nbytes, "raw_tcp_gbps": raw, "raw_tcp_p50_gbps": raw_p50, "checkouts": {}}
-        for label, values in gbps.items():
-            p50 = statistics.median(values)
-            result[condition]["checkouts"][label] = {
-                "mesh_gbps": values, "mesh_p50_gbps": p50, "ratio_p50": p50 / raw_p50,
-                # With busy decode engines the CPU is mostly theirs: reported idle only.
-                "cpu_ms_per_transfer": statistics.median(cpu[label]) if condition == "idle" else None,
-            }
-    return result
+                for pair in pairs if t % 2 == 0 else pairs[::-1]:  # none always goes first
+                    # Each decode worker cycles through more prompts than its pool holds: by the
+                    # time one comes round again LRU has evicted it, so every block moves.
+                    prompt = prompts[t % len(prompts)]
+                    h = await hand_off(pair, f"c{blocks}-{pair.transport}-{t}", prompt)
+                    assert h.blocks == blocks
+                    gbps[pair.transport].append(blocks * block_nbytes / h.transfer_ns)
+                raw.append(blocks * block_nbytes / raw_tcp_s(blocks * block_nbytes) / 1e9)
+            raw_p50 = statistics.median(raw)
+            cell = {"block_size": block_size, "blocks": blocks, "block_bytes": block_nbytes,
+                    "bytes": blocks * block_nbytes, "raw_tcp_gbps": raw_p50, "raw_tcp_samples": raw}
+            for transport, values in gbps.items():
+                p50 = statistics.median(values)
+                cell[transport] = {"gbps": p50, "ratio": p50 / raw_p50, "samples": values}
+            cells.append(cell)
+        ttft = {}
+        if args.ttft_tokens and block_size == args.block_sizes[0]:
+            g = torch.Generator().manual_seed(7)
+            for pair in pairs:
+                prompt = torch.randint(1, VOCAB, (args.ttft_tokens,), generator=g).tolist()
+                h = await hand_off(pair, f"ttft-{pair.transport}", prompt)
+                ttft[pair.transport] = {"tokens": args.ttft_tokens, "blocks": h.blocks,
+                                        "prefill_ms": h.prefill_ns / 1e6, "transfer_ms": h.transfer_ns / 1e6,
+                                        "ttft_ms": h.ttft_ns / 1e6}
+        return cells, ttft
+    finally:
+        for ch in channels:
+            await ch.close()
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=2048, help="prompt length; its full blocks are transferred")
-    ap.add_argument("--trials", type=int, default=8)
-    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (16: 192 KiB blocks, 64: 768 KiB)")
-    ap.add_argument("--compare-with", type=Path, help="another checkout to run beside this one (before/after)")
+    ap.add_argument("--blocks", type=int, nargs="+", default=[64, 512], help="blocks per hand-off, one cell each")
+    ap.add_argument("--block-sizes", type=int, nargs="+", default=[16, 8],
+                    help="tokens per KV block (16: 192 KiB blocks, 8: 96 KiB); 512 blocks of 64 would be a "
+                         "32k-token prefill per prompt, too slow for a CPU run")
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--ttft-tokens", type=int, default=8000, help="prompt of the TTFT run (0: skip it)")
     ap.add_argument("--json", default="bench/results/kv_transfer.json")
     args = ap.parse_args()
-    # A prompt in flight, the next, and the busy streams' blocks.
-    num_blocks = 3 * (args.tokens // args.block_size + 1) + 4096 // args.block_size
-    checkouts = {"this": REPO_ROOT}
-    if args.compare_with:
-        checkouts["other"] = args.compare_with.resolve()
+    cells: list[dict] = []
+    ttft: dict = {}
+    checksums: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
+        max_tokens = max(max(args.blocks) * max(args.block_sizes), args.ttft_tokens) + 64
         model = Path(tmp) / "llama"
-        write_model(model)
-        block_nbytes = LLMEngine(model, EngineConfig(num_blocks=1, block_size=args.block_size)).kv.block_nbytes
-        specs = [
-            worker(role, label, root, model, num_blocks, args.block_size)
-            for label, root in checkouts.items()
-            for role in ("prefill", "decode")
-        ]
-        with Mesh(Topology(tuple(specs)), Path(tmp) / "run") as mesh:
-
-            async def run() -> dict:
-                channels = [grpc.aio.insecure_channel(mesh.address(f"{role}-{label}"))
-                            for label in checkouts for role in ("prefill", "decode")]
-                try:
-                    pairs = [
-                        Pair(label, prefill_pb2_grpc.PrefillServiceStub(channels[2 * i]),
-                             decode_pb2_grpc.DecodeServiceStub(channels[2 * i + 1]),
-                             (mesh.process(f"prefill-{label}").pid, mesh.process(f"decode-{label}").pid))
-                        for i, label in enumerate(checkouts)
-                    ]
-                    return await measure(pairs, args, block_nbytes)
-                finally:
-                    for ch in channels:
-                        await ch.close()
-
-            result = asyncio.run(run())
-    print(f"KV transfer prefill -> decode ({args.tokens}-token prompts, {block_nbytes} B blocks) "
-          f"vs raw loopback TCP, same bytes, {args.trials} trials each")
-    if args.compare_with:
-        print(f"checkouts: this = {REPO_ROOT}, other = {checkouts['other']}")
-    rows = []
-    for condition, r in result.items():
-        for label, c in r["checkouts"].items():
-            cpu = "" if c["cpu_ms_per_transfer"] is None else f"{c['cpu_ms_per_transfer']:.0f}"
-            rows.append([condition, label, r["bytes"], f"{c['mesh_p50_gbps']:.3f}", f"{r['raw_tcp_p50_gbps']:.3f}",
-                         f"{c['ratio_p50']:.2f}", cpu])
-    headers = ["decode engine", "checkout", "bytes", "mesh p50 GB/s", "raw TCP p50 GB/s", "ratio", "CPU ms/transfer"]
+        write_model(model, max_tokens)
+        for bs in args.block_sizes:
+            block_nbytes = LLMEngine(model, EngineConfig(num_blocks=1, block_size=bs)).kv.block_nbytes
+            checksums[bs] = checksum_gbps(bs, model)
+            biggest = max(max(args.blocks), -(-args.ttft_tokens // bs) if bs == args.block_sizes[0] else 0)
+            decode_pool = biggest + MARGIN_BLOCKS
+            # Prefill keeps every prompt of the largest cell (and the others) cached.
+            prefill_pool = sum((decode_pool // b + 1) * (b + 1) for b in args.blocks) + biggest + 2 * MARGIN_BLOCKS
+            specs = [
+                worker("prefill", "prefill", model, prefill_pool, bs, {"KVMESH_KV_TRANSPORT": "nixl"}),
+                worker("prefill-tcp", "prefill", model, prefill_pool, bs, {"KVMESH_KV_TRANSPORT": "nixl", **TCP_ONLY}),
+                worker("decode-grpc", "decode", model, decode_pool, bs, {"KVMESH_KV_TRANSPORT": "grpc"}),
+                worker("decode-nixl", "decode", model, decode_pool, bs, {"KVMESH_KV_TRANSPORT": "nixl"}),
+                worker("decode-nixl_tcp", "decode", model, decode_pool, bs, {"KVMESH_KV_TRANSPORT": "nixl", **TCP_ONLY}),
+            ]
+            with Mesh(Topology(tuple(specs)), Path(tmp) / f"run-{bs}") as mesh:
+                c, t = asyncio.run(measure_block_size(mesh, args, bs, block_nbytes, decode_pool))
+            cells += c
+            ttft.update(t)
+    print(f"KV transfer prefill -> decode vs raw loopback TCP (same bytes, same run), median of {args.trials} trials")
+    headers = ["block tokens", "blocks", "MiB", "raw TCP GB/s",
+               *(f"{t} GB/s" for t in TRANSPORTS), *(f"{t} ratio" for t in TRANSPORTS)]
+    rows = [[c["block_size"], c["blocks"], f"{c['bytes'] / 2**20:.0f}", f"{c['raw_tcp_gbps']:.2f}",
+             *(f"{c[t]['gbps']:.2f}" for t in TRANSPORTS), *(f"{c[t]['ratio']:.2f}" for t in TRANSPORTS)]
+            for c in cells]
     print_table(headers, rows)
-    checkout_paths = {k: str(v) for k, v in checkouts.items()}
-    write_json(args.json, {"tokens": args.tokens, "block_bytes": block_nbytes, "checkouts": checkout_paths, **result})
+    if ttft:
+        print(f"\nTTFT of one {args.ttft_tokens}-token prompt (Prefill call + decode's first token; transfer inside)")
+        print_table(["transport", "blocks", "prefill ms", "transfer ms", "TTFT ms"],
+                    [[t, v["blocks"], f"{v['prefill_ms']:.0f}", f"{v['transfer_ms']:.1f}", f"{v['ttft_ms']:.0f}"]
+                     for t, v in ttft.items()])
+    print("\nblock checksum (CRC-32, each end once per block): "
+          + ", ".join(f"{bs}-token blocks {g:.2f} GB/s" for bs, g in checksums.items()))
+    for c in cells:  # what verification adds to each transfer at that rate (decode's end; prefill's is before its answer)
+        ms = c["bytes"] / checksums[c["block_size"]] / 1e6
+        c["checksum_ms"] = ms
+        print(f"  {c['blocks']} blocks of {c['block_size']} tokens: {ms:.1f} ms per end")
+    write_json(args.json, {"cells": cells, "ttft": ttft, "checksum_gbps": checksums, "trials": args.trials})
     return 0
 
 

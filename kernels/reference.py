@@ -40,7 +40,7 @@ def rotary_embedding(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style RoPE. q [T, Hq, D], k [T, Hk, D]; cos_sin_cache [max_pos, D] (cos | sin)."""
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
     cos = torch.cat([cos, cos], dim=-1).unsqueeze(1)
     sin = torch.cat([sin, sin], dim=-1).unsqueeze(1)
 
@@ -61,35 +61,19 @@ def write_kv_cache(
 ) -> None:
     """Store k/v [T, Hk, D] at flat slots (block * block_size + offset); slot -1 is padding."""
     valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    block_size = k_cache.shape[1]
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k[valid].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[valid].to(v_cache.dtype)
+    if not bool(valid.all()):
+        slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
+    # One index_copy_ over the flat [slots, Hk, D] view: far cheaper on CPU than indexing (block, offset).
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def _gather_seq_kv(
-    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
-) -> torch.Tensor:
-    block_size = cache.shape[1]
-    n_blocks = (seq_len + block_size - 1) // block_size
-    return cache[block_table[:n_blocks]].flatten(0, 1)[:seq_len]
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int) -> torch.Tensor:
-    """q [n, Hq, D] at positions q_offset.., k/v [S, Hk, D]; causal; float32 math."""
-    n, hq, _ = q.shape
-    s, hk, _ = k.shape
-    group = hq // hk
-    qf = q.float().transpose(0, 1)  # [Hq, n, D]
-    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
-    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
-    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [Hq, n, S]
-    q_pos = torch.arange(n, device=q.device).unsqueeze(1) + q_offset
-    k_pos = torch.arange(s, device=q.device).unsqueeze(0)
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, vf).transpose(0, 1).to(q.dtype)  # [n, Hq, D]
+def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[B, max_blocks] block ids -> their K or V as [B, max_blocks * block_size, Hk, D] (index_select:
+    about twice as fast as advanced indexing on CPU)."""
+    b, nb = block_tables.shape
+    _, block_size, hk, d = cache.shape
+    return cache.index_select(0, block_tables.reshape(-1)).view(b, nb * block_size, hk, d)
 
 
 def paged_decode_attention(
@@ -106,17 +90,13 @@ def paged_decode_attention(
     Batched over sequences: each one's blocks are gathered into a padded [B, S] view and
     positions past its length are masked, so a step costs a few ops per layer, not per sequence.
     """
-    b, hq, d = q.shape
-    _, block_size, hk, _ = k_cache.shape
-    s = block_tables.shape[1] * block_size
-    k = k_cache[block_tables].view(b, s, hk, d).float().permute(0, 2, 3, 1)  # [B, Hk, D, S]
-    v = v_cache[block_tables].view(b, s, hk, d).float().transpose(1, 2)  # [B, Hk, S, D]
-    qf = q.float().view(b, hk, hq // hk, d)  # query heads grouped by their KV head
-    scores = torch.matmul(qf, k) * scale  # [B, Hk, G, S]
-    past_end = torch.arange(s, device=q.device).unsqueeze(0) >= seq_lens.unsqueeze(1)
-    scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [B, Hk, G, D]
-    return out.reshape(b, hq, d).to(q.dtype)
+    k = _gather_blocks(k_cache, block_tables).transpose(1, 2).float()  # [B, Hk, S, D]
+    v = _gather_blocks(v_cache, block_tables).transpose(1, 2).float()
+    live = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None]  # [B, S]
+    out = F.scaled_dot_product_attention(
+        q.float()[:, :, None, :], k, v, attn_mask=live[:, None, None, :], scale=scale, enable_gqa=True
+    )
+    return out[:, :, 0, :].to(q.dtype)
 
 
 def paged_extend_attention(
@@ -130,14 +110,32 @@ def paged_extend_attention(
 ) -> torch.Tensor:
     """Varlen batch of new tokens over a paged prefix. q [T, Hq, D] packs each sequence's new
     tokens at query_start_loc[i]:query_start_loc[i+1]; seq_lens[i] counts prefix + new tokens
-    (all already written to the cache). Full attention over the prefix, causal over new tokens."""
+    (all already written to the cache). Full attention over the prefix, causal over new tokens.
+
+    Batched, not a loop over sequences: one-token rows (decodes sharing the step) take the
+    decode path; the others are padded to the longest and attend in one masked call.
+    """
+    starts, counts = query_start_loc[:-1], query_start_loc[1:] - query_start_loc[:-1]
     out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        a, b = starts[i], starts[i + 1]
-        k = _gather_seq_kv(k_cache, block_tables[i], seq_len)
-        v = _gather_seq_kv(v_cache, block_tables[i], seq_len)
-        out[a:b] = _attend(q[a:b], k, v, scale, seq_len - (b - a))
+    single = counts == 1
+    if bool(single.any()):
+        rows = starts[single]
+        out[rows] = paged_decode_attention(q[rows], k_cache, v_cache, block_tables[single], seq_lens[single], scale)
+    multi = (~single).nonzero().flatten()
+    if multi.numel() == 0:
+        return out
+    n, first = counts[multi], starts[multi]
+    j = torch.arange(int(n.max()), device=q.device)
+    valid = j[None, :] < n[:, None]  # [M, max_n]: real query rows, the rest is padding
+    rows = first[:, None] + j[None, :]
+    padded = q.index_select(0, torch.where(valid, rows, first[:, None]).reshape(-1))
+    qp = padded.view(len(multi), len(j), *q.shape[1:]).transpose(1, 2).float()  # [M, Hq, max_n, D]
+    k = _gather_blocks(k_cache, block_tables[multi]).transpose(1, 2).float()  # [M, Hk, S, D]
+    v = _gather_blocks(v_cache, block_tables[multi]).transpose(1, 2).float()
+    q_pos = (seq_lens[multi] - n)[:, None] + j[None, :]  # each query row's position
+    visible = torch.arange(k.shape[2], device=q.device)[None, None, :] <= q_pos[:, :, None]  # [M, max_n, S]
+    attn = F.scaled_dot_product_attention(qp, k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=True)
+    out[rows[valid]] = attn.transpose(1, 2)[valid].to(q.dtype)
     return out
 
 

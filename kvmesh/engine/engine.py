@@ -18,7 +18,7 @@ import structlog
 import torch
 
 from kvmesh.blocks import BlockHash, block_hashes, model_fingerprint
-from kvmesh.engine.block_manager import BlockEventSink, BlockManager
+from kvmesh.engine.block_manager import BlockEventSink, BlockManager, OutOfBlocks
 from kvmesh.engine.config import EngineConfig, ModelConfig, dtype_name
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.grammar import GrammarCache, GrammarStats, Masks, MaskRows, allowed_prefix
@@ -32,7 +32,7 @@ from kvmesh.engine.sequence import Sequence, TokenLogprob
 from kvmesh.engine.stop import check_stop, releasable_text
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.engine.weights import weight_files, weights_id
-from kvmesh.errors import InvalidArgument, NotFound
+from kvmesh.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvmesh.quant import checkpoint as quant_checkpoint  # a module: kvmesh.quant imports the engine too
 
 log = structlog.get_logger(__name__)
@@ -504,6 +504,34 @@ class LLMEngine:
         held = self._held.pop(request_id, [])
         self.blocks.release([b for _, b in held])
         return len(held)
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """Pool block of each held block, in ``held_hashes`` order (a NIXL reader addresses them)."""
+        return [b for _, b in self._held.get(request_id, [])]
+
+    def reserve_blocks(self, n: int) -> list[int]:
+        """Fresh blocks for KV written into the pool from outside (a NIXL READ): referenced and
+        unnamed until ``adopt_reserved`` names them or ``release_reserved`` hands them back."""
+        try:
+            return self.blocks.allocate(n)
+        except OutOfBlocks as e:
+            raise ResourceExhausted(f"no room for {n} incoming KV blocks: {e}") from None
+
+    def adopt_reserved(self, blocks: list[tuple[BlockHash, int]]) -> int:
+        """Name reserved blocks whose KV has arrived (and been verified) as cached blocks, as
+        ``import_block`` does; one whose name another block took meanwhile is dropped. Returns
+        how many were adopted."""
+        adopted = 0
+        for h, b in blocks:
+            if self.blocks.register(b, h):
+                adopted += 1
+        self.blocks.release([b for _, b in blocks])
+        self.stats.imported_blocks += adopted
+        return adopted
+
+    def release_reserved(self, block_ids: list[int]) -> None:
+        """Hand back reserved blocks whose KV never arrived whole."""
+        self.blocks.release(block_ids)
 
     def import_block(self, h: BlockHash, payload: BlockPayload) -> bool:
         """Adopt a block computed elsewhere as a cached block. False if already held."""

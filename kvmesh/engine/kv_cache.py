@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy
 import torch
 
+from kvmesh.checksum import Crc32, checksum
 from kvmesh.engine.config import dtype_name, parse_dtype
 from kvmesh.errors import InvalidArgument
 
@@ -48,6 +49,7 @@ class KVCache:
             num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
         )
         self.block_shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
+        self._pieces: numpy.ndarray | None = None  # [layers * 2, blocks, piece bytes] view, made on first use
 
     @property
     def block_nbytes(self) -> int:
@@ -61,6 +63,20 @@ class KVCache:
         threads spin-wait on each other (~100x slower); numpy's copy is one memcpy per run.
         """
         return self.tensor[:, :, block_id].view(torch.uint8).numpy()
+
+    def block_checksum(self, block_id: int) -> bytes:
+        """``checksum(export_block(b).data)``, on host memory without the copy: the block's
+        contiguous (layer, k/v) pieces are summed in the export's order (through one numpy view
+        of the pool: a torch view per piece costs more than summing it)."""
+        if self.tensor.device.type != "cpu":
+            return checksum(self.export_block(block_id).data)
+        if self._pieces is None:
+            layers, kv, blocks = self.tensor.shape[:3]
+            self._pieces = self.tensor.view(torch.uint8).numpy().reshape(layers * kv, blocks, -1)
+        crc = Crc32()
+        for piece in self._pieces[:, block_id]:
+            crc.update(piece)
+        return crc.digest()
 
     def export_block(self, block_id: int) -> BlockPayload:
         if self.tensor.device.type == "cpu":

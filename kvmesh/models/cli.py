@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
-from kvmesh.models.catalog import CATALOG, DEFAULT_MODEL, models_dir
-from kvmesh.models.install import install, installed, packaged
+from kvmesh.models.catalog import CATALOG, DEFAULT_MODEL, model_dir, models_dir
+from kvmesh.models.install import install, installed, is_installed, packaged
 
 
 def add_models_parser(sub: argparse._SubParsersAction) -> None:
@@ -45,12 +46,9 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _path(args: argparse.Namespace) -> int:
-    from kvmesh.models.catalog import model_dir
-    from kvmesh.models.install import is_installed
-
     model = packaged(args.name)
     if not is_installed(model):
-        print(f"kvmesh: error: {model.name} is not installed (kvmesh models install {model.name})")
+        print(f"kvmesh: error: {model.name} is not installed (kvmesh models install {model.name})", file=sys.stderr)
         return 2
     print(model_dir(model))
     return 0

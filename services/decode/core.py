@@ -1,7 +1,8 @@
 """The decode worker's logic: adopt a prefill's KV, then stream tokens from the shared batch.
 
 For a remotely prefilled request, the prompt's full blocks are pulled from the
-prefill worker (only those this worker's cache lacks), imported into the paged
+prefill worker (only those this worker's cache lacks; by a NIXL READ or the
+gRPC stream, whichever ``KVSource`` the worker runs), imported into the paged
 cache as cached blocks, and the lease acknowledged; the request then joins the
 continuous batch with the prefill's first token already in place, so only the
 partial last block is recomputed. A failed transfer is not fatal: the lease is
@@ -10,10 +11,11 @@ aborted and the engine computes whatever blocks did not arrive.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,6 +30,7 @@ from kvmesh.errors import KvmeshError
 from kvmesh.worker.kv_tiers import fetch_prefix_from_kvstore
 from kvmesh.worker.kvstore_client import KVStoreClient
 from kvmesh.kv_wire import ReceivedBlock
+from kvmesh.worker.kv_nixl import NixlBlocks
 
 log = structlog.get_logger(__name__)
 
@@ -41,13 +44,39 @@ MAX_PENDING_IMPORT_BYTES = 64 << 20
 
 
 class KVSource(Protocol):
-    """A prefill worker's hand-off endpoint (gRPC in the service, anything in tests)."""
+    """How a prefill worker's blocks reach this worker's cache: the gRPC stream, a NIXL READ,
+    anything in tests."""
 
-    def pull(self, address: str, lease_id: str, hashes: list[BlockHash]) -> AsyncIterator[ReceivedBlock]:
-        """The blocks, each whole; the worker verifies their checksums before importing them."""
+    async def fetch(self, engine: AsyncEngine, remote: RemotePrefill, missing: list[BlockHash], tally: Tally) -> None:
+        """Bring ``missing`` (a subset of the lease's blocks) into the engine's cache as cached
+        blocks, each checksum-verified, calling ``tally(blocks, bytes)`` as bytes arrive. Raises
+        KvmeshError or OSError when they cannot all come; what was imported is only ever whole."""
         ...
 
     async def release(self, address: str, lease_id: str, ack: bool) -> None: ...
+
+
+# (blocks, bytes) that arrived: for the worker's counters.
+Tally = Callable[[int, int], None]
+
+
+class StreamedKVSource(abc.ABC):
+    """A ``KVSource`` whose blocks arrive one by one as bytes (``pull``), verified and imported
+    beside the stream by an ``_Importer``."""
+
+    @abc.abstractmethod
+    def pull(self, address: str, lease_id: str, hashes: list[BlockHash]) -> AsyncIterator[ReceivedBlock]:
+        """The blocks, each whole; their checksums are verified before they are imported."""
+
+    async def fetch(self, engine: AsyncEngine, remote: RemotePrefill, missing: list[BlockHash], tally: Tally) -> None:
+        importer = _Importer(engine)
+        try:
+            async for block in self.pull(remote.address, remote.lease_id, missing):
+                tally(1, len(block.payload.data))
+                await importer.put(block)
+            await importer.finish()
+        finally:
+            await importer.stop()
 
 
 @dataclass
@@ -57,6 +86,8 @@ class RemotePrefill:
     block_hashes: list[BlockHash]
     first_token: int
     first_logprob: TokenLogprob | None = None
+    # Set when the prefill worker's pool is on NIXL: where the blocks lie, for a READ.
+    nixl: NixlBlocks | None = None
 
 
 @dataclass
@@ -113,26 +144,23 @@ class DecodeWorker:
         wanted = remote.block_hashes
         missing = await self.engine.call(lambda e: [h for h in wanted if h not in e.blocks.hash_to_block])
         ok = False
-        importer = _Importer(self.engine) if missing else None
         try:
-            if importer is not None:
-                async for block in self.kv_source.pull(remote.address, remote.lease_id, missing):
-                    self.counters.blocks_pulled += 1
-                    self.counters.bytes_pulled += len(block.payload.data)
-                    await importer.put(block)
-                await importer.finish()
+            if missing:
+                await self.kv_source.fetch(self.engine, remote, missing, self._tally)
             ok = True
         except (KvmeshError, OSError) as e:
             # Not fatal: whatever did not arrive is recomputed here.
             self.counters.transfer_failures += 1
             log.warning("KV transfer failed; recomputing locally", error=str(e), lease_id=remote.lease_id)
         finally:
-            if importer is not None:
-                await importer.stop()
             try:
                 await asyncio.shield(self.kv_source.release(remote.address, remote.lease_id, ack=ok))
             except (KvmeshError, OSError) as e:  # the holder's TTL frees it anyway
                 log.warning("lease release failed", error=str(e), lease_id=remote.lease_id)
+
+    def _tally(self, blocks: int, nbytes: int) -> None:
+        self.counters.blocks_pulled += blocks
+        self.counters.bytes_pulled += nbytes
 
 
 class _Importer:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvmesh.common.v1 import worker_pb2
+from kvmesh.common.v1 import kv_pb2, worker_pb2
 from kvmesh.decode.v1 import decode_pb2, decode_pb2_grpc
 from kvmesh.engine import LLMEngine
 from kvmesh.engine.async_engine import AsyncEngine
@@ -14,7 +14,9 @@ from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
 from kvmesh.runtime.counters import CountersCollector
 from kvmesh.worker.kvstore_client import KVStoreClient
 from kvmesh.worker.engine_link import attach_router
+from kvmesh.worker.kv_transport import KV_TRANSPORT_FLAGS, open_endpoint
 from services.decode.core import DecodeWorker
+from services.decode.nixl_source import NixlKVSource
 from services.decode.prefill_client import GrpcKVSource
 from services.decode.server import DecodeServicer
 from services.speculator.client import SpeculatorProposer
@@ -22,6 +24,7 @@ from services.speculator.local import LocalProposer
 
 FLAGS = [
     *ENGINE_FLAGS,
+    *KV_TRANSPORT_FLAGS,
     Flag("--advertise-address", "host:port the gateway uses to reach this worker (default: host:port)"),
     Flag("--speculator-address", "speculator host:port (unset: drafts from an in-process prompt lookup)"),
     Flag("--spec-budget-ms", "how long a decode step waits for drafts before running without them", default=5.0, type=float),
@@ -32,7 +35,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
     args = ctx.args
     address = args.advertise_address or f"{args.host}:{args.port}"
     servicer = DecodeServicer()
-    kv_source = GrpcKVSource()
+    grpc_source = GrpcKVSource()
     state: dict = {}
 
     async def start() -> None:
@@ -50,6 +53,11 @@ def build(ctx: ServiceContext) -> ServiceDef:
         aengine.start()
         kvstore = KVStoreClient(args.kvstore_address) if args.kvstore_address else None
         state["kvstore"] = kvstore
+        endpoint = await asyncio.to_thread(open_endpoint, args, engine.kv.tensor, "decode")
+        kv_source = grpc_source
+        if endpoint is not None:
+            layout = kv_pb2.KVLayout(**engine.kv_layout())
+            kv_source = state["nixl_source"] = NixlKVSource(endpoint, layout, grpc_source, args.kv_read_timeout_s)
         worker = DecodeWorker(aengine, kv_source, kvstore)
         servicer.attach(worker, engine.max_model_len)
         ctx.registry.register(EngineCollector(engine))
@@ -71,7 +79,9 @@ def build(ctx: ServiceContext) -> ServiceDef:
             await state["link"].stop()  # leave routing first; in-flight streams finish during the grace period
 
     async def stop() -> None:
-        await kv_source.close()
+        if "nixl_source" in state:
+            await state["nixl_source"].close()
+        await grpc_source.close()
         if "engine" in state:
             state["engine"].stop()  # first, so the engine thread stops asking for drafts
         if "proposer" in state:

@@ -11,22 +11,23 @@ from kvmesh.kv_wire import BlockAssembler, ReceivedBlock, keep_transfer_memory_m
 from kvmesh.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from kvmesh.runtime import create_channel
 from kvmesh.runtime.client_errors import from_rpc_error
+from services.decode.core import StreamedKVSource
 
 
-class GrpcKVSource:
+class GrpcKVSource(StreamedKVSource):
     def __init__(self, release_timeout_s: float = 5.0) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._release_timeout_s = release_timeout_s
         keep_transfer_memory_mapped()  # process-wide malloc setting: PullKV streams need it (kv_wire)
 
-    def _stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
+    def stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
         if address not in self._channels:
             self._channels[address] = create_channel(address)
         return prefill_pb2_grpc.PrefillServiceStub(self._channels[address])
 
     async def pull(self, address: str, lease_id: str, hashes: list[BlockHash]) -> AsyncIterator[ReceivedBlock]:
         """The blocks as they arrive whole; their checksums are the caller's to verify."""
-        call = self._stub(address).PullKV(prefill_pb2.PullKVRequest(lease_id=lease_id, block_hashes=hashes))
+        call = self.stub(address).PullKV(prefill_pb2.PullKVRequest(lease_id=lease_id, block_hashes=hashes))
         assembler = BlockAssembler()
         try:
             async for msg in call:
@@ -42,7 +43,7 @@ class GrpcKVSource:
     async def release(self, address: str, lease_id: str, ack: bool) -> None:
         outcome = prefill_pb2.LEASE_OUTCOME_ACK if ack else prefill_pb2.LEASE_OUTCOME_ABORT
         try:
-            await self._stub(address).ReleaseLease(
+            await self.stub(address).ReleaseLease(
                 prefill_pb2.ReleaseLeaseRequest(lease_id=lease_id, outcome=outcome), timeout=self._release_timeout_s
             )
         except grpc.aio.AioRpcError as e:

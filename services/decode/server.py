@@ -11,6 +11,7 @@ from kvmesh.common.v1 import accounting_pb2
 from kvmesh.convert import finish_to_pb, logprob_from_pb, logprob_to_pb, sampling_from_pb, timings_pb
 from kvmesh.decode.v1 import decode_pb2, decode_pb2_grpc
 from kvmesh.errors import InvalidArgument
+from kvmesh.worker.kv_nixl import NixlBlocks
 from services.decode.core import DecodeWorker, RemotePrefill
 
 
@@ -41,6 +42,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 block_hashes=list(r.handoff.block_hashes),
                 first_token=r.first_token_id,
                 first_logprob=logprob_from_pb(r.first_token_logprob) if r.HasField("first_token_logprob") else None,
+                nixl=NixlBlocks.from_pb(r.handoff.nixl) if r.handoff.HasField("nixl") else None,
             )
         offset = 0
         accepted = 0

@@ -4,7 +4,8 @@ The engine computes only what its prefix cache lacks (chunked by its token
 budget). The request runs with ``max_tokens=1`` and ``hold_prompt_blocks``, so
 the moment it finishes its full prompt blocks are held — no other request can
 evict them between finishing and the lease taking over. The lease then serves
-``pull`` until decode releases it or its TTL runs out.
+``pull`` (or, on NIXL, the decode worker's READ of its blocks) until decode
+releases it or its TTL runs out.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kvmesh.engine.kv_cache import BlockPayload
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import TokenLogprob
 from kvmesh.errors import InvalidArgument, NotFound
+from kvmesh.worker.kv_nixl import NixlBlocks, NixlEndpoint, block_checksums
 from kvmesh.worker.kv_tiers import fetch_prefix_from_kvstore, store_held_blocks
 from kvmesh.worker.kvstore_client import KVStoreClient
 from services.prefill.leases import Lease, LeaseTable
@@ -57,6 +59,8 @@ class PrefillResult:
     computed_tokens: int
     reused_tokens: int
     total_ns: int
+    # With a lease on a NIXL worker: where its blocks lie, for the decode worker's READ.
+    nixl: NixlBlocks | None = None
 
 
 @dataclass
@@ -78,9 +82,11 @@ class PrefillWorker:
         default_ttl_ms: int = 30_000,
         max_ttl_ms: int = 300_000,
         kvstore: KVStoreClient | None = None,
+        nixl: NixlEndpoint | None = None,
     ) -> None:
         self.engine = engine
         self.kvstore = kvstore
+        self.nixl = nixl
         self.leases = LeaseTable()
         self.default_ttl_ms = default_ttl_ms
         self.max_ttl_ms = max_ttl_ms
@@ -108,12 +114,15 @@ class PrefillWorker:
         # "length" only because of our max_tokens=1; the real request goes on unless it asked for 1.
         reason = out.finish_reason if (out.finish_reason != "length" or params.max_tokens == 1) else None
         lease = None
+        nixl = None
         try:
-            hashes = await self.engine.call(lambda e: e.held_hashes(request_id))
+            hashes, block_ids = await self.engine.call(lambda e: (e.held_hashes(request_id), e.held_block_ids(request_id)))
             # Blocks computed here (not reused) go to the cluster-wide tier, behind the request.
             computed_from = out.num_cached_tokens // self.engine.engine.config.block_size
             await store_held_blocks(self.engine, self.kvstore, request_id, hashes[computed_from:])
             if reason is None and hand_off and hashes:
+                if self.nixl is not None:
+                    nixl = await self._nixl_blocks(block_ids)
                 ttl = min(lease_ttl_ms or self.default_ttl_ms, self.max_ttl_ms)
                 lease = self.leases.create(request_id, hashes, ttl)
         finally:
@@ -133,7 +142,14 @@ class PrefillWorker:
             computed_tokens=len(token_ids) - reused,
             reused_tokens=reused,
             total_ns=done - t0,
+            nixl=nixl,
         )
+
+    async def _nixl_blocks(self, block_ids: list[int]) -> NixlBlocks:
+        """The held blocks' places in the pool and their checksums (on worker threads; held
+        blocks are pinned and no longer written)."""
+        sums = await block_checksums(self.engine.engine.kv, block_ids)
+        return NixlBlocks(self.nixl.name, block_ids, sums)
 
     async def pull(self, lease_id: str, hashes: list[BlockHash]) -> AsyncIterator[ExportedBlock]:
         """The lease's blocks (or the named subset, in that order), each once, checksummed.
@@ -192,6 +208,19 @@ class PrefillWorker:
                 n = await self.engine.call(lambda e, rid=lease.request_id: e.release_held(rid))
                 log.warning("lease expired; blocks unpinned", lease_id=lease.lease_id, blocks=n)
             await asyncio.sleep(interval_s)
+
+    async def release_on_notifications(self, busy_interval_s: float = 0.002, idle_interval_s: float = 0.02) -> None:
+        """Runs for the service's lifetime on a NIXL worker: a decode worker's READ of a lease's
+        blocks ends with a notification naming the lease, which releases it (as an ACK) at once.
+        Polls often while leases are open, rarely when none is (NIXL's progress thread serves the
+        READs themselves; this only picks up their notifications)."""
+        assert self.nixl is not None
+        while True:
+            for msg in self.nixl.notifications():
+                lease_id = msg.decode(errors="replace")
+                if await self.release(lease_id, ack=True) is None:
+                    log.info("READ notification for a lease already gone", lease_id=lease_id)
+            await asyncio.sleep(busy_interval_s if len(self.leases) else idle_interval_s)
 
     async def release_all(self) -> None:
         """Shutdown: nobody will pull these any more."""

@@ -15,11 +15,13 @@ from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
 from kvmesh.runtime.counters import CountersCollector
 from kvmesh.worker.kvstore_client import KVStoreClient
 from kvmesh.worker.engine_link import attach_router
+from kvmesh.worker.kv_transport import KV_TRANSPORT_FLAGS, open_endpoint
 from services.prefill.core import PrefillWorker
 from services.prefill.server import PrefillServicer
 
 FLAGS = [
     *ENGINE_FLAGS,
+    *KV_TRANSPORT_FLAGS,
     Flag("--lease-ttl-ms", "how long a KV hand-off waits for decode before its blocks are unpinned", default=30_000, type=int),
     Flag("--max-lease-ttl-ms", "the longest lease a request may ask for", default=300_000, type=int),
     Flag("--advertise-address", "host:port decode workers use to reach this worker (default: host:port)"),
@@ -38,7 +40,8 @@ def build(ctx: ServiceContext) -> ServiceDef:
         aengine.start()
         kvstore = KVStoreClient(args.kvstore_address) if args.kvstore_address else None
         state["kvstore"] = kvstore
-        worker = PrefillWorker(aengine, args.lease_ttl_ms, args.max_lease_ttl_ms, kvstore)
+        nixl = state["nixl"] = await asyncio.to_thread(open_endpoint, args, engine.kv.tensor, "prefill")
+        worker = PrefillWorker(aengine, args.lease_ttl_ms, args.max_lease_ttl_ms, kvstore, nixl)
         servicer.attach(worker, engine.max_model_len)
         ctx.registry.register(EngineCollector(engine))
         ctx.registry.register(
@@ -49,6 +52,8 @@ def build(ctx: ServiceContext) -> ServiceDef:
             )
         )
         state.update(engine=aengine, worker=worker, reaper=asyncio.create_task(worker.reap_expired_leases()))
+        if nixl is not None:
+            state["notifications"] = asyncio.create_task(worker.release_on_notifications())
         state["link"] = await attach_router(
             args, engine, worker_pb2.WORKER_ROLE_PREFILL, address, "prefill", ctx.registry
         )
@@ -59,10 +64,14 @@ def build(ctx: ServiceContext) -> ServiceDef:
 
     async def stop() -> None:
         if "reaper" in state:
-            state["reaper"].cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await state["reaper"]
+            for name in ("reaper", "notifications"):
+                if name in state:
+                    state[name].cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await state[name]
             await state["worker"].release_all()
+            if state.get("nixl"):
+                state["nixl"].close()
             state["engine"].stop()
         if state.get("kvstore"):
             await state["kvstore"].close()

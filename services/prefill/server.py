@@ -9,9 +9,10 @@ import grpc
 
 from kvmesh.common.v1 import kv_pb2
 from kvmesh.convert import finish_to_pb, logprob_to_pb, sampling_from_pb, timings_pb
-from kvmesh.errors import FailedPrecondition
+from kvmesh.errors import FailedPrecondition, Unavailable
 from kvmesh.kv_wire import chunk_fields, keep_transfer_memory_mapped
 from kvmesh.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from kvmesh.worker.kv_nixl import layout_mismatch
 from services.prefill.core import PrefillWorker
 
 
@@ -51,6 +52,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 lease_id=res.lease.lease_id,
                 lease_ttl_ms=res.lease.ttl_ms,
                 block_hashes=res.block_hashes,
+                nixl=res.nixl.to_pb() if res.nixl is not None else None,
             )
         return prefill_pb2.PrefillResponse(
             first_token_id=res.first_token,
@@ -81,6 +83,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 task.add_done_callback(self._releases.discard)
 
         context.add_done_callback(on_done)
+
+    async def NixlHandshake(self, request: prefill_pb2.NixlHandshakeRequest, context: grpc.aio.ServicerContext):
+        nixl = self.worker.nixl
+        if nixl is None:
+            raise Unavailable("this prefill worker moves KV over gRPC only (--kv-transport grpc, or NIXL did not load)")
+        mine = kv_pb2.KVLayout(**self.worker.engine.engine.kv_layout())
+        mismatch = layout_mismatch(mine, request.layout)
+        if mismatch:
+            raise FailedPrecondition(f"KV layout mismatch with peer {request.agent_name or '?'}: {mismatch}")
+        return prefill_pb2.NixlHandshakeResponse(
+            agent_name=nixl.name, agent_metadata=nixl.metadata(), layout=mine, region=nixl.region.to_pb()
+        )
 
     async def ReleaseLease(self, request: prefill_pb2.ReleaseLeaseRequest, context: grpc.aio.ServicerContext):
         n = await self.worker.release(request.lease_id, ack=request.outcome == prefill_pb2.LEASE_OUTCOME_ACK)

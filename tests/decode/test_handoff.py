@@ -6,6 +6,7 @@ import asyncio
 
 import grpc
 import pytest
+import torch
 
 from kvmesh.common.v1 import kv_pb2, sampling_pb2
 from kvmesh.decode.v1 import decode_pb2, decode_pb2_grpc
@@ -13,6 +14,7 @@ from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
 from kvmesh.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from services.decode import main as decode_main
 from services.prefill import main as prefill_main
+from kvmesh.worker.kv_nixl import load_nixl
 from tests.engine.conftest import write_checkpoint
 from tests.service_helpers import serve_main
 
@@ -36,9 +38,12 @@ def greedy(n=N_NEW, **kw):
     return sampling_pb2.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
 
 
-@pytest.fixture
-async def services(model):
-    engine_args = ["--model", str(model), "--num-blocks", "64"]
+@pytest.fixture(params=["grpc", "nixl"])
+async def services(model, request):
+    if request.param == "nixl" and load_nixl() is None:
+        pytest.skip("NIXL is not installed (scripts/install.sh installs it)")
+    """Both KV transports run every hand-off test (on NIXL, both agents share this process)."""
+    engine_args = ["--model", str(model), "--num-blocks", "64", "--kv-transport", request.param]
     async with serve_main("prefill", prefill_main, [*engine_args, "--lease-ttl-ms", "1500"]) as p, \
             serve_main("decode", decode_main, engine_args) as d:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{p.port}") as pc, \
@@ -62,6 +67,8 @@ async def test_remote_prefill_then_decode_matches_colocated_engine(services, exp
     pre = await prefill.Prefill(prefill_pb2.PrefillRequest(request_id="r1", token_ids=PROMPT, sampling=greedy()))
     assert pre.first_token_id == expected[0]
     assert pre.handoff.mode == kv_pb2.HANDOFF_MODE_PULL and len(pre.handoff.block_hashes) == 3
+    on_nixl = p.servicer_of("kvmesh.prefill.v1.PrefillService").worker.nixl is not None
+    assert pre.handoff.HasField("nixl") == on_nixl
     assert pre.computed_tokens == len(PROMPT)
     remote = decode_pb2.RemotePrefill(first_token_id=pre.first_token_id, handoff=pre.handoff)
     tokens, final = await _decode(
@@ -77,6 +84,8 @@ async def test_remote_prefill_then_decode_matches_colocated_engine(services, exp
     # The lease was acknowledged and nothing stays pinned on prefill.
     pre_worker = p.servicer_of("kvmesh.prefill.v1.PrefillService").worker
     assert len(pre_worker.leases) == 0 and pre_worker.counters.leases_acked == 1
+    # On NIXL the bytes never went through PullKV.
+    assert pre_worker.counters.blocks_sent == (0 if on_nixl else 3)
     pre_engine = pre_worker.engine.engine
     assert pre_engine.blocks.num_free == 64
     # A second prompt sharing the prefix computes only the new blocks on prefill.
@@ -85,6 +94,24 @@ async def test_remote_prefill_then_decode_matches_colocated_engine(services, exp
     )
     assert again.reused_tokens == 3 * BS and again.computed_tokens == 20
     await prefill.ReleaseLease(prefill_pb2.ReleaseLeaseRequest(lease_id=again.handoff.lease_id))
+
+
+@pytest.mark.parametrize("services", ["nixl"], indirect=True)
+async def test_a_block_that_fails_its_checksum_after_a_nixl_read_is_refused(services, expected):
+    p, d, prefill, decode = services
+    pre = await prefill.Prefill(prefill_pb2.PrefillRequest(request_id="r", token_ids=PROMPT, sampling=greedy()))
+    # One bit of the second block flipped in prefill's pool after its checksum went out.
+    pool = p.servicer_of("kvmesh.prefill.v1.PrefillService").worker.engine.engine.kv.tensor
+    pool[0, 0, pre.handoff.nixl.block_ids[1]].view(torch.uint8)[0, 0, 0] ^= 1
+    remote = decode_pb2.RemotePrefill(first_token_id=pre.first_token_id, handoff=pre.handoff)
+    tokens, _ = await _decode(
+        decode, decode_pb2.DecodeRequest(request_id="r", prompt_token_ids=PROMPT, sampling=greedy(), remote=remote)
+    )
+    assert tokens == expected  # recomputed on decode
+    worker = d.servicer_of("kvmesh.decode.v1.DecodeService").worker
+    assert worker.counters.transfer_failures == 1
+    # None of the READ's blocks was adopted, and every reserved one went back to the pool.
+    assert await worker.engine.call(lambda e: (e.stats.imported_blocks, e.blocks.num_free)) == (0, 64)
 
 
 async def test_unreleased_lease_expires_and_unpins(services):

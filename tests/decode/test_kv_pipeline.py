@@ -15,7 +15,7 @@ from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.errors import Unavailable
 from kvmesh.kv_wire import ReceivedBlock
 from services.decode import core as decode_core
-from services.decode.core import DecodeWorker, RemotePrefill
+from services.decode.core import DecodeWorker, RemotePrefill, StreamedKVSource
 from tests.engine.conftest import write_checkpoint
 
 BS = 16
@@ -50,10 +50,11 @@ def one_block_batches(monkeypatch):
     monkeypatch.setattr(decode_core, "MIN_IMPORT_BATCH_BYTES", 1)
 
 
-class FakeSource:
+class FakeSource(StreamedKVSource):
     """Serves exported blocks like PullKV, with one fault injected at block ``at``."""
 
     def __init__(self, blocks, fault: str | None = None, at: int = 0) -> None:
+        super().__init__()
         self.blocks = dict(blocks)
         self.fault, self.at = fault, at
         self.releases: list[bool] = []

@@ -27,7 +27,7 @@ from kvmesh.common.v1 import kv_pb2 as kvmesh_dot_common_dot_v1_dot_kv__pb2
 from kvmesh.common.v1 import sampling_pb2 as kvmesh_dot_common_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fkvmesh/prefill/v1/prefill.proto\x12\x11kvmesh.prefill.v1\x1a!kvmesh/common/v1/accounting.proto\x1a\x19kvmesh/common/v1/kv.proto\x1a\x1fkvmesh/common/v1/sampling.proto\"\xca\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x32\n\x08sampling\x18\x03 \x01(\x0b\x32 .kvmesh.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\x0c\x12\x33\n\x0chandoff_mode\x18\x05 \x01(\x0e\x32\x1d.kvmesh.common.v1.HandoffMode\x12\x14\n\x0clease_ttl_ms\x18\x06 \x01(\r\"\xa7\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12;\n\x13\x66irst_token_logprob\x18\x02 \x01(\x0b\x32\x1e.kvmesh.common.v1.TokenLogprob\x12\x35\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1e.kvmesh.common.v1.FinishReason\x12,\n\x07handoff\x18\x04 \x01(\x0b\x32\x1b.kvmesh.common.v1.KVHandoff\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\r\x12\x15\n\rreused_tokens\x18\x06 \x01(\r\x12*\n\x07timings\x18\x07 \x01(\x0b\x32\x19.kvmesh.common.v1.Timings\"P\n\rPullKVRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\r\"?\n\x0ePullKVResponse\x12-\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1e.kvmesh.common.v1.KVBlockChunk\"Y\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x30\n\x07outcome\x18\x02 \x01(\x0e\x32\x1f.kvmesh.prefill.v1.LeaseOutcome\"A\n\x14ReleaseLeaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x17\n\x0funpinned_blocks\x18\x02 \x01(\r*]\n\x0cLeaseOutcome\x12\x1d\n\x19LEASE_OUTCOME_UNSPECIFIED\x10\x00\x12\x15\n\x11LEASE_OUTCOME_ACK\x10\x01\x12\x17\n\x13LEASE_OUTCOME_ABORT\x10\x02\x32\x94\x02\n\x0ePrefillService\x12P\n\x07Prefill\x12!.kvmesh.prefill.v1.PrefillRequest\x1a\".kvmesh.prefill.v1.PrefillResponse\x12O\n\x06PullKV\x12 .kvmesh.prefill.v1.PullKVRequest\x1a!.kvmesh.prefill.v1.PullKVResponse0\x01\x12_\n\x0cReleaseLease\x12&.kvmesh.prefill.v1.ReleaseLeaseRequest\x1a\'.kvmesh.prefill.v1.ReleaseLeaseResponseBEZCgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/prefill/v1;prefillv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fkvmesh/prefill/v1/prefill.proto\x12\x11kvmesh.prefill.v1\x1a!kvmesh/common/v1/accounting.proto\x1a\x19kvmesh/common/v1/kv.proto\x1a\x1fkvmesh/common/v1/sampling.proto\"\xca\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x32\n\x08sampling\x18\x03 \x01(\x0b\x32 .kvmesh.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\x0c\x12\x33\n\x0chandoff_mode\x18\x05 \x01(\x0e\x32\x1d.kvmesh.common.v1.HandoffMode\x12\x14\n\x0clease_ttl_ms\x18\x06 \x01(\r\"\xa7\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12;\n\x13\x66irst_token_logprob\x18\x02 \x01(\x0b\x32\x1e.kvmesh.common.v1.TokenLogprob\x12\x35\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1e.kvmesh.common.v1.FinishReason\x12,\n\x07handoff\x18\x04 \x01(\x0b\x32\x1b.kvmesh.common.v1.KVHandoff\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\r\x12\x15\n\rreused_tokens\x18\x06 \x01(\r\x12*\n\x07timings\x18\x07 \x01(\x0b\x32\x19.kvmesh.common.v1.Timings\"P\n\rPullKVRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\r\"?\n\x0ePullKVResponse\x12-\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1e.kvmesh.common.v1.KVBlockChunk\"Y\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x30\n\x07outcome\x18\x02 \x01(\x0e\x32\x1f.kvmesh.prefill.v1.LeaseOutcome\"A\n\x14ReleaseLeaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x17\n\x0funpinned_blocks\x18\x02 \x01(\r\"V\n\x14NixlHandshakeRequest\x12*\n\x06layout\x18\x01 \x01(\x0b\x32\x1a.kvmesh.common.v1.KVLayout\x12\x12\n\nagent_name\x18\x02 \x01(\t\"\xa1\x01\n\x15NixlHandshakeResponse\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12*\n\x06layout\x18\x03 \x01(\x0b\x32\x1a.kvmesh.common.v1.KVLayout\x12\x30\n\x06region\x18\x04 \x01(\x0b\x32 .kvmesh.common.v1.NixlPoolRegion*]\n\x0cLeaseOutcome\x12\x1d\n\x19LEASE_OUTCOME_UNSPECIFIED\x10\x00\x12\x15\n\x11LEASE_OUTCOME_ACK\x10\x01\x12\x17\n\x13LEASE_OUTCOME_ABORT\x10\x02\x32\xf8\x02\n\x0ePrefillService\x12P\n\x07Prefill\x12!.kvmesh.prefill.v1.PrefillRequest\x1a\".kvmesh.prefill.v1.PrefillResponse\x12O\n\x06PullKV\x12 .kvmesh.prefill.v1.PullKVRequest\x1a!.kvmesh.prefill.v1.PullKVResponse0\x01\x12_\n\x0cReleaseLease\x12&.kvmesh.prefill.v1.ReleaseLeaseRequest\x1a\'.kvmesh.prefill.v1.ReleaseLeaseResponse\x12\x62\n\rNixlHandshake\x12\'.kvmesh.prefill.v1.NixlHandshakeRequest\x1a(.kvmesh.prefill.v1.NixlHandshakeResponseBEZCgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/prefill/v1;prefillv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.prefill.v1.prefill_p
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'ZCgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/prefill/v1;prefillv1'
-  _globals['_LEASEOUTCOME']._serialized_start=957
-  _globals['_LEASEOUTCOME']._serialized_end=1050
+  _globals['_LEASEOUTCOME']._serialized_start=1209
+  _globals['_LEASEOUTCOME']._serialized_end=1302
   _globals['_PREFILLREQUEST']._serialized_start=150
   _globals['_PREFILLREQUEST']._serialized_end=352
   _globals['_PREFILLRESPONSE']._serialized_start=355
@@ -49,6 +49,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELEASELEASEREQUEST']._serialized_end=888
   _globals['_RELEASELEASERESPONSE']._serialized_start=890
   _globals['_RELEASELEASERESPONSE']._serialized_end=955
-  _globals['_PREFILLSERVICE']._serialized_start=1053
-  _globals['_PREFILLSERVICE']._serialized_end=1329
+  _globals['_NIXLHANDSHAKEREQUEST']._serialized_start=957
+  _globals['_NIXLHANDSHAKEREQUEST']._serialized_end=1043
+  _globals['_NIXLHANDSHAKERESPONSE']._serialized_start=1046
+  _globals['_NIXLHANDSHAKERESPONSE']._serialized_end=1207
+  _globals['_PREFILLSERVICE']._serialized_start=1305
+  _globals['_PREFILLSERVICE']._serialized_end=1681
 # @@protoc_insertion_point(module_scope)

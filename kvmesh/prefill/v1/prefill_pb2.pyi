@@ -84,3 +84,23 @@ class ReleaseLeaseResponse(_message.Message):
     released: bool
     unpinned_blocks: int
     def __init__(self, released: _Optional[bool] = ..., unpinned_blocks: _Optional[int] = ...) -> None: ...
+
+class NixlHandshakeRequest(_message.Message):
+    __slots__ = ("layout", "agent_name")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    layout: _kv_pb2.KVLayout
+    agent_name: str
+    def __init__(self, layout: _Optional[_Union[_kv_pb2.KVLayout, _Mapping]] = ..., agent_name: _Optional[str] = ...) -> None: ...
+
+class NixlHandshakeResponse(_message.Message):
+    __slots__ = ("agent_name", "agent_metadata", "layout", "region")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    agent_metadata: bytes
+    layout: _kv_pb2.KVLayout
+    region: _kv_pb2.NixlPoolRegion
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[_kv_pb2.KVLayout, _Mapping]] = ..., region: _Optional[_Union[_kv_pb2.NixlPoolRegion, _Mapping]] = ...) -> None: ...

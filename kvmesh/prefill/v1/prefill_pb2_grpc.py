@@ -51,6 +51,11 @@ class PrefillServiceStub:
                 request_serializer=kvmesh_dot_prefill_dot_v1_dot_prefill__pb2.ReleaseLeaseRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_prefill_dot_v1_dot_prefill__pb2.ReleaseLeaseResponse.FromString,
                 _registered_method=True)
+        self.NixlHandshake = channel.unary_unary(
+                '/kvmesh.prefill.v1.PrefillService/NixlHandshake',
+                request_serializer=kvmesh_dot_prefill_dot_v1_dot_prefill__pb2.NixlHandshakeRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_prefill_dot_v1_dot_prefill__pb2.NixlHandshakeResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -80,6 +85,17 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def NixlHandshake(self, request, context):
+        """Before its first NIXL READ from this worker, a decode worker fetches the
+        worker's NIXL agent metadata and pool region (and caches them). Peers
+        whose KV layouts differ (block size, dtype, shape, model) are refused
+        here with FAILED_PRECONDITION, before any byte moves. UNAVAILABLE when
+        this worker moves KV over gRPC only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +113,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.ReleaseLease,
                     request_deserializer=kvmesh_dot_prefill_dot_v1_dot_prefill__pb2.ReleaseLeaseRequest.FromString,
                     response_serializer=kvmesh_dot_prefill_dot_v1_dot_prefill__pb2.ReleaseLeaseResponse.SerializeToString,
+            ),
+            'NixlHandshake': grpc.unary_unary_rpc_method_handler(
+                    servicer.NixlHandshake,
+                    request_deserializer=kvmesh_dot_prefill_dot_v1_dot_prefill__pb2.NixlHandshakeRequest.FromString,
+                    response_serializer=kvmesh_dot_prefill_dot_v1_dot_prefill__pb2.NixlHandshakeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +203,33 @@ class PrefillService:
             '/kvmesh.prefill.v1.PrefillService/ReleaseLease',
             kvmesh_dot_prefill_dot_v1_dot_prefill__pb2.ReleaseLeaseRequest.SerializeToString,
             kvmesh_dot_prefill_dot_v1_dot_prefill__pb2.ReleaseLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NixlHandshake(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.prefill.v1.PrefillService/NixlHandshake',
+            kvmesh_dot_prefill_dot_v1_dot_prefill__pb2.NixlHandshakeRequest.SerializeToString,
+            kvmesh_dot_prefill_dot_v1_dot_prefill__pb2.NixlHandshakeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -361,7 +361,11 @@ type KVHandoff struct {
 	// Every full block of the prompt, in chain order. The trailing partial block
 	// (prompt length % block_size tokens) has no name and is not handed off:
 	// the decode worker recomputes it.
-	BlockHashes   [][]byte `protobuf:"bytes,5,rep,name=block_hashes,json=blockHashes,proto3" json:"block_hashes,omitempty"`
+	BlockHashes [][]byte `protobuf:"bytes,5,rep,name=block_hashes,json=blockHashes,proto3" json:"block_hashes,omitempty"`
+	// PULL over NIXL: set when the prefill worker's KV pool is registered with
+	// NIXL. The decode worker reads the blocks itself with one NIXL READ
+	// (PrefillService.NixlHandshake first, once per peer) instead of PullKV.
+	Nixl          *NixlBlocks `protobuf:"bytes,6,opt,name=nixl,proto3" json:"nixl,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -431,6 +435,194 @@ func (x *KVHandoff) GetBlockHashes() [][]byte {
 	return nil
 }
 
+func (x *KVHandoff) GetNixl() *NixlBlocks {
+	if x != nil {
+		return x.Nixl
+	}
+	return nil
+}
+
+// Where a lease's blocks lie in a prefill worker's NIXL-registered KV pool.
+type NixlBlocks struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The prefill worker's NIXL agent: a fresh name per process, so a restarted
+	// worker at the same address is never mistaken for the one it replaced.
+	AgentName string `protobuf:"bytes,1,opt,name=agent_name,json=agentName,proto3" json:"agent_name,omitempty"`
+	// The pool block of each of KVHandoff.block_hashes, in the same order. Its
+	// address follows from the pool region NixlHandshake describes.
+	BlockIds []uint32 `protobuf:"varint,2,rep,packed,name=block_ids,json=blockIds,proto3" json:"block_ids,omitempty"`
+	// CRC-32 of each block (kvmesh.checksum, 4 bytes little-endian each, in the
+	// order of block_ids), over the block's bytes in KVBlockChunk order: the
+	// reader verifies what it read before using it.
+	Checksums     []byte `protobuf:"bytes,3,opt,name=checksums,proto3" json:"checksums,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NixlBlocks) Reset() {
+	*x = NixlBlocks{}
+	mi := &file_kvmesh_common_v1_kv_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NixlBlocks) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NixlBlocks) ProtoMessage() {}
+
+func (x *NixlBlocks) ProtoReflect() protoreflect.Message {
+	mi := &file_kvmesh_common_v1_kv_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NixlBlocks.ProtoReflect.Descriptor instead.
+func (*NixlBlocks) Descriptor() ([]byte, []int) {
+	return file_kvmesh_common_v1_kv_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *NixlBlocks) GetAgentName() string {
+	if x != nil {
+		return x.AgentName
+	}
+	return ""
+}
+
+func (x *NixlBlocks) GetBlockIds() []uint32 {
+	if x != nil {
+		return x.BlockIds
+	}
+	return nil
+}
+
+func (x *NixlBlocks) GetChecksums() []byte {
+	if x != nil {
+		return x.Checksums
+	}
+	return nil
+}
+
+// A KV pool registered with NIXL, as a peer needs it to address one block:
+// piece (layer l, k/v kv) of block b starts at
+// base_address + l*layer_stride + kv*kv_stride + b*block_stride and is
+// piece_bytes long; a block is its 2*num_layers pieces in (l, kv) order.
+type NixlPoolRegion struct {
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	BaseAddress uint64                 `protobuf:"varint,1,opt,name=base_address,json=baseAddress,proto3" json:"base_address,omitempty"`
+	NumBlocks   uint32                 `protobuf:"varint,2,opt,name=num_blocks,json=numBlocks,proto3" json:"num_blocks,omitempty"`
+	NumLayers   uint32                 `protobuf:"varint,3,opt,name=num_layers,json=numLayers,proto3" json:"num_layers,omitempty"`
+	LayerStride uint64                 `protobuf:"varint,4,opt,name=layer_stride,json=layerStride,proto3" json:"layer_stride,omitempty"`
+	KvStride    uint64                 `protobuf:"varint,5,opt,name=kv_stride,json=kvStride,proto3" json:"kv_stride,omitempty"`
+	BlockStride uint64                 `protobuf:"varint,6,opt,name=block_stride,json=blockStride,proto3" json:"block_stride,omitempty"`
+	PieceBytes  uint64                 `protobuf:"varint,7,opt,name=piece_bytes,json=pieceBytes,proto3" json:"piece_bytes,omitempty"`
+	// "DRAM" (host memory) or "VRAM" (device memory), as NIXL names them.
+	MemType       string `protobuf:"bytes,8,opt,name=mem_type,json=memType,proto3" json:"mem_type,omitempty"`
+	DeviceId      uint32 `protobuf:"varint,9,opt,name=device_id,json=deviceId,proto3" json:"device_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NixlPoolRegion) Reset() {
+	*x = NixlPoolRegion{}
+	mi := &file_kvmesh_common_v1_kv_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NixlPoolRegion) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NixlPoolRegion) ProtoMessage() {}
+
+func (x *NixlPoolRegion) ProtoReflect() protoreflect.Message {
+	mi := &file_kvmesh_common_v1_kv_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NixlPoolRegion.ProtoReflect.Descriptor instead.
+func (*NixlPoolRegion) Descriptor() ([]byte, []int) {
+	return file_kvmesh_common_v1_kv_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *NixlPoolRegion) GetBaseAddress() uint64 {
+	if x != nil {
+		return x.BaseAddress
+	}
+	return 0
+}
+
+func (x *NixlPoolRegion) GetNumBlocks() uint32 {
+	if x != nil {
+		return x.NumBlocks
+	}
+	return 0
+}
+
+func (x *NixlPoolRegion) GetNumLayers() uint32 {
+	if x != nil {
+		return x.NumLayers
+	}
+	return 0
+}
+
+func (x *NixlPoolRegion) GetLayerStride() uint64 {
+	if x != nil {
+		return x.LayerStride
+	}
+	return 0
+}
+
+func (x *NixlPoolRegion) GetKvStride() uint64 {
+	if x != nil {
+		return x.KvStride
+	}
+	return 0
+}
+
+func (x *NixlPoolRegion) GetBlockStride() uint64 {
+	if x != nil {
+		return x.BlockStride
+	}
+	return 0
+}
+
+func (x *NixlPoolRegion) GetPieceBytes() uint64 {
+	if x != nil {
+		return x.PieceBytes
+	}
+	return 0
+}
+
+func (x *NixlPoolRegion) GetMemType() string {
+	if x != nil {
+		return x.MemType
+	}
+	return ""
+}
+
+func (x *NixlPoolRegion) GetDeviceId() uint32 {
+	if x != nil {
+		return x.DeviceId
+	}
+	return 0
+}
+
 var File_kvmesh_common_v1_kv_proto protoreflect.FileDescriptor
 
 const file_kvmesh_common_v1_kv_proto_rawDesc = "" +
@@ -459,14 +651,34 @@ const file_kvmesh_common_v1_kv_proto_rawDesc = "" +
 	"\x05shape\x18\x05 \x03(\rR\x05shape\x12\x14\n" +
 	"\x05dtype\x18\x06 \x01(\tR\x05dtype\x12\x1a\n" +
 	"\bchecksum\x18\a \x01(\fR\bchecksum\x12\x12\n" +
-	"\x04data\x18\b \x01(\fR\x04data\"\xc5\x01\n" +
+	"\x04data\x18\b \x01(\fR\x04data\"\xf7\x01\n" +
 	"\tKVHandoff\x121\n" +
 	"\x04mode\x18\x01 \x01(\x0e2\x1d.kvmesh.common.v1.HandoffModeR\x04mode\x12%\n" +
 	"\x0esource_address\x18\x02 \x01(\tR\rsourceAddress\x12\x19\n" +
 	"\blease_id\x18\x03 \x01(\tR\aleaseId\x12 \n" +
 	"\flease_ttl_ms\x18\x04 \x01(\rR\n" +
 	"leaseTtlMs\x12!\n" +
-	"\fblock_hashes\x18\x05 \x03(\fR\vblockHashes*G\n" +
+	"\fblock_hashes\x18\x05 \x03(\fR\vblockHashes\x120\n" +
+	"\x04nixl\x18\x06 \x01(\v2\x1c.kvmesh.common.v1.NixlBlocksR\x04nixl\"f\n" +
+	"\n" +
+	"NixlBlocks\x12\x1d\n" +
+	"\n" +
+	"agent_name\x18\x01 \x01(\tR\tagentName\x12\x1b\n" +
+	"\tblock_ids\x18\x02 \x03(\rR\bblockIds\x12\x1c\n" +
+	"\tchecksums\x18\x03 \x01(\fR\tchecksums\"\xad\x02\n" +
+	"\x0eNixlPoolRegion\x12!\n" +
+	"\fbase_address\x18\x01 \x01(\x04R\vbaseAddress\x12\x1d\n" +
+	"\n" +
+	"num_blocks\x18\x02 \x01(\rR\tnumBlocks\x12\x1d\n" +
+	"\n" +
+	"num_layers\x18\x03 \x01(\rR\tnumLayers\x12!\n" +
+	"\flayer_stride\x18\x04 \x01(\x04R\vlayerStride\x12\x1b\n" +
+	"\tkv_stride\x18\x05 \x01(\x04R\bkvStride\x12!\n" +
+	"\fblock_stride\x18\x06 \x01(\x04R\vblockStride\x12\x1f\n" +
+	"\vpiece_bytes\x18\a \x01(\x04R\n" +
+	"pieceBytes\x12\x19\n" +
+	"\bmem_type\x18\b \x01(\tR\amemType\x12\x1b\n" +
+	"\tdevice_id\x18\t \x01(\rR\bdeviceId*G\n" +
 	"\x06KVTier\x12\x17\n" +
 	"\x13KV_TIER_UNSPECIFIED\x10\x00\x12\x0f\n" +
 	"\vKV_TIER_GPU\x10\x01\x12\x13\n" +
@@ -490,21 +702,24 @@ func file_kvmesh_common_v1_kv_proto_rawDescGZIP() []byte {
 }
 
 var file_kvmesh_common_v1_kv_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_kvmesh_common_v1_kv_proto_msgTypes = make([]protoimpl.MessageInfo, 3)
+var file_kvmesh_common_v1_kv_proto_msgTypes = make([]protoimpl.MessageInfo, 5)
 var file_kvmesh_common_v1_kv_proto_goTypes = []any{
-	(KVTier)(0),          // 0: kvmesh.common.v1.KVTier
-	(HandoffMode)(0),     // 1: kvmesh.common.v1.HandoffMode
-	(*KVLayout)(nil),     // 2: kvmesh.common.v1.KVLayout
-	(*KVBlockChunk)(nil), // 3: kvmesh.common.v1.KVBlockChunk
-	(*KVHandoff)(nil),    // 4: kvmesh.common.v1.KVHandoff
+	(KVTier)(0),            // 0: kvmesh.common.v1.KVTier
+	(HandoffMode)(0),       // 1: kvmesh.common.v1.HandoffMode
+	(*KVLayout)(nil),       // 2: kvmesh.common.v1.KVLayout
+	(*KVBlockChunk)(nil),   // 3: kvmesh.common.v1.KVBlockChunk
+	(*KVHandoff)(nil),      // 4: kvmesh.common.v1.KVHandoff
+	(*NixlBlocks)(nil),     // 5: kvmesh.common.v1.NixlBlocks
+	(*NixlPoolRegion)(nil), // 6: kvmesh.common.v1.NixlPoolRegion
 }
 var file_kvmesh_common_v1_kv_proto_depIdxs = []int32{
 	1, // 0: kvmesh.common.v1.KVHandoff.mode:type_name -> kvmesh.common.v1.HandoffMode
-	1, // [1:1] is the sub-list for method output_type
-	1, // [1:1] is the sub-list for method input_type
-	1, // [1:1] is the sub-list for extension type_name
-	1, // [1:1] is the sub-list for extension extendee
-	0, // [0:1] is the sub-list for field type_name
+	5, // 1: kvmesh.common.v1.KVHandoff.nixl:type_name -> kvmesh.common.v1.NixlBlocks
+	2, // [2:2] is the sub-list for method output_type
+	2, // [2:2] is the sub-list for method input_type
+	2, // [2:2] is the sub-list for extension type_name
+	2, // [2:2] is the sub-list for extension extendee
+	0, // [0:2] is the sub-list for field type_name
 }
 
 func init() { file_kvmesh_common_v1_kv_proto_init() }
@@ -518,7 +733,7 @@ func file_kvmesh_common_v1_kv_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvmesh_common_v1_kv_proto_rawDesc), len(file_kvmesh_common_v1_kv_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   3,
+			NumMessages:   5,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -10,7 +10,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvmesh/common/v1/kv.proto.
  */
 export const file_kvmesh_common_v1_kv: GenFile = /*@__PURE__*/
-  fileDesc("Chlrdm1lc2gvY29tbW9uL3YxL2t2LnByb3RvEhBrdm1lc2guY29tbW9uLnYxIpQBCghLVkxheW91dBISCgpibG9ja19zaXplGAEgASgNEg0KBWR0eXBlGAIgASgJEg4KBmxheW91dBgDIAEoCRISCgpudW1fbGF5ZXJzGAQgASgNEhQKDG51bV9rdl9oZWFkcxgFIAEoDRIQCghoZWFkX2RpbRgGIAEoDRIZChFtb2RlbF9maW5nZXJwcmludBgHIAEoDCKeAQoMS1ZCbG9ja0NodW5rEhIKCmJsb2NrX2hhc2gYASABKAwSEwoLY2h1bmtfaW5kZXgYAiABKA0SEgoKbnVtX2NodW5rcxgDIAEoDRITCgt0b3RhbF9ieXRlcxgEIAEoBBINCgVzaGFwZRgFIAMoDRINCgVkdHlwZRgGIAEoCRIQCghjaGVja3N1bRgHIAEoDBIMCgRkYXRhGAggASgMIo4BCglLVkhhbmRvZmYSKwoEbW9kZRgBIAEoDjIdLmt2bWVzaC5jb21tb24udjEuSGFuZG9mZk1vZGUSFgoOc291cmNlX2FkZHJlc3MYAiABKAkSEAoIbGVhc2VfaWQYAyABKAkSFAoMbGVhc2VfdHRsX21zGAQgASgNEhQKDGJsb2NrX2hhc2hlcxgFIAMoDCpHCgZLVlRpZXISFwoTS1ZfVElFUl9VTlNQRUNJRklFRBAAEg8KC0tWX1RJRVJfR1BVEAESEwoPS1ZfVElFUl9LVlNUT1JFEAIqcwoLSGFuZG9mZk1vZGUSHAoYSEFORE9GRl9NT0RFX1VOU1BFQ0lGSUVEEAASFQoRSEFORE9GRl9NT0RFX1BVTEwQARIYChRIQU5ET0ZGX01PREVfS1ZTVE9SRRACEhUKEUhBTkRPRkZfTU9ERV9OT05FEANCQ1pBZ2l0aHViLmNvbS9rdm1lc2gva3ZtZXNoL2NsaWVudHMvZ28vZ2VuL2t2bWVzaC9jb21tb24vdjE7Y29tbW9udjFiBnByb3RvMw");
+  fileDesc("Chlrdm1lc2gvY29tbW9uL3YxL2t2LnByb3RvEhBrdm1lc2guY29tbW9uLnYxIpQBCghLVkxheW91dBISCgpibG9ja19zaXplGAEgASgNEg0KBWR0eXBlGAIgASgJEg4KBmxheW91dBgDIAEoCRISCgpudW1fbGF5ZXJzGAQgASgNEhQKDG51bV9rdl9oZWFkcxgFIAEoDRIQCghoZWFkX2RpbRgGIAEoDRIZChFtb2RlbF9maW5nZXJwcmludBgHIAEoDCKeAQoMS1ZCbG9ja0NodW5rEhIKCmJsb2NrX2hhc2gYASABKAwSEwoLY2h1bmtfaW5kZXgYAiABKA0SEgoKbnVtX2NodW5rcxgDIAEoDRITCgt0b3RhbF9ieXRlcxgEIAEoBBINCgVzaGFwZRgFIAMoDRINCgVkdHlwZRgGIAEoCRIQCghjaGVja3N1bRgHIAEoDBIMCgRkYXRhGAggASgMIroBCglLVkhhbmRvZmYSKwoEbW9kZRgBIAEoDjIdLmt2bWVzaC5jb21tb24udjEuSGFuZG9mZk1vZGUSFgoOc291cmNlX2FkZHJlc3MYAiABKAkSEAoIbGVhc2VfaWQYAyABKAkSFAoMbGVhc2VfdHRsX21zGAQgASgNEhQKDGJsb2NrX2hhc2hlcxgFIAMoDBIqCgRuaXhsGAYgASgLMhwua3ZtZXNoLmNvbW1vbi52MS5OaXhsQmxvY2tzIkYKCk5peGxCbG9ja3MSEgoKYWdlbnRfbmFtZRgBIAEoCRIRCglibG9ja19pZHMYAiADKA0SEQoJY2hlY2tzdW1zGAMgASgMIscBCg5OaXhsUG9vbFJlZ2lvbhIUCgxiYXNlX2FkZHJlc3MYASABKAQSEgoKbnVtX2Jsb2NrcxgCIAEoDRISCgpudW1fbGF5ZXJzGAMgASgNEhQKDGxheWVyX3N0cmlkZRgEIAEoBBIRCglrdl9zdHJpZGUYBSABKAQSFAoMYmxvY2tfc3RyaWRlGAYgASgEEhMKC3BpZWNlX2J5dGVzGAcgASgEEhAKCG1lbV90eXBlGAggASgJEhEKCWRldmljZV9pZBgJIAEoDSpHCgZLVlRpZXISFwoTS1ZfVElFUl9VTlNQRUNJRklFRBAAEg8KC0tWX1RJRVJfR1BVEAESEwoPS1ZfVElFUl9LVlNUT1JFEAIqcwoLSGFuZG9mZk1vZGUSHAoYSEFORE9GRl9NT0RFX1VOU1BFQ0lGSUVEEAASFQoRSEFORE9GRl9NT0RFX1BVTEwQARIYChRIQU5ET0ZGX01PREVfS1ZTVE9SRRACEhUKEUhBTkRPRkZfTU9ERV9OT05FEANCQ1pBZ2l0aHViLmNvbS9rdm1lc2gva3ZtZXNoL2NsaWVudHMvZ28vZ2VuL2t2bWVzaC9jb21tb24vdjE7Y29tbW9udjFiBnByb3RvMw");
 
 /**
  * How a worker lays out one KV block. Blocks move between two workers only
@@ -187,6 +187,15 @@ export type KVHandoff = Message<"kvmesh.common.v1.KVHandoff"> & {
    * @generated from field: repeated bytes block_hashes = 5;
    */
   blockHashes: Uint8Array[];
+
+  /**
+   * PULL over NIXL: set when the prefill worker's KV pool is registered with
+   * NIXL. The decode worker reads the blocks itself with one NIXL READ
+   * (PrefillService.NixlHandshake first, once per peer) instead of PullKV.
+   *
+   * @generated from field: kvmesh.common.v1.NixlBlocks nixl = 6;
+   */
+  nixl?: NixlBlocks | undefined;
 };
 
 /**
@@ -195,6 +204,109 @@ export type KVHandoff = Message<"kvmesh.common.v1.KVHandoff"> & {
  */
 export const KVHandoffSchema: GenMessage<KVHandoff> = /*@__PURE__*/
   messageDesc(file_kvmesh_common_v1_kv, 2);
+
+/**
+ * Where a lease's blocks lie in a prefill worker's NIXL-registered KV pool.
+ *
+ * @generated from message kvmesh.common.v1.NixlBlocks
+ */
+export type NixlBlocks = Message<"kvmesh.common.v1.NixlBlocks"> & {
+  /**
+   * The prefill worker's NIXL agent: a fresh name per process, so a restarted
+   * worker at the same address is never mistaken for the one it replaced.
+   *
+   * @generated from field: string agent_name = 1;
+   */
+  agentName: string;
+
+  /**
+   * The pool block of each of KVHandoff.block_hashes, in the same order. Its
+   * address follows from the pool region NixlHandshake describes.
+   *
+   * @generated from field: repeated uint32 block_ids = 2;
+   */
+  blockIds: number[];
+
+  /**
+   * CRC-32 of each block (kvmesh.checksum, 4 bytes little-endian each, in the
+   * order of block_ids), over the block's bytes in KVBlockChunk order: the
+   * reader verifies what it read before using it.
+   *
+   * @generated from field: bytes checksums = 3;
+   */
+  checksums: Uint8Array;
+};
+
+/**
+ * Describes the message kvmesh.common.v1.NixlBlocks.
+ * Use `create(NixlBlocksSchema)` to create a new message.
+ */
+export const NixlBlocksSchema: GenMessage<NixlBlocks> = /*@__PURE__*/
+  messageDesc(file_kvmesh_common_v1_kv, 3);
+
+/**
+ * A KV pool registered with NIXL, as a peer needs it to address one block:
+ * piece (layer l, k/v kv) of block b starts at
+ * base_address + l*layer_stride + kv*kv_stride + b*block_stride and is
+ * piece_bytes long; a block is its 2*num_layers pieces in (l, kv) order.
+ *
+ * @generated from message kvmesh.common.v1.NixlPoolRegion
+ */
+export type NixlPoolRegion = Message<"kvmesh.common.v1.NixlPoolRegion"> & {
+  /**
+   * @generated from field: uint64 base_address = 1;
+   */
+  baseAddress: bigint;
+
+  /**
+   * @generated from field: uint32 num_blocks = 2;
+   */
+  numBlocks: number;
+
+  /**
+   * @generated from field: uint32 num_layers = 3;
+   */
+  numLayers: number;
+
+  /**
+   * @generated from field: uint64 layer_stride = 4;
+   */
+  layerStride: bigint;
+
+  /**
+   * @generated from field: uint64 kv_stride = 5;
+   */
+  kvStride: bigint;
+
+  /**
+   * @generated from field: uint64 block_stride = 6;
+   */
+  blockStride: bigint;
+
+  /**
+   * @generated from field: uint64 piece_bytes = 7;
+   */
+  pieceBytes: bigint;
+
+  /**
+   * "DRAM" (host memory) or "VRAM" (device memory), as NIXL names them.
+   *
+   * @generated from field: string mem_type = 8;
+   */
+  memType: string;
+
+  /**
+   * @generated from field: uint32 device_id = 9;
+   */
+  deviceId: number;
+};
+
+/**
+ * Describes the message kvmesh.common.v1.NixlPoolRegion.
+ * Use `create(NixlPoolRegionSchema)` to create a new message.
+ */
+export const NixlPoolRegionSchema: GenMessage<NixlPoolRegion> = /*@__PURE__*/
+  messageDesc(file_kvmesh_common_v1_kv, 4);
 
 /**
  * Where a worker holds a block. The router's index keeps tiers apart: a GPU

@@ -1,0 +1,328 @@
+"""A worker's KV pool on NIXL: registered once, read block by block by a peer.
+
+The paged pool (``kvmesh.engine.kv_cache``) is one tensor, registered with a
+NIXL agent (UCX backend) when the worker starts: host memory on CPU, device
+memory on CUDA — the same code, which UCX turns into shared memory, TCP, RDMA
+or NVLink as the peers allow. A block is not contiguous in the pool (it is
+``[:, :, b]`` of ``[layers, 2, blocks, ...]``): it is ``2 * layers`` contiguous
+pieces, so both sides prepare one descriptor per piece of their whole pool once
+and a READ names pieces by index.
+
+Known behaviour of NIXL/UCX this module works around: a transfer can stay in
+progress forever when its peer dies (every wait here has a deadline); UCX's
+registration cache grows without bound unless told otherwise; its keepalive can
+abort a process whose peer died (off); NIXL's progress thread spins a core
+unless paced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy
+import structlog
+
+from kvmesh.checksum import CHECKSUM_BYTES
+from kvmesh.common.v1 import kv_pb2
+from kvmesh.errors import DeadlineExceeded, Unavailable
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvmesh.engine.kv_cache import KVCache
+
+log = structlog.get_logger(__name__)
+
+# UCX settings, unless the environment says otherwise:
+# - the registration cache bounded as vLLM's NixlConnector bounds it: otherwise UCX keeps every
+#   region it ever mapped for a peer's transfers, and a long-running worker's memory only grows;
+# - no UCP keepalive: when it finds a peer dead while requests to it are pending (the holder of a
+#   READ stalled, its reader killed meanwhile) UCX aborts the whole process ("Fatal: unexpected
+#   error: Endpoint timeout", reproduced here over TCP). Dead peers are this code's to notice
+#   anyway: a READ has a deadline, a lease a TTL, and a socket error still fails a transfer.
+_UCX_DEFAULTS = {"UCX_RCACHE_MAX_UNRELEASED": "1024", "UCX_KEEPALIVE_INTERVAL": "inf"}
+# How often a waiting READ asks whether it is done (the progress thread moves its bytes):
+# from 0.2 ms (a small READ is done at once) doubling up to 1 ms.
+_POLL_FIRST_S = 0.0002
+_POLL_MAX_S = 0.001
+# The progress thread's pause between rounds (see _agent_with_paced_progress).
+_PROGRESS_PAUSE_US = 100
+# Checksum threads per verification: the CPU count, at most 4.
+_CHECKSUM_THREADS = min(4, os.cpu_count() or 1)
+
+
+def load_nixl() -> Any | None:
+    """NIXL's Python API (``nixl_agent``, ``nixl_agent_config``), or None where it is not installed.
+
+    PyPI's ``nixl-cu12`` wheel installs it as ``nixl_cu12``; the ``nixl`` meta-package as ``nixl``.
+    """
+    for name in ("nixl_cu12", "nixl._api"):
+        try:
+            module = __import__(name, fromlist=["nixl_agent"])
+        except ImportError:
+            continue
+        return module
+    return None
+
+
+async def block_checksums(kv: KVCache, block_ids: list[int]) -> list[bytes]:
+    """``kv.block_checksum`` of each block, in slices on worker threads at once: zlib releases
+    the GIL, so a READ's verification (or a lease's checksums) runs at the speed of all the
+    cores it finds idle rather than one, and the event loop and the engine keep going. Only for
+    blocks nobody writes meanwhile (held by a lease, or reserved for a READ that ended)."""
+    step = -(-len(block_ids) // _CHECKSUM_THREADS) or 1
+    slices = [block_ids[i : i + step] for i in range(0, len(block_ids), step)]
+    done = await asyncio.gather(*(asyncio.to_thread(lambda s=s: [kv.block_checksum(b) for b in s]) for s in slices))
+    return [digest for part in done for digest in part]
+
+
+def layout_mismatch(mine: kv_pb2.KVLayout, theirs: kv_pb2.KVLayout) -> str:
+    """How two workers' KV layouts differ ("" when blocks can move between them as bytes)."""
+    diffs = [
+        f"{f.name} {getattr(theirs, f.name)!r} vs ours {getattr(mine, f.name)!r}"
+        for f in kv_pb2.KVLayout.DESCRIPTOR.fields
+        if getattr(mine, f.name) != getattr(theirs, f.name)
+    ]
+    return "; ".join(diffs)
+
+
+@dataclass(frozen=True)
+class PoolRegion:
+    """Where a pool lies in memory, so a peer can address each block's pieces."""
+
+    base_address: int
+    num_blocks: int
+    num_layers: int
+    layer_stride: int
+    kv_stride: int
+    block_stride: int
+    piece_bytes: int
+    mem_type: str
+    device_id: int
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> PoolRegion:
+        num_layers, _, num_blocks = tensor.shape[:3]
+        elt = tensor.element_size()
+        layer_stride, kv_stride, block_stride = (s * elt for s in tensor.stride()[:3])
+        on_device = tensor.device.type != "cpu"
+        return cls(
+            base_address=tensor.data_ptr(), num_blocks=num_blocks, num_layers=num_layers,
+            layer_stride=layer_stride, kv_stride=kv_stride, block_stride=block_stride,
+            piece_bytes=tensor[0, 0, 0].numel() * elt,
+            mem_type="VRAM" if on_device else "DRAM", device_id=tensor.device.index or 0,
+        )
+
+    @classmethod
+    def from_pb(cls, pb: kv_pb2.NixlPoolRegion) -> PoolRegion:
+        return cls(pb.base_address, pb.num_blocks, pb.num_layers, pb.layer_stride, pb.kv_stride,
+                   pb.block_stride, pb.piece_bytes, pb.mem_type, pb.device_id)
+
+    def to_pb(self) -> kv_pb2.NixlPoolRegion:
+        return kv_pb2.NixlPoolRegion(**self.__dict__)
+
+    @property
+    def pieces_per_block(self) -> int:
+        return 2 * self.num_layers
+
+    def piece_descs(self) -> numpy.ndarray:
+        """(address, length, device) of every piece, block-major: piece ``b * pieces_per_block + 2l + kv``."""
+        b, layer, kv = numpy.meshgrid(
+            numpy.arange(self.num_blocks, dtype=numpy.uint64),
+            numpy.arange(self.num_layers, dtype=numpy.uint64),
+            numpy.arange(2, dtype=numpy.uint64),
+            indexing="ij",
+        )
+        addr = self.base_address + b * self.block_stride + layer * self.layer_stride + kv * self.kv_stride
+        out = numpy.empty((addr.size, 3), dtype=numpy.uint64)
+        out[:, 0], out[:, 1], out[:, 2] = addr.ravel(), self.piece_bytes, self.device_id
+        return out
+
+    def piece_indices(self, block_ids: list[int]) -> numpy.ndarray:
+        """Indices into ``piece_descs`` of the given blocks' pieces, in block order."""
+        ids = numpy.asarray(block_ids, dtype=numpy.int64)[:, None] * self.pieces_per_block
+        return (ids + numpy.arange(self.pieces_per_block)).ravel().astype(numpy.int32)
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.pieces_per_block * self.piece_bytes
+
+
+@dataclass(frozen=True)
+class NixlBlocks:
+    """A lease's blocks as a NIXL reader finds them (``kv_pb2.NixlBlocks``): aligned with the
+    hand-off's block hashes."""
+
+    agent_name: str
+    block_ids: list[int]
+    checksums: list[bytes]
+
+    @classmethod
+    def from_pb(cls, pb: kv_pb2.NixlBlocks) -> NixlBlocks:
+        n = CHECKSUM_BYTES
+        sums = [pb.checksums[i : i + n] for i in range(0, len(pb.checksums), n)]
+        return cls(pb.agent_name, list(pb.block_ids), sums)
+
+    def to_pb(self) -> kv_pb2.NixlBlocks:
+        return kv_pb2.NixlBlocks(agent_name=self.agent_name, block_ids=self.block_ids, checksums=b"".join(self.checksums))
+
+
+@dataclass
+class _Peer:
+    agent_name: str
+    region: PoolRegion
+    prepped: Any  # nixl_prepped_dlist_handle over the peer's whole pool
+
+
+class NixlRead:
+    """One READ in flight. ``wait`` ends it (done, failed or past its deadline)."""
+
+    def __init__(self, agent: Any, handle: Any, nbytes: int) -> None:
+        self._agent, self._handle, self.nbytes = agent, handle, nbytes
+        self.settled = False  # done or failed: no byte will land any more
+
+    async def wait(self, timeout_s: float) -> None:
+        """Returns once every byte landed; Unavailable if the READ failed, DeadlineExceeded past
+        ``timeout_s`` (the READ may then still be in flight: see ``settle``)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        delay = _POLL_FIRST_S
+        while True:
+            try:
+                state = self._agent.check_xfer_state(self._handle)
+            except Exception:  # noqa: BLE001 - NIXL's errors (a disconnected peer) end the READ
+                state = "ERR"
+            if state != "PROC":
+                self._finish()
+                if state == "ERR":
+                    raise Unavailable("NIXL READ failed (the peer went away or refused it)")
+                return
+            if loop.time() >= deadline:
+                raise DeadlineExceeded(f"NIXL READ of {self.nbytes} bytes still in progress after {timeout_s:.1f} s")
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, _POLL_MAX_S)
+
+    async def settle(self, timeout_s: float) -> bool:
+        """After a failed or abandoned wait: cancel the READ, or wait until UCX gives up on it.
+        True once no byte can land any more (the destination blocks may be reused)."""
+        if self.settled:
+            return True
+        try:
+            self._handle.release()  # cancels an active transfer where the backend can
+            self.settled = True
+            return True
+        except Exception:  # noqa: BLE001 - NIXL raises its own error types for "cannot cancel"
+            pass
+        try:
+            await self.wait(timeout_s)
+        except (Unavailable, DeadlineExceeded):
+            pass
+        return self.settled
+
+    def _finish(self) -> None:
+        self.settled = True
+        try:
+            self._handle.release()
+        except Exception as e:  # noqa: BLE001 - a finished transfer's handle; nothing to undo
+            log.warning("releasing a finished NIXL transfer failed", error=str(e))
+
+
+def _agent_with_paced_progress(nixl: Any, name: str, config: Any) -> Any:
+    """A ``nixl_agent`` whose progress thread pauses ``_PROGRESS_PAUSE_US`` between rounds.
+
+    The progress thread (C++, no GIL) is what moves a READ's bytes while neither side's Python
+    asks, and on the holder what serves a READ over TCP and acknowledges one over shared memory
+    (without it a 12 MiB READ waited ~10 ms more for the holder's next poll). NIXL's Python
+    wrapper runs it without any pause — most of a core per idle worker, measured here — and
+    exposes no setting for it, so the binding's constructor is wrapped for the one call to set
+    the pause (idle cost then ~3% of a core).
+    """
+    bindings = sys.modules[nixl.nixl_agent.__module__].nixlBind
+    real = bindings.nixlAgent
+
+    def paced(agent_name: str, agent_config: Any) -> Any:
+        agent_config.pthrDelay = _PROGRESS_PAUSE_US
+        return real(agent_name, agent_config)
+
+    bindings.nixlAgent = paced
+    try:
+        return nixl.nixl_agent(name, config)
+    finally:
+        bindings.nixlAgent = real
+
+
+class NixlEndpoint:
+    """This worker's NIXL agent with its KV pool registered; reads from peers' pools."""
+
+    def __init__(self, nixl: Any, tensor: torch.Tensor, role: str) -> None:
+        for k, v in _UCX_DEFAULTS.items():
+            os.environ.setdefault(k, v)
+        self.name = f"kvmesh-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._tensor = tensor  # kept alive: NIXL holds its address
+        self.region = PoolRegion.of(tensor)
+        config = nixl.nixl_agent_config(
+            backends=["UCX"], sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT, enable_prog_thread=True
+        )
+        self.agent = _agent_with_paced_progress(nixl, self.name, config)
+        if "UCX" not in self.agent.backends:
+            raise RuntimeError("NIXL's UCX backend did not start")
+        self._registered = self.agent.register_memory(tensor)
+        self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self.region.piece_descs(), self.region.mem_type)
+        self._peers: dict[str, _Peer] = {}
+
+    def metadata(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+    def has_peer(self, agent_name: str) -> bool:
+        return agent_name in self._peers
+
+    def add_peer(self, metadata: bytes, region: PoolRegion) -> str:
+        """Load a peer's metadata (from its handshake); returns its agent name."""
+        name = self.agent.add_remote_agent(metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        prepped = self.agent.prep_xfer_dlist(name, region.piece_descs(), region.mem_type)
+        self._peers[name] = _Peer(name, region, prepped)
+        return name
+
+    def forget_peer(self, agent_name: str) -> None:
+        peer = self._peers.pop(agent_name, None)
+        if peer is not None:
+            peer.prepped.release()
+            self.agent.remove_remote_agent(agent_name)
+
+    def read(self, agent_name: str, remote_blocks: list[int], local_blocks: list[int], notif: bytes) -> NixlRead:
+        """Post one READ of whole blocks from a peer's pool into ours; ``notif`` reaches the peer
+        once it completes."""
+        peer = self._peers[agent_name]
+        if peer.region.piece_bytes != self.region.piece_bytes or peer.region.num_layers != self.region.num_layers:
+            raise Unavailable(f"peer {agent_name} has another block shape")  # the handshake refuses this first
+        handle = self.agent.make_prepped_xfer(
+            "READ", self._local, self.region.piece_indices(local_blocks),
+            peer.prepped, peer.region.piece_indices(remote_blocks), notif,
+        )
+        read = NixlRead(self.agent, handle, len(local_blocks) * self.region.block_nbytes)
+        try:
+            posted = self.agent.transfer(handle)
+        except Exception as e:  # noqa: BLE001 - e.g. nixlRemoteDisconnectError: the peer is gone
+            posted, reason = "ERR", str(e)
+        else:
+            reason = "refused"
+        if posted == "ERR":
+            read._finish()
+            raise Unavailable(f"NIXL READ from {agent_name} could not be posted: {reason}")
+        return read
+
+    def notifications(self) -> list[bytes]:
+        """Notifications peers' finished READs sent this worker since the last call."""
+        return [msg for msgs in self.agent.get_new_notifs().values() for msg in msgs]
+
+    def close(self) -> None:
+        for name in list(self._peers):
+            self.forget_peer(name)
+        self._local.release()
+        self.agent.deregister_memory(self._registered)

@@ -1,0 +1,58 @@
+"""How a worker moves KV blocks to a peer: the one definition of ``--kv-transport``.
+
+``nixl``: the bytes go over NIXL (a peer READs them straight out of the pool;
+gRPC carries only control: leases, descriptors, agent metadata). ``grpc``: the
+chunked PullKV stream. Where NIXL does not load (not installed, no usable UCX
+transport) a worker asked for ``nixl`` says so and runs on gRPC; a peer that
+lacks NIXL is served over gRPC either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+import structlog
+
+from kvmesh.runtime import Flag
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvmesh.worker.kv_nixl import NixlEndpoint
+
+log = structlog.get_logger(__name__)
+
+KV_TRANSPORTS = ("nixl", "grpc")
+
+KV_TRANSPORT_FLAGS = [
+    Flag("--kv-transport", "how KV blocks move between workers: nixl (gRPC fallback where it does not load) or grpc",
+         default="nixl", choices=KV_TRANSPORTS),
+    Flag("--kv-read-timeout-s", "a NIXL READ still in progress after this (plus 1 s per 100 MB) is abandoned",
+         default=10.0, type=float),
+]
+
+
+def read_timeout_s(floor_s: float, nbytes: int) -> float:
+    """The deadline of one READ: a floor for the handshake-free overhead plus a slow link's pace."""
+    return floor_s + nbytes / 100e6
+
+
+def open_endpoint(args: argparse.Namespace, tensor: torch.Tensor, role: str) -> NixlEndpoint | None:
+    """This worker's NIXL endpoint with ``tensor`` (its KV pool) registered, or None for gRPC."""
+    if args.kv_transport != "nixl":
+        return None
+    from kvmesh.worker.kv_nixl import NixlEndpoint, load_nixl
+
+    nixl = load_nixl()
+    if nixl is None:
+        log.warning("NIXL is not installed; KV moves over gRPC", wanted="nixl")
+        return None
+    try:
+        endpoint = NixlEndpoint(nixl, tensor, role)
+    except Exception as e:  # noqa: BLE001 - NIXL/UCX raise their own types; any of them means no NIXL here
+        log.warning("NIXL did not start; KV moves over gRPC", error=str(e))
+        return None
+    log.info("KV pool registered with NIXL", agent=endpoint.name, mem_type=endpoint.region.mem_type,
+             bytes=endpoint.region.num_blocks * endpoint.region.block_nbytes)
+    return endpoint

@@ -1,0 +1,152 @@
+"""Decode's ``KVSource`` over NIXL: one READ straight into the paged pool, gRPC for control only.
+
+Per prefill peer, once: ``NixlHandshake`` over gRPC brings its agent metadata
+and pool region (a peer whose KV layout differs is refused there, before any
+byte moves). Per hand-off: destination blocks are reserved in this worker's
+pool, one READ fetches every missing block's pieces with the lease id as its
+notification (on which the prefill worker releases the lease at once), the
+blocks' checksums are verified on a worker thread, and the blocks are adopted
+as cached blocks. A READ that fails or outlives its deadline is a failed
+transfer like any other: the lease is aborted over gRPC and the request
+recomputes. A hand-off without NIXL descriptors (its prefill worker runs on
+gRPC) goes through the gRPC stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import structlog
+
+from kvmesh.blocks import BlockHash
+from kvmesh.common.v1 import kv_pb2
+from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.errors import FailedPrecondition, InvalidArgument, Unavailable
+from kvmesh.prefill.v1 import prefill_pb2
+from kvmesh.runtime.client_errors import from_rpc_error
+from kvmesh.worker.kv_nixl import NixlEndpoint, NixlRead, PoolRegion, block_checksums, layout_mismatch
+from kvmesh.worker.kv_transport import read_timeout_s
+from services.decode.core import RemotePrefill, Tally
+from services.decode.prefill_client import GrpcKVSource
+
+log = structlog.get_logger(__name__)
+
+# After a READ was abandoned (deadline, cancellation), how long to wait for UCX to give up
+# on it before its destination blocks may be reused; past this they are never reused.
+SETTLE_TIMEOUT_S = 60.0
+HANDSHAKE_TIMEOUT_S = 5.0
+
+
+class NixlKVSource:
+    def __init__(
+        self, endpoint: NixlEndpoint, layout: kv_pb2.KVLayout, grpc_source: GrpcKVSource, read_floor_s: float
+    ) -> None:
+        self._endpoint = endpoint
+        self._layout = layout
+        self._grpc = grpc_source
+        self._read_floor_s = read_floor_s
+        self._peer_at: dict[str, str] = {}  # prefill address -> its agent's name
+        self._handshakes: dict[str, asyncio.Task] = {}  # agent name -> its handshake, once
+        self._notified: set[str] = set()  # leases whose READ's notification released them
+        self._settling: set[asyncio.Task] = set()
+
+    async def fetch(self, engine: AsyncEngine, remote: RemotePrefill, missing: list[BlockHash], tally: Tally) -> None:
+        if remote.nixl is None:  # its prefill worker is on gRPC
+            await self._grpc.fetch(engine, remote, missing, tally)
+            return
+        agent = await self._peer(remote.address, remote.nixl.agent_name)
+        position = {h: i for i, h in enumerate(remote.block_hashes)}
+        if len(remote.nixl.block_ids) != len(position) or len(remote.nixl.checksums) != len(position):
+            raise InvalidArgument("the hand-off's NIXL descriptors do not match its block hashes")
+        src = [remote.nixl.block_ids[position[h]] for h in missing]
+        sums = [remote.nixl.checksums[position[h]] for h in missing]
+        dst = await engine.call(lambda e: e.reserve_blocks(len(missing)))
+        read: NixlRead | None = None
+        adopted = False
+        try:
+            t0 = time.perf_counter()
+            read = self._endpoint.read(agent, src, dst, remote.lease_id.encode())
+            t_post = time.perf_counter()
+            log.debug("NIXL READ posted", lease_id=remote.lease_id, blocks=len(dst), bytes=read.nbytes)
+            await read.wait(read_timeout_s(self._read_floor_s, read.nbytes))
+            self._notified.add(remote.lease_id)  # delivered with the READ's completion
+            tally(len(dst), read.nbytes)
+            t1 = time.perf_counter()
+            await _verify(engine, dst, sums, missing)
+            t2 = time.perf_counter()
+            await engine.call(lambda e: e.adopt_reserved(list(zip(missing, dst))))
+            adopted = True
+            log.debug("NIXL READ adopted", lease_id=remote.lease_id, read_ms=round(1e3 * (t1 - t0), 2),
+                      post_ms=round(1e3 * (t_post - t0), 2),
+                      verify_ms=round(1e3 * (t2 - t1), 2), adopt_ms=round(1e3 * (time.perf_counter() - t2), 2))
+        finally:
+            if not adopted:
+                self._free_when_settled(engine, read, dst)
+
+    async def release(self, address: str, lease_id: str, ack: bool) -> None:
+        if lease_id in self._notified:
+            self._notified.discard(lease_id)
+            if ack:
+                return  # the READ's notification released it
+        await self._grpc.release(address, lease_id, ack)
+
+    async def close(self) -> None:
+        for task in [*self._handshakes.values(), *self._settling]:
+            task.cancel()
+        await asyncio.gather(*self._handshakes.values(), *self._settling, return_exceptions=True)
+        self._endpoint.close()
+
+    async def _peer(self, address: str, agent_name: str) -> str:
+        """The peer's agent, known to ours: handshaken once per agent (a restarted worker at the
+        same address is a new agent)."""
+        if self._endpoint.has_peer(agent_name):
+            return agent_name
+        task = self._handshakes.get(agent_name)
+        if task is None or (task.done() and task.exception() is not None):
+            task = asyncio.ensure_future(self._handshake(address, agent_name))
+            self._handshakes[agent_name] = task
+        return await asyncio.shield(task)
+
+    async def _handshake(self, address: str, agent_name: str) -> str:
+        request = prefill_pb2.NixlHandshakeRequest(layout=self._layout, agent_name=self._endpoint.name)
+        try:
+            resp = await self._grpc.stub(address).NixlHandshake(request, timeout=HANDSHAKE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, f"prefill worker {address}") from None
+        mismatch = layout_mismatch(self._layout, resp.layout)
+        if mismatch:
+            raise FailedPrecondition(f"prefill worker {address} has another KV layout ({mismatch}): refused")
+        if resp.agent_name != agent_name:
+            raise Unavailable(f"prefill worker {address} restarted since the hand-off (agent {resp.agent_name})")
+        name = self._endpoint.add_peer(resp.agent_metadata, PoolRegion.from_pb(resp.region))
+        old = self._peer_at.get(address)
+        if old is not None and old != name:
+            self._endpoint.forget_peer(old)
+            self._handshakes.pop(old, None)
+        self._peer_at[address] = name
+        log.info("NIXL peer added", address=address, agent=name)
+        return name
+
+    def _free_when_settled(self, engine: AsyncEngine, read: NixlRead | None, blocks: list[int]) -> None:
+        """Hand reserved blocks back once no READ can write into them any more."""
+
+        async def settle_then_free() -> None:
+            if read is not None and not await read.settle(SETTLE_TIMEOUT_S):
+                log.error("an abandoned NIXL READ never ended; its blocks stay reserved", blocks=len(blocks))
+                return
+            await engine.call(lambda e: e.release_reserved(blocks))
+
+        task = asyncio.ensure_future(settle_then_free())
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+
+async def _verify(engine: AsyncEngine, blocks: list[int], sums: list[bytes], hashes: list[BlockHash]) -> None:
+    """Checksums of the READ's blocks, on worker threads: the engine keeps stepping, and
+    nothing else touches reserved blocks."""
+    got = await block_checksums(engine.engine.kv, blocks)
+    bad = [h for h, a, b in zip(hashes, got, sums) if a != b]
+    if bad:
+        raise InvalidArgument(f"{len(bad)} KV blocks read over NIXL fail their checksum (first {bad[0].hex()})")
