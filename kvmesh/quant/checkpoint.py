@@ -76,9 +76,7 @@ def write_checkpoint(src: Path, out: Path, plan: Plan) -> Path:
         raise ModelLoadError(f"{src}: already quantized; quantize the unquantized model")
     tensors = dict(iter_tensors(weight_files(src)))
     head = head_tensor(config)
-    stored: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        stored[name] = t
+    stored = dict(tensors)
     for module, fmt in plan.items():
         key = head if module == "lm_head" else module
         if f"{key}.weight" not in stored:
