@@ -11,6 +11,8 @@ from kvmesh.errors import KvmeshError
 from kvmesh.launcher.cli import add_up_parser
 from kvmesh.launcher.health_cli import add_health_parser
 from kvmesh.models.cli import add_models_parser
+from kvmesh.quant.cli import add_quantize_parser
+from kvmesh.verify.cli import add_verify_parser
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -112,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_up_parser(sub)
     add_health_parser(sub)
     add_models_parser(sub)
+    add_quantize_parser(sub)
+    add_verify_parser(sub)
     for name in SERVICES:
         sub.add_parser(name, help=f"run the {name} service (its flags: kvmesh {name} --help)", add_help=False)
     return parser

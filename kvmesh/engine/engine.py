@@ -33,6 +33,7 @@ from kvmesh.engine.stop import check_stop, releasable_text
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.engine.weights import weight_files, weights_id
 from kvmesh.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvmesh.quant import checkpoint as quant_checkpoint  # a module: kvmesh.quant imports the engine too
 
 log = structlog.get_logger(__name__)
 
@@ -116,7 +117,8 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         files = weight_files(path)
         self.model = CausalLM(mc, self.dtype, self.device, self.max_model_len)
-        self.model.load_weights(files)
+        # A compressed-tensors checkpoint (kvmesh quantize) is dequantized on load.
+        self.model.load_weights(files, quant_checkpoint.dequantized_tensors(mc.raw, files))
         self.model.to(self.device).eval()
         if cfg.quantization is not None:
             if cfg.quantization != "fp8":

@@ -8,6 +8,7 @@ tables, never a contiguous copy of the sequence.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -126,8 +127,9 @@ class CausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.matmul(hidden, weight.t()).float()
 
-    def load_weights(self, files: list) -> None:
-        """Copy HF-named tensors into this model, fusing q/k/v and gate/up projections."""
+    def load_weights(self, files: list, tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+        """Copy HF-named tensors into this model, fusing q/k/v and gate/up projections.
+        ``tensors`` replaces reading ``files`` (a quantized checkpoint's dequantized weights)."""
         cfg = self.cfg
         params = dict(self.named_parameters())
         loaded: set[str] = set()
@@ -147,7 +149,7 @@ class CausalLM(nn.Module):
             "self_attn.q_norm": "q_norm",
             "self_attn.k_norm": "k_norm",
         }
-        for name, tensor in iter_tensors(files):
+        for name, tensor in iter_tensors(files) if tensors is None else tensors:
             target, rows = self._map_name(name, fused, renamed)
             if target is None:
                 continue  # e.g. rotary inv_freq buffers some checkpoints carry

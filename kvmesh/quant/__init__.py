@@ -1,0 +1,1 @@
+"""Weight quantization: formats, compressed-tensors checkpoints, fidelity reports, plan search."""

@@ -1,0 +1,1 @@
+"""Checking a served OpenAI-compatible endpoint against the golden implementation."""
