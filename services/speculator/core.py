@@ -73,6 +73,8 @@ class SpeculatorConfig:
     # N-gram drafts matching fewer tokens of the context's tail are not proposed: for decode
     # workers that run an EAGLE head beside the target, which drafts wherever this answers nothing.
     min_match_tokens: int = 0
+    # The n-gram sources that propose (both by default; one alone to measure it on its own).
+    ngram_sources: frozenset[Source] = frozenset({Source.PROMPT, Source.SUFFIX})
     # Opt-in (None: no data kept): append every learned sequence's tokens to this JSONL file,
     # ``{"token_ids": [...]}`` a line, so ``kvmesh train-speculator --data traffic=PATH`` can
     # train a head on this deployment's own traffic.
@@ -163,8 +165,11 @@ class Speculator:
         k = min(k, self.config.max_draft_tokens)
         if k <= 0 or not context.tokens:
             return None
-        own = context.lookup(k)
-        shared = self.suffix_index.lookup(context.tokens[-MAX_MATCH_TOKENS:], k)
+        own = context.lookup(k) if Source.PROMPT in self.config.ngram_sources else None
+        shared = (
+            self.suffix_index.lookup(context.tokens[-MAX_MATCH_TOKENS:], k)
+            if Source.SUFFIX in self.config.ngram_sources else None
+        )
         candidate = better(own, shared)
         return candidate if candidate is not None and candidate.match_length >= self.config.min_match_tokens else None
 
