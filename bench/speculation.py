@@ -1,19 +1,26 @@
-"""Speculative decoding on the shipped model: none vs n-gram vs the draft model, same run.
+"""Speculative decoding on the real default model, per draft source, same run.
 
-Greedy decoding of several code prompts on ``models/pycode-small``, at batch 1
-(one request at a time) and batch 4 (four in flight), with k draft tokens:
-  (a) no speculation — the anchor;
-  (b) n-gram drafts: the speculator core (prompt lookup + suffix index)
-      in-process (``services.speculator.local.LocalProposer``);
-  (c) draft-model drafts: ``models/pycode-draft`` run by kvmesh's engine
-      (``services.speculator.draft_model.DraftModelProposer``).
-Each configuration runs ``--repeats`` times, interleaved with the others, and
-its fastest pass counts (other processes' load only ever slows a pass down).
-Reports tokens/s, speedup over (a), acceptance rate (accepted / proposed),
-target forward passes, and the share of time spent drafting; checks every
-mode's tokens equal (a)'s.
+Greedy decoding of held-out prompts on the installed default model
+(SmolLM2-135M-Instruct) in three kinds — ``code`` (raw code completion),
+``chat`` (chat-templated questions about Python) and ``prose``
+(chat-templated questions with nothing to copy) — at batch 1 (one request at
+a time; the first ``--batch1-prompts`` of a kind) and batch 8 (a kind's eight
+prompts in flight), k = 2 and 4, with
+drafts from:
+  none   — no speculation, the anchor;
+  ngram  — prompt lookup in the request's own context (the speculator core in-process);
+  suffix — the shared suffix index alone (it learns each pass's finished requests);
+  eagle  — the EAGLE head (``--head``, default models/smollm2-eagle) beside the target;
+  merged — all three under the core's per-step rule (``services.speculator.local``).
+None of the prompts is in the head's training data (``train/eagle.py``).
 
-Run: ``python bench/speculation.py [--k 4] [--json PATH]``.
+Reports per (source, k, batch, kind): mean accepted length (tokens a sequence
+gains per target step it takes part in, the bonus token included), acceptance
+rate (accepted / proposed drafts), tokens/s and the speed-up over ``none`` at
+the same batch; checks every source's tokens equal ``none``'s. Each
+configuration runs ``--repeats`` times, interleaved, its fastest pass counts.
+
+Run: ``flock /tmp/kvmesh-bench.lock python bench/speculation.py [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -32,13 +39,15 @@ from _common import cells, write_json  # noqa: E402
 from _table import print_table  # noqa: E402
 
 from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from kvmesh.engine.default_model import default_model_path  # noqa: E402
 from kvmesh.engine.engine import DraftProposer  # noqa: E402
-from kvmesh.engine.sequence import Sequence  # noqa: E402
-from services.speculator.draft_model import DraftModelProposer  # noqa: E402
-from services.speculator.local import LocalProposer  # noqa: E402
+from services.speculator.candidate import Source  # noqa: E402
+from services.speculator.core import SpeculatorConfig  # noqa: E402
+from services.speculator.eagle import EagleProposer  # noqa: E402
+from services.speculator.local import EAGLE_MATCH_TOKENS, LocalProposer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-PROMPTS = [
+CODE = [
     "def fibonacci(n):",
     "import os\nimport sys\n\n\ndef main(argv):\n",
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
@@ -48,109 +57,163 @@ PROMPTS = [
     "class TestParser(unittest.TestCase):\n\n    def test_empty(self):\n",
     "def parse_args():\n    parser = argparse.ArgumentParser()\n",
 ]
+CHAT = [
+    "How do I check if a key exists in a dictionary?",
+    "What is the difference between append and extend?",
+    "How do I iterate over the items of a dictionary?",
+    "Write a function that returns the largest number in a list.",
+    "How do I write text to a file in Python?",
+    "What is a lambda function in Python?",
+    "How do I get the current date and time in Python?",
+    "Explain the difference between a set and a list.",
+]
+PROSE = [
+    "Describe a sunset over the mountains.",
+    "Write a short letter to a friend about your holiday.",
+    "What makes a good teacher?",
+    "Tell me about the history of bread.",
+    "Why do cats purr?",
+    "Describe your ideal weekend.",
+    "Why is friendship important?",
+    "Write a paragraph about autumn leaves.",
+]
+SOURCES = ["none", "ngram", "suffix", "eagle", "merged"]
 
 
-class TimedProposer:
-    """A proposer that also counts the seconds the engine spent waiting for its drafts."""
+def prompts_of(model: Path) -> dict[str, list[list[int]]]:
+    tok = LLMEngine(model, EngineConfig(num_blocks=16)).tokenizer
 
-    def __init__(self, inner: DraftProposer) -> None:
-        self.inner = inner
-        self.seconds = 0.0
+    def chat(q: str) -> list[int]:
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
 
-    def propose(self, wants: list[tuple[Sequence, int]]) -> dict[str, list[int]]:
-        t0 = time.perf_counter()
-        try:
-            return self.inner.propose(wants)
-        finally:
-            self.seconds += time.perf_counter() - t0
-
-    def finished(self, seq: Sequence) -> None:
-        self.inner.finished(seq)
+    return {
+        "code": [tok.encode(t, add_special_tokens=False) for t in CODE],
+        "chat": [chat(q) for q in CHAT],
+        "prose": [chat(q) for q in PROSE],
+    }
 
 
 def run(model: Path, prompts: list[list[int]], batch: int, max_tokens: int, k: int,
-        inner: DraftProposer | None) -> dict:
-    """One timed pass over the prompts, ``batch`` at a time, on a fresh engine and proposer
-    (nothing learned or cached by an earlier pass)."""
-    proposer = TimedProposer(inner) if inner is not None else None
+        proposer: DraftProposer | None) -> dict:
+    """One timed pass over the prompts, ``batch`` at a time, on a fresh engine and proposer."""
     engine = LLMEngine(
         model, EngineConfig(num_blocks=512, num_speculative_tokens=k if proposer else 0), proposer=proposer
     )
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    tokens: list[list[int]] = []
+    params = SamplingParams(max_tokens=max_tokens)
+    tokens: dict[str, list[int]] = {}
+    seq_steps = 0
     t0 = time.perf_counter()
+    order = []
     for i in range(0, len(prompts), batch):
-        tokens += [c.token_ids for c in engine.generate(prompts[i : i + batch], params)]
+        order += [engine.add_request(p, params) for p in prompts[i : i + batch]]
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.new_token_ids:
+                    seq_steps += 1
+                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     elapsed = time.perf_counter() - t0
     stats = engine.stats
-    generated = sum(len(t) for t in tokens)
+    generated = sum(len(t) for t in tokens.values())
     return {
-        "tokens": tokens,
+        "tokens": [tokens[r] for r in order],
         "seconds": elapsed,
-        "tokens_per_s": generated / elapsed,
         "generated_tokens": generated,
         "target_forward_passes": stats.steps,
+        "sequence_steps": seq_steps,
         "proposed": stats.draft_tokens_proposed,
         "accepted": stats.draft_tokens_accepted,
-        "acceptance_rate": stats.draft_tokens_accepted / stats.draft_tokens_proposed if stats.draft_tokens_proposed else None,
-        "drafting_share": proposer.seconds / elapsed if proposer else 0.0,
+    }
+
+
+def summary(r: dict) -> dict:
+    return {
+        "tokens_per_s": r["generated_tokens"] / r["seconds"],
+        "mean_accepted_length": r["generated_tokens"] / r["sequence_steps"],
+        "acceptance_rate": r["accepted"] / r["proposed"] if r["proposed"] else None,
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=REPO / "models" / "pycode-small")
-    p.add_argument("--draft", type=Path, default=REPO / "models" / "pycode-draft")
-    p.add_argument("--k", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3, help="passes per configuration, interleaved; the fastest counts")
+    p.add_argument("--model", type=Path, default=None, help="target model folder (default: the installed default)")
+    p.add_argument("--head", type=Path, default=REPO / "models" / "smollm2-eagle")
+    p.add_argument("--ks", default="2,4")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--kinds", default="code,chat,prose")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--batch1-prompts", type=int, default=4, help="prompts per kind at batch 1 (batch 8: all eight)")
+    p.add_argument("--eagle-match-tokens", type=int, default=EAGLE_MATCH_TOKENS)
+    p.add_argument("--repeats", type=int, default=1, help="passes per configuration, interleaved; the fastest counts")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=str(REPO / "bench" / "results" / "speculation.json"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    model = args.model or default_model_path()
+    ks = [int(x) for x in args.ks.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    kinds = args.kinds.split(",")
+    all_prompts = prompts_of(model)
 
-    tok = LLMEngine(args.model, EngineConfig(num_blocks=16)).tokenizer
-    prompts = [tok.encode(text, add_special_tokens=False) for text in PROMPTS]
-    modes: dict[str, Callable[[], DraftProposer | None]] = {
+    def only(*sources: Source) -> Callable[[], DraftProposer]:
+        return lambda: LocalProposer(SpeculatorConfig(ngram_sources=frozenset(sources)))
+
+    makers: dict[str, Callable[[], DraftProposer | None]] = {
         "none": lambda: None,
-        "ngram": LocalProposer,
-        "draft-model": lambda: DraftModelProposer(args.draft),
+        "ngram": only(Source.PROMPT),
+        "suffix": only(Source.SUFFIX),
+        "eagle": lambda: EagleProposer(args.head),
+        "merged": lambda: LocalProposer(SpeculatorConfig(draft_model_match_tokens=args.eagle_match_tokens),
+                                        head=EagleProposer(args.head)),
     }
-    configs = [(batch, mode) for batch in (1, 4) for mode in modes]
-    # Interleaved passes: a burst of load from other processes hits every mode alike.
-    best: dict[tuple[int, str], dict] = {}
+    configs = [(kind, batch, src, k) for kind in kinds for batch in batches for src in SOURCES
+               for k in ([0] if src == "none" else ks)]
+    best: dict[tuple, dict] = {}
     for rep in range(args.repeats):
-        for batch, mode in configs:
-            r = run(args.model, prompts, batch, args.max_tokens, args.k, modes[mode]())
-            if (batch, mode) not in best or r["seconds"] < best[batch, mode]["seconds"]:
-                best[batch, mode] = r
-            print(f"pass {rep + 1}: batch {batch} {mode}: {r['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+        for cfg in configs:
+            kind, batch, src, k = cfg
+            prompts = all_prompts[kind][: args.batch1_prompts] if batch == 1 else all_prompts[kind]
+            r = run(model, prompts, batch, args.max_tokens, k, makers[src]())
+            if cfg not in best or r["seconds"] < best[cfg]["seconds"]:
+                best[cfg] = r
+            s = summary(r)
+            print(f"pass {rep + 1}: {kind} batch {batch} {src} k={k}: {s['tokens_per_s']:.1f} tok/s, "
+                  f"{s['mean_accepted_length']:.2f} tok/step", file=sys.stderr, flush=True)
 
-    results, rows = [], []
-    for batch, mode in configs:
-        r, anchor = best[batch, mode], best[batch, "none"]
-        r |= {"mode": mode, "batch": batch, "speedup": r["tokens_per_s"] / anchor["tokens_per_s"],
-              "identical_to_none": r["tokens"] == anchor["tokens"]}
-        results.append(r)
-        rows.append(cells([
-            batch, mode, r["tokens_per_s"], r["speedup"],
-            "-" if r["acceptance_rate"] is None else r["acceptance_rate"],
-            r["target_forward_passes"], r["drafting_share"], r["identical_to_none"],
-        ]))
-    print_table(
-        ["batch", "drafts", "tok/s", "speedup", "acceptance", "target passes", "drafting share", "same output"], rows
-    )
+    # "all": the kinds pooled (tokens, steps and seconds summed).
+    def pooled(batch: int, src: str, k: int) -> dict:
+        rs = [best[kind, batch, src, k] for kind in kinds]
+        return {key: sum(r[key] for r in rs) for key in
+                ("seconds", "generated_tokens", "sequence_steps", "proposed", "accepted", "target_forward_passes")}
+
+    results: dict[str, list[dict]] = {src: [] for src in SOURCES}
+    rows = []
+    identical = True
+    for kind in [*kinds, "all"]:
+        for batch in batches:
+            anchor = summary(best[kind, batch, "none", 0] if kind != "all" else pooled(batch, "none", 0))
+            for src in SOURCES:
+                for k in ([0] if src == "none" else ks):
+                    r = best[kind, batch, src, k] if kind != "all" else pooled(batch, src, k)
+                    same = kind == "all" or r["tokens"] == best[kind, batch, "none", 0]["tokens"]
+                    identical &= same
+                    s = summary(r) | {"speedup": summary(r)["tokens_per_s"] / anchor["tokens_per_s"]}
+                    entry = {"kind": kind, "batch": batch, "k": k, **s,
+                             "target_forward_passes": r["target_forward_passes"],
+                             "proposed": r["proposed"], "accepted": r["accepted"], "identical_to_none": same}
+                    results[src].append(entry)
+                    rows.append(cells([kind, batch, src, k or "-", s["mean_accepted_length"],
+                                       "-" if s["acceptance_rate"] is None else s["acceptance_rate"],
+                                       s["tokens_per_s"], s["speedup"], r["target_forward_passes"], same]))
+    print_table(["kind", "batch", "source", "k", "tok/step", "acceptance", "tok/s", "speedup", "target passes",
+                 "same output"], rows)
     write_json(args.json, {
-        "model": str(args.model.relative_to(REPO) if args.model.is_relative_to(REPO) else args.model),
-        "draft": str(args.draft.relative_to(REPO) if args.draft.is_relative_to(REPO) else args.draft),
-        "k": args.k,
-        "max_tokens": args.max_tokens,
-        "num_prompts": len(prompts),
-        "repeats": args.repeats,
-        "threads": args.threads,
-        "results": [{key: v for key, v in r.items() if key != "tokens"} for r in results],
+        "model": str(model), "head": str(args.head.relative_to(REPO) if args.head.is_relative_to(REPO) else args.head),
+        "ks": ks, "batches": batches, "kinds": kinds, "max_tokens": args.max_tokens,
+        "batch1_prompts": args.batch1_prompts,
+        "eagle_match_tokens": args.eagle_match_tokens, "repeats": args.repeats, "threads": args.threads,
+        **results,
     })
-    if not all(r["identical_to_none"] for r in results):
+    if not identical:
         sys.exit("speculation changed the greedy output")
 
 

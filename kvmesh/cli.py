@@ -118,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_verify_parser(sub)
     for name in SERVICES:
         sub.add_parser(name, help=f"run the {name} service (its flags: kvmesh {name} --help)", add_help=False)
+    sub.add_parser("train-speculator", help="train an EAGLE draft head for a target model (its flags: --help)",
+                   add_help=False)
     return parser
 
 
@@ -125,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in SERVICES:
         return _run_service(argv[0], argv[1:])
+    if argv and argv[0] == "train-speculator":
+        from train.eagle import main as train_speculator
+
+        return train_speculator(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -87,7 +87,13 @@ class Completion:
 
 
 class DraftProposer(Protocol):
-    """Where speculative drafts come from (the speculator service, or a local n-gram)."""
+    """Where speculative drafts come from (the speculator service, or a local n-gram).
+
+    A proposer that reads the target (an EAGLE head) has a ``bind(model)`` method, called
+    once the model is loaded, and a true ``wants_features``: it then finds each sequence's
+    target feature in ``seq.feature``, the final hidden state of the row that sampled its
+    last token.
+    """
 
     def propose(self, wants: list[tuple[Sequence, int]]) -> dict[str, list[int]]:
         """Up to k draft tokens per (sequence, k); may return fewer or none (late answers)."""
@@ -146,6 +152,9 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self.stats = EngineStats()
         self.proposer = proposer
+        if hasattr(proposer, "bind"):
+            proposer.bind(self.model)
+        self._wants_features = bool(getattr(proposer, "wants_features", False))
         # Outputs produced outside a step (a handed-off first token), delivered with the next one.
         self._pending: list[RequestOutput] = []
         # request id -> (hash, block id) of prompt blocks held for a hand-off.
@@ -316,7 +325,7 @@ class LLMEngine:
         self.stats.cached_prompt_tokens = self.scheduler.num_cached_prompt_tokens
         if not batch:
             return outputs
-        sampling, logits = self._forward(batch)
+        sampling, logits, hidden = self._forward(batch)
         self.scheduler.after_forward(batch)
         self.stats.steps += 1
         self.stats.computed_tokens += sum(batch.num_new)
@@ -324,10 +333,14 @@ class LLMEngine:
         row = 0
         for seq in sampling:
             drafts, seq.draft_ids = seq.draft_ids, []
+            draft_probs, seq.draft_probs = seq.draft_probs, None
             k = len(drafts)
             gen = seq.generator or self._default_gen
             rows = logits[row : row + k + 1]
-            tokens = verify(rows, drafts, seq.params, gen, greedy[row : row + k + 1])
+            tokens = verify(rows, drafts, seq.params, gen, greedy[row : row + k + 1],
+                            draft_probs[:k] if k and draft_probs is not None else None)
+            if hidden is not None:  # the row that sampled the last token
+                seq.feature = hidden[row + len(tokens) - 1]
             row += k + 1
             if k:
                 seq.num_draft_proposed += k
@@ -354,10 +367,16 @@ class LLMEngine:
         for rid, drafts in self.proposer.propose([(s, k) for s, k in want.values()]).items():
             seq, k = want.get(rid, (None, 0))
             if seq is not None:
-                drafts = [t for t in drafts[:k] if 0 <= t < self.model_config.vocab_size]
-                seq.draft_ids = allowed_prefix(seq.grammar, drafts) if seq.grammar is not None else drafts
+                # Drafts sampled from a distribution (an EAGLE head's) carry it as ``probs``.
+                probs = getattr(drafts, "probs", None)
+                kept = [t for t in drafts[:k] if 0 <= t < self.model_config.vocab_size]
+                seq.draft_ids = allowed_prefix(seq.grammar, kept) if seq.grammar is not None else kept
+                # Rows stay aligned only if no token was dropped before the kept ones; otherwise
+                # the point-mass rule verifies them (exact for any draft, see sampler.verify).
+                aligned = probs is not None and seq.draft_ids == list(drafts[: len(seq.draft_ids)])
+                seq.draft_probs = probs[: len(seq.draft_ids)] if aligned else None
 
-    def _forward(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
+    def _forward(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor, torch.Tensor | None]:
         bs = self.config.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -388,13 +407,15 @@ class LLMEngine:
             query_start_loc=torch.tensor(starts, dtype=torch.long, device=dev),
             is_decode=all(n == 1 for n in batch.num_new),
         )
-        logits = self.model(
+        out = self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
             self.kv.tensor,
             meta,
             torch.tensor(logits_idx, dtype=torch.long, device=dev),
+            return_hidden=self._wants_features,
         )
+        logits, hidden = out if self._wants_features else (out, None)
         self._adjust_logits(sampling, logits)
         # Launched (on a GPU still running): fill the grammar masks meanwhile, apply them on the
         # device, and only then wait for the logits.
@@ -403,7 +424,7 @@ class LLMEngine:
         if masks is not None:
             self.stats.grammar_masked_rows += masks.apply(logits)
             self.stats.grammar_mask_seconds += time.perf_counter() - t0
-        return sampling, logits.cpu()
+        return sampling, logits.cpu(), hidden
 
     @torch.inference_mode()  # the logits are inference tensors: adjusting them in place needs it
     def _adjust_logits(self, sampling: list[Sequence], logits: torch.Tensor) -> None:

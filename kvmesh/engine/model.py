@@ -114,8 +114,13 @@ class CausalLM(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """Returns float32 logits [len(logits_indices), vocab] for the rows that sample."""
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Returns float32 logits [len(logits_indices), vocab] for the rows that sample.
+
+        With ``return_hidden``, returns ``(logits, hidden)``: also those rows' final hidden
+        states (after the last norm, the LM head's input), the features an EAGLE head drafts from.
+        """
         hidden = self.embed_tokens(input_ids)
         residual = None
         for i, layer in enumerate(self.layers):
@@ -125,7 +130,8 @@ class CausalLM(nn.Module):
         hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
         hidden = hidden[logits_indices]
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.matmul(hidden, weight.t()).float()
+        logits = torch.matmul(hidden, weight.t()).float()
+        return (logits, hidden) if return_hidden else logits
 
     def load_weights(self, files: list, tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
         """Copy HF-named tensors into this model, fusing q/k/v and gate/up projections.

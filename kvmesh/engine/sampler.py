@@ -13,10 +13,15 @@ accepts the longest prefix of drafts the model agrees with and adds one token
 of its own, so output is distributed exactly as without speculation:
 - greedy: accept while ``d_i == argmax(row i)``; then emit ``argmax`` of the
   first disagreeing (or the bonus) row — the same tokens greedy decoding makes;
-- sampled: drafts come from a deterministic proposer (a point mass ``q``), so
-  standard speculative rejection sampling reduces to: accept ``d_i`` with
-  probability ``p_i(d_i)``; on rejection draw from ``p_i`` with ``d_i``
-  removed (the normalized residual ``max(0, p_i - q_i)``).
+- sampled: standard speculative rejection sampling. A draft drawn from a
+  distribution ``q_i`` (``draft_probs``, e.g. an EAGLE head sampling) is
+  accepted with probability ``min(1, p_i(d_i) / q_i(d_i))``; on rejection the
+  token is drawn from the normalized residual ``max(0, p_i - q_i)``. Without
+  ``draft_probs`` the draft counts as a point mass: accept with ``p_i(d_i)``,
+  else draw from ``p_i`` with ``d_i`` removed. The point-mass rule is exact for
+  a draft chosen in any way independent of this step's random draws (a
+  proposer's guess); the ``q`` rule accepts more when drafts really are
+  samples from ``q``.
 """
 
 from __future__ import annotations
@@ -50,11 +55,13 @@ def _draw(probs: torch.Tensor, gen: torch.Generator) -> int:
 
 
 def verify(
-    rows: torch.Tensor, drafts: list[int], params: SamplingParams, gen: torch.Generator, greedy_rows: list[int]
+    rows: torch.Tensor, drafts: list[int], params: SamplingParams, gen: torch.Generator, greedy_rows: list[int],
+    draft_probs: torch.Tensor | None = None,
 ) -> list[int]:
     """Tokens to append for one sequence: accepted drafts plus one model token (1..k+1 tokens).
 
-    ``rows`` [k+1, V] are its logits; ``greedy_rows`` their argmaxes (computed batched).
+    ``rows`` [k+1, V] are its logits; ``greedy_rows`` their argmaxes (computed batched);
+    ``draft_probs`` [k, V] the distributions the drafts were sampled from (None: point masses).
     """
     out: list[int] = []
     for i, draft in enumerate(drafts):
@@ -63,11 +70,17 @@ def verify(
                 return out + [greedy_rows[i]]
         else:
             probs = filter_probs(rows[i], params)
-            accept_p = float(probs[draft])
+            q = draft_probs[i] if draft_probs is not None else None
+            accept_p = float(probs[draft]) if q is None else min(1.0, float(probs[draft]) / max(float(q[draft]), 1e-30))
             if float(torch.rand((), generator=gen)) >= accept_p:
-                residual = probs.clone()
-                residual[draft] = 0.0
-                return out + [_draw(residual / residual.sum(), gen)]
+                if q is None:
+                    residual = probs.clone()
+                    residual[draft] = 0.0
+                else:
+                    residual = (probs - q.to(probs.dtype)).clamp_(min=0.0)
+                # Zero only when p == q, where rejection cannot happen (float dust aside): draw from p then.
+                total = float(residual.sum())
+                return out + [_draw(residual / total if total > 0 else probs, gen)]
         out.append(draft)
     last = len(drafts)
     return out + [greedy_rows[last] if params.greedy else _draw(filter_probs(rows[last], params), gen)]

@@ -54,8 +54,13 @@ class Sequence:
     hold_prompt_blocks: bool = False
     # Speculator drafts to verify in the next step (cleared after it).
     draft_ids: list[int] = field(default_factory=list)
+    # The distributions [k, V] the drafts were sampled from (None: point masses, the usual case).
+    draft_probs: torch.Tensor | None = None
     num_draft_proposed: int = 0
     num_draft_accepted: int = 0
+    # The target's final hidden state at the row that sampled the last token (set only for a
+    # proposer that wants features: an EAGLE head drafts from it).
+    feature: torch.Tensor | None = None
     # Where the output is in the request's grammar (None: unconstrained).
     grammar: xgr.GrammarMatcher | None = None
     # Text already handed to the caller (stop strings are held back until resolved).

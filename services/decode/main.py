@@ -20,6 +20,8 @@ from services.decode.nixl_source import NixlKVSource
 from services.decode.prefill_client import GrpcKVSource
 from services.decode.server import DecodeServicer
 from services.speculator.client import SpeculatorProposer
+from services.speculator.eagle import EagleProposer, RemoteWithHead
+from services.speculator.metrics import SpeculatorCollector
 from services.speculator.local import LocalProposer
 
 FLAGS = [
@@ -30,6 +32,8 @@ FLAGS = [
     Flag("--kv-pull-timeout-seconds", "deadline of pulling a prompt's KV from a prefill worker (past it, decode "
          "computes what did not arrive)", default=60.0, type=float),
     Flag("--spec-budget-ms", "how long a decode step waits for drafts before running without them", default=5.0, type=float),
+    Flag("--eagle-head", "EAGLE head folder for this target (kvmesh train-speculator), run in this process "
+         "beside the target; merged with the n-gram drafts (unset: none)"),
 ]
 
 
@@ -44,12 +48,15 @@ def build(ctx: ServiceContext) -> ServiceDef:
         config = engine_config(args)
         proposer = None
         if config.num_speculative_tokens:
+            head = EagleProposer(args.eagle_head) if args.eagle_head else None
             if args.speculator_address:
-                proposer = SpeculatorProposer(args.speculator_address, budget_ms=args.spec_budget_ms, registry=ctx.registry)
-                await proposer.start()  # connects (and reconnects) in the background
-                state["proposer"] = proposer
+                remote = SpeculatorProposer(args.speculator_address, budget_ms=args.spec_budget_ms, registry=ctx.registry)
+                await remote.start()  # connects (and reconnects) in the background
+                state["proposer"] = remote
+                proposer = remote if head is None else RemoteWithHead(remote, head)
             else:
-                proposer = LocalProposer()
+                proposer = LocalProposer(head=head)
+                ctx.registry.register(SpeculatorCollector(proposer.speculator))
         engine = await asyncio.to_thread(LLMEngine, model_path(args), config, proposer=proposer)
         aengine = AsyncEngine(engine)
         aengine.start()

@@ -28,6 +28,7 @@ server calls it from its event loop, ``LocalProposer`` from the engine thread
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -69,6 +70,15 @@ class SpeculatorConfig:
     # None: no draft model. Otherwise a draft model's draft counts as a match of
     # this many tokens against the n-gram candidates (see the module docstring).
     draft_model_match_tokens: int | None = None
+    # N-gram drafts matching fewer tokens of the context's tail are not proposed: for decode
+    # workers that run an EAGLE head beside the target, which drafts wherever this answers nothing.
+    min_match_tokens: int = 0
+    # The n-gram sources that propose (both by default; one alone to measure it on its own).
+    ngram_sources: frozenset[Source] = frozenset({Source.PROMPT, Source.SUFFIX})
+    # Opt-in (None: no data kept): append every learned sequence's tokens to this JSONL file,
+    # ``{"token_ids": [...]}`` a line, so ``kvmesh train-speculator --data traffic=PATH`` can
+    # train a head on this deployment's own traffic.
+    retain_traffic: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_draft_tokens < 1:
@@ -104,6 +114,9 @@ class SpeculatorStats:
     late_drafts: int
     # Proposals by the source that won.
     proposals: dict[str, int]
+    # Draft tokens proposed / accepted, by the source that proposed them.
+    proposed_by_source: dict[str, int]
+    accepted_by_source: dict[str, int]
 
     @property
     def acceptance_rate(self) -> float:
@@ -121,6 +134,8 @@ class Speculator:
         self.accepted_tokens = 0
         self.late_drafts = 0
         self._proposals: Counter[str] = Counter()
+        self._proposed_by_source: Counter[str] = Counter()
+        self._accepted_by_source: Counter[str] = Counter()
 
     def open_session(self) -> Session:
         session = Session(self)
@@ -137,6 +152,8 @@ class Speculator:
             indexing_backlog_tokens=self.suffix_index.backlog_tokens,
             late_drafts=self.late_drafts,
             proposals={s.value: self._proposals[s.value] for s in Source},
+            proposed_by_source={s.value: self._proposed_by_source[s.value] for s in Source},
+            accepted_by_source={s.value: self._accepted_by_source[s.value] for s in Source},
         )
 
     def maintain_index(self, max_tokens: int | None = None) -> bool:
@@ -148,25 +165,34 @@ class Speculator:
         k = min(k, self.config.max_draft_tokens)
         if k <= 0 or not context.tokens:
             return None
-        own = context.lookup(k)
-        shared = self.suffix_index.lookup(context.tokens[-MAX_MATCH_TOKENS:], k)
-        return better(own, shared)
+        own = context.lookup(k) if Source.PROMPT in self.config.ngram_sources else None
+        shared = (
+            self.suffix_index.lookup(context.tokens[-MAX_MATCH_TOKENS:], k)
+            if Source.SUFFIX in self.config.ngram_sources else None
+        )
+        candidate = better(own, shared)
+        return candidate if candidate is not None and candidate.match_length >= self.config.min_match_tokens else None
 
-    def model_candidate(self, token_ids: list[int]) -> Candidate | None:
-        """The draft model's draft as a candidate (None when there is no model or no draft)."""
+    def model_candidate(self, token_ids: list[int], source: Source = Source.DRAFT_MODEL) -> Candidate | None:
+        """A model's draft (a draft model's, or an EAGLE head's) as a candidate (None when
+        there is no model or no draft)."""
         match_tokens = self.config.draft_model_match_tokens
         if match_tokens is None or not token_ids:
             return None
-        return Candidate(token_ids, Source.DRAFT_MODEL, match_tokens)
+        return Candidate(token_ids, source, match_tokens)
 
     def learn(self, tokens: list[int]) -> None:
         """Add a finished sequence to the shared index (indexed now unless ``defer_indexing``)."""
+        if self.config.retain_traffic is not None and tokens:
+            with open(self.config.retain_traffic, "a") as f:
+                f.write(json.dumps({"token_ids": list(tokens)}) + "\n")
         if self.suffix_index.learn(tokens) and not self.config.defer_indexing:
             self.suffix_index.maintain()
 
     def _count_proposal(self, candidate: Candidate) -> None:
         self.proposed_tokens += len(candidate.token_ids)
         self._proposals[candidate.source.value] += 1
+        self._proposed_by_source[candidate.source.value] += len(candidate.token_ids)
 
     def _discard(self, session: Session) -> None:
         self._sessions.discard(session)
@@ -178,6 +204,8 @@ class Session:
     def __init__(self, speculator: Speculator) -> None:
         self._spec = speculator
         self._requests: dict[str, RequestContext] = {}
+        # The source of each request's last proposal: its accepted tokens are credited to it.
+        self._last_source: dict[str, Source] = {}
 
     @property
     def num_requests(self) -> int:
@@ -201,6 +229,9 @@ class Session:
                 f"{len(token_ids)} tokens sent"
             )
         self._spec.accepted_tokens += accepted_draft_tokens
+        source = self._last_source.pop(request_id, None)
+        if source is not None and accepted_draft_tokens:
+            self._spec._accepted_by_source[source.value] += accepted_draft_tokens
         cfg = self._spec.config
         ctx = self._requests.get(request_id)
         if ctx is None or ctx.length + len(token_ids) != context_length:
@@ -245,26 +276,32 @@ class Session:
         wants_model = bool(ctx.tokens) and best_model_case is not None and better(ngram, best_model_case) is not ngram
         return DraftPlan(request_id, k, ngram, list(ctx.tokens) if wants_model else None)
 
-    def decide(self, plan: DraftPlan, model_draft: list[int], deadline_ns: int | None = None) -> Candidate | None:
+    def decide(
+        self, plan: DraftPlan, model_draft: list[int], deadline_ns: int | None = None,
+        model_source: Source = Source.DRAFT_MODEL,
+    ) -> Candidate | None:
         """The draft to send: the better of the plan's n-gram candidate and ``model_draft``
-        (the draft model's tokens for ``plan.model_context``; empty when it was not asked
+        (the model's tokens for ``plan.model_context``; empty when it was not asked
         or had none). None when there is nothing to propose or the deadline passed."""
-        candidate = better(plan.ngram, self._spec.model_candidate(model_draft[: plan.num_tokens]))
+        candidate = better(plan.ngram, self._spec.model_candidate(model_draft[: plan.num_tokens], model_source))
         if candidate is None or not candidate.token_ids:
             return None
         if deadline_ns is not None and time.perf_counter_ns() > deadline_ns:
             self._spec.late_drafts += 1
             return None
         self._spec._count_proposal(candidate)
+        self._last_source[plan.request_id] = candidate.source
         return candidate
 
     def finish(self, request_id: str, learn: bool) -> None:
         """Drop a request's state; with ``learn``, add its tokens to the shared index first."""
         ctx = self._requests.pop(request_id, None)
+        self._last_source.pop(request_id, None)
         if ctx is not None and learn:
             self._spec.learn(ctx.tokens)
 
     def close(self) -> None:
         """The stream ended: forget its unfinished requests (they taught nothing)."""
         self._requests.clear()
+        self._last_source.clear()
         self._spec._discard(self)

@@ -65,6 +65,10 @@ FLAGS = [
     Flag("--draft-model-match-tokens", "the n-gram match length the draft model's drafts count as: n-gram drafts "
          "matching at least this many tokens of the context's tail win over them",
          default=DRAFT_MODEL_MATCH_TOKENS, type=int),
+    Flag("--min-match-tokens", "propose only n-gram drafts matching at least this many tokens (for decode "
+         "workers with an --eagle-head, which draft where this answers nothing)", default=0, type=int),
+    Flag("--retain-traffic", "opt-in: append every finished sequence's tokens to this JSONL file, the "
+         "training data of `kvmesh train-speculator --data traffic=PATH` (unset: no data kept)"),
 ]
 
 
@@ -76,6 +80,8 @@ def config_from_args(args: argparse.Namespace) -> SpeculatorConfig:
         suffix_capacity_tokens=args.suffix_capacity_tokens,
         defer_indexing=True,
         draft_model_match_tokens=args.draft_model_match_tokens if args.draft_model else None,
+        min_match_tokens=args.min_match_tokens,
+        retain_traffic=args.retain_traffic,
     )
 
 

@@ -35,6 +35,16 @@ class SpeculatorCollector(Collector):
         for source, n in s.proposals.items():
             proposals.add_metric([source], n)
         yield proposals
+        by_source = [
+            ("kvmesh_speculator_source_proposed_tokens", "Draft tokens proposed, by source.", s.proposed_by_source),
+            ("kvmesh_speculator_source_accepted_tokens", "Draft tokens accepted, by the source that proposed them.",
+             s.accepted_by_source),
+        ]
+        for name, doc, counts in by_source:
+            family = CounterMetricFamily(name, doc, labels=["source"])
+            for source, n in counts.items():
+                family.add_metric([source], n)
+            yield family
         yield CounterMetricFamily(
             "kvmesh_speculator_late_drafts",
             "Draft requests left unanswered because their deadline passed first.",

@@ -130,7 +130,7 @@ def test_suffix_index_drafts_for_a_new_request_from_a_finished_one():
     draft = worker_b.propose("b", 5)
     assert draft.token_ids == output[3:8]
     assert draft.source is Source.SUFFIX
-    assert spec.stats().proposals == {"prompt": 0, "suffix": 1, "draft_model": 0}
+    assert spec.stats().proposals == {"prompt": 0, "suffix": 1, "draft_model": 0, "eagle": 0}
 
 
 def test_a_suffix_draft_stops_at_the_end_of_the_learned_sequence():

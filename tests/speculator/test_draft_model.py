@@ -65,7 +65,7 @@ def test_without_an_ngram_match_the_draft_model_drafts(proposer):
     assert draft.source is Source.DRAFT_MODEL
     assert draft.token_ids == greedy_draft(NO_REPEATS) and len(draft.token_ids) == K
     stats = spec.stats()
-    assert stats.proposals == {"prompt": 0, "suffix": 0, "draft_model": 1}
+    assert stats.proposals == {"prompt": 0, "suffix": 0, "draft_model": 1, "eagle": 0}
     assert stats.proposed_tokens == K
 
 
@@ -93,7 +93,7 @@ def test_a_shorter_ngram_match_loses_to_the_model(proposer):
     assert (draft.source, draft.token_ids) == (Source.DRAFT_MODEL, greedy_draft(context))
     # No model draft after all (e.g. a context at the model's limit): the n-gram one goes.
     assert s.decide(plan, []).source is Source.PROMPT
-    assert spec.stats().proposals == {"prompt": 1, "suffix": 0, "draft_model": 1}
+    assert spec.stats().proposals == {"prompt": 1, "suffix": 0, "draft_model": 1, "eagle": 0}
 
 
 def test_without_a_draft_model_nothing_asks_for_one():
@@ -176,7 +176,7 @@ async def test_the_service_drafts_with_the_model_where_ngrams_cannot(monkeypatch
             # One model call per message, with only the contexts the model could win.
             assert [size for size, _ in calls] == [1, 2]
             await s.close()
-        assert _proposals(rt.metrics_port) == {"prompt": 1, "suffix": 0, "draft_model": 3}
+        assert _proposals(rt.metrics_port) == {"prompt": 1, "suffix": 0, "draft_model": 3, "eagle": 0}
 
 
 async def test_a_decode_engine_speculating_through_the_service_keeps_its_output_and_accepts_model_drafts():

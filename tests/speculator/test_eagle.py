@@ -1,0 +1,189 @@
+"""The EAGLE head: trained in seconds on a tiny target, then drafting for it.
+
+Greedy output is identical with every source; sampled output is distributed as
+the target's (chi-square, with and without speculation); a head trained for
+another target is refused; with the speculator service gone mid-stream, decode
+goes on, drafting with the head alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.engine.sampler import verify
+from kvmesh.errors import InvalidArgument
+from services.speculator.eagle import EagleProposer, RemoteWithHead
+from services.speculator.local import LocalProposer
+from tests.engine.conftest import PROMPTS, write_checkpoint
+from tests.service_helpers import free_port
+from train import eagle as train_eagle
+
+from .conftest import connected, eventually, proposer_for, speculator_on
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("eagle") / "target", "llama-gqa")
+
+
+@pytest.fixture(scope="module")
+def head(target, tmp_path_factory) -> Path:
+    """A head trained on the target's own greedy continuations (a seconds-long run)."""
+    root = tmp_path_factory.mktemp("eagle-head")
+    engine = LLMEngine(target, EngineConfig(num_blocks=256))
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 500, (8,), generator=gen).tolist() for _ in range(48)]
+    done = engine.generate(prompts, SamplingParams(max_tokens=56, ignore_eos=True))
+    traffic = root / "traffic.jsonl"
+    traffic.write_text("".join(json.dumps({"token_ids": c.prompt_ids + c.token_ids}) + "\n" for c in done))
+    out = root / "head"
+    rc = train_eagle.main([
+        "--model", str(target), "--data", f"traffic={traffic}", "--out", str(out), "--cache", str(root / "cache"),
+        "--window", "64", "--intermediate", "128", "--draft-vocab", "512", "--unroll", "2",
+        "--epochs", "8", "--batch", "64", "--lr", "5e-3", "--threads", "1",
+    ])
+    assert rc == 0
+    return out
+
+
+def _greedy(n: int = 24) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def test_the_head_folder_holds_its_config_and_no_target_weights(head):
+    meta = json.loads((head / "config.json").read_text())
+    assert meta["format"] == "kvmesh-eagle-v1" and len(meta["target"]["fingerprint"]) == 32
+    assert meta["training"]["data"].startswith("traffic=")
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(head / "head.safetensors"))
+    assert "draft_vocab" in tensors
+    # The target's embedding / LM head are [vocab, hidden]: nothing of that shape is stored.
+    assert all(t.dim() == 1 or t.shape[0] != meta["target"]["vocab_size"] for t in tensors.values())
+
+
+def test_greedy_output_identical_with_every_source(target, head):
+    expected = [c.token_ids for c in LLMEngine(target, EngineConfig(num_blocks=128)).generate(PROMPTS, _greedy())]
+    for name, proposer in [
+        ("eagle", EagleProposer(head)),
+        ("ngram", LocalProposer()),
+        ("merged", LocalProposer(head=EagleProposer(head))),
+    ]:
+        engine = LLMEngine(target, EngineConfig(num_blocks=128, num_speculative_tokens=4), proposer=proposer)
+        assert [c.token_ids for c in engine.generate(PROMPTS, _greedy())] == expected, name
+        if name != "ngram":
+            assert engine.stats.draft_tokens_proposed > 0, name
+        assert engine.blocks.num_free == 128
+
+
+def test_merged_acceptance_is_counted_per_source(target, head):
+    proposer = LocalProposer(head=EagleProposer(head))
+    engine = LLMEngine(target, EngineConfig(num_blocks=128, num_speculative_tokens=4), proposer=proposer)
+    engine.generate([list(range(300, 320)) * 3, *PROMPTS], _greedy(32))
+    stats = proposer.speculator.stats()
+    assert stats.proposed_by_source["eagle"] > 0
+    assert sum(stats.accepted_by_source.values()) == stats.accepted_tokens == engine.stats.draft_tokens_accepted
+    assert stats.accepted_by_source["eagle"] <= stats.proposed_by_source["eagle"]
+
+
+def test_a_head_for_another_target_is_refused(head, tmp_path):
+    other = write_checkpoint(tmp_path / "other", "llama-gqa", seed=7)  # same shapes, other weights
+    with pytest.raises(InvalidArgument, match="another target"):
+        LLMEngine(other, EngineConfig(num_blocks=32, num_speculative_tokens=2), proposer=EagleProposer(head))
+
+
+def _chi_square_p(a: Counter, b: Counter) -> float:
+    """p-value of a two-sample chi-square test of homogeneity (Wilson-Hilferty approximation)."""
+    keys = sorted(set(a) | set(b))
+    na, nb = sum(a.values()), sum(b.values())
+    stat = 0.0
+    for k in keys:
+        tot = a[k] + b[k]
+        for n, obs in ((na, a[k]), (nb, b[k])):
+            exp = tot * n / (na + nb)
+            stat += (obs - exp) ** 2 / exp
+    df = len(keys) - 1
+    if df <= 0:
+        return 1.0
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_rejection_sampling_with_a_draft_distribution_keeps_the_target_distribution():
+    """verify() alone, k=1: drafts drawn from q != p; the emitted first token must follow p —
+    and the point-mass rule applied to the same q-drawn drafts too (both are exact)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 1.5], [0.0] * 6])
+    q = torch.softmax(torch.tensor([0.0, 2.0, 1.0, 1.0, 0.5, -1.0]), dim=0)
+    p = torch.softmax(logits[0], dim=0)
+    params = SamplingParams(temperature=1.0, max_tokens=2)
+    n = 20_000
+    for use_q in (True, False):
+        counts = Counter()
+        for _ in range(n):
+            d = int(torch.multinomial(q, 1, generator=gen))
+            counts[verify(logits, [d], params, gen, [0, 0], q.unsqueeze(0) if use_q else None)[0]] += 1
+        expected = Counter({i: round(float(p[i]) * n) for i in range(6)})
+        assert _chi_square_p(counts, expected) > 1e-3, (use_q, counts)
+    # The test can fail: accepting every draft gives q's distribution, not p's.
+    wrong = Counter(int(torch.multinomial(q, 1, generator=gen)) for _ in range(n))
+    assert _chi_square_p(wrong, expected) < 1e-6
+
+
+def test_sampled_output_distributed_as_without_speculation(target, head):
+    """Many seeded samples (top-k 6: a small vocabulary slice) of the 2nd..4th tokens, with the
+    head sampling drafts from its own distribution and without speculation."""
+    prompt = PROMPTS[0]
+    n = 300
+
+    def samples(proposer) -> dict[int, Counter]:
+        engine = LLMEngine(target, EngineConfig(num_blocks=512, num_speculative_tokens=3 if proposer else 0),
+                           proposer=proposer)
+        params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=6, seed=s, ignore_eos=True) for s in range(n)]
+        out = engine.generate([prompt] * n, params)
+        if proposer is not None:
+            assert engine.stats.draft_tokens_proposed > 0
+        return {i: Counter(c.token_ids[i] for c in out) for i in (1, 2, 3)}
+
+    plain = samples(None)
+    spec = samples(EagleProposer(head))
+    for i in (1, 2, 3):
+        assert _chi_square_p(plain[i], spec[i]) > 1e-3, (i, plain[i], spec[i])
+
+
+async def test_speculator_down_mid_stream_decode_continues_with_the_head(target, head):
+    expected = [c.token_ids for c in LLMEngine(target, EngineConfig(num_blocks=128)).generate(PROMPTS, _greedy(40))]
+    port = free_port()
+    async with proposer_for(port) as (remote, _):
+        proposer = RemoteWithHead(remote, EagleProposer(head))
+        engine = LLMEngine(target, EngineConfig(num_blocks=128, num_speculative_tokens=3), proposer=proposer)
+        for p in PROMPTS:
+            engine.add_request(p, _greedy(40))
+        got: dict[str, list[int]] = {}
+
+        def steps(n: int) -> None:
+            for _ in range(n):
+                for out in engine.step():
+                    got.setdefault(out.request_id, []).extend(out.new_token_ids)
+
+        async with speculator_on(port):
+            await connected(remote)
+            await asyncio.to_thread(steps, 4)
+
+        async def down() -> bool:
+            return not remote.connected
+
+        await eventually(down)
+        before = engine.stats.draft_tokens_proposed
+        while engine.has_unfinished():
+            await asyncio.to_thread(steps, 1)
+        assert engine.stats.draft_tokens_proposed > before  # the head kept drafting
+        assert [got[f"req-{i}"] for i in range(len(PROMPTS))] == expected
