@@ -434,7 +434,7 @@ class LLMEngine:
             k = len(seq.draft_ids)
             if seq.params.adjusts_logits:
                 if seq.penalties is None:
-                    seq.penalties = PenaltyState.new(seq.prompt_ids, logits.shape[1], logits.device)
+                    seq.penalties = PenaltyState.new(seq.prompt_ids, seq.params, logits.shape[1], logits.device)
                 seq.penalties.catch_up(seq.output_ids)
                 for i in range(k + 1):
                     adjust_row(logits[row + i], seq.params, seq.penalties, seq.draft_ids[:i])

@@ -30,13 +30,17 @@ class PenaltyState:
 
     output_counts: torch.Tensor  # [V] float32: occurrences in the output
     seen: torch.Tensor  # [V] bool: in the prompt or the output
+    bias_ids: torch.Tensor  # the request's logit_bias as tensors, built once, not per row and step
+    bias_values: torch.Tensor
     num_counted: int = 0  # output tokens already in output_counts
 
     @classmethod
-    def new(cls, prompt_ids: list[int], vocab_size: int, device: torch.device) -> PenaltyState:
+    def new(cls, prompt_ids: list[int], params: SamplingParams, vocab_size: int, device: torch.device) -> PenaltyState:
         seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         seen[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
-        return cls(torch.zeros(vocab_size, dtype=torch.float32, device=device), seen)
+        bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
+        bias_values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=device)
+        return cls(torch.zeros(vocab_size, dtype=torch.float32, device=device), seen, bias_ids, bias_values)
 
     def catch_up(self, output_ids: list[int]) -> None:
         new = output_ids[self.num_counted :]
@@ -50,8 +54,7 @@ class PenaltyState:
 def adjust_row(row: torch.Tensor, params: SamplingParams, state: PenaltyState, drafts: list[int]) -> None:
     """Adjust one logits row [V] in place; ``drafts`` are the draft tokens before this row."""
     if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=row.device)
-        row.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=row.dtype, device=row.device))
+        row.index_add_(0, state.bias_ids, state.bias_values.to(row.dtype))
     counts, seen = state.output_counts, state.seen
     if drafts:
         ids = torch.tensor(drafts, dtype=torch.long, device=row.device)

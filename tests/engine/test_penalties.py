@@ -21,8 +21,8 @@ V = 512
 PROMPTS = [[17, 50, 60, 61, 62, 50, 50], [5, 6, 7, 8], [300, 301, 17, 17, 17, 9]]
 
 
-def _state(prompt: list[int], output: list[int]) -> PenaltyState:
-    state = PenaltyState.new(prompt, V, torch.device("cpu"))
+def _state(prompt: list[int], output: list[int], params: SamplingParams) -> PenaltyState:
+    state = PenaltyState.new(prompt, params, V, torch.device("cpu"))
     state.catch_up(output)
     return state
 
@@ -36,7 +36,8 @@ def test_repetition_penalty_matches_transformers(penalty):
     logits = torch.randn(V, generator=g) * 4
     expected = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([prompt + output]), logits.clone()[None])[0]
     got = logits.clone()
-    adjust_row(got, SamplingParams(repetition_penalty=penalty), _state(prompt, output), [])
+    params = SamplingParams(repetition_penalty=penalty)
+    adjust_row(got, params, _state(prompt, output, params), [])
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
@@ -48,7 +49,8 @@ def test_logit_bias_matches_transformers_sequence_bias():
     proc = SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()})
     expected = proc(torch.tensor([[1, 2, 3]]), logits.clone()[None])[0]
     got = logits.clone()
-    adjust_row(got, SamplingParams(logit_bias=bias), _state([1, 2, 3], []), [])
+    params = SamplingParams(logit_bias=bias)
+    adjust_row(got, params, _state([1, 2, 3], [], params), [])
     torch.testing.assert_close(got, expected)
 
 
@@ -59,7 +61,8 @@ def test_presence_and_frequency_are_openais_formula_over_generated_tokens():
     for tok in set(output):  # prompt tokens are not penalized (OpenAI counts the completion)
         expected[tok] -= output.count(tok) * 0.5 + 1.25
     got = logits.clone()
-    adjust_row(got, SamplingParams(presence_penalty=1.25, frequency_penalty=0.5), _state(prompt, output), [])
+    params = SamplingParams(presence_penalty=1.25, frequency_penalty=0.5)
+    adjust_row(got, params, _state(prompt, output, params), [])
     torch.testing.assert_close(got, expected)
 
 
@@ -68,9 +71,9 @@ def test_a_draft_row_counts_the_drafts_before_it():
     logits = torch.randn(V, generator=torch.Generator().manual_seed(3))
     params = SamplingParams(frequency_penalty=1.0, repetition_penalty=1.5)
     got = logits.clone()
-    adjust_row(got, params, _state(prompt, output), drafts)
+    adjust_row(got, params, _state(prompt, output, params), drafts)
     expected = logits.clone()
-    adjust_row(expected, params, _state(prompt, output + drafts), [])
+    adjust_row(expected, params, _state(prompt, output + drafts, params), [])
     torch.testing.assert_close(got, expected)
 
 
