@@ -8,7 +8,7 @@
   (b) kvmesh's engine, one request alone (single-stream decode speed);
   (c) the anchor: transformers ``generate``, one request at a time.
 Prints tokens/s for each and the ratios, checks the outputs are identical, and
-writes JSON. Run: ``python bench/engine.py [--model PATH|random] [--dtype bfloat16] [--json PATH]``.
+writes JSON. Run: ``python bench/engine.py [--model PATH|random] [--dtype bfloat16] [--compile] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -69,12 +69,12 @@ def chat_prompts(path: Path, n: int) -> list[list[int]]:
     return [tok.encode(t, add_special_tokens=False) for t in texts]
 
 
-def make_engine(path: Path, dtype: str):
+def make_engine(path: Path, dtype: str, compile: bool = False):
     from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
 
     # No prefix cache: every run computes its whole prompt, as the anchor does.
     engine = LLMEngine(path, EngineConfig(dtype=dtype, num_blocks=512, max_num_seqs=32, max_num_batched_tokens=1024,
-                                          enable_prefix_cache=False))
+                                          enable_prefix_cache=False, compile=compile))
     engine.generate([[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     return engine
 
@@ -112,6 +112,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=64, help="random model only: prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--compile", action="store_true", help="torch.compile the decode step (EngineConfig.compile)")
     ap.add_argument("--json", default="bench/results/engine.json")
     args = ap.parse_args()
 
@@ -126,7 +127,7 @@ def main() -> int:
 
             path = default_model_path() if args.model == "default" else Path(args.model)
             prompts = chat_prompts(path, args.requests)
-        engine = make_engine(path, args.dtype)
+        engine = make_engine(path, args.dtype, args.compile)
         n_params = sum(p.numel() for p in engine.model.parameters())
         kv_s, kv_out = run_kvmesh(engine, prompts, args.new_tokens)
         one_s, one_out = run_kvmesh(engine, prompts[:1], args.new_tokens)
@@ -139,6 +140,7 @@ def main() -> int:
     result = {
         "model": str(args.model),
         "dtype": args.dtype,
+        "compile": args.compile,
         "params": n_params,
         "requests": args.requests,
         "prompt_lens": [min(map(len, prompts)), max(map(len, prompts))],
@@ -157,7 +159,7 @@ def main() -> int:
         },
     }
     print(f"engine benchmark: {args.model} ({n_params / 1e6:.1f}M params), {args.requests} requests x "
-          f"{result['prompt_lens'][0]}-{result['prompt_lens'][1]} prompt + {args.new_tokens} new tokens, greedy, CPU {args.dtype}")
+          f"{result['prompt_lens'][0]}-{result['prompt_lens'][1]} prompt + {args.new_tokens} new tokens, greedy, CPU {args.dtype}{', compiled decode' if args.compile else ''}")
     print_table(
         ["run", "seconds", "tokens/s"],
         [

@@ -148,6 +148,8 @@ class EngineConfig:
     # Draft tokens verified per decode step when a proposer is attached (0 = no speculation).
     num_speculative_tokens: int = 0
     seed: int = 0
+    # torch.compile the decode step's layers (kvmesh.engine.compile): start-up pays the compile.
+    compile: bool = False
 
     def resolve_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         if self.dtype is not None:

@@ -19,6 +19,7 @@ import torch
 
 from kvmesh.blocks import BlockHash, block_hashes, model_fingerprint
 from kvmesh.engine.block_manager import BlockEventSink, BlockManager, OutOfBlocks
+from kvmesh.engine.compile import compile_decode
 from kvmesh.engine.config import EngineConfig, ModelConfig, dtype_name
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.grammar import GrammarCache, GrammarStats, Masks, MaskRows, allowed_prefix
@@ -142,6 +143,8 @@ class LLMEngine:
         self.kv = KVCache(
             mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
         )
+        if cfg.compile:
+            compile_decode(self.model, self.kv.tensor, cfg.block_size)  # before any block holds KV
         self.blocks = BlockManager(cfg.num_blocks, cfg.enable_prefix_cache, on_block_event)
         self.scheduler = Scheduler(
             self.blocks, cfg.block_size, self.fingerprint, cfg.max_num_seqs, cfg.max_num_batched_tokens
@@ -397,7 +400,9 @@ class LLMEngine:
             if b == seq.num_tokens + k:  # the whole context is in cache: these rows sample
                 logits_idx.extend(range(starts[-1] - 1 - k, starts[-1]))
                 sampling.append(seq)
-        max_blocks = max(len(s.block_table) for s in batch.seqs)
+        # At least 2 columns (padding is masked by seq_lens): a width of 1 would be one more
+        # shape for a compiled step to specialize on (kvmesh.engine.compile).
+        max_blocks = max(2, max(len(s.block_table) for s in batch.seqs))
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
         dev = self.device
         meta = AttentionMetadata(

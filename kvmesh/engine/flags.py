@@ -17,6 +17,8 @@ ENGINE_FLAGS = [
     Flag("--max-num-batched-tokens", "token budget of one step (prefill chunk size)", default=512, type=int),
     Flag("--max-model-len", "context limit (default: the model's)", type=int),
     Flag("--quantization", "weight quantization: fp8 (CUDA only)", choices=("fp8",)),
+    Flag("--compile", "torch.compile the decode step (inductor): faster steps, about 2 minutes more start-up on CPU",
+         default=False, type=bool),
     Flag("--num-speculative-tokens", "draft tokens verified per decode step (0: no speculation)", default=0, type=int),
     Flag("--worker-id", "this worker's id in the router (default: <role>-<host>:<port>)"),
     Flag("--router-address", "router host:port (unset: run without a router)"),
@@ -35,6 +37,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         max_model_len=args.max_model_len,
         num_speculative_tokens=args.num_speculative_tokens,
         quantization=args.quantization,
+        compile=args.compile,
         **overrides,
     )
 

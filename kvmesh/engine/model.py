@@ -32,10 +32,18 @@ class AttentionMetadata:
     is_decode: bool  # every sequence has exactly one new token
 
 
+def write_layer_kv(
+    ops: Ops, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor
+) -> None:
+    """This step's K/V into layer ``layer`` of the pool ``[layers, 2, blocks, block_size, Hk, D]``."""
+    ops.write_kv_cache(k, v, kv_cache[layer, 0], kv_cache[layer, 1], slot_mapping)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int) -> None:
         super().__init__()
         self.cfg = cfg
+        self.index = index  # which layer of the KV pool is this one's
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_size, self.kv_size = q_size, kv_size
         h = cfg.hidden_size
@@ -55,10 +63,10 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv_cache: torch.Tensor,
         cos_sin: torch.Tensor,
         meta: AttentionMetadata,
+        write_kv=write_layer_kv,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         eps = cfg.rms_norm_eps
@@ -77,7 +85,8 @@ class DecoderLayer(nn.Module):
             q = ops.rms_norm(q, self.q_norm, eps)
             k = ops.rms_norm(k, self.k_norm, eps)
         q, k = ops.rotary_embedding(positions, q, k, cos_sin)
-        ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv(ops, k, v, kv_cache, self.index, meta.slot_mapping)
+        k_cache, v_cache = kv_cache[self.index, 0], kv_cache[self.index, 1]
         scale = cfg.head_dim**-0.5
         if meta.is_decode:
             attn = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
@@ -98,13 +107,17 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.ops = Ops(device)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype))
         self.lm_head = (
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         )
         cos_sin = rope_cos_sin_cache(cfg.rope, cfg.head_dim, max_positions, cfg.max_position_embeddings)
         self.register_buffer("cos_sin", cos_sin, persistent=False)
+        # ``body`` compiled for decode steps, and the KV write it traces (kvmesh.engine.compile);
+        # None / the plain op: eager everywhere.
+        self.compiled_decode = None
+        self.write_kv = write_layer_kv
 
     @torch.inference_mode()
     def forward(
@@ -121,17 +134,23 @@ class CausalLM(nn.Module):
         With ``return_hidden``, returns ``(logits, hidden)``: also those rows' final hidden
         states (after the last norm, the LM head's input), the features an EAGLE head drafts from.
         """
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for i, layer in enumerate(self.layers):
-            hidden, residual = layer(
-                self.ops, positions, hidden, residual, kv_cache[i, 0], kv_cache[i, 1], self.cos_sin, meta
-            )
-        hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
+        body = self.compiled_decode if meta.is_decode and self.compiled_decode is not None else self.body
+        hidden = body(input_ids, positions, kv_cache, meta)
         hidden = hidden[logits_indices]
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = torch.matmul(hidden, weight.t()).float()
         return (logits, hidden) if return_hidden else logits
+
+    def body(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Embedding, every layer (writing this step's K/V) and the final norm: hidden [T, hidden]."""
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(self.ops, positions, hidden, residual, kv_cache, self.cos_sin, meta, self.write_kv)
+        hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
+        return hidden
 
     def load_weights(self, files: list, tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
         """Copy HF-named tensors into this model, fusing q/k/v and gate/up projections.

@@ -1,0 +1,227 @@
+"""Where one stream's token time goes between the engine and the client, hop by hop.
+
+The same greedy request (a chat prompt on the real default model, N new tokens, EOS
+ignored) is streamed at four depths, alternating, in one run:
+
+  engine    the in-process AsyncEngine in this process (the anchor; the mesh idles meanwhile);
+  decode    decode's gRPC ``Decode`` stream, straight to the worker (it prefills locally);
+  gateway   the gateway's gRPC ``Generate`` (router decision, then the decode stream);
+  http      the gateway's OpenAI ``/v1/completions`` with ``stream: true`` (SSE).
+
+For each depth: time per output token (median over repeats of (last - first) / (n - 1)),
+TTFT, tokens/s, what that depth adds per token over the one before it, and the CPU time each
+process spent per token (from /proc: on a 2-core machine, every CPU-millisecond a hop burns
+is taken from the engine's matmul threads). Run:
+``python bench/hops.py [--dtype float32] [--new-tokens 128] [--repeats 3] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _table import print_table  # noqa: E402
+from engine import chat_prompts  # noqa: E402
+
+from kvmesh.common.v1 import sampling_pb2  # noqa: E402
+from kvmesh.decode.v1 import decode_pb2, decode_pb2_grpc  # noqa: E402
+from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from kvmesh.engine.async_engine import AsyncEngine  # noqa: E402
+from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
+from kvmesh.launcher.supervisor import Mesh  # noqa: E402
+from kvmesh.launcher.topology import MeshOptions, build_topology, free_port  # noqa: E402
+
+DEPTHS = ("engine", "decode", "gateway", "http")
+_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Stream:
+    arrivals: list[float]  # seconds from the request's start, one per token
+    cpu_s: dict[str, float]  # process -> CPU seconds during the stream
+
+    @property
+    def tpot_s(self) -> float:
+        return (self.arrivals[-1] - self.arrivals[0]) / (len(self.arrivals) - 1)
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of every thread of ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * _TICK_S
+
+
+class Depths:
+    """One streaming call per depth, each returning token arrival times."""
+
+    def __init__(self, mesh: Mesh, engine: AsyncEngine, http_port: int, new_tokens: int) -> None:
+        self.mesh, self.engine, self.n = mesh, engine, new_tokens
+        self.http_url = f"http://127.0.0.1:{http_port}/v1/completions"
+        self._count = 0
+        self.model_id = ""
+
+    async def prepare(self) -> None:
+        async with aiohttp.ClientSession() as s, s.get(self.http_url.replace("/completions", "/models")) as resp:
+            self.model_id = (await resp.json())["data"][0]["id"]
+
+    def _rid(self) -> str:
+        self._count += 1
+        return f"hops-{self._count}"
+
+    def _sampling(self) -> sampling_pb2.SamplingParams:
+        return sampling_pb2.SamplingParams(
+            temperature=0.0, max_tokens=self.n, ignore_eos=True, repetition_penalty=1.0,
+            repetition_guard=sampling_pb2.RepetitionGuard(max_repeats=0),
+        )
+
+    async def engine_stream(self, prompt: list[int], t0: float) -> list[float]:
+        times: list[float] = []
+        async for out in self.engine.generate(prompt, SamplingParams(max_tokens=self.n, ignore_eos=True), self._rid()):
+            times += [time.perf_counter() - t0] * len(out.new_token_ids)
+        return times
+
+    async def decode_stream(self, prompt: list[int], t0: float) -> list[float]:
+        times: list[float] = []
+        req = decode_pb2.DecodeRequest(request_id=self._rid(), prompt_token_ids=prompt, sampling=self._sampling(),
+                                       local=decode_pb2.LocalPrefill())
+        async with grpc.aio.insecure_channel(self.mesh.address("decode-0")) as ch:
+            async for msg in decode_pb2_grpc.DecodeServiceStub(ch).Decode(req):
+                times += [time.perf_counter() - t0] * len(msg.token_ids)
+        return times
+
+    async def gateway_stream(self, prompt: list[int], t0: float) -> list[float]:
+        times: list[float] = []
+        req = gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=prompt), sampling=self._sampling())
+        async with grpc.aio.insecure_channel(self.mesh.address("gateway")) as ch:
+            async for msg in gateway_pb2_grpc.GatewayServiceStub(ch).Generate(req):
+                times += [time.perf_counter() - t0] * len(msg.token_ids)
+        return times
+
+    async def http_stream(self, prompt: list[int], t0: float) -> list[float]:
+        chunks: list[float] = []
+        tokens = 0
+        async with aiohttp.ClientSession() as s:
+            body = {"model": self.model_id, "prompt": prompt, "max_tokens": self.n, "temperature": 0.0, "stream": True,
+                    "ignore_eos": True, "repetition_penalty": 1.0, "stream_options": {"include_usage": True}}
+            resp = await s.post(self.http_url, json=body)
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                elif chunk["choices"]:
+                    chunks.append(time.perf_counter() - t0)
+            resp.release()
+        # Chunks carry the text of one decode message each; extra tokens count at the last arrival.
+        if len(chunks) < tokens:
+            chunks += [chunks[-1]] * (tokens - len(chunks))
+        return chunks
+
+    async def run(self, depth: str, prompt: list[int], pids: dict[str, int]) -> Stream:
+        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        t0 = time.perf_counter()
+        arrivals = await getattr(self, f"{depth}_stream")(prompt, t0)
+        cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+        if len(arrivals) != self.n:
+            raise RuntimeError(f"{depth}: {len(arrivals)} tokens, expected {self.n}")
+        return Stream(arrivals, cpu)
+
+
+def start_mesh(model: Path, run_dir: Path, dtype: str, http_port: int) -> Mesh:
+    # Colocated: decode prefills itself, no speculator, as `kvmesh up --prefill 0 --no-speculator`.
+    env = {"decode": {"KVMESH_DTYPE": dtype}, "gateway": {"KVMESH_HTTP_PORT": str(http_port)}}
+    opts = MeshOptions(model=model, prefill=0, decode=1, speculator=False, gateway_port=0, publish=False,
+                       role_env=env, log_level="warning")
+    return Mesh(build_topology(opts, run_dir), run_dir).start()
+
+
+async def measure(args: argparse.Namespace, model: Path, tmp: Path) -> dict:
+    prompt = chat_prompts(model, 1)[0]
+    http_port = free_port()
+    mesh = start_mesh(model, tmp / "mesh", args.dtype, http_port)
+    engine = AsyncEngine(LLMEngine(model, EngineConfig(dtype=args.dtype)))
+    engine.start()
+    try:
+        depths = Depths(mesh, engine, http_port, args.new_tokens)
+        pids = {name: mesh.process(name).pid for name in ("gateway", "router", "decode-0")}
+        pids["bench"] = os.getpid()
+        await depths.prepare()
+        for depth in DEPTHS:  # warm-up: the first request of each path pays one-off costs
+            await depths.run(depth, prompt[:8], pids)
+        runs: dict[str, list[Stream]] = {d: [] for d in DEPTHS}
+        for _ in range(args.repeats):
+            for depth in DEPTHS:
+                runs[depth].append(await depths.run(depth, prompt, pids))
+    finally:
+        engine.stop()
+        mesh.stop()
+    return summarize(runs, args.new_tokens)
+
+
+def summarize(runs: dict[str, list[Stream]], n: int) -> dict:
+    out: dict = {}
+    prev = None
+    for depth, streams in runs.items():
+        tpot = statistics.median(s.tpot_s for s in streams)
+        cpu = {name: statistics.median(s.cpu_s[name] for s in streams) / n * 1e3 for name in streams[0].cpu_s}
+        out[depth] = {
+            "tpot_ms": tpot * 1e3,
+            "ttft_ms": statistics.median(s.arrivals[0] for s in streams) * 1e3,
+            "tokens_per_s": 1 / tpot,
+            "added_ms_per_token": None if prev is None else (tpot - prev) * 1e3,
+            "cpu_ms_per_token": cpu,
+            "tpot_ms_each": [s.tpot_s * 1e3 for s in streams],
+        }
+        prev = tpot
+    out["http_over_engine"] = out["engine"]["tpot_ms"] / out["http"]["tpot_ms"]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a model folder")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default="bench/results/hops.json")
+    args = ap.parse_args()
+    from kvmesh.engine.default_model import default_model_path
+
+    model = default_model_path() if args.model == "default" else Path(args.model)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = asyncio.run(measure(args, model, Path(tmp)))
+    procs = list(result["engine"]["cpu_ms_per_token"])
+    print(f"one stream, {args.new_tokens} greedy tokens, {args.dtype}, median of {args.repeats}; "
+          "CPU ms/token per process (the engine depth runs in 'bench')")
+    rows = []
+    for depth in DEPTHS:
+        r = result[depth]
+        added = "" if r["added_ms_per_token"] is None else f"{r['added_ms_per_token']:+.2f}"
+        rows.append([depth, f"{r['tpot_ms']:.2f}", added, f"{r['tokens_per_s']:.1f}", f"{r['ttft_ms']:.0f}",
+                     *(f"{r['cpu_ms_per_token'][p]:.2f}" for p in procs)])
+    print_table(["depth", "ms/token", "added", "tok/s", "TTFT ms", *(f"cpu {p}" for p in procs)], rows)
+    print(f"HTTP stream / in-process engine: {result['http_over_engine']:.2f}x")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"dtype": args.dtype, "new_tokens": args.new_tokens, **result}, indent=2))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
