@@ -7,11 +7,9 @@ inductor fuses those, and one graph per step pays dynamo's entry cost once, not 
 Prefill/extend steps are matmul-bound and their batched attention branches on the batch's
 contents, so they stay eager.
 
-The KV write is an opaque custom op that mutates the whole pool, given the pool and the
-layer's index: traced as plain torch, the in-place write into a view of the pool is
-functionalized into a copy of the whole pool per layer; and a custom op handed views of
-the pool loses all but one layer's writes (torch 2.15's auto-functionalization of several
-views of one base), so it gets the base.
+The KV write is traced as an index_put_ on the whole pool (``_traced_write``): written
+through a view of the pool, as the eager op does, it is functionalized into a copy of the
+whole pool per layer.
 
 Why shapes stay dynamic: a decode step's sequence count and block-table width change every
 step. ``dynamic=True`` makes them symbolic, except that dynamo specializes size 1: the
@@ -22,39 +20,32 @@ it), so both graphs exist before the first request and no later step compiles.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch.fx.experimental import _config as fx_config
 
 from kernels import Ops
-from kvmesh.engine.model import AttentionMetadata, CausalLM, write_layer_kv
+from kvmesh.engine.model import AttentionMetadata, CausalLM
 
 # Graphs one warmed-up engine holds (one sequence; symbolic), with room to spare; past it
 # dynamo would run eagerly.
 _GRAPH_LIMIT = 8
 
 
-@torch.library.custom_op("kvmesh::write_layer_kv", mutates_args=("kv_cache",))
-def _write_layer_kv(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor
+def _traced_write(
+    ops: Ops, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor
 ) -> None:
-    write_layer_kv(_ops(kv_cache.device), k, v, kv_cache, layer, slot_mapping)
+    """``kernels.reference.write_kv_cache`` into layer ``layer``, as index_put_ on the pool itself.
 
-
-@functools.cache
-def _ops(device: torch.device) -> Ops:
-    return Ops(device)
-
-
-@_write_layer_kv.register_fake
-def _(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor) -> None:
-    return None
-
-
-def _traced_write(ops: Ops, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-                  slot_mapping: torch.Tensor) -> None:
-    _write_layer_kv(k, v, kv_cache, layer, slot_mapping)
+    Same layout and semantics, except that there is no padding slot (-1): the engine never
+    schedules one. Written on the pool (not a view of it) so inductor fuses every layer's
+    write into the graph in place: an in-place write into a view of a graph input is
+    functionalized into a copy of the whole pool per layer.
+    """
+    block_size = kv_cache.shape[3]
+    block, offset = slot_mapping // block_size, slot_mapping % block_size
+    which = torch.full_like(slot_mapping, layer)
+    kv_cache.index_put_((which, torch.zeros_like(slot_mapping), block, offset), k.to(kv_cache.dtype))
+    kv_cache.index_put_((which, torch.ones_like(slot_mapping), block, offset), v.to(kv_cache.dtype))
 
 
 def compile_decode(model: CausalLM, kv_cache: torch.Tensor, block_size: int) -> None:
