@@ -307,16 +307,17 @@ class NixlEndpoint:
         if self._peers.pop(agent_name, None) is not None:
             self.agent.remove_remote_agent(agent_name)
 
-    def read(self, agent_name: str, remote_blocks: list[int], local_blocks: list[int]) -> NixlRead:
-        """Post one READ of whole blocks from a peer's pool into ours. Over shared memory UCX
-        copies inside this call (it releases the GIL): call it off the event loop."""
+    def post(self, op: str, agent_name: str, remote_blocks: list[int], local_blocks: list[int]) -> NixlRead:
+        """Post one ``op`` ("READ": peer's blocks into ours, "WRITE": ours into the peer's) of whole
+        blocks. Over shared memory UCX copies inside this call (it releases the GIL): call it off
+        the event loop."""
         peer = self._peers[agent_name]
         if peer.region.piece_bytes != self.region.piece_bytes or peer.region.num_layers != self.region.num_layers:
             raise Unavailable(f"peer {agent_name} has another block shape")  # the handshake refuses this first
         src, dst, lengths = block_runs(remote_blocks, local_blocks)
         mem = self.region.mem_type
         handle = self.agent.initialize_xfer(
-            "READ",
+            op,
             self.agent.get_xfer_descs(self.region.run_descs(dst, lengths), mem),
             self.agent.get_xfer_descs(peer.region.run_descs(src, lengths), peer.region.mem_type),
             agent_name,
@@ -330,7 +331,7 @@ class NixlEndpoint:
             reason = "refused"
         if posted == "ERR":
             read._finish()
-            raise Unavailable(f"NIXL READ from {agent_name} could not be posted: {reason}")
+            raise Unavailable(f"NIXL {op} with {agent_name} could not be posted: {reason}")
         return read
 
     def notify(self, agent_name: str, message: bytes) -> None:
@@ -352,22 +353,23 @@ class NixlEndpoint:
 
 class BlockRead:
     """Whole blocks from a peer's pool into ours, in chunks, each chunk's blocks checksummed
-    (``checksums_of``, on a worker thread) as soon as it lands while the next is in flight.
+    (``on_landed``, on a worker thread: one result per block) as soon as it lands while the next
+    is in flight.
 
-    ``run`` returns the checksums of what landed, in block order, for the caller to compare
-    with the holder's before the blocks are used. After ``run`` failed or was cancelled,
+    ``run`` returns ``on_landed``'s results in block order (the checksums of what landed, for
+    the caller to compare with the holder's before the blocks are used). After ``run`` failed or was cancelled,
     ``settle`` says when no byte can land in the destination blocks any more.
     """
 
     def __init__(self, endpoint: NixlEndpoint, agent_name: str, src: list[int], dst: list[int],
-                 checksums_of: Callable[[list[int]], list[bytes]]) -> None:
+                 on_landed: Callable[[list[int]], list[Any]]) -> None:
         self._endpoint, self._agent_name = endpoint, agent_name
         self._src, self._dst = src, dst
-        self._checksums_of = checksums_of
+        self._on_landed = on_landed
         self.nbytes = len(dst) * endpoint.region.block_nbytes
         self._posts: list[asyncio.Future] = []  # each resolves to its posted NixlRead
 
-    async def run(self, timeout_s: float) -> list[bytes]:
+    async def run(self, timeout_s: float) -> list[Any]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         chunks = max(1, min(_MAX_READ_CHUNKS, self.nbytes // _READ_CHUNK_BYTES))
@@ -377,7 +379,7 @@ class BlockRead:
             for lo in range(0, len(self._dst), step):
                 src, dst = self._src[lo : lo + step], self._dst[lo : lo + step]
                 # A future of its own, so a cancelled run still finds (and settles) what was posted.
-                post = asyncio.ensure_future(asyncio.to_thread(self._endpoint.read, self._agent_name, src, dst))
+                post = asyncio.ensure_future(asyncio.to_thread(self._endpoint.post, "READ", self._agent_name, src, dst))
                 self._posts.append(post)
                 read = await asyncio.shield(post)
                 landed.append(asyncio.ensure_future(self._land(read, dst, deadline)))
@@ -385,11 +387,11 @@ class BlockRead:
         finally:
             for task in landed:
                 task.cancel()
-        return [digest for part in parts for digest in part]
+        return [result for part in parts for result in part]
 
-    async def _land(self, read: NixlRead, dst: list[int], deadline: float) -> list[bytes]:
+    async def _land(self, read: NixlRead, dst: list[int], deadline: float) -> list[Any]:
         await read.wait(deadline - asyncio.get_running_loop().time())
-        return await asyncio.to_thread(self._checksums_of, dst)
+        return await asyncio.to_thread(self._on_landed, dst)
 
     async def settle(self, timeout_s: float) -> bool:
         """True once every posted chunk is done, failed or cancelled."""
