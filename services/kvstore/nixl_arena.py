@@ -35,6 +35,7 @@ from kvmesh.blocks import BlockHash
 from kvmesh.checksum import checksum
 from kvmesh.common.v1 import kv_pb2
 from kvmesh.engine.config import parse_dtype
+from kvmesh.engine.kv_cache import host_zeros_on_huge_pages
 from kvmesh.errors import FailedPrecondition, InvalidArgument
 from kvmesh.worker.kv_nixl import BlockRead, NixlEndpoint, NixlRead, PoolRegion, layout_mismatch
 from services.kvstore.block import Block
@@ -109,7 +110,7 @@ class NixlArena:
         self._shape = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
         block_nbytes = int(numpy.prod(self._shape)) * torch.empty(0, dtype=dtype).element_size()
         slots = max(1, self._budget_bytes // block_nbytes)
-        tensor = torch.zeros(layout.num_layers, 2, slots, *self._shape[2:], dtype=dtype)
+        tensor = host_zeros_on_huge_pages((layout.num_layers, 2, slots, *self._shape[2:]), dtype)
         self.endpoint = NixlEndpoint(self._nixl, tensor, "kvstore")
         self._pieces = tensor.view(torch.uint8).numpy().reshape(2 * layout.num_layers, slots, -1)
         self._dtype = layout.dtype
