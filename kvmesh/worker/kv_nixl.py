@@ -27,8 +27,8 @@ import asyncio
 import os
 import sys
 import uuid
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy
@@ -199,7 +199,7 @@ class _Peer:
 
 
 class NixlRead:
-    """One READ in flight. ``wait`` ends it (done, failed or past its deadline)."""
+    """One READ (or WRITE) in flight. ``wait`` ends it (done, failed or past its deadline)."""
 
     def __init__(self, agent: Any, handle: Any, nbytes: int) -> None:
         self._agent, self._handle, self.nbytes = agent, handle, nbytes
@@ -360,8 +360,8 @@ class BlockRead:
     is in flight.
 
     ``run`` returns ``on_landed``'s results in block order (the checksums of what landed, for
-    the caller to compare with the holder's before the blocks are used). After ``run`` failed or was cancelled,
-    ``settle`` says when no byte can land in the destination blocks any more.
+    the caller to compare with the holder's before the blocks are used). After ``run`` failed or
+    was cancelled, ``settle`` says when no byte can land in the destination blocks any more.
     """
 
     def __init__(self, endpoint: NixlEndpoint, agent_name: str, src: list[int], dst: list[int],
