@@ -90,28 +90,33 @@ async def measure(mesh: Mesh, prompts: list[list[int]]) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8000)
-    ap.add_argument("--prompts", type=int, default=3, help="fresh prompts per transport (median reported)")
+    ap.add_argument("--prompts", type=int, default=2, help="fresh prompts per transport and round")
+    ap.add_argument("--rounds", type=int, default=2, help="a mesh per transport per round, the order reversed "
+                    "every other round (so none always runs first); the median is over all prompts")
     ap.add_argument("--json", default="bench/results/ttft_mesh.json")
     args = ap.parse_args()
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(1, VOCAB, (args.tokens,), generator=g).tolist() for _ in range(args.prompts + 1)]
     num_blocks = 2 * (args.tokens // 16 + 8) * (args.prompts + 1)
-    results: dict[str, dict] = {}
+    samples: dict[str, list[dict]] = {name: [] for name in TRANSPORTS}
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "llama"
         write_model_with_tokenizer(model, args.tokens + 64)
-        for name, env in TRANSPORTS.items():
-            with start(model, Path(tmp) / name, env, num_blocks) as mesh:
-                runs = asyncio.run(measure(mesh, prompts))
-            results[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]} | {"samples": runs}
+        for rnd in range(args.rounds):
+            for name in list(TRANSPORTS)[:: -1 if rnd % 2 else 1]:
+                with start(model, Path(tmp) / f"{name}-{rnd}", TRANSPORTS[name], num_blocks) as mesh:
+                    samples[name] += asyncio.run(measure(mesh, prompts))
+    results = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} | {"samples": runs}
+               for name, runs in samples.items()}
     anchor = results["grpc"]["ttft_ms"]
     for r in results.values():
         r["ttft_ratio_to_grpc"] = r["ttft_ms"] / anchor
-    print(f"TTFT of a fresh {args.tokens}-token prompt through the gateway (real mesh), median of {args.prompts}")
+    print(f"TTFT of a fresh {args.tokens}-token prompt through the gateway (real mesh), "
+          f"median of {args.rounds * args.prompts}")
     print_table(["transport", "prefill ms", "transfer ms", "TTFT ms", "TTFT / grpc"],
                 [[t, f"{r['prefill_ms']:.0f}", f"{r['transfer_ms']:.1f}", f"{r['ttft_ms']:.0f}",
                   f"{r['ttft_ratio_to_grpc']:.3f}"] for t, r in results.items()])
-    write_json(args.json, {"tokens": args.tokens, "prompts": args.prompts, "transports": results})
+    write_json(args.json, {"tokens": args.tokens, "prompts": args.prompts, "rounds": args.rounds, "transports": results})
     return 0
 
 
