@@ -151,6 +151,7 @@ class KVStoreClient:
                     for chunk in block_to_chunks(h, payload):
                         yield kvstore_pb2.PutRequest(chunk=chunk)
 
+            log.debug("kvstore Put stream started", blocks=len(blocks))
             try:
                 await self._stub.Put(chunks(), timeout=self._timeout_s * 10)
                 self.counters["blocks_put"] += len(blocks)

@@ -4,8 +4,8 @@ A prefill worker writes the blocks it computed to the kvstore behind its answer
 (on NIXL the kvstore READs them out of its pool); the stored bytes are the
 prefill pool's bytes; a decode worker that prefills the same prompt locally
 takes them from the kvstore (on NIXL the kvstore WRITEs them into its pool) and
-decodes exactly what a colocated engine does. A kvstore killed while it reads a
-put strands nothing on the worker; a worker with another KV layout is refused
+decodes exactly what a colocated engine does. A kvstore killed in the middle of
+a put (its NIXL READ, or the gRPC Put stream) strands nothing on the worker; a worker with another KV layout is refused
 at the NIXL handshake and stays on gRPC.
 """
 
@@ -149,6 +149,24 @@ async def test_kvstore_killed_while_reading_a_put_strands_nothing(start_mesh, co
         # The put fails with a clear error, its pins go; the worker still serves (computing).
         assert await eventually(lambda: "kvstore put over NIXL failed" in log_of(mesh, "prefill"), attempts=200)
         assert await eventually(lambda: metrics(mesh, "prefill")["kvmesh_engine_kv_blocks_in_use"] == 0)
+        tokens = prompt(2)
+        assert await pair.hand_off("after", tokens) == colocated(tokens)
+    finally:
+        await pair.close()
+    assert await eventually(lambda: metrics(mesh, "prefill")["kvmesh_engine_kv_blocks_in_use"] == 0)
+
+
+async def test_kvstore_killed_during_a_grpc_put_strands_nothing(start_mesh, colocated):
+    mesh = start_mesh("grpc")
+    pair = Pair(mesh)
+    try:
+        mesh.kill("kvstore", signal.SIGSTOP)  # the put stream waits for it (the lookup times out first)
+        await prefill_only(pair, "p", prompt(1))
+        assert await eventually(lambda: "kvstore Put stream started" in log_of(mesh, "prefill"))
+        mesh.kill("kvstore", signal.SIGKILL)
+        put_failed = lambda: any("kvstore call failed" in ln and '"op": "put"' in ln  # noqa: E731
+                                 for ln in log_of(mesh, "prefill").splitlines())
+        assert await eventually(put_failed, attempts=200)
         tokens = prompt(2)
         assert await pair.hand_off("after", tokens) == colocated(tokens)
     finally:
