@@ -6,21 +6,28 @@ decode's pool, UCX's default transports: shared memory on one host) and
 mode). Cells: 64 and 512 blocks, for two block sizes (``--block-sizes``).
 
 Real processes, no router: this script plays the gateway. Per block size it
-starts a prefill worker on NIXL (which also serves PullKV), one with
-``UCX_TLS=tcp,self``, and a decode worker per transport. Prefill's KV is
-computed once per prompt: each trial re-prefills a cached prompt (one token
-computed, a fresh lease on the same blocks), and decode's pool holds only one
-cell's blocks, so the prompts a decode worker cycles through are always evicted
-before they come round again and every trial moves every block. The time is
+starts a kvstore, a prefill worker on NIXL (which also serves PullKV), one with
+``UCX_TLS=tcp,self``, and a decode worker per transport. Prefill's KV is not
+computed for the cells (512 blocks of 64 tokens would be a 32k-token prefill
+per prompt, minutes on a CPU): the script puts random KV blocks under each
+prompt's block hashes into the kvstore, and the prefill workers import them
+from there on their first Prefill of the prompt (a kvstore hit, over gRPC).
+Each trial then re-prefills a cached prompt (one token computed, a fresh lease
+on the same blocks), and decode's pool holds only one cell's blocks, so the
+prompts a decode worker cycles through are always evicted before they come
+round again and every trial moves every block. The time is
 decode's own ``DecodeFinal.timings.transfer_ns`` (missing-block lookup, handshake
 cached from the warm-up, transfer, checksum verification, import or adoption,
-lease release). A raw TCP copy of the same byte count runs after each round, so
-each ratio compares medians taken under the same load.
+lease release): every transport verifies every block's CRC-32 inside that time.
+The anchor is a raw TCP copy of the same byte count (one socket, no framing, no
+checksum: the bare copy), run after each round, so each ratio compares medians
+taken under the same load.
 
 Also: the TTFT of one ``--ttft-tokens`` prompt per transport (fresh, computed on
-prefill), as a gateway sees it: the Prefill call plus decode's first token (the
-transfer comes before it); and what the block checksum costs (CRC-32 over the
-pool's blocks, as both ends compute it).
+prefill, which also writes its new blocks to the kvstore behind, as a mesh with
+a kvstore does), as a gateway sees it: the Prefill call plus decode's first
+token (the transfer comes before it); and what the block checksum costs (CRC-32
+over the pool's blocks, as both ends compute it).
 
 Run: ``flock /tmp/kvmesh-bench.lock python bench/kv_transfer.py [--trials 5] [--json PATH]``.
 """
@@ -50,6 +57,10 @@ from _table import print_table  # noqa: E402
 from kvmesh.common.v1 import sampling_pb2  # noqa: E402
 from kvmesh.decode.v1 import decode_pb2, decode_pb2_grpc  # noqa: E402
 from kvmesh.engine import EngineConfig, LLMEngine  # noqa: E402
+from kvmesh.engine.config import dtype_name  # noqa: E402
+from kvmesh.engine.kv_cache import BlockPayload  # noqa: E402
+from kvmesh.kv_wire import block_to_chunks  # noqa: E402
+from kvmesh.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc  # noqa: E402
 from kvmesh.launcher.supervisor import Mesh  # noqa: E402
 from kvmesh.launcher.topology import REPO_ROOT, ProcessSpec, Topology, free_port  # noqa: E402
 from kvmesh.prefill.v1 import prefill_pb2, prefill_pb2_grpc  # noqa: E402
@@ -71,6 +82,14 @@ def write_model(path: Path, max_tokens: int) -> None:
     )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(path)
+
+
+def kvstore(name: str, budget_bytes: int) -> ProcessSpec:
+    port, metrics_port = free_port(), free_port()
+    env = {"KVMESH_HOST": "127.0.0.1", "KVMESH_PORT": str(port), "KVMESH_METRICS_PORT": str(metrics_port),
+           "KVMESH_RAM_BUDGET_BYTES": str(budget_bytes), "KVMESH_LOG_LEVEL": "warning", "PYTHONUNBUFFERED": "1"}
+    argv = (sys.executable, "-m", "services.kvstore.main")
+    return ProcessSpec(name, "kvstore", argv, env, "127.0.0.1", port, metrics_port, "cpu", workdir=REPO_ROOT)
 
 
 def worker(name: str, role: str, model: Path, num_blocks: int, block_size: int, env: dict[str, str]) -> ProcessSpec:
@@ -149,9 +168,25 @@ async def hand_off(pair: Pair, rid: str, prompt: list[int]) -> HandOff:
     return HandOff(len(pre.handoff.block_hashes), prefill_ns, final.timings.transfer_ns, ttft_ns)
 
 
+async def seed(store: kvstore_pb2_grpc.KVStoreServiceStub, engine: LLMEngine, prompt: list[int]) -> None:
+    """Random KV (normal floats: no NaN reaches the sampler) under each of ``prompt``'s block hashes."""
+    g = torch.Generator().manual_seed(len(prompt))
+    samples = [torch.randn(engine.kv.block_shape, generator=g).to(engine.kv.dtype) for _ in range(4)]
+    payloads = [BlockPayload(engine.kv.block_shape, dtype_name(engine.kv.dtype), t.view(torch.uint8).numpy().tobytes())
+                for t in samples]
+
+    def chunks():
+        for i, h in enumerate(engine.prompt_block_hashes(prompt)):
+            for chunk in block_to_chunks(h, payloads[i % len(payloads)]):
+                yield kvstore_pb2.PutRequest(chunk=chunk)
+
+    await store.Put(chunks())
+
+
 async def fill(prefill: prefill_pb2_grpc.PrefillServiceStub, rid: str, prompt: list[int]) -> None:
-    """Compute ``prompt``'s KV on the prefill worker (no decode worker sees it)."""
+    """Bring ``prompt``'s KV into the prefill worker (from the kvstore; no decode worker sees it)."""
     pre = await prefill.Prefill(prefill_pb2.PrefillRequest(request_id=rid, token_ids=prompt, sampling=greedy(2)))
+    assert pre.computed_tokens == 1, f"{pre.computed_tokens} tokens computed: the kvstore did not serve the prompt"
     await prefill.ReleaseLease(prefill_pb2.ReleaseLeaseRequest(lease_id=pre.handoff.lease_id))
 
 
@@ -173,8 +208,9 @@ def checksum_gbps(block_size: int, model: Path) -> float:
     return 256 * engine.kv.block_nbytes / (time.perf_counter() - t0) / 1e9
 
 
-async def measure_block_size(mesh: Mesh, args: argparse.Namespace, block_size: int, block_nbytes: int,
+async def measure_block_size(mesh: Mesh, args: argparse.Namespace, engine: LLMEngine,
                              decode_pool: int) -> tuple[list[dict], dict]:
+    block_size, block_nbytes = engine.config.block_size, engine.kv.block_nbytes
     channels = []
 
     def stub(kind, name):
@@ -186,6 +222,7 @@ async def measure_block_size(mesh: Mesh, args: argparse.Namespace, block_size: i
              stub(decode_pb2_grpc.DecodeServiceStub, f"decode-{t}"))
         for t in TRANSPORTS
     ]
+    store = stub(kvstore_pb2_grpc.KVStoreServiceStub, "kvstore")
     try:
         warm = torch.randint(1, VOCAB, (4 * block_size + 1,)).tolist()
         for pair in pairs:  # handshakes, connections, first-call costs
@@ -193,7 +230,8 @@ async def measure_block_size(mesh: Mesh, args: argparse.Namespace, block_size: i
         cells = []
         for blocks in args.blocks:
             prompts = prompts_for(blocks, block_size, decode_pool, seed=blocks)
-            for i, prompt in enumerate(prompts):  # compute each prompt's KV once on both prefill workers
+            for i, prompt in enumerate(prompts):  # each prompt's KV once into both prefill workers
+                await seed(store, engine, prompt)
                 for p, name in ((pairs[0].prefill, "main"), (pairs[2].prefill, "tcp")):
                     await fill(p, f"fill-{blocks}-{i}-{name}", prompt)
             gbps: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
@@ -232,9 +270,8 @@ async def measure_block_size(mesh: Mesh, args: argparse.Namespace, block_size: i
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, nargs="+", default=[64, 512], help="blocks per hand-off, one cell each")
-    ap.add_argument("--block-sizes", type=int, nargs="+", default=[16, 8],
-                    help="tokens per KV block (16: 192 KiB blocks, 8: 96 KiB); 512 blocks of 64 would be a "
-                         "32k-token prefill per prompt, too slow for a CPU run")
+    ap.add_argument("--block-sizes", type=int, nargs="+", default=[16, 8, 64],
+                    help="tokens per KV block (16: 192 KiB blocks, 8: 96 KiB, 64: 768 KiB); the first also runs the TTFT")
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--ttft-tokens", type=int, default=8000, help="prompt of the TTFT run (0: skip it)")
     ap.add_argument("--json", default="bench/results/kv_transfer.json")
@@ -247,24 +284,30 @@ def main() -> int:
         model = Path(tmp) / "llama"
         write_model(model, max_tokens)
         for bs in args.block_sizes:
-            block_nbytes = LLMEngine(model, EngineConfig(num_blocks=1, block_size=bs)).kv.block_nbytes
+            engine = LLMEngine(model, EngineConfig(num_blocks=1, block_size=bs))
+            block_nbytes = engine.kv.block_nbytes
             checksums[bs] = checksum_gbps(bs, model)
             biggest = max(max(args.blocks), -(-args.ttft_tokens // bs) if bs == args.block_sizes[0] else 0)
             decode_pool = biggest + MARGIN_BLOCKS
             # Prefill keeps every prompt of the largest cell (and the others) cached.
             prefill_pool = sum((decode_pool // b + 1) * (b + 1) for b in args.blocks) + biggest + 2 * MARGIN_BLOCKS
+            store = kvstore("kvstore", 2 * prefill_pool * block_nbytes)
+            via_store = {"KVMESH_KVSTORE_ADDRESS": f"{store.host}:{store.port}"}
             specs = [
-                worker("prefill", "prefill", model, prefill_pool, bs, {"KVMESH_KV_TRANSPORT": "nixl"}),
-                worker("prefill-tcp", "prefill", model, prefill_pool, bs, {"KVMESH_KV_TRANSPORT": "nixl", **TCP_ONLY}),
+                store,
+                worker("prefill", "prefill", model, prefill_pool, bs, {"KVMESH_KV_TRANSPORT": "nixl", **via_store}),
+                worker("prefill-tcp", "prefill", model, prefill_pool, bs,
+                       {"KVMESH_KV_TRANSPORT": "nixl", **TCP_ONLY, **via_store}),
                 worker("decode-grpc", "decode", model, decode_pool, bs, {"KVMESH_KV_TRANSPORT": "grpc"}),
                 worker("decode-nixl", "decode", model, decode_pool, bs, {"KVMESH_KV_TRANSPORT": "nixl"}),
                 worker("decode-nixl_tcp", "decode", model, decode_pool, bs, {"KVMESH_KV_TRANSPORT": "nixl", **TCP_ONLY}),
             ]
             with Mesh(Topology(tuple(specs)), Path(tmp) / f"run-{bs}") as mesh:
-                c, t = asyncio.run(measure_block_size(mesh, args, bs, block_nbytes, decode_pool))
+                c, t = asyncio.run(measure_block_size(mesh, args, engine, decode_pool))
             cells += c
             ttft.update(t)
-    print(f"KV transfer prefill -> decode vs raw loopback TCP (same bytes, same run), median of {args.trials} trials")
+    print(f"KV transfer prefill -> decode vs raw loopback TCP (same bytes, same run), median of {args.trials} trials;\n"
+          "grpc/nixl/nixl_tcp verify every block's CRC-32 inside their time, raw TCP is the bare copy (no checksum)")
     headers = ["block tokens", "blocks", "MiB", "raw TCP GB/s",
                *(f"{t} GB/s" for t in TRANSPORTS), *(f"{t} ratio" for t in TRANSPORTS)]
     rows = [[c["block_size"], c["blocks"], f"{c['bytes'] / 2**20:.0f}", f"{c['raw_tcp_gbps']:.2f}",

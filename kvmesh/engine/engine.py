@@ -572,6 +572,14 @@ class LLMEngine:
         """Pool block of each held block, in ``held_hashes`` order (a NIXL reader addresses them)."""
         return [b for _, b in self._held.get(request_id, [])]
 
+    def pin_held(self, request_id: str, hashes: list[BlockHash]) -> list[tuple[BlockHash, int]]:
+        """One more reference on each named held block (in the order named; unknown names
+        skipped), so a peer can read it after the hold ends; ``release_reserved`` drops it."""
+        by_hash = dict(self._held.get(request_id, []))
+        pinned = [(h, by_hash[h]) for h in hashes if h in by_hash]
+        self.blocks.acquire([b for _, b in pinned])
+        return pinned
+
     def reserve_blocks(self, n: int) -> list[int]:
         """Fresh blocks for KV written into the pool from outside (a NIXL READ): referenced and
         unnamed until ``adopt_reserved`` names them or ``release_reserved`` hands them back."""

@@ -32,6 +32,8 @@ async def fetch_prefix_from_kvstore(
     in_store = await kvstore.lookup(hashes)
     if in_store - local < max(min_blocks, 1):
         return 0
+    if await kvstore.on_nixl():
+        return await kvstore.fetch_nixl(engine, hashes[local:in_store])
     imported = 0
     batch = []
     try:
@@ -59,7 +61,10 @@ async def store_held_blocks(
     """Write a finished prefill's held blocks ``hashes`` to the kvstore, behind the request."""
     if kvstore is None or not hashes:
         return
-    blocks = await engine.call(lambda e: e.export_held(request_id, hashes))
     # Last block first: the store's LRU then holds a chain's first blocks as the most recent,
     # so eviction trims chains from the tail — a prefix without its head matches nothing.
+    if await kvstore.on_nixl():
+        await kvstore.put_nixl_behind(engine, request_id, hashes[::-1])
+        return
+    blocks = await engine.call(lambda e: e.export_held(request_id, hashes))
     kvstore.put_behind(blocks[::-1])

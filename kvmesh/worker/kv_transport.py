@@ -2,15 +2,17 @@
 
 ``nixl``: the bytes go over NIXL (a peer READs them straight out of the pool;
 gRPC carries only control: leases, descriptors, agent metadata). ``grpc``: the
-chunked PullKV stream. Where NIXL does not load (not installed, no usable UCX
-transport) a worker asked for ``nixl`` says so and runs on gRPC; a peer that
-lacks NIXL is served over gRPC either way.
+chunked PullKV stream. The same flag picks the kvstore's data plane (PutNixl /
+GetNixl where both ends have NIXL, the Put/Get chunk streams otherwise). Where
+NIXL does not load (not installed, no usable UCX transport) a process asked for
+``nixl`` says so and runs on gRPC; a peer that lacks NIXL is served over gRPC
+either way.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -38,16 +40,25 @@ def read_timeout_s(floor_s: float, nbytes: int) -> float:
     return floor_s + nbytes / 100e6
 
 
-def open_endpoint(args: argparse.Namespace, tensor: torch.Tensor, role: str) -> NixlEndpoint | None:
-    """This worker's NIXL endpoint with ``tensor`` (its KV pool) registered, or None for gRPC."""
+def load_transport(args: argparse.Namespace) -> Any | None:
+    """NIXL's Python API when ``--kv-transport nixl`` and it loads, else None (gRPC)."""
     if args.kv_transport != "nixl":
         return None
-    from kvmesh.worker.kv_nixl import NixlEndpoint, load_nixl
+    from kvmesh.worker.kv_nixl import load_nixl
 
     nixl = load_nixl()
     if nixl is None:
         log.warning("NIXL is not installed; KV moves over gRPC", wanted="nixl")
+    return nixl
+
+
+def open_endpoint(args: argparse.Namespace, tensor: torch.Tensor, role: str) -> NixlEndpoint | None:
+    """This worker's NIXL endpoint with ``tensor`` (its KV pool) registered, or None for gRPC."""
+    nixl = load_transport(args)
+    if nixl is None:
         return None
+    from kvmesh.worker.kv_nixl import NixlEndpoint
+
     try:
         endpoint = NixlEndpoint(nixl, tensor, role)
     except Exception as e:  # noqa: BLE001 - NIXL/UCX raise their own types; any of them means no NIXL here

@@ -60,12 +60,14 @@ def build(ctx: ServiceContext) -> ServiceDef:
         engine = await asyncio.to_thread(LLMEngine, model_path(args), config, proposer=proposer)
         aengine = AsyncEngine(engine)
         aengine.start()
-        kvstore = KVStoreClient(args.kvstore_address) if args.kvstore_address else None
-        state["kvstore"] = kvstore
         endpoint = await asyncio.to_thread(open_endpoint, args, engine.kv.tensor, "decode")
+        layout = kv_pb2.KVLayout(**engine.kv_layout())
+        kvstore = None
+        if args.kvstore_address:
+            kvstore = KVStoreClient(args.kvstore_address, nixl=endpoint, layout=layout)
+        state["kvstore"] = kvstore
         kv_source = grpc_source
         if endpoint is not None:
-            layout = kv_pb2.KVLayout(**engine.kv_layout())
             kv_source = state["nixl_source"] = NixlKVSource(endpoint, layout, grpc_source, args.kv_read_timeout_s)
         worker = DecodeWorker(aengine, kv_source, kvstore)
         servicer.attach(worker, engine.max_model_len)
@@ -88,6 +90,8 @@ def build(ctx: ServiceContext) -> ServiceDef:
             await state["link"].stop()  # leave routing first; in-flight streams finish during the grace period
 
     async def stop() -> None:
+        if state.get("kvstore"):
+            await state["kvstore"].close()  # before the endpoint its transfers use
         if "nixl_source" in state:
             await state["nixl_source"].close()
         await grpc_source.close()
@@ -95,8 +99,6 @@ def build(ctx: ServiceContext) -> ServiceDef:
             state["engine"].stop()  # first, so the engine thread stops asking for drafts
         if "proposer" in state:
             await state["proposer"].close()
-        if state.get("kvstore"):
-            await state["kvstore"].close()
 
     return ServiceDef(
         services=[

@@ -3,12 +3,12 @@
 Per prefill peer, once: ``NixlHandshake`` over gRPC brings its agent metadata
 and pool region (a peer whose KV layout differs is refused there, before any
 byte moves). Per hand-off: destination blocks are reserved in this worker's
-pool, one READ fetches every missing block's pieces with the lease id as its
-notification (on which the prefill worker releases the lease at once), the
-blocks' checksums are verified on a worker thread, and the blocks are adopted
-as cached blocks. A READ that fails or outlives its deadline is a failed
-transfer like any other: the lease is aborted over gRPC and the request
-recomputes. A hand-off without NIXL descriptors (its prefill worker runs on
+pool, a ``BlockRead`` fetches every missing block (in a few chunks, each
+checksummed on a worker thread as it lands), a one-way NIXL notification naming
+the lease tells the prefill worker to release it at once, the checksums are
+compared with the prefill worker's, and the blocks are adopted as cached
+blocks. A READ that fails or outlives its deadline is a failed transfer like
+any other: the lease is aborted over gRPC and the request recomputes. A hand-off without NIXL descriptors (its prefill worker runs on
 gRPC) goes through the gRPC stream.
 """
 
@@ -26,7 +26,7 @@ from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvmesh.prefill.v1 import prefill_pb2
 from kvmesh.runtime.client_errors import from_rpc_error
-from kvmesh.worker.kv_nixl import NixlEndpoint, NixlRead, PoolRegion, block_checksums, layout_mismatch
+from kvmesh.worker.kv_nixl import BlockRead, NixlEndpoint, PoolRegion, layout_mismatch
 from kvmesh.worker.kv_transport import read_timeout_s
 from services.decode.core import RemotePrefill, Tally
 from services.decode.prefill_client import GrpcKVSource
@@ -60,27 +60,32 @@ class NixlKVSource:
         position = {h: i for i, h in enumerate(remote.block_hashes)}
         if len(remote.nixl.block_ids) != len(position) or len(remote.nixl.checksums) != len(position):
             raise InvalidArgument("the hand-off's NIXL descriptors do not match its block hashes")
+        # In the holder's pool order, into our reserved blocks in ascending order: runs of blocks
+        # consecutive on both sides then go as one descriptor per plane (kv_nixl.block_runs).
+        missing = sorted(missing, key=lambda h: remote.nixl.block_ids[position[h]])
         src = [remote.nixl.block_ids[position[h]] for h in missing]
         sums = [remote.nixl.checksums[position[h]] for h in missing]
-        dst = await engine.call(lambda e: e.reserve_blocks(len(missing)))
-        read: NixlRead | None = None
+        t_reserve = time.perf_counter()
+        dst = sorted(await engine.call(lambda e: e.reserve_blocks(len(missing))))
+        kv = engine.engine.kv
+        read = BlockRead(self._endpoint, agent, src, dst, lambda ids: [kv.block_checksum(b) for b in ids])
         adopted = False
         try:
             t0 = time.perf_counter()
-            read = self._endpoint.read(agent, src, dst, remote.lease_id.encode())
-            t_post = time.perf_counter()
             log.debug("NIXL READ posted", lease_id=remote.lease_id, blocks=len(dst), bytes=read.nbytes)
-            await read.wait(read_timeout_s(self._read_floor_s, read.nbytes))
-            self._notified.add(remote.lease_id)  # delivered with the READ's completion
-            tally(len(dst), read.nbytes)
+            got = await read.run(read_timeout_s(self._read_floor_s, read.nbytes))
             t1 = time.perf_counter()
-            await _verify(engine, dst, sums, missing)
-            t2 = time.perf_counter()
+            # Every byte is here: the holder may release the lease at once (one-way, no round trip).
+            self._endpoint.notify(agent, remote.lease_id.encode())
+            self._notified.add(remote.lease_id)
+            tally(len(dst), read.nbytes)
+            bad = [h for h, a, b in zip(missing, got, sums) if a != b]
+            if bad:
+                raise InvalidArgument(f"{len(bad)} KV blocks read over NIXL fail their checksum (first {bad[0].hex()})")
             await engine.call(lambda e: e.adopt_reserved(list(zip(missing, dst))))
             adopted = True
-            log.debug("NIXL READ adopted", lease_id=remote.lease_id, read_ms=round(1e3 * (t1 - t0), 2),
-                      post_ms=round(1e3 * (t_post - t0), 2),
-                      verify_ms=round(1e3 * (t2 - t1), 2), adopt_ms=round(1e3 * (time.perf_counter() - t2), 2))
+            log.debug("NIXL READ adopted", lease_id=remote.lease_id, reserve_ms=round(1e3 * (t0 - t_reserve), 2),
+                      read_and_verify_ms=round(1e3 * (t1 - t0), 2), adopt_ms=round(1e3 * (time.perf_counter() - t1), 2))
         finally:
             if not adopted:
                 self._free_when_settled(engine, read, dst)
@@ -129,11 +134,11 @@ class NixlKVSource:
         log.info("NIXL peer added", address=address, agent=name)
         return name
 
-    def _free_when_settled(self, engine: AsyncEngine, read: NixlRead | None, blocks: list[int]) -> None:
+    def _free_when_settled(self, engine: AsyncEngine, read: BlockRead, blocks: list[int]) -> None:
         """Hand reserved blocks back once no READ can write into them any more."""
 
         async def settle_then_free() -> None:
-            if read is not None and not await read.settle(SETTLE_TIMEOUT_S):
+            if not await read.settle(SETTLE_TIMEOUT_S):
                 log.error("an abandoned NIXL READ never ended; its blocks stay reserved", blocks=len(blocks))
                 return
             await engine.call(lambda e: e.release_reserved(blocks))
@@ -141,12 +146,3 @@ class NixlKVSource:
         task = asyncio.ensure_future(settle_then_free())
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
-
-
-async def _verify(engine: AsyncEngine, blocks: list[int], sums: list[bytes], hashes: list[BlockHash]) -> None:
-    """Checksums of the READ's blocks, on worker threads: the engine keeps stepping, and
-    nothing else touches reserved blocks."""
-    got = await block_checksums(engine.engine.kv, blocks)
-    bad = [h for h, a, b in zip(hashes, got, sums) if a != b]
-    if bad:
-        raise InvalidArgument(f"{len(bad)} KV blocks read over NIXL fail their checksum (first {bad[0].hex()})")

@@ -21,7 +21,10 @@ from kvmesh.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
 from kvmesh.worker import RouterLink, register_link_metrics
 from kvmesh.chunking import DEFAULT_CHUNK_BYTES
+from kvmesh.runtime.counters import CountersCollector
+from kvmesh.worker.kv_transport import KV_TRANSPORT_FLAGS, load_transport
 from services.kvstore.core import KvStore
+from services.kvstore.nixl_arena import NixlArena
 from services.kvstore.server import KVStoreServicer
 
 FLAGS = [
@@ -33,6 +36,9 @@ FLAGS = [
     Flag("--router-address", "router host:port to publish the stored blocks to (unset: do not publish)"),
     Flag("--worker-id", "id to register with the router (default: kvstore@<advertise address>)"),
     Flag("--advertise-address", "host:port others reach this kvstore at (default: --host:--port)"),
+    KV_TRANSPORT_FLAGS[0],
+    Flag("--nixl-arena-bytes", "NIXL arena the blocks of PutNixl/GetNixl pass through (its slots take the first "
+         "worker's block size)", default=256 << 20, type=int),
 ]
 
 
@@ -79,6 +85,7 @@ class StoreMetrics(Collector):
 def build(ctx: ServiceContext) -> ServiceDef:
     args = ctx.args
     servicer = KVStoreServicer(args.chunk_bytes)
+    state: dict = {}
     ctx.registry.register(StoreMetrics(servicer))
     link: RouterLink | None = None
     if args.router_address:
@@ -103,13 +110,24 @@ def build(ctx: ServiceContext) -> ServiceDef:
     async def start() -> None:
         disk_budget = args.disk_budget_bytes if args.disk_dir else None
         store = await asyncio.to_thread(KvStore, args.ram_budget_bytes, args.disk_dir, disk_budget, on_event)
-        servicer.attach(store)
+        nixl = load_transport(args)
+        if nixl is not None:
+            arena = state["arena"] = NixlArena(nixl, args.nixl_arena_bytes, store)
+            ctx.registry.register(CountersCollector(
+                "kvmesh_kvstore_nixl", lambda: arena.counters,
+                lambda: {"arena_slots_in_use": (arena.slots_in_use, "NIXL arena slots a transfer holds.")},
+            ))
+        servicer.attach(store, state.get("arena"))
         if link is not None:
             await link.start()
 
     async def drain() -> None:
         if link is not None:
             await link.stop()
+
+    async def stop() -> None:
+        if "arena" in state:
+            await state["arena"].close()
 
     return ServiceDef(
         services=[
@@ -121,6 +139,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
         ],
         start=start,
         drain=drain,
+        stop=stop,
     )
 
 

@@ -23,14 +23,20 @@ import grpc
 
 from kvmesh.blocks import HASH_BYTES
 from kvmesh.common.v1 import accounting_pb2, kv_pb2
+from kvmesh.checksum import CHECKSUM_BYTES
 from kvmesh.errors import InvalidArgument, Unavailable
 from kvmesh.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.kvstore.block import Block
 from kvmesh.chunking import DEFAULT_CHUNK_BYTES, Chunk, Reassembler, split
 from services.kvstore.core import KvStore
+from services.kvstore.nixl_arena import NixlArena
 
 # docs/contracts.md: at most 1 MiB of data per KVBlockChunk, both ways.
 MAX_CHUNK_BYTES = DEFAULT_CHUNK_BYTES
+# A NIXL transfer's own deadline: the caller's, less this margin so the answer still reaches it
+# (or this cap without a caller deadline).
+NIXL_DEADLINE_MARGIN_S = 0.5
+NIXL_MAX_TRANSFER_S = 60.0
 
 
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServiceServicer):
@@ -39,11 +45,13 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServiceServicer):
             raise ValueError(f"chunk_bytes must be in 1..{MAX_CHUNK_BYTES}, got {chunk_bytes}")
         self._chunk_bytes = chunk_bytes
         self._store: KvStore | None = None
+        self._arena: NixlArena | None = None
 
-    def attach(self, store: KvStore) -> None:
-        """Serve ``store``. Opening it indexes the disk tier, which can take a
-        while, so it happens in the service's start hook, after the servicer exists."""
+    def attach(self, store: KvStore, arena: NixlArena | None = None) -> None:
+        """Serve ``store`` (and, with NIXL, ``arena`` over it). Opening it indexes the disk tier,
+        which can take a while, so it happens in the service's start hook, after the servicer exists."""
         self._store = store
+        self._arena = arena
 
     @property
     def attached(self) -> bool:
@@ -161,6 +169,47 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServiceServicer):
             corrupt_blocks=stats.corrupt_detected,
         )
 
+    async def NixlHandshake(
+        self, request: kvstore_pb2.NixlHandshakeRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.NixlHandshakeResponse:
+        arena = self._nixl()
+        name = arena.handshake(request.layout, request.agent_name, request.agent_metadata, request.region)
+        return kvstore_pb2.NixlHandshakeResponse(agent_name=name, layout=arena.layout)
+
+    async def PutNixl(
+        self, request: kvstore_pb2.PutNixlRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.PutNixlResponse:
+        start = time.perf_counter_ns()
+        n = CHECKSUM_BYTES
+        sums = [request.checksums[i : i + n] for i in range(0, len(request.checksums), n)]
+        out = await self._nixl().put(request.agent_name, list(request.block_hashes), list(request.block_ids), sums,
+                                     _transfer_timeout_s(context))
+        total_ns = time.perf_counter_ns() - start
+        return kvstore_pb2.PutNixlResponse(
+            stored_blocks=out.stored, already_present_blocks=out.present, evicted_blocks=out.evicted,
+            timings=accounting_pb2.Timings(transfer_ns=total_ns, total_ns=total_ns),
+        )
+
+    async def GetNixl(
+        self, request: kvstore_pb2.GetNixlRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.GetNixlResponse:
+        start = time.perf_counter_ns()
+        hashes = list(request.block_hashes)
+        for h in hashes:
+            _check_hash(h)
+        sums = await self._nixl().get(request.agent_name, hashes, list(request.block_ids), _transfer_timeout_s(context))
+        total_ns = time.perf_counter_ns() - start
+        return kvstore_pb2.GetNixlResponse(
+            found_blocks=len(sums), checksums=b"".join(sums),
+            timings=accounting_pb2.Timings(transfer_ns=total_ns, total_ns=total_ns),
+        )
+
+    def _nixl(self) -> NixlArena:
+        self.store  # noqa: B018 - still opening -> UNAVAILABLE
+        if self._arena is None:
+            raise Unavailable("this kvstore moves blocks over gRPC only (--kv-transport grpc, or NIXL did not load)")
+        return self._arena
+
     def _read(self, block_hash: bytes) -> asyncio.Future[Block | None]:
         return asyncio.ensure_future(asyncio.to_thread(self._get_one, block_hash))
 
@@ -217,6 +266,13 @@ def _chunk_message(block_hash: bytes, block: Block, chunk: Chunk) -> kv_pb2.KVBl
         checksum=block.checksum,
         data=chunk.data,
     )
+
+
+def _transfer_timeout_s(context: grpc.aio.ServicerContext) -> float:
+    remaining = context.time_remaining()
+    if remaining is None:
+        return NIXL_MAX_TRANSFER_S
+    return max(0.0, min(NIXL_MAX_TRANSFER_S, remaining - NIXL_DEADLINE_MARGIN_S))
 
 
 def _check_hash(block_hash: bytes) -> None:

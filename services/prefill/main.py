@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from kvmesh.common.v1 import worker_pb2
+from kvmesh.common.v1 import kv_pb2, worker_pb2
 from kvmesh.engine import LLMEngine
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.flags import ENGINE_FLAGS, engine_config, model_path
@@ -38,9 +38,11 @@ def build(ctx: ServiceContext) -> ServiceDef:
         engine = await asyncio.to_thread(LLMEngine, model_path(args), engine_config(args))
         aengine = AsyncEngine(engine)
         aengine.start()
-        kvstore = KVStoreClient(args.kvstore_address) if args.kvstore_address else None
-        state["kvstore"] = kvstore
         nixl = state["nixl"] = await asyncio.to_thread(open_endpoint, args, engine.kv.tensor, "prefill")
+        kvstore = None
+        if args.kvstore_address:
+            kvstore = KVStoreClient(args.kvstore_address, nixl=nixl, layout=kv_pb2.KVLayout(**engine.kv_layout()))
+        state["kvstore"] = kvstore
         worker = PrefillWorker(aengine, args.lease_ttl_ms, args.max_lease_ttl_ms, kvstore, nixl)
         servicer.attach(worker, engine.max_model_len)
         ctx.registry.register(EngineCollector(engine))
@@ -70,11 +72,12 @@ def build(ctx: ServiceContext) -> ServiceDef:
                     with contextlib.suppress(asyncio.CancelledError):
                         await state[name]
             await state["worker"].release_all()
+        if state.get("kvstore"):
+            await state["kvstore"].close()  # before the endpoint its transfers use
+        if "reaper" in state:
             if state.get("nixl"):
                 state["nixl"].close()
             state["engine"].stop()
-        if state.get("kvstore"):
-            await state["kvstore"].close()
 
     return ServiceDef(
         services=[

@@ -107,3 +107,67 @@ class StatsResponse(_message.Message):
     evictions: int
     corrupt_blocks: int
     def __init__(self, ram_blocks: _Optional[int] = ..., ram_bytes: _Optional[int] = ..., ram_budget_bytes: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_budget_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ...) -> None: ...
+
+class NixlHandshakeRequest(_message.Message):
+    __slots__ = ("layout", "agent_name", "agent_metadata", "region")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    layout: _kv_pb2.KVLayout
+    agent_name: str
+    agent_metadata: bytes
+    region: _kv_pb2.NixlPoolRegion
+    def __init__(self, layout: _Optional[_Union[_kv_pb2.KVLayout, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., region: _Optional[_Union[_kv_pb2.NixlPoolRegion, _Mapping]] = ...) -> None: ...
+
+class NixlHandshakeResponse(_message.Message):
+    __slots__ = ("agent_name", "layout")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    layout: _kv_pb2.KVLayout
+    def __init__(self, agent_name: _Optional[str] = ..., layout: _Optional[_Union[_kv_pb2.KVLayout, _Mapping]] = ...) -> None: ...
+
+class PutNixlRequest(_message.Message):
+    __slots__ = ("agent_name", "block_hashes", "block_ids", "checksums")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    checksums: bytes
+    def __init__(self, agent_name: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., checksums: _Optional[bytes] = ...) -> None: ...
+
+class PutNixlResponse(_message.Message):
+    __slots__ = ("stored_blocks", "already_present_blocks", "evicted_blocks", "timings")
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_PRESENT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    stored_blocks: int
+    already_present_blocks: int
+    evicted_blocks: int
+    timings: _accounting_pb2.Timings
+    def __init__(self, stored_blocks: _Optional[int] = ..., already_present_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., timings: _Optional[_Union[_accounting_pb2.Timings, _Mapping]] = ...) -> None: ...
+
+class GetNixlRequest(_message.Message):
+    __slots__ = ("agent_name", "block_hashes", "block_ids")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, agent_name: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GetNixlResponse(_message.Message):
+    __slots__ = ("found_blocks", "checksums", "timings")
+    FOUND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    found_blocks: int
+    checksums: bytes
+    timings: _accounting_pb2.Timings
+    def __init__(self, found_blocks: _Optional[int] = ..., checksums: _Optional[bytes] = ..., timings: _Optional[_Union[_accounting_pb2.Timings, _Mapping]] = ...) -> None: ...

@@ -63,6 +63,21 @@ class KVStoreServiceStub:
                 request_serializer=kvmesh_dot_kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.NixlHandshake = channel.unary_unary(
+                '/kvmesh.kvstore.v1.KVStoreService/NixlHandshake',
+                request_serializer=kvmesh_dot_kvstore_dot_v1_dot_kvstore__pb2.NixlHandshakeRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_kvstore_dot_v1_dot_kvstore__pb2.NixlHandshakeResponse.FromString,
+                _registered_method=True)
+        self.PutNixl = channel.unary_unary(
+                '/kvmesh.kvstore.v1.KVStoreService/PutNixl',
+                request_serializer=kvmesh_dot_kvstore_dot_v1_dot_kvstore__pb2.PutNixlRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_kvstore_dot_v1_dot_kvstore__pb2.PutNixlResponse.FromString,
+                _registered_method=True)
+        self.GetNixl = channel.unary_unary(
+                '/kvmesh.kvstore.v1.KVStoreService/GetNixl',
+                request_serializer=kvmesh_dot_kvstore_dot_v1_dot_kvstore__pb2.GetNixlRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_kvstore_dot_v1_dot_kvstore__pb2.GetNixlResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServiceServicer:
@@ -107,6 +122,37 @@ class KVStoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def NixlHandshake(self, request, context):
+        """Once per worker process before PutNixl/GetNixl: the worker's NIXL agent
+        metadata and KV pool region, so the kvstore can move blocks to and from
+        that pool itself. The kvstore's NIXL arena takes the layout of the first
+        worker it meets; a worker whose layout differs is refused with
+        FAILED_PRECONDITION before any byte moves. UNAVAILABLE when this kvstore
+        moves blocks over gRPC only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutNixl(self, request, context):
+        """Put over NIXL: the kvstore READs the named blocks out of the caller's
+        pool, verifies each against its checksum and stores it. Only control
+        crosses gRPC. INVALID_ARGUMENT when a block fails its checksum (the
+        verified ones are kept, as Put does).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetNixl(self, request, context):
+        """Get over NIXL: the kvstore WRITEs the leading present blocks into the
+        caller's pool blocks (stopping at the first missing one) before it
+        answers, with their checksums for the caller to verify.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -134,6 +180,21 @@ def add_KVStoreServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvmesh_dot_kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.FromString,
                     response_serializer=kvmesh_dot_kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.SerializeToString,
+            ),
+            'NixlHandshake': grpc.unary_unary_rpc_method_handler(
+                    servicer.NixlHandshake,
+                    request_deserializer=kvmesh_dot_kvstore_dot_v1_dot_kvstore__pb2.NixlHandshakeRequest.FromString,
+                    response_serializer=kvmesh_dot_kvstore_dot_v1_dot_kvstore__pb2.NixlHandshakeResponse.SerializeToString,
+            ),
+            'PutNixl': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutNixl,
+                    request_deserializer=kvmesh_dot_kvstore_dot_v1_dot_kvstore__pb2.PutNixlRequest.FromString,
+                    response_serializer=kvmesh_dot_kvstore_dot_v1_dot_kvstore__pb2.PutNixlResponse.SerializeToString,
+            ),
+            'GetNixl': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetNixl,
+                    request_deserializer=kvmesh_dot_kvstore_dot_v1_dot_kvstore__pb2.GetNixlRequest.FromString,
+                    response_serializer=kvmesh_dot_kvstore_dot_v1_dot_kvstore__pb2.GetNixlResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -275,6 +336,87 @@ class KVStoreService:
             '/kvmesh.kvstore.v1.KVStoreService/Stats',
             kvmesh_dot_kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
             kvmesh_dot_kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NixlHandshake(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.kvstore.v1.KVStoreService/NixlHandshake',
+            kvmesh_dot_kvstore_dot_v1_dot_kvstore__pb2.NixlHandshakeRequest.SerializeToString,
+            kvmesh_dot_kvstore_dot_v1_dot_kvstore__pb2.NixlHandshakeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutNixl(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.kvstore.v1.KVStoreService/PutNixl',
+            kvmesh_dot_kvstore_dot_v1_dot_kvstore__pb2.PutNixlRequest.SerializeToString,
+            kvmesh_dot_kvstore_dot_v1_dot_kvstore__pb2.PutNixlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetNixl(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.kvstore.v1.KVStoreService/GetNixl',
+            kvmesh_dot_kvstore_dot_v1_dot_kvstore__pb2.GetNixlRequest.SerializeToString,
+            kvmesh_dot_kvstore_dot_v1_dot_kvstore__pb2.GetNixlResponse.FromString,
             options,
             channel_credentials,
             insecure,
