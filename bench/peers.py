@@ -344,6 +344,7 @@ def main() -> int:
     if args.quick:
         args.new_tokens, args.repeats = 16, 1
     signal.signal(signal.SIGTERM, _on_sigterm)
+    sys.stdout.reconfigure(line_buffering=True)  # progress lines show up in a log as they happen
 
     from kvmesh.engine.default_model import default_model_path
 
