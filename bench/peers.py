@@ -1,8 +1,8 @@
 """kvmesh side by side with vLLM and llama.cpp: same machine, same model, same workload, in-process and over HTTP.
 
 Workload (every engine): SmolLM2-135M-Instruct (kvmesh's default model), the 16 chat-templated questions of
-bench/engine.py (44-56 prompt tokens) x 128 greedy new tokens, EOS ignored. Rows: kvmesh fp32/bf16, vLLM
-fp32/bf16, llama.cpp F32/BF16 GGUF and its Q4_1 GGUF. Columns:
+bench/engine.py (35-43 prompt tokens with the model's template) x 128 greedy new tokens, EOS ignored. Rows:
+kvmesh fp32/bf16, vLLM fp32/bf16, llama.cpp F32/BF16 GGUF and its Q4_1 GGUF. Columns:
   - in-process, 16 at once: tok/s over the whole call (prefill included) with all 16 prompts submitted together;
   - in-process, 1 alone: the first prompt by itself;
   - HTTP, 16 concurrent streams: each engine's OpenAI server, streaming ``/v1/completions`` with the prompt as
@@ -26,7 +26,7 @@ engines alternate A B C A B C ... for ``--repeats`` rounds; the table shows medi
 Peers are installed on first use into their own venvs under ``--peers-dir`` (bench/_peers_install.py); their
 servers bind 127.0.0.1 on free ports and are stopped in any case (process groups; also on Ctrl-C / SIGTERM).
 
-Run (not part of ``make test``; about 30 minutes, plus ~15 for the first install):
+Run (not part of ``make test``; about 25 minutes, plus ~20 for the first install):
 ``flock /tmp/kvmesh-bench.lock python bench/peers.py [--repeats 3] [--engines kvmesh,vllm,llamacpp]
 [--precisions fp32,bf16,q4_1] [--quick] [--peers-dir DIR] [--json bench/results/peers.json]``.
 """
