@@ -1,0 +1,22 @@
+"""kvmesh in-process for bench/peers.py: bench/engine.py's engine and run, behind the peers' worker loop.
+
+Run: ``python bench/_peers_inproc_kvmesh.py MODEL_DIR DTYPE`` (the project environment, PYTHONPATH at the repo).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _peers_worker import serve  # noqa: E402
+from engine import make_engine, run_kvmesh  # noqa: E402
+
+
+def main() -> None:
+    engine = make_engine(Path(sys.argv[1]), sys.argv[2])  # warms up, no prefix cache
+    serve(lambda prompts, n: run_kvmesh(engine, prompts, n))
+
+
+if __name__ == "__main__":
+    main()
