@@ -12,7 +12,7 @@ For each depth: time per output token (median over repeats of (last - first) / (
 TTFT, tokens/s, what that depth adds per token over the one before it, and the CPU time each
 process spent per token (from /proc: on a 2-core machine, every CPU-millisecond a hop burns
 is taken from the engine's matmul threads). Run:
-``python bench/hops.py [--dtype float32] [--compile] [--new-tokens 128] [--repeats 3] [--json PATH]``.
+``python bench/hops.py [--topology colocated|compose] [--dtype float32] [--compile] [--new-tokens 128] [--repeats 3] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -143,11 +143,13 @@ class Depths:
         return Stream(arrivals, cpu)
 
 
-def start_mesh(model: Path, run_dir: Path, dtype: str, compile: bool, http_port: int) -> Mesh:
-    # Colocated: decode prefills itself, no speculator, as `kvmesh up --prefill 0 --no-speculator`.
-    env = {"decode": {"KVMESH_DTYPE": dtype, "KVMESH_COMPILE": str(int(compile))},
-           "gateway": {"KVMESH_HTTP_PORT": str(http_port)}}
-    opts = MeshOptions(model=model, prefill=0, decode=1, speculator=False, gateway_port=0, publish=False,
+def start_mesh(model: Path, run_dir: Path, args: argparse.Namespace, http_port: int) -> Mesh:
+    # colocated: decode prefills itself, as `kvmesh up --prefill 0 --no-speculator`;
+    # compose: the compose file's mesh (prefill workers, kvstore), as `kvmesh up --no-speculator`.
+    worker = {"KVMESH_DTYPE": args.dtype, "KVMESH_COMPILE": str(int(args.compile))}
+    env = {"prefill": worker, "decode": worker, "gateway": {"KVMESH_HTTP_PORT": str(http_port)}}
+    prefill = 0 if args.topology == "colocated" else None
+    opts = MeshOptions(model=model, prefill=prefill, decode=1, speculator=False, gateway_port=0, publish=False,
                        role_env=env, log_level="warning")
     return Mesh(build_topology(opts, run_dir), run_dir).start()
 
@@ -155,12 +157,11 @@ def start_mesh(model: Path, run_dir: Path, dtype: str, compile: bool, http_port:
 async def measure(args: argparse.Namespace, model: Path, tmp: Path) -> dict:
     prompt = chat_prompts(model, 1)[0]
     http_port = free_port()
-    mesh = start_mesh(model, tmp / "mesh", args.dtype, args.compile, http_port)
-    engine = AsyncEngine(LLMEngine(model, EngineConfig(dtype=args.dtype, compile=args.compile)))
-    engine.start()
+    mesh = start_mesh(model, tmp / "mesh", args, http_port)
+    engine = await AsyncEngine.started(lambda: LLMEngine(model, EngineConfig(dtype=args.dtype, compile=args.compile)))
     try:
         depths = Depths(mesh, engine, http_port, args.new_tokens)
-        pids = {name: mesh.process(name).pid for name in ("gateway", "router", "decode-0")}
+        pids = {p.name: mesh.process(p.name).pid for p in mesh.topology.processes if p.role != "redis"}
         pids["bench"] = os.getpid()
         await depths.prepare()
         for depth in DEPTHS:  # warm-up: the first request of each path pays one-off costs
@@ -200,6 +201,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--topology", choices=("colocated", "compose"), default="colocated",
+                    help="colocated: decode prefills itself; compose: the compose file's mesh (prefill workers, kvstore)")
     ap.add_argument("--compile", action="store_true", help="compiled decode step, in the anchor and in decode")
     ap.add_argument("--json", default="bench/results/hops.json")
     args = ap.parse_args()
@@ -210,6 +213,7 @@ def main() -> int:
         result = asyncio.run(measure(args, model, Path(tmp)))
     procs = list(result["engine"]["cpu_ms_per_token"])
     print(f"one stream, {args.new_tokens} greedy tokens, {args.dtype}{' compiled' if args.compile else ''}, "
+          f"{args.topology} mesh, "
           f"median of {args.repeats}; "
           "CPU ms/token per process (the engine depth runs in 'bench')")
     rows = []
@@ -221,7 +225,7 @@ def main() -> int:
     print_table(["depth", "ms/token", "added", "tok/s", "TTFT ms", *(f"cpu {p}" for p in procs)], rows)
     print(f"HTTP stream / in-process engine: {result['http_over_engine']:.2f}x")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    meta = {"dtype": args.dtype, "compile": args.compile, "new_tokens": args.new_tokens}
+    meta = {"dtype": args.dtype, "compile": args.compile, "topology": args.topology, "new_tokens": args.new_tokens}
     Path(args.json).write_text(json.dumps({**meta, **result}, indent=2))
     print(f"wrote {args.json}")
     return 0

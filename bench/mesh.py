@@ -79,8 +79,7 @@ def _stats(streams: list[list[float]]) -> dict:
 
 
 async def engine_streams(model: Path, batch: list[list[int]], n: int) -> list[list[float]]:
-    engine = AsyncEngine(LLMEngine(model, EngineConfig(num_blocks=NUM_BLOCKS)))
-    engine.start()
+    engine = await AsyncEngine.started(lambda: LLMEngine(model, EngineConfig(num_blocks=NUM_BLOCKS)))
     try:
         async def one(i: int, p: list[int]) -> list[float]:
             t0, times = time.perf_counter(), []

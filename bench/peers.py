@@ -148,7 +148,8 @@ class Peers:
     def inproc(self, engine: str, precision: str) -> Iterator[Worker]:
         name = f"{engine}-{precision}-inproc"
         if engine == "kvmesh":
-            argv = [sys.executable, str(BENCH / "_peers_inproc_kvmesh.py"), str(self.model), KVMESH_DTYPE[precision]]
+            argv = [sys.executable, str(BENCH / "_peers_inproc_kvmesh.py"), str(self.model), KVMESH_DTYPE[precision],
+                    str(int(self.args.kvmesh_compile))]
             env = {**os.environ, "PYTHONPATH": str(REPO)}
         elif engine == "vllm":
             argv = [str(self.vllm.python), str(BENCH / "_peers_inproc_vllm.py"), str(self.model), VLLM_DTYPE[precision]]
@@ -205,7 +206,7 @@ class Peers:
         from kvmesh.launcher.supervisor import Mesh
         from kvmesh.launcher.topology import MeshOptions, build_topology
 
-        dtype = {"KVMESH_DTYPE": KVMESH_DTYPE[precision]}
+        dtype = {"KVMESH_DTYPE": KVMESH_DTYPE[precision], "KVMESH_COMPILE": str(int(self.args.kvmesh_compile))}
         # As `kvmesh up --no-speculator --no-publish` starts it: the compose file's mesh, free ports, this dtype.
         opts = MeshOptions(model=self.model, speculator=False, publish=False, gateway_port=0, log_level="warning",
                            role_env={"prefill": dtype, "decode": dtype}, python=sys.executable)
@@ -335,6 +336,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="a trial: 16 new tokens, 1 repeat")
+    ap.add_argument("--kvmesh-compile", action=argparse.BooleanOptionalAction, default=True,
+                    help="kvmesh with its compiled decode step (--compile), in-process and in the mesh's workers")
     ap.add_argument("--json", default="bench/results/peers.json")
     args = ap.parse_args()
     args.engines = [e for e in args.engines.split(",") if e]
@@ -382,7 +385,8 @@ def main() -> int:
     print(f"install/check {install_s:.0f} s, measured run {run_s:.0f} s")
     payload = {
         "workload": {"model": str(model), "requests": len(prompts), "prompt_lens": [min(map(len, prompts)), max(map(len, prompts))],
-                     "new_tokens": args.new_tokens, "threads": THREADS, "repeats": args.repeats},
+                     "new_tokens": args.new_tokens, "threads": THREADS, "repeats": args.repeats,
+                     "kvmesh_compile": args.kvmesh_compile},
         "versions": {"vllm": install.VLLM, "torch (vLLM venv)": install.TORCH, "llama.cpp": install.LLAMA_CPP_PYTHON},
         "medians": [{"engine": e, "precision": p, "column": c, **v} for (e, p, c), v in table.items()],
         "samples": [asdict(s) for s in samples],

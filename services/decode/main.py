@@ -57,9 +57,8 @@ def build(ctx: ServiceContext) -> ServiceDef:
             else:
                 proposer = LocalProposer(head=head)
                 ctx.registry.register(SpeculatorCollector(proposer.speculator))
-        engine = await asyncio.to_thread(LLMEngine, model_path(args), config, proposer=proposer)
-        aengine = AsyncEngine(engine)
-        aengine.start()
+        aengine = await AsyncEngine.started(lambda: LLMEngine(model_path(args), config, proposer=proposer))
+        engine = aengine.engine
         endpoint = await asyncio.to_thread(open_endpoint, args, engine.kv.tensor, "decode")
         layout = kv_pb2.KVLayout(**engine.kv_layout())
         kvstore = None

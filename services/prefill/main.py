@@ -35,9 +35,8 @@ def build(ctx: ServiceContext) -> ServiceDef:
     servicer = PrefillServicer(address)
 
     async def start() -> None:
-        engine = await asyncio.to_thread(LLMEngine, model_path(args), engine_config(args))
-        aengine = AsyncEngine(engine)
-        aengine.start()
+        aengine = await AsyncEngine.started(lambda: LLMEngine(model_path(args), engine_config(args)))
+        engine = aengine.engine
         nixl = state["nixl"] = await asyncio.to_thread(open_endpoint, args, engine.kv.tensor, "prefill")
         kvstore = None
         if args.kvstore_address:

@@ -62,3 +62,29 @@ async def test_task_cancellation_aborts_too(aengine):
             break
         await asyncio.sleep(0.01)
     assert await aengine.call(lambda e: e.blocks.num_free) == 64
+
+
+async def test_started_builds_the_engine_on_its_step_loop_thread(checkpoints):
+    """Only that thread runs torch ops: a second OpenMP team (the loader's) would throttle every step."""
+    import threading
+
+    built_on = []
+
+    def build() -> LLMEngine:
+        built_on.append(threading.current_thread())
+        return LLMEngine(checkpoints["llama-gqa"], EngineConfig(num_blocks=64))
+
+    ae = await AsyncEngine.started(build)
+    try:
+        assert built_on == [ae._thread] and ae._thread is not threading.main_thread()
+        assert await _collect(ae, PROMPTS[0], "r") == (
+            LLMEngine(checkpoints["llama-gqa"], EngineConfig(num_blocks=64))
+            .generate([PROMPTS[0]], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
+        )
+    finally:
+        ae.stop()
+
+
+async def test_a_build_that_fails_raises_from_started(tmp_path):
+    with pytest.raises(InvalidArgument, match="is not a directory"):
+        await AsyncEngine.started(lambda: LLMEngine(tmp_path / "missing"))

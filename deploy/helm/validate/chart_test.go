@@ -30,7 +30,7 @@ var services = []string{"gateway", "router", "kvstore", "speculator", "prefill",
 
 // Environment variables a kvmesh container may have that are not flags: the
 // runtime's own settings and the downward-API value KVMESH_ADVERTISE_ADDRESS is built from.
-var nonFlagEnv = []string{"PYTHONUNBUFFERED", "OMP_WAIT_POLICY", "POD_IP"}
+var nonFlagEnv = []string{"PYTHONUNBUFFERED", "POD_IP"}
 
 // Which service each address flag must point at.
 var addressOf = map[string]string{

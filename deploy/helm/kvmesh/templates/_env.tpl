@@ -20,9 +20,7 @@ the service defines.
   value: {{ include "kvmesh.graceSeconds" . | quote }}
 - name: PYTHONUNBUFFERED
   value: "1"
-# Several torch processes may share a node's cores: sleeping OpenMP waiters.
-- name: OMP_WAIT_POLICY
-  value: PASSIVE
+{{- /* No OMP_WAIT_POLICY=PASSIVE: sleeping OpenMP threads pay a wake-up on every parallel op of a step (compose/docker-compose.yml). */}}
 {{- end -}}
 
 {{/* Workers register with the router under an address others dial: the pod IP. */}}
