@@ -206,10 +206,12 @@ class Peers:
         from kvmesh.launcher.supervisor import Mesh
         from kvmesh.launcher.topology import MeshOptions, build_topology
 
-        dtype = {"KVMESH_DTYPE": KVMESH_DTYPE[precision], "KVMESH_COMPILE": str(int(self.args.kvmesh_compile))}
+        dtype = {"KVMESH_DTYPE": KVMESH_DTYPE[precision]}
+        # Only decode runs decode steps: a compiling prefill worker would only start slower.
+        decode = {**dtype, "KVMESH_COMPILE": str(int(self.args.kvmesh_compile))}
         # As `kvmesh up --no-speculator --no-publish` starts it: the compose file's mesh, free ports, this dtype.
         opts = MeshOptions(model=self.model, speculator=False, publish=False, gateway_port=0, log_level="warning",
-                           role_env={"prefill": dtype, "decode": dtype}, python=sys.executable)
+                           role_env={"prefill": dtype, "decode": decode}, python=sys.executable)
         run_dir = Path(tempfile.mkdtemp(prefix=f"peers-mesh-{precision}-", dir=self.logs))
         topology = build_topology(opts, run_dir)
         gateway = topology.get("gateway")
