@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +65,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) * _TICK_S
 
 
+async def arrivals(messages: AsyncIterator, t0: float, tokens_in: Callable[[object], int]) -> list[float]:
+    """Seconds since ``t0`` at which each token arrived: a message's tokens all count at its arrival."""
+    times: list[float] = []
+    async for msg in messages:
+        times += [time.perf_counter() - t0] * tokens_in(msg)
+    return times
+
+
 class Depths:
     """One streaming call per depth, each returning token arrival times."""
 
@@ -88,27 +97,20 @@ class Depths:
         )
 
     async def engine_stream(self, prompt: list[int], t0: float) -> list[float]:
-        times: list[float] = []
-        async for out in self.engine.generate(prompt, SamplingParams(max_tokens=self.n, ignore_eos=True), self._rid()):
-            times += [time.perf_counter() - t0] * len(out.new_token_ids)
-        return times
+        outs = self.engine.generate(prompt, SamplingParams(max_tokens=self.n, ignore_eos=True), self._rid())
+        return await arrivals(outs, t0, lambda out: len(out.new_token_ids))
 
     async def decode_stream(self, prompt: list[int], t0: float) -> list[float]:
-        times: list[float] = []
         req = decode_pb2.DecodeRequest(request_id=self._rid(), prompt_token_ids=prompt, sampling=self._sampling(),
                                        local=decode_pb2.LocalPrefill())
         async with grpc.aio.insecure_channel(self.mesh.address("decode-0")) as ch:
-            async for msg in decode_pb2_grpc.DecodeServiceStub(ch).Decode(req):
-                times += [time.perf_counter() - t0] * len(msg.token_ids)
-        return times
+            return await arrivals(decode_pb2_grpc.DecodeServiceStub(ch).Decode(req), t0, lambda m: len(m.token_ids))
 
     async def gateway_stream(self, prompt: list[int], t0: float) -> list[float]:
-        times: list[float] = []
         req = gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=prompt), sampling=self._sampling())
         async with grpc.aio.insecure_channel(self.mesh.address("gateway")) as ch:
-            async for msg in gateway_pb2_grpc.GatewayServiceStub(ch).Generate(req):
-                times += [time.perf_counter() - t0] * len(msg.token_ids)
-        return times
+            stream = gateway_pb2_grpc.GatewayServiceStub(ch).Generate(req)
+            return await arrivals(stream, t0, lambda m: len(m.token_ids))
 
     async def http_stream(self, prompt: list[int], t0: float) -> list[float]:
         chunks: list[float] = []
