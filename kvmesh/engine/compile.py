@@ -1,11 +1,11 @@
 """torch.compile (inductor) of the decode step, with shapes that do not recompile per step.
 
-What is compiled: the model's body (embedding, every layer, final norm) on the decode path
-only, as one graph. Decode is where a step is many small ops between the matmuls (norms,
-RoPE, SiLU, residual adds, dtype casts) and per-op dispatch is a large share of it;
-inductor fuses those, and one graph per step pays dynamo's entry cost once, not per layer.
-Prefill/extend steps are matmul-bound and their batched attention branches on the batch's
-contents, so they stay eager.
+What is compiled: the model's step (embedding, every layer, final norm, LM head) on the
+decode path only, as one graph per step. Decode is where a step is many small ops between
+the matmuls (norms, RoPE, SiLU, residual adds, dtype casts) and per-op dispatch is a large
+share of it; inductor fuses those, and one graph per step pays dynamo's entry cost once, not
+per layer. Prefill/extend steps are matmul-bound and their batched attention branches on the
+batch's contents, so they stay eager.
 
 The KV write is traced as an index_put_ on the whole pool (``_traced_write``): written
 through a view of the pool, as the eager op does, it is functionalized into a copy of the
@@ -21,6 +21,7 @@ it), so both graphs exist before the first request and no later step compiles.
 from __future__ import annotations
 
 import torch
+from torch._inductor import config as inductor_config
 from torch.fx.experimental import _config as fx_config
 
 from kernels import Ops
@@ -48,17 +49,46 @@ def _traced_write(
     kv_cache.index_put_((which, torch.ones_like(slot_mapping), block, offset), v.to(kv_cache.dtype))
 
 
+class CompiledDecode:
+    """A decode step through one of two compiled graphs of ``model.run``: one sequence, or many.
+
+    The batched graph is compiled with inductor's freezing: the weights become constants,
+    prepacked for oneDNN/MKL (bf16 on AMX); at 16 sequences a step runs 1.1x (fp32) to 1.2x
+    (bf16) faster. One sequence keeps the plain matmuls: a packed GEMV measured ~5% slower (fp32).
+    """
+
+    def __init__(self, model: CausalLM) -> None:
+        self.alone = torch.compile(_run_alone, dynamic=True)
+        self.batched = torch.compile(_run_batched, dynamic=True)
+        self.model = model
+
+    def __call__(self, input_ids: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:
+        graph = self.alone if input_ids.shape[0] == 1 else self.batched
+        return graph(self.model, input_ids, *args)
+
+
+# Dynamo keeps its graphs per code object: two functions, so that the graph compiled with
+# freezing and the one compiled without it are never looked up in each other's cache.
+def _run_alone(model: CausalLM, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    return model.run(*args)
+
+
+def _run_batched(model: CausalLM, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    return model.run(*args)
+
+
 def compile_decode(model: CausalLM, kv_cache: torch.Tensor, block_size: int) -> None:
-    """Route ``model``'s decode steps through a compiled body and build its graphs now."""
+    """Route ``model``'s decode steps through compiled graphs and build them now."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, _GRAPH_LIMIT)
     model.write_kv = _traced_write
-    model.compiled_decode = torch.compile(model.body, dynamic=True)
+    model.compiled_decode = CompiledDecode(model)
     torch._dynamo.mark_static(kv_cache)  # the pool's shape never changes
     # Sizes become symbols here. Without duck shaping, two sizes that happen to be equal in the
     # warm-up (batch and width, or either and a model dimension) do not become one symbol.
     with fx_config.patch(use_duck_shape=False):
-        for batch in (1, 2):
-            _decode_forward(model, kv_cache, block_size, batch, width=3)
+        _decode_forward(model, kv_cache, block_size, batch=1, width=3)
+        with inductor_config.patch(freezing=True):
+            _decode_forward(model, kv_cache, block_size, batch=2, width=3)
 
 
 def _decode_forward(model: CausalLM, kv_cache: torch.Tensor, block_size: int, batch: int, width: int) -> None:

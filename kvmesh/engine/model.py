@@ -114,7 +114,7 @@ class CausalLM(nn.Module):
         )
         cos_sin = rope_cos_sin_cache(cfg.rope, cfg.head_dim, max_positions, cfg.max_position_embeddings)
         self.register_buffer("cos_sin", cos_sin, persistent=False)
-        # ``body`` compiled for decode steps, and the KV write it traces (kvmesh.engine.compile);
+        # ``run`` compiled for decode steps, and the KV write it traces (kvmesh.engine.compile);
         # None / the plain op: eager everywhere.
         self.compiled_decode = None
         self.write_kv = write_layer_kv
@@ -134,12 +134,22 @@ class CausalLM(nn.Module):
         With ``return_hidden``, returns ``(logits, hidden)``: also those rows' final hidden
         states (after the last norm, the LM head's input), the features an EAGLE head drafts from.
         """
-        body = self.compiled_decode if meta.is_decode and self.compiled_decode is not None else self.body
-        hidden = body(input_ids, positions, kv_cache, meta)
-        hidden = hidden[logits_indices]
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = torch.matmul(hidden, weight.t()).float()
+        run = self.compiled_decode if meta.is_decode and self.compiled_decode is not None else self.run
+        logits, hidden = run(input_ids, positions, kv_cache, meta, logits_indices)
         return (logits, hidden) if return_hidden else logits
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The body and the LM head on the rows that sample: (float32 logits, their hidden states)."""
+        hidden = self.body(input_ids, positions, kv_cache, meta)[logits_indices]
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.matmul(hidden, weight.t()).float(), hidden
 
     def body(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
