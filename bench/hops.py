@@ -1,18 +1,20 @@
-"""Where one stream's token time goes between the engine and the client, hop by hop.
+"""Where a stream's token time goes between the engine and the client, hop by hop.
 
-The same greedy request (a chat prompt on the real default model, N new tokens, EOS
-ignored) is streamed at four depths, alternating, in one run:
+The same greedy requests (``--streams`` chat prompts on the real default model, N new tokens
+each, EOS ignored, all at once) are streamed at four depths, alternating, in one run:
 
   engine    the in-process AsyncEngine in this process (the anchor; the mesh idles meanwhile);
   decode    decode's gRPC ``Decode`` stream, straight to the worker (it prefills locally);
   gateway   the gateway's gRPC ``Generate`` (router decision, then the decode stream);
   http      the gateway's OpenAI ``/v1/completions`` with ``stream: true`` (SSE).
 
-For each depth: time per output token (median over repeats of (last - first) / (n - 1)),
-TTFT, tokens/s, what that depth adds per token over the one before it, and the CPU time each
-process spent per token (from /proc: on a 2-core machine, every CPU-millisecond a hop burns
-is taken from the engine's matmul threads). Run:
-``python bench/hops.py [--topology colocated|compose] [--dtype float32] [--compile] [--new-tokens 128] [--repeats 3] [--json PATH]``.
+For each depth: time per output token (median over streams and repeats of (last - first) /
+(n - 1)), TTFT, tokens/s of one stream (1 / time per token) and of all of them (tokens / wall
+time, prefill included), what that depth adds per token over the one before it, and the CPU
+time each process spent per token (from /proc: on a 2-core machine, every CPU-millisecond a
+hop burns is taken from the engine's matmul threads). Run:
+``python bench/hops.py [--topology colocated|compose] [--streams 1] [--dtype float32] [--compile] [--new-tokens 128]
+[--repeats 3] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -50,13 +52,20 @@ _TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
-class Stream:
-    arrivals: list[float]  # seconds from the request's start, one per token
-    cpu_s: dict[str, float]  # process -> CPU seconds during the stream
+class Round:
+    """One depth's streams, sent together."""
+
+    arrivals: list[list[float]]  # per stream: seconds from the round's start, one per token
+    wall_s: float
+    cpu_s: dict[str, float]  # process -> CPU seconds during the round
 
     @property
-    def tpot_s(self) -> float:
-        return (self.arrivals[-1] - self.arrivals[0]) / (len(self.arrivals) - 1)
+    def tpots_s(self) -> list[float]:
+        return [(a[-1] - a[0]) / (len(a) - 1) for a in self.arrivals]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(a) for a in self.arrivals)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -135,14 +144,17 @@ class Depths:
             chunks += [chunks[-1]] * (tokens - len(chunks))
         return chunks
 
-    async def run(self, depth: str, prompt: list[int], pids: dict[str, int]) -> Stream:
+    async def run(self, depth: str, prompts: list[list[int]], pids: dict[str, int]) -> Round:
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         t0 = time.perf_counter()
-        arrivals = await getattr(self, f"{depth}_stream")(prompt, t0)
+        stream = getattr(self, f"{depth}_stream")
+        arrivals = await asyncio.gather(*(stream(prompt, t0) for prompt in prompts))
+        wall = time.perf_counter() - t0
         cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
-        if len(arrivals) != self.n:
-            raise RuntimeError(f"{depth}: {len(arrivals)} tokens, expected {self.n}")
-        return Stream(arrivals, cpu)
+        for got in arrivals:
+            if len(got) != self.n:
+                raise RuntimeError(f"{depth}: {len(got)} tokens, expected {self.n}")
+        return Round(list(arrivals), wall, cpu)
 
 
 def start_mesh(model: Path, run_dir: Path, args: argparse.Namespace, http_port: int) -> Mesh:
@@ -157,7 +169,7 @@ def start_mesh(model: Path, run_dir: Path, args: argparse.Namespace, http_port: 
 
 
 async def measure(args: argparse.Namespace, model: Path, tmp: Path) -> dict:
-    prompt = chat_prompts(model, 1)[0]
+    prompts = chat_prompts(model, args.streams)
     http_port = free_port()
     mesh = start_mesh(model, tmp / "mesh", args, http_port)
     engine = await AsyncEngine.started(lambda: LLMEngine(model, EngineConfig(dtype=args.dtype, compile=args.compile)))
@@ -167,33 +179,35 @@ async def measure(args: argparse.Namespace, model: Path, tmp: Path) -> dict:
         pids["bench"] = os.getpid()
         await depths.prepare()
         for depth in DEPTHS:  # warm-up: the first request of each path pays one-off costs
-            await depths.run(depth, prompt[:8], pids)
-        runs: dict[str, list[Stream]] = {d: [] for d in DEPTHS}
+            await depths.run(depth, [p[:8] for p in prompts], pids)
+        runs: dict[str, list[Round]] = {d: [] for d in DEPTHS}
         for _ in range(args.repeats):
             for depth in DEPTHS:
-                runs[depth].append(await depths.run(depth, prompt, pids))
+                runs[depth].append(await depths.run(depth, prompts, pids))
     finally:
         engine.stop()
         mesh.stop()
-    return summarize(runs, args.new_tokens)
+    return summarize(runs)
 
 
-def summarize(runs: dict[str, list[Stream]], n: int) -> dict:
+def summarize(runs: dict[str, list[Round]]) -> dict:
     out: dict = {}
     prev = None
-    for depth, streams in runs.items():
-        tpot = statistics.median(s.tpot_s for s in streams)
-        cpu = {name: statistics.median(s.cpu_s[name] for s in streams) / n * 1e3 for name in streams[0].cpu_s}
+    for depth, rounds in runs.items():
+        tpot = statistics.median(t for r in rounds for t in r.tpots_s)
+        cpu = {name: statistics.median(r.cpu_s[name] / r.tokens for r in rounds) * 1e3 for name in rounds[0].cpu_s}
         out[depth] = {
             "tpot_ms": tpot * 1e3,
-            "ttft_ms": statistics.median(s.arrivals[0] for s in streams) * 1e3,
+            "ttft_ms": statistics.median(a[0] for r in rounds for a in r.arrivals) * 1e3,
             "tokens_per_s": 1 / tpot,
+            "total_tokens_per_s": statistics.median(r.tokens / r.wall_s for r in rounds),
             "added_ms_per_token": None if prev is None else (tpot - prev) * 1e3,
             "cpu_ms_per_token": cpu,
-            "tpot_ms_each": [s.tpot_s * 1e3 for s in streams],
+            "tpot_ms_each": [t * 1e3 for r in rounds for t in r.tpots_s],
         }
         prev = tpot
     out["http_over_engine"] = out["engine"]["tpot_ms"] / out["http"]["tpot_ms"]
+    out["http_over_engine_total"] = out["http"]["total_tokens_per_s"] / out["engine"]["total_tokens_per_s"]
     return out
 
 
@@ -203,6 +217,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--streams", type=int, default=1, help="concurrent requests per round")
     ap.add_argument("--topology", choices=("colocated", "compose"), default="colocated",
                     help="colocated: decode prefills itself; compose: the compose file's mesh (prefill workers, kvstore)")
     ap.add_argument("--compile", action="store_true", help="compiled decode step, in the anchor and in decode")
@@ -214,7 +229,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         result = asyncio.run(measure(args, model, Path(tmp)))
     procs = list(result["engine"]["cpu_ms_per_token"])
-    print(f"one stream, {args.new_tokens} greedy tokens, {args.dtype}{' compiled' if args.compile else ''}, "
+    print(f"{args.streams} stream(s) at once, {args.new_tokens} greedy tokens each, {args.dtype}{' compiled' if args.compile else ''}, "
           f"{args.topology} mesh, "
           f"median of {args.repeats}; "
           "CPU ms/token per process (the engine depth runs in 'bench')")
@@ -222,12 +237,16 @@ def main() -> int:
     for depth in DEPTHS:
         r = result[depth]
         added = "" if r["added_ms_per_token"] is None else f"{r['added_ms_per_token']:+.2f}"
-        rows.append([depth, f"{r['tpot_ms']:.2f}", added, f"{r['tokens_per_s']:.1f}", f"{r['ttft_ms']:.0f}",
+        rows.append([depth, f"{r['tpot_ms']:.2f}", added, f"{r['tokens_per_s']:.1f}",
+                     f"{r['total_tokens_per_s']:.1f}", f"{r['ttft_ms']:.0f}",
                      *(f"{r['cpu_ms_per_token'][p]:.2f}" for p in procs)])
-    print_table(["depth", "ms/token", "added", "tok/s", "TTFT ms", *(f"cpu {p}" for p in procs)], rows)
-    print(f"HTTP stream / in-process engine: {result['http_over_engine']:.2f}x")
+    print_table(["depth", "ms/token", "added", "tok/s a stream", "tok/s all", "TTFT ms",
+                 *(f"cpu {p}" for p in procs)], rows)
+    print(f"HTTP / in-process engine: {result['http_over_engine']:.2f}x a stream, "
+          f"{result['http_over_engine_total']:.2f}x all streams")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    meta = {"dtype": args.dtype, "compile": args.compile, "topology": args.topology, "new_tokens": args.new_tokens}
+    meta = {"dtype": args.dtype, "compile": args.compile, "topology": args.topology, "new_tokens": args.new_tokens,
+            "streams": args.streams}
     Path(args.json).write_text(json.dumps({**meta, **result}, indent=2))
     print(f"wrote {args.json}")
     return 0
