@@ -37,6 +37,7 @@ import structlog
 from kvmesh.checksum import CHECKSUM_BYTES
 from kvmesh.common.v1 import kv_pb2
 from kvmesh.errors import DeadlineExceeded, Unavailable
+from kvmesh.worker.kv_transport import DEFAULT_PROGRESS_PAUSE_US
 
 if TYPE_CHECKING:
     import torch
@@ -60,8 +61,6 @@ _UCX_DEFAULTS = {"UCX_RCACHE_MAX_UNRELEASED": "1024", "UCX_KEEPALIVE_INTERVAL": 
 # from 0.2 ms (a small READ is done at once) doubling up to 1 ms.
 _POLL_FIRST_S = 0.0002
 _POLL_MAX_S = 0.001
-# The progress thread's pause between rounds (see _agent_with_paced_progress).
-_PROGRESS_PAUSE_US = 100
 # Checksum threads per verification: the CPU count, at most 4.
 _CHECKSUM_THREADS = min(4, os.cpu_count() or 1)
 # A BlockRead's chunks: about this many bytes each, at most this many (each costs a thread hop
@@ -251,8 +250,8 @@ class NixlRead:
             log.warning("releasing a finished NIXL transfer failed", error=str(e))
 
 
-def _agent_with_paced_progress(nixl: Any, name: str, config: Any) -> Any:
-    """A ``nixl_agent`` whose progress thread pauses ``_PROGRESS_PAUSE_US`` between rounds.
+def _agent_with_paced_progress(nixl: Any, name: str, config: Any, pause_us: int) -> Any:
+    """A ``nixl_agent`` whose progress thread pauses ``pause_us`` between rounds.
 
     The progress thread (C++, no GIL) is what moves a READ's bytes while neither side's Python
     asks, and on the holder what serves a READ over TCP and acknowledges one over shared memory
@@ -265,7 +264,7 @@ def _agent_with_paced_progress(nixl: Any, name: str, config: Any) -> Any:
     real = bindings.nixlAgent
 
     def paced(agent_name: str, agent_config: Any) -> Any:
-        agent_config.pthrDelay = _PROGRESS_PAUSE_US
+        agent_config.pthrDelay = pause_us
         return real(agent_name, agent_config)
 
     bindings.nixlAgent = paced
@@ -278,7 +277,9 @@ def _agent_with_paced_progress(nixl: Any, name: str, config: Any) -> Any:
 class NixlEndpoint:
     """This worker's NIXL agent with its KV pool registered; reads from peers' pools."""
 
-    def __init__(self, nixl: Any, tensor: torch.Tensor, role: str) -> None:
+    def __init__(
+        self, nixl: Any, tensor: torch.Tensor, role: str, progress_pause_us: int = DEFAULT_PROGRESS_PAUSE_US
+    ) -> None:
         for k, v in _UCX_DEFAULTS.items():
             os.environ.setdefault(k, v)
         self.name = f"kvmesh-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -287,7 +288,7 @@ class NixlEndpoint:
         config = nixl.nixl_agent_config(
             backends=["UCX"], sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT, enable_prog_thread=True
         )
-        self.agent = _agent_with_paced_progress(nixl, self.name, config)
+        self.agent = _agent_with_paced_progress(nixl, self.name, config, progress_pause_us)
         if "UCX" not in self.agent.backends:
             raise RuntimeError("NIXL's UCX backend did not start")
         self._registered = self.agent.register_memory(tensor)
