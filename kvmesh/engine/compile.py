@@ -20,6 +20,9 @@ it), so both graphs exist before the first request and no later step compiles.
 
 from __future__ import annotations
 
+import types
+from collections.abc import Callable
+
 import torch
 from torch._inductor import config as inductor_config
 from torch.fx.experimental import _config as fx_config
@@ -55,11 +58,17 @@ class CompiledDecode:
     The batched graph is compiled with inductor's freezing: the weights become constants,
     prepacked for oneDNN/MKL (bf16 on AMX); at 16 sequences a step runs 1.1x (fp32) to 1.2x
     (bf16) faster. One sequence keeps the plain matmuls: a packed GEMV measured ~5% slower (fp32).
+
+    Both graphs skip dynamo's guards on the model's modules (checking ~270 parameters took
+    ~0.6 ms a step): nothing changes the model once compiled. That is only safe while a graph
+    can never be looked up for another model, and dynamo keeps its graphs per code object, so
+    each instance compiles functions with code objects of its own (``_own_code``).
     """
 
     def __init__(self, model: CausalLM) -> None:
-        self.alone = torch.compile(_run_alone, dynamic=True)
-        self.batched = torch.compile(_run_batched, dynamic=True)
+        skip = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        self.alone = torch.compile(_own_code(_run), dynamic=True, options=skip)
+        self.batched = torch.compile(_own_code(_run), dynamic=True, options=skip)
         self.model = model
 
     def __call__(self, input_ids: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,14 +76,13 @@ class CompiledDecode:
         return graph(self.model, input_ids, *args)
 
 
-# Dynamo keeps its graphs per code object: two functions, so that the graph compiled with
-# freezing and the one compiled without it are never looked up in each other's cache.
-def _run_alone(model: CausalLM, *args) -> tuple[torch.Tensor, torch.Tensor]:
+def _run(model: CausalLM, *args) -> tuple[torch.Tensor, torch.Tensor]:
     return model.run(*args)
 
 
-def _run_batched(model: CausalLM, *args) -> tuple[torch.Tensor, torch.Tensor]:
-    return model.run(*args)
+def _own_code(fn: Callable) -> Callable:
+    """``fn`` with a copy of its code object: a dynamo graph cache (and guards) of its own."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
 
 
 def compile_decode(model: CausalLM, kv_cache: torch.Tensor, block_size: int) -> None:
@@ -85,7 +93,9 @@ def compile_decode(model: CausalLM, kv_cache: torch.Tensor, block_size: int) -> 
     torch._dynamo.mark_static(kv_cache)  # the pool's shape never changes
     # Sizes become symbols here. Without duck shaping, two sizes that happen to be equal in the
     # warm-up (batch and width, or either and a model dimension) do not become one symbol.
-    with fx_config.patch(use_duck_shape=False):
+    # cpp_wrapper: the graph's calls between kernels run in generated C++, not Python (~1 ms a
+    # step at 30 layers: 1.10x at both 1 and 16 sequences, bf16).
+    with fx_config.patch(use_duck_shape=False), inductor_config.patch(cpp_wrapper=True):
         _decode_forward(model, kv_cache, block_size, batch=1, width=3)
         with inductor_config.patch(freezing=True):
             _decode_forward(model, kv_cache, block_size, batch=2, width=3)

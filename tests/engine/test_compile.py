@@ -47,3 +47,18 @@ def test_compiled_steps_write_every_layers_kv(checkpoints):
     eager, compiled = pools
     assert eager.abs().sum() > 0
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_two_compiled_engines_of_one_architecture_keep_their_own_weights(checkpoints, tmp_path):
+    """Each engine's graphs see only its own model. The graphs skip dynamo's guards on the
+    model's modules and the batched one bakes the weights in: a graph looked up for the wrong
+    model (same shapes) would answer with the other model's weights."""
+    from .conftest import write_checkpoint
+
+    paths = [checkpoints["llama-gqa"], write_checkpoint(tmp_path / "other", "llama-gqa", seed=1)]
+    engines = [LLMEngine(path, EngineConfig(num_blocks=64, compile=True)) for path in paths]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    for path, engine in zip(paths, engines):
+        for prompts in ([PROMPTS[0]], PROMPTS[:3]):  # the one-sequence graph, then the batched one
+            for prompt, res in zip(prompts, engine.generate(prompts, params)):
+                assert res.token_ids == hf_greedy(path, prompt, 12)[0], f"{path.name}: prompt {prompt[:4]}..."
