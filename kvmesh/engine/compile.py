@@ -24,7 +24,6 @@ import types
 from collections.abc import Callable
 
 import torch
-from torch._inductor import config as inductor_config
 from torch.fx.experimental import _config as fx_config
 
 from kernels import Ops
@@ -87,6 +86,10 @@ def _own_code(fn: Callable) -> Callable:
 
 def compile_decode(model: CausalLM, kv_cache: torch.Tensor, block_size: int) -> None:
     """Route ``model``'s decode steps through compiled graphs and build them now."""
+    # Imported only when compiling: with inductor imported at engine import, the Triton kernel
+    # tests later in the same pytest process failed (tl.cdiv stayed a JITFunction under the interpreter).
+    from torch._inductor import config as inductor_config
+
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, _GRAPH_LIMIT)
     model.write_kv = _traced_write
     model.compiled_decode = CompiledDecode(model)
