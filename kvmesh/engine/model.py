@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kernels import Ops
+from kernels.small_rows_linear import SmallRowsLinear, use_small_rows_linears
 from kvmesh.engine.config import ModelConfig
 from kvmesh.engine.rope import rope_cos_sin_cache
 from kvmesh.engine.weights import iter_tensors
@@ -118,6 +119,8 @@ class CausalLM(nn.Module):
         # None / the plain op: eager everywhere.
         self.compiled_decode = None
         self.write_kv = write_layer_kv
+        # The LM head as a module of its own kind (``use_small_rows_linears``); None: a plain product.
+        self.head_proj: nn.Module | None = None
 
     @torch.inference_mode()
     def forward(
@@ -148,8 +151,17 @@ class CausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The body and the LM head on the rows that sample: (float32 logits, their hidden states)."""
         hidden = self.body(input_ids, positions, kv_cache, meta)[logits_indices]
+        if self.head_proj is not None:
+            return self.head_proj(hidden).float(), hidden
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.matmul(hidden, weight.t()).float(), hidden
+
+    def use_small_rows_linears(self) -> None:
+        """Run few-row products (a speculative verify's k+1 rows) on oneDNN-reordered weights,
+        the LM head's included (``kernels.small_rows_linear``; float32 on CPU). The weights must
+        not change afterwards: the reordered copies would not follow."""
+        use_small_rows_linears(self)
+        self.head_proj = self.lm_head if self.lm_head is not None else SmallRowsLinear(self.embed_tokens.weight, None)
 
     def body(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata

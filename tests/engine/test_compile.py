@@ -34,6 +34,21 @@ def test_compiled_decode_matches_transformers_and_never_recompiles(checkpoints, 
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_compiled_decode_with_speculation_matches_transformers(checkpoints):
+    """Verify steps eager on the few-row linears (kernels.small_rows_linear), decode steps
+    through the compiled graphs: the first request's drafts (wrong ones) run out after 12
+    tokens, and from there both requests decode."""
+    from .test_speculative import ScriptedProposer
+
+    path = checkpoints["llama-gqa"]
+    drafts = ScriptedProposer({"req-0": [7, 8, 9] * 4})
+    engine = LLMEngine(path, EngineConfig(num_blocks=128, compile=True, num_speculative_tokens=3), proposer=drafts)
+    got = engine.generate(PROMPTS[:2], SamplingParams(max_tokens=N_NEW, ignore_eos=True))
+    for prompt, res in zip(PROMPTS, got):
+        assert res.token_ids == hf_greedy(path, prompt, N_NEW)[0]
+    assert engine.stats.draft_tokens_proposed > 0
+
+
 def test_compiled_steps_write_every_layers_kv(checkpoints):
     """Each layer's K/V lands in its own layer of the pool, as the eager step writes it."""
     path = checkpoints["llama-gqa"]

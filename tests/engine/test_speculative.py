@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.small_rows_linear import SmallRowsLinear
 from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
 from kvmesh.engine.sampler import verify
 
@@ -47,6 +48,8 @@ def test_greedy_output_identical_with_oracle_and_garbage_drafts(checkpoints):
     spec = LLMEngine(path, EngineConfig(num_blocks=128, num_speculative_tokens=4), proposer=oracle)
     got = spec.generate(PROMPTS, _greedy())
     assert [c.token_ids for c in got] == expected
+    # Its verify steps ran on the few-row linears (float32 on CPU): output identical all the same.
+    assert isinstance(spec.model.layers[0].gate_up_proj, SmallRowsLinear) and spec.model.head_proj is not None
     assert spec.stats.draft_tokens_accepted == spec.stats.draft_tokens_proposed > 0
     assert spec.stats.steps < plain[0].token_ids.__len__() + 5  # ~5 tokens per step
     assert sorted(oracle.finished_ids) == sorted(f"req-{i}" for i in range(len(PROMPTS)))

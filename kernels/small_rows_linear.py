@@ -1,0 +1,69 @@
+"""CPU linear layers whose few-row products run on a oneDNN-reordered copy of the weight.
+
+One row (a decode step of one sequence) runs MKL's GEMV at memory speed. A product of
+a few rows (a speculative verify: k+1 rows per sequence) falls into MKL's GEMM, which
+repacks the weight on every call: on the 2-core dev machine a verify step of 5 rows
+cost 1.8x a one-row step (SmolLM2-135M, float32: 62 ms against 34 ms). With each
+weight reordered once for oneDNN, the same step takes 55 ms (``bench/speculation.py``
+measures the speed-up this buys). One row stays on the plain weight (oneDNN's GEMV
+is slower) and so do products of more than ``max_rows`` rows (prefill chunks: no gain
+measured at 128 or 512 rows).
+
+Costs a second, reordered copy of every weight, so the engine only swaps these in
+where they pay: float32 on CPU with speculation on (``LLMEngine``). Inside a compiled
+graph the plain product is traced (inductor prepacks weights itself).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvmesh.errors import FailedPrecondition
+
+# Row counts above this are prefill-sized: the plain GEMM is as fast there.
+DEFAULT_MAX_ROWS = 64
+# Shape the reorder is tuned for: a verify of 4 drafts plus the bonus row.
+_REORDER_ROWS_HINT = 5
+
+
+class SmallRowsLinear(nn.Linear):
+    """An ``nn.Linear`` (same ``weight``/``bias`` parameters, shared, not copied) that runs its
+    2..``max_rows``-row products through oneDNN on a reordered copy of the weight."""
+
+    def __init__(self, weight: nn.Parameter | torch.Tensor, bias: torch.Tensor | None,
+                 max_rows: int = DEFAULT_MAX_ROWS) -> None:
+        nn.Module.__init__(self)  # nn.Linear's own __init__ would allocate fresh weights
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            raise FailedPrecondition("small-row oneDNN linears are for float32 weights on CPU")
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.bias = bias
+        self.max_rows = max_rows
+        # A plain attribute, not a buffer: it is no part of the state dict.
+        self._reordered = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _REORDER_ROWS_HINT)
+
+    @classmethod
+    def of(cls, linear: nn.Linear, max_rows: int = DEFAULT_MAX_ROWS) -> SmallRowsLinear:
+        return cls(linear.weight, linear.bias, max_rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling() or not 2 <= rows.shape[0] <= self.max_rows or torch.is_grad_enabled():
+            return super().forward(x)
+        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self._reordered, self.bias, "none", [], "")
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def use_small_rows_linears(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> int:
+    """Swap, in place, every float32 CPU ``nn.Linear`` of ``model`` for a ``SmallRowsLinear``
+    (sharing its parameters); returns how many were swapped."""
+    targets = [
+        (name, m) for name, m in model.named_modules()
+        if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+    ]
+    for name, linear in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, SmallRowsLinear.of(linear, max_rows))
+    return len(targets)
