@@ -5,7 +5,9 @@ Greedy decoding of held-out prompts on the installed default model
 ``chat`` (chat-templated questions about Python) and ``prose``
 (chat-templated questions with nothing to copy) — at batch 1 (one request at
 a time; the first ``--batch1-prompts`` of a kind) and batch 8 (a kind's eight
-prompts in flight), k = 2 and 4, with
+prompts in flight), k = 2 and 4 (at most: the engine asks a sequence whose
+drafts miss for fewer, ``kvmesh.engine.draft_length``; ``--draft-cost 0``
+always asks for k), with
 drafts from:
   none   — no speculation, the anchor;
   ngram  — prompt lookup in the request's own context (the speculator core in-process);
@@ -94,10 +96,11 @@ def prompts_of(model: Path) -> dict[str, list[list[int]]]:
 
 
 def run(model: Path, prompts: list[list[int]], batch: int, max_tokens: int, k: int,
-        proposer: DraftProposer | None) -> dict:
+        proposer: DraftProposer | None, draft_cost: float | None) -> dict:
     """One timed pass over the prompts, ``batch`` at a time, on a fresh engine and proposer."""
     engine = LLMEngine(
-        model, EngineConfig(num_blocks=512, num_speculative_tokens=k if proposer else 0), proposer=proposer
+        model, EngineConfig(num_blocks=512, num_speculative_tokens=k if proposer else 0, draft_cost=draft_cost),
+        proposer=proposer,
     )
     params = SamplingParams(max_tokens=max_tokens)
     tokens: dict[str, list[int]] = {}
@@ -143,6 +146,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--batch1-prompts", type=int, default=4, help="prompts per kind at batch 1 (batch 8: all eight)")
     p.add_argument("--eagle-match-tokens", type=int, default=EAGLE_MATCH_TOKENS)
+    p.add_argument("--draft-cost", type=float, default=None,
+                   help="EngineConfig.draft_cost (default: the engine's; 0: always k drafts)")
     p.add_argument("--repeats", type=int, default=1, help="passes per configuration, interleaved; the fastest counts")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=str(REPO / "bench" / "results" / "speculation.json"))
@@ -172,7 +177,7 @@ def main() -> None:
         for cfg in configs:
             kind, batch, src, k = cfg
             prompts = all_prompts[kind][: args.batch1_prompts] if batch == 1 else all_prompts[kind]
-            r = run(model, prompts, batch, args.max_tokens, k, makers[src]())
+            r = run(model, prompts, batch, args.max_tokens, k, makers[src](), args.draft_cost)
             if cfg not in best or r["seconds"] < best[cfg]["seconds"]:
                 best[cfg] = r
             s = summary(r)

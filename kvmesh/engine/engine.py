@@ -22,6 +22,7 @@ from kvmesh.engine.block_manager import BlockEventSink, BlockManager, OutOfBlock
 from kvmesh.engine.compile import compile_decode
 from kvmesh.engine.config import EngineConfig, ModelConfig, dtype_name
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.engine.draft_length import DraftLengthPolicy
 from kvmesh.engine.grammar import GrammarCache, GrammarStats, Masks, MaskRows, allowed_prefix
 from kvmesh.engine.kv_cache import KV_LAYOUT, BlockPayload, KVCache
 from kvmesh.engine.model import AttentionMetadata, CausalLM
@@ -159,6 +160,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self.stats = EngineStats()
         self.proposer = proposer
+        self._draft_length = DraftLengthPolicy(cfg.num_speculative_tokens, cfg.resolve_draft_cost())
         if hasattr(proposer, "bind"):
             proposer.bind(self.model)
         self._wants_features = bool(getattr(proposer, "wants_features", False))
@@ -352,6 +354,8 @@ class LLMEngine:
             if k:
                 seq.num_draft_proposed += k
                 seq.num_draft_accepted += len(tokens) - 1
+                seq.num_draft_missed += len(tokens) - 1 < k
+                self._draft_length.record(k, len(tokens) - 1)
                 self.stats.draft_tokens_proposed += k
                 self.stats.draft_tokens_accepted += len(tokens) - 1
             if seq.params.logprobs is not None:
@@ -362,13 +366,12 @@ class LLMEngine:
         return outputs
 
     def _propose_drafts(self) -> None:
-        k_max = self.config.num_speculative_tokens
         want = {}
         for seq in self.scheduler.running:
             # Room left under max_tokens and the context: the bonus token needs a slot too.
             room = min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_tokens) - 1
             if seq.is_decoding and room > 0:
-                want[seq.request_id] = (seq, min(k_max, room))
+                want[seq.request_id] = (seq, self._draft_length.choose(seq.num_draft_accepted, seq.num_draft_missed, room))
         if not want:
             return
         for rid, drafts in self.proposer.propose([(s, k) for s, k in want.values()]).items():

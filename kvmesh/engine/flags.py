@@ -20,6 +20,8 @@ ENGINE_FLAGS = [
     Flag("--compile", "torch.compile the decode step (inductor): faster steps, about 2 minutes more start-up on CPU",
          default=False, type=bool),
     Flag("--num-speculative-tokens", "draft tokens verified per decode step (0: no speculation)", default=0, type=int),
+    Flag("--draft-cost", "each draft's cost as a share of a decode step: sequences whose drafts miss get fewer "
+         "(default: 0.15 on CPU, 0 = always the full count, elsewhere)", type=float),
     Flag("--worker-id", "this worker's id in the router (default: <role>-<host>:<port>)"),
     Flag("--router-address", "router host:port (unset: run without a router)"),
     Flag("--kvstore-address", "kvstore host:port: fetch cached prefixes from it, write new blocks to it (unset: none)"),
@@ -36,6 +38,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         num_speculative_tokens=args.num_speculative_tokens,
+        draft_cost=args.draft_cost,
         quantization=args.quantization,
         compile=args.compile,
         **overrides,
