@@ -6,7 +6,7 @@ Greedy decoding of held-out prompts on the installed default model
 (chat-templated questions with nothing to copy) — at batch 1 (one request at
 a time; the first ``--batch1-prompts`` of a kind) and batch 8 (a kind's eight
 prompts in flight), k = 2 and 4 (at most: the engine asks a sequence whose
-drafts miss for fewer, ``kvmesh.engine.draft_length``; ``--draft-cost 0``
+drafts miss for fewer, ``kvmesh.engine.draft_length``; ``--draft-costs free``
 always asks for k), with
 drafts from:
   none   — no speculation, the anchor;
@@ -41,6 +41,7 @@ from _common import cells, write_json  # noqa: E402
 from _table import print_table  # noqa: E402
 
 from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from kvmesh.engine.config import parse_draft_costs  # noqa: E402
 from kvmesh.engine.default_model import default_model_path  # noqa: E402
 from kvmesh.engine.engine import DraftProposer  # noqa: E402
 from services.speculator.candidate import Source  # noqa: E402
@@ -96,10 +97,10 @@ def prompts_of(model: Path) -> dict[str, list[list[int]]]:
 
 
 def run(model: Path, prompts: list[list[int]], batch: int, max_tokens: int, k: int,
-        proposer: DraftProposer | None, draft_cost: float | None) -> dict:
+        proposer: DraftProposer | None, draft_costs: tuple[float, ...] | None) -> dict:
     """One timed pass over the prompts, ``batch`` at a time, on a fresh engine and proposer."""
     engine = LLMEngine(
-        model, EngineConfig(num_blocks=512, num_speculative_tokens=k if proposer else 0, draft_cost=draft_cost),
+        model, EngineConfig(num_blocks=512, num_speculative_tokens=k if proposer else 0, draft_costs=draft_costs),
         proposer=proposer,
     )
     params = SamplingParams(max_tokens=max_tokens)
@@ -146,8 +147,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--batch1-prompts", type=int, default=4, help="prompts per kind at batch 1 (batch 8: all eight)")
     p.add_argument("--eagle-match-tokens", type=int, default=EAGLE_MATCH_TOKENS)
-    p.add_argument("--draft-cost", type=float, default=None,
-                   help="EngineConfig.draft_cost (default: the engine's; 0: always k drafts)")
+    p.add_argument("--draft-costs", default=None,
+                   help="EngineConfig.draft_costs, e.g. 1.2,1.3 (default: the engine's; 'free': always k drafts)")
     p.add_argument("--repeats", type=int, default=1, help="passes per configuration, interleaved; the fastest counts")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=str(REPO / "bench" / "results" / "speculation.json"))
@@ -177,7 +178,7 @@ def main() -> None:
         for cfg in configs:
             kind, batch, src, k = cfg
             prompts = all_prompts[kind][: args.batch1_prompts] if batch == 1 else all_prompts[kind]
-            r = run(model, prompts, batch, args.max_tokens, k, makers[src](), args.draft_cost)
+            r = run(model, prompts, batch, args.max_tokens, k, makers[src](), parse_draft_costs(args.draft_costs))
             if cfg not in best or r["seconds"] < best[cfg]["seconds"]:
                 best[cfg] = r
             s = summary(r)

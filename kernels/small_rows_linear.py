@@ -1,13 +1,13 @@
 """CPU linear layers whose few-row products run on a oneDNN-reordered copy of the weight.
 
-One row (a decode step of one sequence) runs MKL's GEMV at memory speed. A product of
-a few rows (a speculative verify: k+1 rows per sequence) falls into MKL's GEMM, which
-repacks the weight on every call: on the 2-core dev machine a verify step of 5 rows
-cost 1.8x a one-row step (SmolLM2-135M, float32: 62 ms against 34 ms). With each
-weight reordered once for oneDNN, the same step takes 55 ms (``bench/speculation.py``
-measures the speed-up this buys). One row stays on the plain weight (oneDNN's GEMV
-is slower) and so do products of more than ``max_rows`` rows (prefill chunks: no gain
-measured at 128 or 512 rows).
+Up to 3 rows, MKL runs at memory speed. From 4 rows on (a speculative verify of 3 or 4
+drafts: k+1 rows per sequence) it takes its GEMM path, which repacks the weight on every
+call. On the 2-core dev machine (SmolLM2-135M, float32, one sequence), a step took
+34.8 ms with 1 row, 41.0 / 42.1 ms with 2 / 3 rows, then 57.3 / 58.9 ms with 4 / 5 rows.
+With each weight reordered once for oneDNN, the 4- and 5-row steps take 51.1 / 52.8 ms.
+oneDNN is slower below 4 rows (50 ms), so those stay on the plain weight. So do
+products of more than ``max_rows`` rows (prefill chunks: no gain measured at 128 or
+512 rows).
 
 Costs a second, reordered copy of every weight, so the engine only swaps these in
 where they pay: float32 on CPU with speculation on (``LLMEngine``). Inside a compiled
@@ -21,7 +21,9 @@ from torch import nn
 
 from kvmesh.errors import FailedPrecondition
 
-# Row counts above this are prefill-sized: the plain GEMM is as fast there.
+# Fewer rows run at memory speed on the plain weight; more are prefill-sized, where the
+# plain GEMM is as fast.
+MIN_ROWS = 4
 DEFAULT_MAX_ROWS = 64
 # Shape the reorder is tuned for: a verify of 4 drafts plus the bonus row.
 _REORDER_ROWS_HINT = 5
@@ -29,7 +31,7 @@ _REORDER_ROWS_HINT = 5
 
 class SmallRowsLinear(nn.Linear):
     """An ``nn.Linear`` (same ``weight``/``bias`` parameters, shared, not copied) that runs its
-    2..``max_rows``-row products through oneDNN on a reordered copy of the weight."""
+    ``MIN_ROWS``..``max_rows``-row products through oneDNN on a reordered copy of the weight."""
 
     def __init__(self, weight: nn.Parameter | torch.Tensor, bias: torch.Tensor | None,
                  max_rows: int = DEFAULT_MAX_ROWS) -> None:
@@ -49,7 +51,7 @@ class SmallRowsLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if torch.compiler.is_compiling() or not 2 <= rows.shape[0] <= self.max_rows or torch.is_grad_enabled():
+        if torch.compiler.is_compiling() or not MIN_ROWS <= rows.shape[0] <= self.max_rows or torch.is_grad_enabled():
             return super().forward(x)
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self._reordered, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)

@@ -128,10 +128,23 @@ def _rope_params(raw: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-# Measured on the 2-core dev machine (SmolLM2-135M fp32, batch 1, EAGLE head): a verify of
-# 4 drafts took 54.9 ms against a 33.8 ms decode step, (54.9 / 33.8 - 1) / 4 = 0.156 a draft.
-# On a GPU, verify rows are nearly free at small batch: no default is measured there.
-DEFAULT_CPU_DRAFT_COST = 0.15
+# A verify of k = 1, 2, 3, 4 drafts in decode steps' time (kvmesh.engine.draft_length), measured
+# on the 2-core dev machine: SmolLM2-135M fp32, one sequence, decode 34.8 ms; verifies 41.0 /
+# 42.1 / 51.1 / 52.8 ms (kernels.small_rows_linear from 4 rows), plus ~1 ms a draft for the
+# EAGLE head. No GPU default is measured: there, verify rows are nearly free at small batch.
+DEFAULT_CPU_DRAFT_COSTS = (1.21, 1.27, 1.56, 1.64)
+
+
+def parse_draft_costs(text: str | None) -> tuple[float, ...] | None:
+    """``"1.2,1.3"`` -> (1.2, 1.3); ``"free"`` -> () (always k drafts); None -> None (the default)."""
+    if text is None:
+        return None
+    if text.strip() == "free":
+        return ()
+    costs = tuple(float(x) for x in text.split(","))
+    if any(c < 1.0 for c in costs) or list(costs) != sorted(costs):
+        raise ValueError(f"draft costs must be >= 1 and non-decreasing, got {text!r}")
+    return costs
 
 
 @dataclass
@@ -153,17 +166,18 @@ class EngineConfig:
     quantization: str | None = None
     # Draft tokens verified per decode step when a proposer is attached (0 = no speculation).
     num_speculative_tokens: int = 0
-    # Each draft's cost as a share of a decode step (kvmesh.engine.draft_length): fewer drafts
-    # for sequences whose drafts miss. None: DEFAULT_CPU_DRAFT_COST on CPU, 0 (always k) elsewhere.
-    draft_cost: float | None = None
+    # A verify of 1, 2, ... drafts in decode steps' time (kvmesh.engine.draft_length): fewer
+    # drafts for sequences whose drafts miss. None: DEFAULT_CPU_DRAFT_COSTS on CPU, () (drafts
+    # free: always k) elsewhere.
+    draft_costs: tuple[float, ...] | None = None
     seed: int = 0
     # torch.compile the decode step's layers (kvmesh.engine.compile): start-up pays the compile.
     compile: bool = False
 
-    def resolve_draft_cost(self) -> float:
-        if self.draft_cost is not None:
-            return self.draft_cost
-        return DEFAULT_CPU_DRAFT_COST if self.device == "cpu" else 0.0
+    def resolve_draft_costs(self) -> tuple[float, ...]:
+        if self.draft_costs is not None:
+            return tuple(self.draft_costs)
+        return DEFAULT_CPU_DRAFT_COSTS if self.device == "cpu" else ()
 
     def resolve_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         if self.dtype is not None:

@@ -4,10 +4,9 @@ A verify step costs more with every draft it checks (a row more to verify, a ste
 of a draft head), and gains only what gets accepted. Model: a draft is accepted with
 probability ``a`` given that the one before it was (a chain stops at its first miss), so
 k drafts yield on average ``(1 - a**(k + 1)) / (1 - a)`` tokens (the bonus token
-included) for ``1 + cost * k`` decode steps' time; the policy picks the k that gives the
-most tokens per unit of time. ``cost`` is each draft's price as a share of a decode step:
-on the 2-core dev machine about 0.15 (SmolLM2-135M fp32, batch 1: a decode step 33.8 ms,
-a verify of 4 drafts 54.9 ms with the EAGLE head's drafting); 0 keeps k at its maximum.
+included), and a verify of k drafts takes ``costs[k - 1]`` decode steps' time; the
+policy picks the k that gives the most tokens per unit of time. Past the table, each
+draft costs what the last one in it did; an empty table makes drafts free (always k).
 
 ``a`` is estimated per sequence from its own verifies (accepted drafts against misses),
 starting from the engine-wide rate so a new request begins where the traffic is. At
@@ -16,7 +15,8 @@ least one draft is always asked for: with none, the estimate could never recover
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 # How many verifies the engine-wide rate counts as when a sequence has few of its own.
 PRIOR_WEIGHT = 4.0
@@ -27,28 +27,38 @@ def tokens_per_step(a: float, k: int) -> float:
     return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
-def best_length(a: float, max_k: int, cost: float) -> int:
-    """The k in 1..max_k that yields the most tokens per unit of step time."""
-    return max(range(1, max_k + 1), key=lambda k: (tokens_per_step(a, k) / (1.0 + cost * k), -k))
+def step_cost(costs: Sequence[float], k: int) -> float:
+    """A verify of k drafts in decode steps' time (``costs[k - 1]``; extrapolated past the table)."""
+    if k == 0 or not costs:
+        return 1.0
+    if k <= len(costs):
+        return costs[k - 1]
+    last = costs[-1] - (costs[-2] if len(costs) > 1 else 1.0)
+    return costs[-1] + last * (k - len(costs))
+
+
+def best_length(a: float, max_k: int, costs: Sequence[float]) -> int:
+    """The k in 1..max_k that yields the most tokens per unit of step time (the smaller on a tie)."""
+    return max(range(1, max_k + 1), key=lambda k: (tokens_per_step(a, k) / step_cost(costs, k), -k))
 
 
 @dataclass
 class DraftLengthPolicy:
     max_k: int
-    cost: float
+    costs: tuple[float, ...]
     # Engine-wide counts (accepted drafts, verifies that ended in a miss), from a 1:1 prior.
-    accepted: float = field(default=1.0)
-    missed: float = field(default=1.0)
+    accepted: float = 1.0
+    missed: float = 1.0
 
     def choose(self, accepted: int, missed: int, room: int) -> int:
         """Drafts to ask of a sequence that has had ``accepted`` drafts accepted and ``missed``
         verifies end in a miss, with ``room`` tokens left under its limits."""
         k_max = min(self.max_k, room)
-        if k_max < 1 or self.cost <= 0:
+        if k_max < 1 or not self.costs:
             return k_max
         prior = self.accepted / (self.accepted + self.missed)
         a = (accepted + PRIOR_WEIGHT * prior) / (accepted + missed + PRIOR_WEIGHT)
-        return best_length(a, k_max, self.cost)
+        return best_length(a, k_max, self.costs)
 
     def record(self, proposed: int, accepted: int) -> None:
         """A verify of ``proposed`` drafts accepted ``accepted`` of them."""

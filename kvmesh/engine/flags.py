@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.config import EngineConfig, parse_draft_costs
 from kvmesh.runtime import Flag
 
 ENGINE_FLAGS = [
@@ -20,8 +20,8 @@ ENGINE_FLAGS = [
     Flag("--compile", "torch.compile the decode step (inductor): faster steps, about 2 minutes more start-up on CPU",
          default=False, type=bool),
     Flag("--num-speculative-tokens", "draft tokens verified per decode step (0: no speculation)", default=0, type=int),
-    Flag("--draft-cost", "each draft's cost as a share of a decode step: sequences whose drafts miss get fewer "
-         "(default: 0.15 on CPU, 0 = always the full count, elsewhere)", type=float),
+    Flag("--draft-costs", "a verify of 1,2,... drafts in decode steps' time, comma-separated: sequences whose "
+         "drafts miss get fewer ('free': always the full count; default: measured on CPU, free elsewhere)"),
     Flag("--worker-id", "this worker's id in the router (default: <role>-<host>:<port>)"),
     Flag("--router-address", "router host:port (unset: run without a router)"),
     Flag("--kvstore-address", "kvstore host:port: fetch cached prefixes from it, write new blocks to it (unset: none)"),
@@ -38,7 +38,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         num_speculative_tokens=args.num_speculative_tokens,
-        draft_cost=args.draft_cost,
+        draft_costs=parse_draft_costs(args.draft_costs),
         quantization=args.quantization,
         compile=args.compile,
         **overrides,

@@ -5,10 +5,13 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
-from kvmesh.engine.draft_length import DraftLengthPolicy, best_length, tokens_per_step
+from kvmesh.engine.config import DEFAULT_CPU_DRAFT_COSTS, parse_draft_costs
+from kvmesh.engine.draft_length import DraftLengthPolicy, best_length, step_cost, tokens_per_step
 
 from .conftest import PROMPTS
 from .test_speculative import ScriptedProposer
+
+COSTS = DEFAULT_CPU_DRAFT_COSTS
 
 
 def test_tokens_per_step_of_a_chain():
@@ -17,22 +20,38 @@ def test_tokens_per_step_of_a_chain():
     assert tokens_per_step(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
 
 
-def test_the_length_grows_with_acceptance_and_shrinks_with_cost():
-    assert best_length(0.9, 4, cost=0.15) == 4
-    assert best_length(0.2, 4, cost=0.15) == 1
-    lengths = [best_length(a, 8, cost=0.15) for a in (0.3, 0.5, 0.7, 0.9)]
+def test_step_cost_reads_the_table_and_extrapolates_past_it():
+    assert step_cost((1.2, 1.5), 0) == 1.0
+    assert step_cost((1.2, 1.5), 2) == 1.5
+    assert step_cost((1.2, 1.5), 4) == pytest.approx(1.5 + 2 * 0.3)
+    assert step_cost((1.2,), 3) == pytest.approx(1.6)
+
+
+def test_the_length_grows_with_acceptance_and_drafts_free_are_always_all_taken():
+    assert best_length(0.9, 4, COSTS) == 4
+    assert best_length(0.2, 4, COSTS) == 1
+    lengths = [best_length(a, 8, COSTS) for a in (0.3, 0.5, 0.7, 0.9)]
     assert lengths == sorted(lengths) and lengths[0] < lengths[-1]
-    assert best_length(0.3, 4, cost=0.0) == 4  # free drafts: always the most
+    assert best_length(0.3, 4, ()) == 4
 
 
 def test_a_sequence_starts_from_the_engine_wide_rate_and_moves_with_its_own():
-    policy = DraftLengthPolicy(max_k=4, cost=0.15)
+    policy = DraftLengthPolicy(max_k=4, costs=COSTS)
     for _ in range(50):
         policy.record(4, 4)  # traffic whose drafts all land
     assert policy.choose(accepted=0, missed=0, room=100) == 4
     assert policy.choose(accepted=0, missed=30, room=100) == 1  # this one's never do
     assert policy.choose(accepted=40, missed=0, room=2) == 2  # no more than room
-    assert DraftLengthPolicy(max_k=4, cost=0.0).choose(0, 30, room=100) == 4
+    assert DraftLengthPolicy(max_k=4, costs=()).choose(0, 30, room=100) == 4
+
+
+def test_draft_costs_parse():
+    assert parse_draft_costs(None) is None
+    assert parse_draft_costs("free") == ()
+    assert parse_draft_costs("1.2,1.3") == (1.2, 1.3)
+    for bad in ("0.9", "1.5,1.2", "x"):
+        with pytest.raises(ValueError):
+            parse_draft_costs(bad)
 
 
 def test_an_engine_drafts_less_for_drafts_that_miss_and_output_stays_identical(checkpoints):
@@ -40,10 +59,10 @@ def test_an_engine_drafts_less_for_drafts_that_miss_and_output_stays_identical(c
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     plain = [c.token_ids for c in LLMEngine(path, EngineConfig(num_blocks=128)).generate(PROMPTS, params)]
     proposed = {}
-    for cost in (0.0, 0.15):
-        spec = LLMEngine(path, EngineConfig(num_blocks=128, num_speculative_tokens=4, draft_cost=cost),
+    for costs in ((), COSTS):
+        spec = LLMEngine(path, EngineConfig(num_blocks=128, num_speculative_tokens=4, draft_costs=costs),
                          proposer=ScriptedProposer(garbage=True))
         assert [c.token_ids for c in spec.generate(PROMPTS, params)] == plain
-        proposed[cost] = spec.stats.draft_tokens_proposed
-    # Garbage is never accepted: with a cost, each sequence soon asks for one draft a step.
-    assert proposed[0.15] < proposed[0.0] / 2
+        proposed[costs] = spec.stats.draft_tokens_proposed
+    # Garbage is never accepted: priced, each sequence soon asks for one draft a step.
+    assert proposed[COSTS] < proposed[()] / 2

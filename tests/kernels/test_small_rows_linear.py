@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.small_rows_linear import DEFAULT_MAX_ROWS, SmallRowsLinear, use_small_rows_linears
+from kernels.small_rows_linear import DEFAULT_MAX_ROWS, MIN_ROWS, SmallRowsLinear, use_small_rows_linears
 from kvmesh.errors import FailedPrecondition
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 40, DEFAULT_MAX_ROWS, DEFAULT_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 3, MIN_ROWS, 5, 40, DEFAULT_MAX_ROWS, DEFAULT_MAX_ROWS + 1])
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_row_count_gives_the_plain_product(rows, bias):
     torch.manual_seed(rows)
@@ -25,7 +25,7 @@ def test_every_row_count_gives_the_plain_product(rows, bias):
 
 def test_leading_dimensions_are_kept():
     linear = nn.Linear(32, 48, bias=False)
-    x = torch.randn(2, 3, 32)
+    x = torch.randn(2, 3, 32)  # 6 rows
     with torch.inference_mode():
         torch.testing.assert_close(SmallRowsLinear.of(linear)(x), linear(x), rtol=1e-5, atol=1e-5)
 
