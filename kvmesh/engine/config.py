@@ -170,9 +170,17 @@ class EngineConfig:
     # drafts for sequences whose drafts miss. None: DEFAULT_CPU_DRAFT_COSTS on CPU, () (drafts
     # free: always k) elsewhere.
     draft_costs: tuple[float, ...] | None = None
+    # Run 4-64-row products on oneDNN-reordered copies of the weights (kernels.small_rows_linear;
+    # float32 on CPU only; a second copy of the weights). None: on where speculation is.
+    small_rows_linears: bool | None = None
     seed: int = 0
     # torch.compile the decode step's layers (kvmesh.engine.compile): start-up pays the compile.
     compile: bool = False
+
+    def wants_small_rows_linears(self, dtype: torch.dtype) -> bool:
+        if self.device != "cpu" or dtype != torch.float32:
+            return False
+        return self.num_speculative_tokens > 0 if self.small_rows_linears is None else self.small_rows_linears
 
     def resolve_draft_costs(self) -> tuple[float, ...]:
         if self.draft_costs is not None:

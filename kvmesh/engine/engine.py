@@ -135,7 +135,7 @@ class LLMEngine:
 
             # Before the KV pool is allocated, so the freed weight memory can go to it.
             quantize_model_fp8(self.model)  # FailedPrecondition off CUDA
-        if self.device.type == "cpu" and self.dtype == torch.float32 and cfg.num_speculative_tokens > 0:
+        if cfg.wants_small_rows_linears(self.dtype):
             # Verify steps multiply k+1 rows a sequence, where MKL's GEMM repacks every weight
             # per call; a reordered copy of the weights avoids that (kernels.small_rows_linear).
             self.model.use_small_rows_linears()

@@ -112,3 +112,16 @@ def test_handed_off_first_token_continues_exactly(checkpoints):
     assert toks == full
     # Only the partial last block and the first token were computed, then one per step.
     assert b.stats.computed_tokens == (37 - 32 + 1) + 10
+
+
+def test_small_rows_linears_come_with_speculation_or_when_asked(checkpoints):
+    path = checkpoints["llama-gqa"]
+
+    def swapped(**cfg) -> bool:
+        return isinstance(LLMEngine(path, EngineConfig(num_blocks=16, **cfg)).model.layers[0].qkv_proj, SmallRowsLinear)
+
+    assert not swapped()
+    assert swapped(num_speculative_tokens=2)
+    assert swapped(small_rows_linears=True)
+    assert not swapped(num_speculative_tokens=2, small_rows_linears=False)
+    assert not swapped(small_rows_linears=True, dtype="bfloat16")  # float32 only
