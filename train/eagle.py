@@ -1,14 +1,19 @@
 """Train an EAGLE head for a target model from its own hidden states (``kvmesh train-speculator``).
 
-    kvmesh train-speculator --model PATH --data stdlib,chat --out DIR
+    kvmesh train-speculator --model PATH --data code,chat,stdlib --out DIR
 
-1. Corpus (``--data``, comma-separated): ``stdlib`` — windows of the Python
-   standard library's own source (train split of ``train.corpus``, files in a
-   seeded order, ``--stdlib-tokens`` of them); ``chat`` — instruction prompts
-   (``TRAIN_PROMPTS``) answered greedily by the target itself, so the head sees
-   the target's own continuations; ``traffic=PATH`` (opt-in: a deployment's own
-   finished requests, the JSONL a speculator service started with
-   ``--retain-traffic PATH`` writes as its suffix index learns them).
+1. Corpus (``--data``, comma-separated; ``train.eagle_corpus`` builds it):
+   ``code`` — ``--code-prompts`` openings of code cut from the Python standard
+   library (train split), each continued greedily by the target for
+   ``--code-tokens``; ``chat`` — templated instruction prompts answered
+   greedily by the target (``--answer-tokens``), so the head sees the target's
+   own continuations; ``stdlib`` — windows of the standard library's source
+   itself (``--stdlib-tokens`` of them); ``traffic=PATH`` (opt-in: a
+   deployment's own finished requests, the JSONL a speculator service started
+   with ``--retain-traffic PATH`` writes as its suffix index learns them). The
+   target writes its text on an engine of ``--gen-dtype`` (``--gen-compile``:
+   compiled), a faster copy of itself; the labels below come from the target
+   as served.
 2. Features, once: the target (kvmesh's own engine model) runs over every
    window; per position it keeps the final hidden state (``--feature-dtype``,
    float16 by default: 1.1 KB a token at hidden 576) and the target's own
@@ -24,7 +29,8 @@
    on the target's next feature (EAGLE-1's two losses).
 5. Saves ``config.json`` (sizes, the target's fingerprint, the data and flags)
    and ``head.safetensors`` (the block, float16, and the draft vocabulary),
-   then reports held-out top-1 agreement with the target per unrolled step.
+   then reports, on held-out positions, the share whose drafts 1..j all agree
+   with the target (j = 1..unroll) and the accepted length that implies.
 """
 
 from __future__ import annotations
@@ -41,62 +47,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.engine import EngineConfig, LLMEngine
 from kvmesh.engine.model import AttentionMetadata
 from services.speculator.eagle import FORMAT, EagleBlock, HeadConfig, lm_head_weight, target_fingerprint
-
-# Instruction prompts the target answers for its own training data. The benchmark's
-# chat prompts (bench/speculation.py) are different questions: held out.
-TRAIN_PROMPTS = [
-    "How do I reverse a list in Python?",
-    "What is a Python dictionary and how do I use it?",
-    "Explain list comprehensions with an example.",
-    "How do I read a file line by line in Python?",
-    "What is the difference between a tuple and a list?",
-    "Write a Python function that checks whether a string is a palindrome.",
-    "How do I handle exceptions in Python?",
-    "What does the 'with' statement do in Python?",
-    "Write a function that returns the factorial of a number.",
-    "How do I sort a list of dictionaries by a key?",
-    "Explain what a Python decorator is.",
-    "How can I remove duplicates from a list?",
-    "What are *args and **kwargs?",
-    "Write a Python class for a simple bank account.",
-    "How do I merge two dictionaries?",
-    "What is a generator in Python?",
-    "How do I convert a string to an integer in Python?",
-    "Write a function that counts the vowels in a string.",
-    "How do I create a virtual environment?",
-    "What is the difference between == and is in Python?",
-    "Write a Python script that prints the numbers from 1 to 10.",
-    "How do I split a string into words?",
-    "Explain recursion with a short example.",
-    "How do I format a string with f-strings?",
-    "What is the capital of France?",
-    "Give me three tips for better sleep.",
-    "Write a short poem about the ocean.",
-    "Explain photosynthesis in simple terms.",
-    "What are the benefits of regular exercise?",
-    "Summarize the plot of Romeo and Juliet.",
-    "How does a rainbow form?",
-    "Write a short story about a robot learning to paint.",
-    "What is machine learning?",
-    "Describe the water cycle.",
-    "Why is the sky blue?",
-    "Give me a recipe for a simple pancake.",
-    "What is the difference between weather and climate?",
-    "Explain how a computer works to a child.",
-    "Write an email asking a colleague for a meeting.",
-    "What are some good habits for studying?",
-]
 
 
 def parse_data(spec: str) -> list[tuple[str, str | None]]:
     out = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, arg = part.partition("=")
-        if name not in ("stdlib", "chat", "traffic") or (name == "traffic") != bool(arg):
-            raise SystemExit(f"--data: unknown source {part!r} (stdlib, chat, traffic=PATH)")
+        if name not in ("code", "chat", "stdlib", "traffic") or (name == "traffic") != bool(arg):
+            raise SystemExit(f"--data: unknown source {part!r} (code, chat, stdlib, traffic=PATH)")
         out.append((name, arg or None))
     if not out:
         raise SystemExit("--data names no source")
@@ -120,12 +81,21 @@ def stdlib_sequences(engine: LLMEngine, n_tokens: int, window: int, seed: int) -
     return seqs
 
 
-def chat_sequences(engine: LLMEngine, answer_tokens: int) -> list[list[int]]:
+def generated_sequences(args: argparse.Namespace, names: set[str]) -> list[list[int]]:
+    """The target's own continuations of code openings (``code``) and answers to instructions (``chat``)."""
+    from train.eagle_corpus import code_prompts, instruction_prompts, target_continuations
+
+    engine = LLMEngine(args.model, EngineConfig(dtype=args.gen_dtype, compile=args.gen_compile, num_blocks=1024))
     tok = engine.tokenizer
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
-               for q in TRAIN_PROMPTS]
-    done = engine.generate(prompts, SamplingParams(max_tokens=answer_tokens))
-    return [c.prompt_ids + c.token_ids for c in done]
+    seqs: list[list[int]] = []
+    if "code" in names:
+        prompts = [tok.encode(t, add_special_tokens=False) for t in code_prompts(args.code_prompts, args.seed)]
+        seqs += target_continuations(engine, prompts, args.code_tokens)
+    if "chat" in names:
+        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
+                   for q in instruction_prompts()]
+        seqs += target_continuations(engine, prompts, args.answer_tokens)
+    return seqs
 
 
 def traffic_sequences(path: Path, window: int) -> list[list[int]]:
@@ -175,18 +145,22 @@ def build_features(engine: LLMEngine, seqs: list[list[int]], dtype: torch.dtype)
             "starts": torch.tensor(starts)}
 
 
-def example_starts(starts: torch.Tensor, unroll: int) -> torch.Tensor:
-    """Positions t whose window holds t+1..t+unroll too."""
-    out = [torch.arange(a, b - unroll) for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()) if b - a > unroll]
-    return torch.cat(out)
+def example_starts(starts: torch.Tensor, unroll: int, windows: list[int]) -> torch.Tensor:
+    """Positions t of the given windows whose window holds t+1..t+unroll too."""
+    bounds = [(int(starts[w]), int(starts[w + 1])) for w in windows]
+    out = [torch.arange(a, b - unroll) for a, b in bounds if b - a > unroll]
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 
 def unrolled_loss(block: EagleBlock, data: dict, t: torch.Tensor, unroll: int, emb: torch.Tensor,
                   head_w: torch.Tensor, vocab_map: torch.Tensor, reg_weight: float) -> tuple[torch.Tensor, list[float]]:
-    """Loss over ``unroll`` drafting steps from positions ``t``; also each step's top-1 agreement."""
+    """Loss over ``unroll`` drafting steps from positions ``t``; also, per step j, the share of
+    positions whose drafts 1..j all agree with the target (a chain of drafts is accepted up to its
+    first miss, so 1 + their sum is the expected accepted length at k = ``unroll``)."""
     feats, toks, labels = data["features"], data["tokens"], data["labels"]
     f = feats[t].float()
-    total, agree = 0.0, []
+    total, chain = 0.0, []
+    alive = torch.ones(len(t), dtype=torch.bool)
     for j in range(1, unroll + 1):
         pos = t + j
         f = block(f, emb[toks[pos].long()])
@@ -197,29 +171,34 @@ def unrolled_loss(block: EagleBlock, data: dict, t: torch.Tensor, unroll: int, e
         total = total + (ce * mask).sum() / mask.sum().clamp(min=1)
         total = total + reg_weight * F.smooth_l1_loss(f, feats[pos].float())
         with torch.no_grad():
-            agree.append(float(((logits.argmax(-1) == y) & (y >= 0)).float().mean()))
-    return total / unroll, agree
+            alive &= (logits.argmax(-1) == y) & (y >= 0)
+            chain.append(float(alive.float().mean()))
+    return total / unroll, chain
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvmesh train-speculator", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, type=Path, help="the target model folder")
-    p.add_argument("--data", default="stdlib,chat", help="stdlib, chat, traffic=PATH (comma-separated)")
+    p.add_argument("--data", default="code,chat,stdlib", help="code, chat, stdlib, traffic=PATH (comma-separated)")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "kvmesh" / "eagle-features")
-    p.add_argument("--stdlib-tokens", type=int, default=24_000)
+    p.add_argument("--stdlib-tokens", type=int, default=60_000)
+    p.add_argument("--code-prompts", type=int, default=1200)
+    p.add_argument("--code-tokens", type=int, default=96)
     p.add_argument("--answer-tokens", type=int, default=160)
+    p.add_argument("--gen-dtype", default="float32", help="dtype of the engine the target writes its text on")
+    p.add_argument("--gen-compile", action="store_true", help="compile that engine's decode step")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--feature-dtype", choices=["float16", "float32"], default="float16")
-    p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--draft-vocab", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=1536)
-    p.add_argument("--unroll", type=int, default=3)
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--unroll", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--reg-weight", type=float, default=1.0)
-    p.add_argument("--heldout-percent", type=int, default=5)
+    p.add_argument("--heldout-percent", type=int, default=5, help="windows held out for the reported agreement")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -231,22 +210,20 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(args.model, EngineConfig(num_blocks=max(64, 2 * args.window // 16 + 8)))
     mc = engine.model_config
     fingerprint = target_fingerprint(engine.model)
-    key = hashlib.blake2b(json.dumps([fingerprint, args.data, args.stdlib_tokens, args.answer_tokens, args.window,
-                                      args.feature_dtype, args.seed]).encode(), digest_size=8).hexdigest()
+    key = hashlib.blake2b(json.dumps([fingerprint, args.data, args.stdlib_tokens, args.code_prompts, args.code_tokens,
+                                      args.answer_tokens, args.gen_dtype, args.window, args.feature_dtype,
+                                      args.seed]).encode(), digest_size=8).hexdigest()
     cache = args.cache / f"{key}.pt"
     if cache.exists():
         data = torch.load(cache)
         print(f"features: cached {cache}", file=sys.stderr)
     else:
-        seqs: list[list[int]] = []
+        names = {name for name, _ in sources}
+        seqs = generated_sequences(args, names) if names & {"code", "chat"} else []
         for name, arg in sources:
             if name == "stdlib":
                 seqs += stdlib_sequences(engine, args.stdlib_tokens, args.window, args.seed)
-            elif name == "chat":
-                t0 = time.perf_counter()
-                seqs += chat_sequences(engine, args.answer_tokens)
-                print(f"chat: {len(TRAIN_PROMPTS)} answers in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
-            else:
+            elif name == "traffic":
                 seqs += traffic_sequences(Path(arg), args.window)
         data = build_features(engine, seqs, getattr(torch, args.feature_dtype))
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -269,10 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         block.out_norm.weight.copy_(engine.model.norm.detach().float())
 
-    ts = example_starts(data["starts"], args.unroll)
-    order = torch.randperm(len(ts), generator=torch.Generator().manual_seed(args.seed))
-    n_held = len(ts) * args.heldout_percent // 100
-    held, train = ts[order[:n_held]], ts[order[n_held:]]
+    # Whole windows are held out (never positions of a window trained on): the held-out numbers
+    # are for text the head has not seen, as in serving.
+    n_windows = len(data["starts"]) - 1
+    order = torch.randperm(n_windows, generator=torch.Generator().manual_seed(args.seed)).tolist()
+    n_held = max(1, n_windows * args.heldout_percent // 100)
+    held = example_starts(data["starts"], args.unroll, order[:n_held])
+    train = example_starts(data["starts"], args.unroll, order[n_held:])
     steps = args.epochs * (len(train) // args.batch)
     opt = torch.optim.AdamW(block.parameters(), lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=max(steps, 1), pct_start=0.05)
@@ -280,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     for epoch in range(args.epochs):
         perm = train[torch.randperm(len(train))]
         for i in range(0, len(perm) - args.batch + 1, args.batch):
-            loss, agree = unrolled_loss(block, data, perm[i : i + args.batch], args.unroll, emb, head_w, vocab_map,
-                                        args.reg_weight)
+            loss, chain = unrolled_loss(block, data, perm[i : i + args.batch], args.unroll, emb, head_w,
+                                        vocab_map, args.reg_weight)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(block.parameters(), 1.0)
@@ -290,15 +270,14 @@ def main(argv: list[str] | None = None) -> int:
             step += 1
             if step % 25 == 0 or step == steps:
                 print(f"epoch {epoch + 1} step {step}/{steps}: loss {loss.item():.3f} "
-                      f"top-1 per step {[round(a, 3) for a in agree]} ({time.perf_counter() - t0:.0f}s)",
+                      f"drafts 1..j agreeing {[round(a, 3) for a in chain]} ({time.perf_counter() - t0:.0f}s)",
                       file=sys.stderr, flush=True)
     with torch.no_grad():
-        agree_sum = [0.0] * args.unroll
-        chunks = list(torch.split(held, 1024))
-        for c in chunks:
-            _, agree = unrolled_loss(block, data, c, args.unroll, emb, head_w, vocab_map, args.reg_weight)
-            agree_sum = [s + a * len(c) for s, a in zip(agree_sum, agree)]
-        heldout = [round(s / max(len(held), 1), 4) for s in agree_sum]
+        chain_sum = [0.0] * args.unroll
+        for c in torch.split(held, 1024):
+            _, chain = unrolled_loss(block, data, c, args.unroll, emb, head_w, vocab_map, args.reg_weight)
+            chain_sum = [s + a * len(c) for s, a in zip(chain_sum, chain)]
+        heldout = [round(s / max(len(held), 1), 4) for s in chain_sum]
     t_train = time.perf_counter() - t0
 
     from safetensors.torch import save_file
@@ -319,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
             "feature_dtype": args.feature_dtype, "unroll": args.unroll, "epochs": args.epochs,
             "batch": args.batch, "lr": args.lr, "steps": step, "threads": args.threads,
             "draft_vocab_coverage": round(coverage, 4),
-            "heldout_top1_agreement_per_step": heldout,
+            "heldout_chain_agreement_per_step": heldout,
+            "heldout_expected_accepted_length": round(1 + sum(heldout), 3),
             "feature_seconds": round(t_features), "train_seconds": round(t_train),
         },
     }
