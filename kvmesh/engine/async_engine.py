@@ -37,10 +37,14 @@ class AsyncEngine:
         )
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
+        self._thread: threading.Thread | None = None
         self._fatal: BaseException | None = None
 
     def start(self) -> None:
+        self._start_thread(self._run)
+
+    def _start_thread(self, target: Callable[..., None], *args: Any) -> None:
+        self._thread = threading.Thread(target=target, args=args, name="engine-step-loop", daemon=True)
         self._thread.start()
 
     @classmethod
@@ -56,9 +60,7 @@ class AsyncEngine:
         """
         built: concurrent.futures.Future = concurrent.futures.Future()
         self = cls(None)
-        self._thread = threading.Thread(target=self._build_and_run, args=(build, built), name="engine-step-loop",
-                                        daemon=True)
-        self._thread.start()
+        self._start_thread(self._build_and_run, build, built)
         await asyncio.wrap_future(built)
         return self
 
@@ -73,7 +75,8 @@ class AsyncEngine:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps and return its result."""

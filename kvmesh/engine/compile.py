@@ -84,7 +84,7 @@ def _own_code(fn: Callable) -> Callable:
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
 
 
-def compile_decode(model: CausalLM, kv_cache: torch.Tensor, block_size: int) -> None:
+def compile_decode(model: CausalLM, kv_cache: torch.Tensor) -> None:
     """Route ``model``'s decode steps through compiled graphs and build them now."""
     # Imported only when compiling: with inductor imported at engine import, the Triton kernel
     # tests later in the same pytest process failed (tl.cdiv stayed a JITFunction under the interpreter).
@@ -99,14 +99,14 @@ def compile_decode(model: CausalLM, kv_cache: torch.Tensor, block_size: int) -> 
     # cpp_wrapper: the graph's calls between kernels run in generated C++, not Python (~1 ms a
     # step at 30 layers: 1.10x at both 1 and 16 sequences, bf16).
     with fx_config.patch(use_duck_shape=False), inductor_config.patch(cpp_wrapper=True):
-        _decode_forward(model, kv_cache, block_size, batch=1, width=3)
+        _decode_forward(model, kv_cache, batch=1, width=3)
         with inductor_config.patch(freezing=True):
-            _decode_forward(model, kv_cache, block_size, batch=2, width=3)
+            _decode_forward(model, kv_cache, batch=2, width=3)
 
 
-def _decode_forward(model: CausalLM, kv_cache: torch.Tensor, block_size: int, batch: int, width: int) -> None:
+def _decode_forward(model: CausalLM, kv_cache: torch.Tensor, batch: int, width: int) -> None:
     """One synthetic decode step: ``batch`` sequences of ``width`` blocks each, on pool blocks 0..."""
-    dev = kv_cache.device
+    dev, block_size = kv_cache.device, kv_cache.shape[3]
     # Fresh tensors, as the engine's: dynamo guards on whether an input is a view of another.
     tables = torch.arange(batch * width, device=dev).view(batch, width).clone()
     seq_lens = torch.full((batch,), width * block_size, device=dev)

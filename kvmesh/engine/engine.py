@@ -149,7 +149,7 @@ class LLMEngine:
             mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
         )
         if cfg.compile:
-            compile_decode(self.model, self.kv.tensor, cfg.block_size)  # before any block holds KV
+            compile_decode(self.model, self.kv.tensor)  # before any block holds KV
         self.blocks = BlockManager(cfg.num_blocks, cfg.enable_prefix_cache, on_block_event)
         self.scheduler = Scheduler(
             self.blocks, cfg.block_size, self.fingerprint, cfg.max_num_seqs, cfg.max_num_batched_tokens
@@ -371,7 +371,8 @@ class LLMEngine:
             # Room left under max_tokens and the context: the bonus token needs a slot too.
             room = min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_tokens) - 1
             if seq.is_decoding and room > 0:
-                want[seq.request_id] = (seq, self._draft_length.choose(seq.num_draft_accepted, seq.num_draft_missed, room))
+                k = self._draft_length.choose(seq.num_draft_accepted, seq.num_draft_missed, room)
+                want[seq.request_id] = (seq, k)
         if not want:
             return
         for rid, drafts in self.proposer.propose([(s, k) for s, k in want.values()]).items():

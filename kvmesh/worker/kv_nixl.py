@@ -258,7 +258,8 @@ def _agent_with_paced_progress(nixl: Any, name: str, config: Any, pause_us: int)
     (without it a 12 MiB READ waited ~10 ms more for the holder's next poll). NIXL's Python
     wrapper runs it without any pause — most of a core per idle worker, measured here — and
     exposes no setting for it, so the binding's constructor is wrapped for the one call to set
-    the pause (idle cost then ~3% of a core).
+    the pause (idle cost ~3% of a core at a 100 us pause, measured; the 2 ms default wakes 20x
+    less often).
     """
     bindings = sys.modules[nixl.nixl_agent.__module__].nixlBind
     real = bindings.nixlAgent
