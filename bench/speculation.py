@@ -221,6 +221,8 @@ def main() -> None:
         "ks": ks, "batches": batches, "kinds": kinds, "max_tokens": args.max_tokens,
         "batch1_prompts": args.batch1_prompts,
         "eagle_match_tokens": args.eagle_match_tokens, "repeats": args.repeats, "threads": args.threads,
+        # What the speculating engines priced a verify at (kvmesh.engine.draft_length); [] = always k.
+        "draft_costs": list(EngineConfig(draft_costs=parse_draft_costs(args.draft_costs)).resolve_draft_costs()),
         **results,
     })
     if not identical:
