@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kernels.dispatch import get_op
+from kernels.module_swap import swap_modules
 from kvmesh.errors import FailedPrecondition
 
 # The output projection is read as a raw weight by the model (and kept in 16 bits by
@@ -53,13 +54,6 @@ def quantize_model_fp8(model: nn.Module, skip: Collection[str] = DEFAULT_SKIP) -
     widen the fp8 buffers). Raises FailedPrecondition unless every parameter is on CUDA."""
     if any(p.device.type != "cuda" for p in model.parameters()):
         raise FailedPrecondition("fp8 quantization needs a CUDA GPU")
-    targets = [
-        (name, module)
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in skip
-    ]
-    for name, linear in targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, Fp8Linear(linear))
-    return len(targets)
+    return swap_modules(
+        model, lambda name, m: isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] not in skip, Fp8Linear
+    )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.module_swap import swap_modules
 from kvmesh.errors import FailedPrecondition
 
 # Fewer rows run at memory speed on the plain weight; more are prefill-sized, where the
@@ -60,12 +61,8 @@ class SmallRowsLinear(nn.Linear):
 def use_small_rows_linears(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> int:
     """Swap, in place, every float32 CPU ``nn.Linear`` of ``model`` for a ``SmallRowsLinear``
     (sharing its parameters); returns how many were swapped."""
-    targets = [
-        (name, m) for name, m in model.named_modules()
-        if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
-    ]
-    for name, linear in targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, SmallRowsLinear.of(linear, max_rows))
-    return len(targets)
+    return swap_modules(
+        model,
+        lambda _, m: type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32,
+        lambda linear: SmallRowsLinear.of(linear, max_rows),
+    )
