@@ -163,6 +163,7 @@ def main() -> None:
     batches = [int(x) for x in args.batches.split(",")]
     kinds = args.kinds.split(",")
     all_prompts = prompts_of(model)
+    draft_costs = parse_draft_costs(args.draft_costs)
 
     def only(*sources: Source) -> Callable[[], DraftProposer]:
         return lambda: LocalProposer(SpeculatorConfig(ngram_sources=frozenset(sources)))
@@ -182,7 +183,7 @@ def main() -> None:
         for cfg in configs:
             kind, batch, src, k = cfg
             prompts = all_prompts[kind][: args.batch1_prompts] if batch == 1 else all_prompts[kind]
-            r = run(model, prompts, batch, args.max_tokens, k, makers[src](), parse_draft_costs(args.draft_costs))
+            r = run(model, prompts, batch, args.max_tokens, k, makers[src](), draft_costs)
             if cfg not in best or r["seconds"] < best[cfg]["seconds"]:
                 best[cfg] = r
             s = summary(r)
@@ -222,7 +223,7 @@ def main() -> None:
         "batch1_prompts": args.batch1_prompts,
         "eagle_match_tokens": args.eagle_match_tokens, "repeats": args.repeats, "threads": args.threads,
         # What the speculating engines priced a verify at (kvmesh.engine.draft_length); [] = always k.
-        "draft_costs": list(EngineConfig(draft_costs=parse_draft_costs(args.draft_costs)).resolve_draft_costs()),
+        "draft_costs": list(EngineConfig(draft_costs=draft_costs).resolve_draft_costs()),
         **results,
     })
     if not identical:
