@@ -211,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     mc = engine.model_config
     fingerprint = target_fingerprint(engine.model)
     key = hashlib.blake2b(json.dumps([fingerprint, args.data, args.stdlib_tokens, args.code_prompts, args.code_tokens,
-                                      args.answer_tokens, args.gen_dtype, args.window, args.feature_dtype,
-                                      args.seed]).encode(), digest_size=8).hexdigest()
+                                      args.answer_tokens, args.gen_dtype, args.gen_compile, args.window,
+                                      args.feature_dtype, args.seed]).encode(), digest_size=8).hexdigest()
     cache = args.cache / f"{key}.pt"
     if cache.exists():
         data = torch.load(cache)
