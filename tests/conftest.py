@@ -4,6 +4,10 @@ Tests that need Redis take the ``redis_server`` fixture; it skips them (with
 the reason) where ``redis-server`` is not installed. The server keeps nothing
 on disk, and a test may ``stop()`` and ``start()`` it again on the same port
 to play an outage.
+
+A test that fails because a mesh process died while starting gets that
+process's last log lines in its report: the message alone says only the exit
+code, and a failure seen once in CI must be diagnosable from its report.
 """
 
 from __future__ import annotations
@@ -15,6 +19,16 @@ import time
 from collections.abc import Iterator
 
 import pytest
+
+from kvmesh.launcher.supervisor import MeshError
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if call.excinfo is not None and isinstance(call.excinfo.value, MeshError):
+        report.sections.append((f"log of {call.excinfo.value.process}", call.excinfo.value.log_tail))
+    return report
 
 
 def _free_port() -> int:

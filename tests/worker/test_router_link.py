@@ -159,11 +159,12 @@ async def test_a_heartbeat_asking_for_a_resync_gets_one(router: Runtime, state: 
     await link.start()
     cache.store(hashes(6))
     await until(in_sync(state, cache), "the first events")
-    published = link.counters["batches_published"]
+    # The blocks may have gone in with the registration's snapshot, before any batch was published.
+    published = link.counters.get("batches_published", 0)
 
     state.lose_entries(WORKER)  # the index came back empty; the lease and sequence are fine
     await until(in_sync(state, cache), "the index rebuilt without any new event")
-    assert len(state.resyncs) == 2 and link.counters["batches_published"] == published
+    assert len(state.resyncs) == 2 and link.counters.get("batches_published", 0) == published
     assert len(state.registrations) == 1
     await link.stop()
 
