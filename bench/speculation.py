@@ -41,7 +41,7 @@ from _common import cells, write_json  # noqa: E402
 from _table import print_table  # noqa: E402
 
 from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from kvmesh.engine.config import parse_draft_costs  # noqa: E402
+from kvmesh.engine.config import parse_draft_costs, parse_dtype  # noqa: E402
 from kvmesh.engine.default_model import default_model_path  # noqa: E402
 from kvmesh.engine.engine import DraftProposer  # noqa: E402
 from services.speculator.candidate import Source  # noqa: E402
@@ -97,14 +97,14 @@ def prompts_of(model: Path) -> dict[str, list[list[int]]]:
 
 
 def run(model: Path, prompts: list[list[int]], batch: int, max_tokens: int, k: int,
-        proposer: DraftProposer | None, draft_costs: tuple[float, ...] | None) -> dict:
+        proposer: DraftProposer | None, draft_costs: tuple[float, ...] | None, dtype: str) -> dict:
     """One timed pass over the prompts, ``batch`` at a time, on a fresh engine and proposer."""
     # The anchor runs the same linears a speculating engine gets (kernels.small_rows_linear, on
     # by default only with speculation): a batch of 8 decodes faster on them, drafts or not.
     engine = LLMEngine(
         model,
-        EngineConfig(num_blocks=512, num_speculative_tokens=k if proposer else 0, draft_costs=draft_costs,
-                     small_rows_linears=True),
+        EngineConfig(dtype=dtype, num_blocks=512, num_speculative_tokens=k if proposer else 0,
+                     draft_costs=draft_costs, small_rows_linears=True),
         proposer=proposer,
     )
     params = SamplingParams(max_tokens=max_tokens)
@@ -155,6 +155,7 @@ def main() -> None:
                    help="EngineConfig.draft_costs, e.g. 1.2,1.3 (default: the engine's; 'free': always k drafts)")
     p.add_argument("--repeats", type=int, default=1, help="passes per configuration, interleaved; the fastest counts")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the target's (every engine's)")
     p.add_argument("--json", default=str(REPO / "bench" / "results" / "speculation.json"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -183,7 +184,7 @@ def main() -> None:
         for cfg in configs:
             kind, batch, src, k = cfg
             prompts = all_prompts[kind][: args.batch1_prompts] if batch == 1 else all_prompts[kind]
-            r = run(model, prompts, batch, args.max_tokens, k, makers[src](), draft_costs)
+            r = run(model, prompts, batch, args.max_tokens, k, makers[src](), draft_costs, args.dtype)
             if cfg not in best or r["seconds"] < best[cfg]["seconds"]:
                 best[cfg] = r
             s = summary(r)
@@ -222,8 +223,9 @@ def main() -> None:
         "ks": ks, "batches": batches, "kinds": kinds, "max_tokens": args.max_tokens,
         "batch1_prompts": args.batch1_prompts,
         "eagle_match_tokens": args.eagle_match_tokens, "repeats": args.repeats, "threads": args.threads,
+        "dtype": args.dtype,
         # What the speculating engines priced a verify at (kvmesh.engine.draft_length); [] = always k.
-        "draft_costs": list(EngineConfig(draft_costs=draft_costs).resolve_draft_costs()),
+        "draft_costs": list(EngineConfig(draft_costs=draft_costs).resolve_draft_costs(parse_dtype(args.dtype))),
         **results,
     })
     if not identical:

@@ -1,17 +1,24 @@
 """CPU linear layers whose few-row products run on a oneDNN-reordered copy of the weight.
 
-Up to 3 rows, MKL runs at memory speed. From 4 rows on (a speculative verify of 3 or 4
-drafts: k+1 rows per sequence) it takes its GEMM path, which repacks the weight on every
-call. On the 2-core dev machine (SmolLM2-135M, float32, one sequence), a step took
-34.8 ms with 1 row, 41.0 / 42.1 ms with 2 / 3 rows, then 57.3 / 58.9 ms with 4 / 5 rows.
-With each weight reordered once for oneDNN, the 4- and 5-row steps take 51.1 / 52.8 ms.
-oneDNN is slower below 4 rows (50 ms), so those stay on the plain weight. So do
-products of more than ``max_rows`` rows (prefill chunks: no gain measured at 128 or
-512 rows).
+float32: up to 3 rows, MKL runs at memory speed. From 4 rows on (a speculative verify of
+3 or 4 drafts: k+1 rows per sequence) it takes its GEMM path, which repacks the weight on
+every call. On the 2-core dev machine (SmolLM2-135M, one sequence), a step took 34.8 ms
+with 1 row, 41.0 / 42.1 ms with 2 / 3 rows, then 57.3 / 58.9 ms with 4 / 5 rows. With
+each weight reordered once for oneDNN, the 4- and 5-row steps take 51.1 / 52.8 ms.
+oneDNN is slower below 4 rows (50 ms), so those stay on the plain weight.
+
+bfloat16: the plain product reorders the weight for AMX on every call from 2 rows on.
+The model's linears (LM head included) took 21.5 ms for 1 row and 28.7-29.9 ms for 2 to
+16 rows; on reordered weights 19.6 ms for 1 row and 18.1-20.3 ms for 2 to 16 rows. So
+every small product runs on the reordered weight, and a verify of k drafts costs about
+what one decode row does.
+
+Products of more than ``max_rows`` rows (prefill chunks) stay on the plain weight: no
+gain was measured at 128 or 512 rows (float32).
 
 Costs a second, reordered copy of every weight, so the engine only swaps these in
-where they pay: float32 on CPU with speculation on (``LLMEngine``). Inside a compiled
-graph the plain product is traced (inductor prepacks weights itself).
+where they pay (``EngineConfig.wants_small_rows_linears``). Inside a compiled graph the
+plain product is traced (inductor prepacks weights itself).
 """
 
 from __future__ import annotations
@@ -22,9 +29,9 @@ from torch import nn
 from kernels.module_swap import swap_modules
 from kvmesh.errors import FailedPrecondition
 
-# Fewer rows run at memory speed on the plain weight; more are prefill-sized, where the
-# plain GEMM is as fast.
-MIN_ROWS = 4
+# The fewest rows that run on the reordered weight, per dtype (the module's docstring says why).
+MIN_ROWS = {torch.float32: 4, torch.bfloat16: 1}
+# More rows are prefill-sized, where the plain GEMM is as fast.
 DEFAULT_MAX_ROWS = 64
 # Shape the reorder is tuned for: a verify of 4 drafts plus the bonus row.
 _REORDER_ROWS_HINT = 5
@@ -37,12 +44,12 @@ class SmallRowsLinear(nn.Linear):
     def __init__(self, weight: nn.Parameter | torch.Tensor, bias: torch.Tensor | None,
                  max_rows: int = DEFAULT_MAX_ROWS) -> None:
         nn.Module.__init__(self)  # nn.Linear's own __init__ would allocate fresh weights
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
-            raise FailedPrecondition("small-row oneDNN linears are for float32 weights on CPU")
+        if weight.device.type != "cpu" or weight.dtype not in MIN_ROWS:
+            raise FailedPrecondition("small-row oneDNN linears are for float32 or bfloat16 weights on CPU")
         self.out_features, self.in_features = weight.shape
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = bias
-        self.max_rows = max_rows
+        self.min_rows, self.max_rows = MIN_ROWS[weight.dtype], max_rows
         # A plain attribute, not a buffer: it is no part of the state dict.
         self._reordered = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _REORDER_ROWS_HINT)
 
@@ -52,17 +59,17 @@ class SmallRowsLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if torch.compiler.is_compiling() or not MIN_ROWS <= rows.shape[0] <= self.max_rows or torch.is_grad_enabled():
+        if torch.compiler.is_compiling() or not self.min_rows <= rows.shape[0] <= self.max_rows or torch.is_grad_enabled():
             return super().forward(x)
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self._reordered, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
 
 
 def use_small_rows_linears(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> int:
-    """Swap, in place, every float32 CPU ``nn.Linear`` of ``model`` for a ``SmallRowsLinear``
-    (sharing its parameters); returns how many were swapped."""
+    """Swap, in place, every float32 or bfloat16 CPU ``nn.Linear`` of ``model`` for a
+    ``SmallRowsLinear`` (sharing its parameters); returns how many were swapped."""
     return swap_modules(
         model,
-        lambda _, m: type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32,
+        lambda _, m: type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype in MIN_ROWS,
         lambda linear: SmallRowsLinear.of(linear, max_rows),
     )

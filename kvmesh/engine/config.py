@@ -128,11 +128,14 @@ def _rope_params(raw: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-# A verify of k = 1, 2, 3, 4 drafts in decode steps' time (kvmesh.engine.draft_length), measured
-# on the 2-core dev machine: SmolLM2-135M fp32, one sequence, decode 34.8 ms; verifies 41.0 /
-# 42.1 / 51.1 / 52.8 ms (kernels.small_rows_linear from 4 rows), plus ~1 ms a draft for the
-# EAGLE head. No GPU default is measured: there, verify rows are nearly free at small batch.
-DEFAULT_CPU_DRAFT_COSTS = (1.21, 1.27, 1.56, 1.64)
+# A verify of k = 1, 2, 3, 4 drafts in decode steps' time (kvmesh.engine.draft_length), per
+# dtype, measured on the 2-core dev machine (SmolLM2-135M, one sequence, eager,
+# kernels.small_rows_linear), plus ~1 ms a draft for the EAGLE head. float32: decode 34.8 ms,
+# verifies 41.0 / 42.1 / 51.1 / 52.8 ms. bfloat16: every product up to 64 rows runs on
+# AMX-reordered weights, so a verify costs little more than a decode: 39.0 ms, then 43.5 /
+# 44.7 / 44.6 / 44.9 ms (best of 6 passes). No GPU default is measured: there, verify rows
+# are nearly free at small batch.
+DEFAULT_CPU_DRAFT_COSTS = {torch.float32: (1.21, 1.27, 1.56, 1.64), torch.bfloat16: (1.14, 1.20, 1.22, 1.25)}
 
 
 def parse_draft_costs(text: str | None) -> tuple[float, ...] | None:
@@ -167,25 +170,28 @@ class EngineConfig:
     # Draft tokens verified per decode step when a proposer is attached (0 = no speculation).
     num_speculative_tokens: int = 0
     # A verify of 1, 2, ... drafts in decode steps' time (kvmesh.engine.draft_length): fewer
-    # drafts for sequences whose drafts miss. None: DEFAULT_CPU_DRAFT_COSTS on CPU, () (drafts
-    # free: always k) elsewhere.
+    # drafts for sequences whose drafts miss. None: DEFAULT_CPU_DRAFT_COSTS of the dtype on CPU
+    # (float32's for another), () (drafts free: always k) elsewhere.
     draft_costs: tuple[float, ...] | None = None
-    # Run 4-64-row products on oneDNN-reordered copies of the weights (kernels.small_rows_linear;
-    # float32 on CPU only; a second copy of the weights). None: on where speculation is.
+    # Run few-row products (float32: 4-64 rows, bfloat16: 1-64) on oneDNN-reordered copies of
+    # the weights (kernels.small_rows_linear; CPU only; a second copy of the weights). None: on
+    # where speculation is.
     small_rows_linears: bool | None = None
     seed: int = 0
     # torch.compile the decode step's layers (kvmesh.engine.compile): start-up pays the compile.
     compile: bool = False
 
     def wants_small_rows_linears(self, dtype: torch.dtype) -> bool:
-        if self.device != "cpu" or dtype != torch.float32:
+        if self.device != "cpu" or dtype not in (torch.float32, torch.bfloat16):
             return False
         return self.num_speculative_tokens > 0 if self.small_rows_linears is None else self.small_rows_linears
 
-    def resolve_draft_costs(self) -> tuple[float, ...]:
+    def resolve_draft_costs(self, dtype: torch.dtype) -> tuple[float, ...]:
         if self.draft_costs is not None:
             return tuple(self.draft_costs)
-        return DEFAULT_CPU_DRAFT_COSTS if self.device == "cpu" else ()
+        if self.device != "cpu":
+            return ()
+        return DEFAULT_CPU_DRAFT_COSTS.get(dtype, DEFAULT_CPU_DRAFT_COSTS[torch.float32])
 
     def resolve_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         if self.dtype is not None:

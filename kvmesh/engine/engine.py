@@ -160,7 +160,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self.stats = EngineStats()
         self.proposer = proposer
-        self._draft_length = DraftLengthPolicy(cfg.num_speculative_tokens, cfg.resolve_draft_costs())
+        self._draft_length = DraftLengthPolicy(cfg.num_speculative_tokens, cfg.resolve_draft_costs(self.dtype))
         if hasattr(proposer, "bind"):
             proposer.bind(self.model)
         self._wants_features = bool(getattr(proposer, "wants_features", False))

@@ -77,3 +77,18 @@ def test_two_compiled_engines_of_one_architecture_keep_their_own_weights(checkpo
         for prompts in ([PROMPTS[0]], PROMPTS[:3]):  # the one-sequence graph, then the batched one
             for prompt, res in zip(prompts, engine.generate(prompts, params)):
                 assert res.token_ids == hf_greedy(path, prompt, 12)[0], f"{path.name}: prompt {prompt[:4]}..."
+
+
+def test_a_compiled_bfloat16_engine_alone_decodes_as_eager(checkpoints):
+    """bf16 builds the one-sequence graph with freezing too (weights prepacked for AMX): one
+    sequence decodes what the eager engine does, until bf16 rounding (fused ops round differently)
+    parts them on this random model, after 10 tokens; and warm-up built every graph it needs."""
+    from torch._dynamo.utils import counters
+
+    path = checkpoints["llama-gqa"]
+    params = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
+    eager = LLMEngine(path, EngineConfig(num_blocks=128, dtype="bfloat16")).generate([PROMPTS[0]], params)
+    engine = LLMEngine(path, EngineConfig(num_blocks=128, dtype="bfloat16", compile=True))
+    graphs = counters["stats"]["unique_graphs"]
+    assert engine.generate([PROMPTS[0]], params)[0].token_ids[:8] == eager[0].token_ids[:8]
+    assert counters["stats"]["unique_graphs"] == graphs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
 from kvmesh.engine.config import DEFAULT_CPU_DRAFT_COSTS, parse_draft_costs
@@ -11,7 +12,7 @@ from kvmesh.engine.draft_length import DraftLengthPolicy, best_length, step_cost
 from .conftest import PROMPTS
 from .test_speculative import ScriptedProposer
 
-COSTS = DEFAULT_CPU_DRAFT_COSTS
+COSTS = DEFAULT_CPU_DRAFT_COSTS[torch.float32]
 
 
 def test_tokens_per_step_of_a_chain():

@@ -124,4 +124,5 @@ def test_small_rows_linears_come_with_speculation_or_when_asked(checkpoints):
     assert swapped(num_speculative_tokens=2)
     assert swapped(small_rows_linears=True)
     assert not swapped(num_speculative_tokens=2, small_rows_linears=False)
-    assert not swapped(small_rows_linears=True, dtype="bfloat16")  # float32 only
+    assert swapped(num_speculative_tokens=2, dtype="bfloat16")
+    assert not swapped(small_rows_linears=True, dtype="float16")  # float32 and bfloat16 only

@@ -11,16 +11,25 @@ from kernels.small_rows_linear import DEFAULT_MAX_ROWS, MIN_ROWS, SmallRowsLinea
 from kvmesh.errors import FailedPrecondition
 
 
-@pytest.mark.parametrize("rows", [1, 3, MIN_ROWS, 5, 40, DEFAULT_MAX_ROWS, DEFAULT_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 40, DEFAULT_MAX_ROWS, DEFAULT_MAX_ROWS + 1])
 @pytest.mark.parametrize("bias", [False, True])
-def test_every_row_count_gives_the_plain_product(rows, bias):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_row_count_gives_the_plain_product(rows, bias, dtype):
     torch.manual_seed(rows)
-    linear = nn.Linear(96, 160, bias=bias)
-    x = torch.randn(rows, 96)
+    linear = nn.Linear(96, 160, bias=bias, dtype=dtype)
+    x = torch.randn(rows, 96, dtype=dtype)
     with torch.inference_mode():
         want = F.linear(x, linear.weight, linear.bias)
         got = SmallRowsLinear.of(linear)(x)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got.dtype == dtype
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}  # bf16: its own defaults
+    torch.testing.assert_close(got, want, **tolerance)
+
+
+def test_the_row_range_on_the_reordered_weight_depends_on_the_dtype():
+    assert MIN_ROWS == {torch.float32: 4, torch.bfloat16: 1}
+    assert SmallRowsLinear.of(nn.Linear(8, 8, dtype=torch.bfloat16)).min_rows == 1
+    assert SmallRowsLinear.of(nn.Linear(8, 8)).min_rows == 4
 
 
 def test_leading_dimensions_are_kept():
@@ -40,10 +49,10 @@ def test_the_swap_shares_parameters_and_keeps_the_state_dict():
     assert model.state_dict().keys() == before.keys()
 
 
-def test_a_non_float32_weight_is_refused():
-    with pytest.raises(FailedPrecondition, match="float32"):
-        SmallRowsLinear.of(nn.Linear(8, 8, dtype=torch.bfloat16))
-    model = nn.Sequential(nn.Linear(8, 8, dtype=torch.bfloat16))
+def test_a_float16_weight_is_refused():
+    with pytest.raises(FailedPrecondition, match="float32 or bfloat16"):
+        SmallRowsLinear.of(nn.Linear(8, 8, dtype=torch.float16))
+    model = nn.Sequential(nn.Linear(8, 8, dtype=torch.float16))
     assert use_small_rows_linears(model) == 0  # left as it is
 
 
