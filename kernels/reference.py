@@ -15,6 +15,11 @@ import torch
 import torch.nn.functional as F
 
 
+# Sequences with at most this many new tokens in an extend step attend row by row, as decodes
+# (``paged_extend_attention``): a speculative verify has k + 1 of them.
+DECODE_ROWS_MAX = 16
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, cast back to x's dtype before the weight (as HF does)."""
     xf = x.float()
@@ -112,16 +117,25 @@ def paged_extend_attention(
     tokens at query_start_loc[i]:query_start_loc[i+1]; seq_lens[i] counts prefix + new tokens
     (all already written to the cache). Full attention over the prefix, causal over new tokens.
 
-    Batched, not a loop over sequences: one-token rows (decodes sharing the step) take the
-    decode path; the others are padded to the longest and attend in one masked call.
+    Batched, not a loop over sequences. Sequences of up to ``DECODE_ROWS_MAX`` new tokens (a
+    decode, a speculative verify) take the decode path, one query row at a time over its own
+    prefix: a verify's rows then round exactly as the decodes they stand for would, which is
+    what keeps greedy speculation identical to plain decoding in bf16 (a masked call over
+    several query rows rounds its float32 result differently in the last bits). Longer ones
+    (prefill chunks) are padded to the longest and attend in one masked call.
     """
     starts, counts = query_start_loc[:-1], query_start_loc[1:] - query_start_loc[:-1]
     out = torch.empty_like(q)
-    single = counts == 1
-    if bool(single.any()):
-        rows = starts[single]
-        out[rows] = paged_decode_attention(q[rows], k_cache, v_cache, block_tables[single], seq_lens[single], scale)
-    multi = (~single).nonzero().flatten()
+    short = counts <= DECODE_ROWS_MAX
+    if bool(short.any()):
+        which = short.nonzero().flatten()
+        seq = torch.repeat_interleave(which, counts[which])  # the sequence of each row
+        offset = torch.arange(len(seq), device=q.device) - torch.repeat_interleave(
+            torch.cumsum(counts[which], 0) - counts[which], counts[which])
+        rows = starts[seq] + offset
+        row_lens = seq_lens[seq] - counts[seq] + offset + 1  # each row sees its prefix and itself
+        out[rows] = paged_decode_attention(q[rows], k_cache, v_cache, block_tables[seq], row_lens, scale)
+    multi = (~short).nonzero().flatten()
     if multi.numel() == 0:
         return out
     n, first = counts[multi], starts[multi]
