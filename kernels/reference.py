@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 
-# Sequences with at most this many new tokens in an extend step attend row by row, as decodes
-# (``paged_extend_attention``): a speculative verify has k + 1 of them.
+# Below float32, sequences with at most this many new tokens in an extend step attend row by
+# row, as decodes (``paged_extend_attention``): a speculative verify has k + 1 of them.
 DECODE_ROWS_MAX = 16
 
 
@@ -117,25 +117,24 @@ def paged_extend_attention(
     tokens at query_start_loc[i]:query_start_loc[i+1]; seq_lens[i] counts prefix + new tokens
     (all already written to the cache). Full attention over the prefix, causal over new tokens.
 
-    Batched, not a loop over sequences. Sequences of up to ``DECODE_ROWS_MAX`` new tokens (a
-    decode, a speculative verify) take the decode path, one query row at a time over its own
-    prefix: a verify's rows then round exactly as the decodes they stand for would, which is
-    what keeps greedy speculation identical to plain decoding in bf16 (a masked call over
-    several query rows rounds its float32 result differently in the last bits). Longer ones
-    (prefill chunks) are padded to the longest and attend in one masked call.
+    Batched, not a loop over sequences. One-token rows (decodes sharing the step) take the
+    decode path. In bf16 (any dtype below float32) so do the rows of sequences with up to
+    ``DECODE_ROWS_MAX`` new tokens (a speculative verify), each as the decode of its token:
+    a masked call over several query rows rounds its float32 result differently in the last
+    bits, and rounded to bf16 that became another greedy token a few tokens later, so
+    speculation decoded otherwise than plain decoding. In float32 those bits stay below the
+    output's rounding (greedy was identical in every benchmark run), and computing a verify
+    row by row costs 1-5 ms a step here, so float32 keeps the one call. The others (prefill
+    chunks) are padded to the longest and attend in one masked call.
     """
     starts, counts = query_start_loc[:-1], query_start_loc[1:] - query_start_loc[:-1]
     out = torch.empty_like(q)
-    short = counts <= DECODE_ROWS_MAX
-    if bool(short.any()):
-        which = short.nonzero().flatten()
-        seq = torch.repeat_interleave(which, counts[which])  # the sequence of each row
-        offset = torch.arange(len(seq), device=q.device) - torch.repeat_interleave(
-            torch.cumsum(counts[which], 0) - counts[which], counts[which])
-        rows = starts[seq] + offset
-        row_lens = seq_lens[seq] - counts[seq] + offset + 1  # each row sees its prefix and itself
-        out[rows] = paged_decode_attention(q[rows], k_cache, v_cache, block_tables[seq], row_lens, scale)
-    multi = (~short).nonzero().flatten()
+    as_decodes = DECODE_ROWS_MAX if q.dtype != torch.float32 else 1
+    short = (counts <= as_decodes).nonzero().flatten()
+    if short.numel():
+        _rows_as_decodes(out, q, k_cache, v_cache, block_tables[short], starts[short], counts[short],
+                         seq_lens[short], scale)
+    multi = (counts > as_decodes).nonzero().flatten()
     if multi.numel() == 0:
         return out
     n, first = counts[multi], starts[multi]
@@ -151,6 +150,42 @@ def paged_extend_attention(
     attn = F.scaled_dot_product_attention(qp, k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=True)
     out[rows[valid]] = attn.transpose(1, 2)[valid].to(q.dtype)
     return out
+
+
+def _rows_as_decodes(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    starts: torch.Tensor,
+    counts: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> None:
+    """Writes into ``out`` the attention of each of these sequences' few new rows, each row
+    computed as a decode of its token: one query row against its prefix and itself.
+
+    Rounding follows the shape of a call, so a row must reach the attention as a decode does,
+    one query position per (sequence, head). The rows go in as extra query heads, ordered
+    (KV head, group, row) so that grouped-query attention still pairs each with its KV head,
+    and each with its own causal mask: one call, the K/V gathered once per sequence.
+    """
+    m, hq, d = len(starts), q.shape[1], q.shape[2]
+    hk = k_cache.shape[2]
+    j = torch.arange(int(counts.max()), device=q.device)
+    valid = j[None, :] < counts[:, None]  # [M, n]: real rows; padding repeats a sequence's first
+    rows = starts[:, None] + j[None, :]
+    qr = q.index_select(0, torch.where(valid, rows, starts[:, None]).reshape(-1)).view(m, len(j), hk, hq // hk, d)
+    qh = qr.permute(0, 2, 3, 1, 4).reshape(m, hq * len(j), 1, d).float()
+    k = _gather_blocks(k_cache, block_tables).transpose(1, 2).float()  # [M, Hk, S, D]
+    v = _gather_blocks(v_cache, block_tables).transpose(1, 2).float()
+    q_pos = (seq_lens - counts)[:, None] + j[None, :]  # [M, n]: each row's position
+    live = torch.arange(k.shape[2], device=q.device)[None, None, :] <= q_pos[:, :, None]  # [M, n, S]
+    mask = live[:, None, None].expand(m, hk, hq // hk, len(j), k.shape[2]).reshape(m, hq * len(j), 1, k.shape[2])
+    attn = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    attn = attn.view(m, hk, hq // hk, len(j), d).permute(0, 3, 1, 2, 4).reshape(m, len(j), hq, d)
+    out[rows[valid]] = attn[valid].to(q.dtype)
 
 
 # FP8 (e4m3) weights, quantized per output channel. Added for fp8 serving; CUDA-only in the

@@ -26,8 +26,8 @@ unless paced.
 from __future__ import annotations
 
 import asyncio
-import os
 import functools
+import os
 import sys
 import uuid
 from collections.abc import Callable
