@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kernels.small_rows_linear import MIN_ROWS as SMALL_ROWS_DTYPES
 from kvmesh.blocks import DEFAULT_BLOCK_SIZE
 from kvmesh.errors import ModelLoadError
 
@@ -182,7 +183,7 @@ class EngineConfig:
     compile: bool = False
 
     def wants_small_rows_linears(self, dtype: torch.dtype) -> bool:
-        if self.device != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        if self.device != "cpu" or dtype not in SMALL_ROWS_DTYPES:
             return False
         return self.num_speculative_tokens > 0 if self.small_rows_linears is None else self.small_rows_linears
 
