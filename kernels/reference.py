@@ -173,18 +173,21 @@ def _rows_as_decodes(
     """
     m, hq, d = len(starts), q.shape[1], q.shape[2]
     hk = k_cache.shape[2]
+    group = hq // hk
     j = torch.arange(int(counts.max()), device=q.device)
+    n = len(j)
     valid = j[None, :] < counts[:, None]  # [M, n]: real rows; padding repeats a sequence's first
     rows = starts[:, None] + j[None, :]
-    qr = q.index_select(0, torch.where(valid, rows, starts[:, None]).reshape(-1)).view(m, len(j), hk, hq // hk, d)
-    qh = qr.permute(0, 2, 3, 1, 4).reshape(m, hq * len(j), 1, d).float()
+    qr = q.index_select(0, torch.where(valid, rows, starts[:, None]).reshape(-1)).view(m, n, hk, group, d)
+    qh = qr.permute(0, 2, 3, 1, 4).reshape(m, hq * n, 1, d).float()
     k = _gather_blocks(k_cache, block_tables).transpose(1, 2).float()  # [M, Hk, S, D]
     v = _gather_blocks(v_cache, block_tables).transpose(1, 2).float()
+    s = k.shape[2]
     q_pos = (seq_lens - counts)[:, None] + j[None, :]  # [M, n]: each row's position
-    live = torch.arange(k.shape[2], device=q.device)[None, None, :] <= q_pos[:, :, None]  # [M, n, S]
-    mask = live[:, None, None].expand(m, hk, hq // hk, len(j), k.shape[2]).reshape(m, hq * len(j), 1, k.shape[2])
+    live = torch.arange(s, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [M, n, S]
+    mask = live[:, None, None].expand(m, hk, group, n, s).reshape(m, hq * n, 1, s)
     attn = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    attn = attn.view(m, hk, hq // hk, len(j), d).permute(0, 3, 1, 2, 4).reshape(m, len(j), hq, d)
+    attn = attn.view(m, hk, group, n, d).permute(0, 3, 1, 2, 4).reshape(m, n, hq, d)
     out[rows[valid]] = attn[valid].to(q.dtype)
 
 
