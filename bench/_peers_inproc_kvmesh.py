@@ -1,6 +1,7 @@
 """kvmesh in-process for bench/peers.py: bench/engine.py's engine and run, behind the peers' worker loop.
 
-Run: ``python bench/_peers_inproc_kvmesh.py MODEL_DIR DTYPE COMPILE(0|1)`` (the project environment, PYTHONPATH at the repo).
+Run: ``python bench/_peers_inproc_kvmesh.py MODEL_DIR DTYPE COMPILE(0|1) QUANTIZATION(none|int8)`` (the project
+environment, PYTHONPATH at the repo).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from engine import make_engine, run_kvmesh  # noqa: E402
 
 
 def main() -> None:
-    engine = make_engine(Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1")  # warms up, no prefix cache
+    quantization = None if sys.argv[4] == "none" else sys.argv[4]
+    engine = make_engine(Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", quantization)  # warms up, no prefix cache
     serve(lambda prompts, n: run_kvmesh(engine, prompts, n))
 
 

@@ -16,7 +16,7 @@ of its venv. Every command's output goes to ``<peers>/logs/<peer>.log``.
   torch: 2.13.0 as for vLLM (the converter asks for 2.11.0 from the PyTorch CPU index, which is not reachable
   here; it only reads the safetensors).
 - Models: the converter turns kvmesh's default model folder into F32 and BF16 GGUFs, ``llama-quantize``
-  makes a Q4_1 from the BF16 one.
+  makes a Q8_0 and a Q4_1 from the BF16 one.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED
                "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF")
 CMAKE_TARGETS = ("llama-server", "llama-quantize", "llama")
 BUILD_JOBS = 2
-GGUF_TYPES = {"F32": "f32", "BF16": "bf16"}  # the converter's --outtype per row; Q4_1 is quantized from BF16
+GGUF_TYPES = {"F32": "f32", "BF16": "bf16"}  # the converter's --outtype per row
+QUANTIZED_GGUFS = ("Q8_0", "Q4_1")  # llama-quantize's types, each quantized from the BF16 GGUF
 
 
 def default_peers_dir() -> Path:
@@ -96,7 +97,7 @@ class LlamaCppInstall:
     bin_dir: Path  # llama-server, llama-quantize, libllama.so and the ggml libraries
     package_dir: Path  # holds the binding's llama_cpp/ package (put it on PYTHONPATH)
     converter: Path
-    ggufs: dict[str, Path]  # "F32" | "BF16" | "Q4_1" -> file
+    ggufs: dict[str, Path]  # "F32" | "BF16" | "Q8_0" | "Q4_1" -> file
 
 
 def vllm_requirements(metadata: str) -> list[str]:
@@ -141,9 +142,10 @@ def install_llamacpp(inst: Installer, model: Path) -> LlamaCppInstall:
     llama_src = src / "vendor" / "llama.cpp"
     build = base / "build"
     bin_dir = build / "bin"
-    ggufs = {t: base / "models" / f"{model.name}-{t}.gguf" for t in (*GGUF_TYPES, "Q4_1")}
+    ggufs = {t: base / "models" / f"{model.name}-{t}.gguf" for t in (*GGUF_TYPES, *QUANTIZED_GGUFS)}
     result = LlamaCppInstall(py, bin_dir, src, llama_src / "convert_hf_to_gguf.py", ggufs)
     if inst.installed("llamacpp", pins):
+        _quantize_ggufs(inst, result)  # a type added since this install was made
         return result
     pip = [py, "-m", "pip"]
     sdists = base / "sdist"
@@ -164,9 +166,15 @@ def install_llamacpp(inst: Installer, model: Path) -> LlamaCppInstall:
     ggufs["F32"].parent.mkdir(parents=True, exist_ok=True)
     for name, outtype in GGUF_TYPES.items():
         inst.sh("llamacpp", [py, result.converter, model, "--outtype", outtype, "--outfile", ggufs[name]])
-    inst.sh("llamacpp", [bin_dir / "llama-quantize", ggufs["BF16"], ggufs["Q4_1"], "Q4_1", "2"])
+    _quantize_ggufs(inst, result)
     inst.mark("llamacpp", pins, py)
     return result
+
+
+def _quantize_ggufs(inst: Installer, install: LlamaCppInstall) -> None:
+    for name in QUANTIZED_GGUFS:
+        if not install.ggufs[name].exists():
+            inst.sh("llamacpp", [install.bin_dir / "llama-quantize", install.ggufs["BF16"], install.ggufs[name], name, "2"])
 
 
 def llamacpp_env(install: LlamaCppInstall) -> dict[str, str]:

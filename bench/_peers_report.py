@@ -11,11 +11,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 ENGINES = ("kvmesh", "vllm", "llamacpp")
-PRECISIONS = ("fp32", "bf16", "q4_1")
-# Which precisions each engine has a row for (kvmesh and vLLM run the checkpoint's floats; Q4_1 is llama.cpp's own).
-ROWS = {"kvmesh": ("fp32", "bf16"), "vllm": ("fp32", "bf16"), "llamacpp": ("fp32", "bf16", "q4_1")}
+PRECISIONS = ("fp32", "bf16", "int8", "q4_1")
+# Which precisions each engine has a row for. fp32/bf16: the checkpoint's floats. int8: 8-bit weights, bf16 activations
+# (kvmesh --quantization int8: one scale per output channel; llama.cpp's Q8_0: one fp16 scale per 32 weights).
+# Q4_1 is llama.cpp's own.
+ROWS = {"kvmesh": ("fp32", "bf16", "int8"), "vllm": ("fp32", "bf16"), "llamacpp": ("fp32", "bf16", "int8", "q4_1")}
 COLUMNS = ("inproc_16", "inproc_1", "http_16", "http_1")
 SAME_PRECISION = ("fp32", "bf16")  # the rows every engine has
+LLAMACPP_SAME_PRECISION = ("fp32", "bf16", "int8")  # the rows kvmesh and llama.cpp share
 
 
 @dataclass(frozen=True)
@@ -64,10 +67,13 @@ def ratios(table: dict) -> dict[str, float | None]:
         for p in SAME_PRECISION:
             out[f"kvmesh/vllm {label} {p}"] = _ratio(_rate(table, "kvmesh", p, column), _rate(table, "vllm", p, column))
         out[f"kvmesh/vllm {label} best"] = _ratio(_best(table, "kvmesh", column), _best(table, "vllm", column))
-    for p in SAME_PRECISION:
+    for p in LLAMACPP_SAME_PRECISION:
         out[f"kvmesh/llamacpp in-process 1 {p}"] = _ratio(_rate(table, "kvmesh", p, "inproc_1"), _rate(table, "llamacpp", p, "inproc_1"))
     out["kvmesh/llamacpp in-process 1 best"] = _ratio(_best(table, "kvmesh", "inproc_1"), _best(table, "llamacpp", "inproc_1"))
-    out["kvmesh best/llamacpp q4_1 in-process 1"] = _ratio(_best(table, "kvmesh", "inproc_1"), _rate(table, "llamacpp", "q4_1", "inproc_1"))
+    kvmesh_any = _best(table, "kvmesh", "inproc_1", ROWS["kvmesh"])
+    out["kvmesh best/llamacpp q4_1 in-process 1"] = _ratio(kvmesh_any, _rate(table, "llamacpp", "q4_1", "inproc_1"))
+    out["kvmesh best/llamacpp best, any precision, in-process 1"] = _ratio(
+        kvmesh_any, _best(table, "llamacpp", "inproc_1", ROWS["llamacpp"]))
     for p in SAME_PRECISION:
         out[f"kvmesh HTTP 1 / in-process 1 {p}"] = _ratio(_rate(table, "kvmesh", p, "http_1"), _rate(table, "kvmesh", p, "inproc_1"))
     return out

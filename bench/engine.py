@@ -69,12 +69,12 @@ def chat_prompts(path: Path, n: int) -> list[list[int]]:
     return [tok.encode(t, add_special_tokens=False) for t in texts]
 
 
-def make_engine(path: Path, dtype: str, compile: bool = False):
+def make_engine(path: Path, dtype: str, compile: bool = False, quantization: str | None = None):
     from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
 
     # No prefix cache: every run computes its whole prompt, as the anchor does.
     engine = LLMEngine(path, EngineConfig(dtype=dtype, num_blocks=512, max_num_seqs=32, max_num_batched_tokens=1024,
-                                          enable_prefix_cache=False, compile=compile))
+                                          enable_prefix_cache=False, compile=compile, quantization=quantization))
     engine.generate([[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     return engine
 

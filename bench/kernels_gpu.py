@@ -291,11 +291,11 @@ def check_batch_invariance(report: Report, k: Any) -> None:
     report.check_true("extend bitwise alone vs batch of 37", torch.equal(alone, batched[a:b]))
 
 
-def check_fp8(report: Report, k: Any) -> None:
+def check_8bit_weights(report: Report, k: Any) -> None:
     from torch import nn
 
     from kernels import reference
-    from kernels.fp8_linear import quantize_model_fp8
+    from kernels.quantized_linear import quantize_int8_weight, quantize_model
     from kernels.triton.testing import poisoned_allocations, relative_error
 
     dev = DEVICE
@@ -325,10 +325,18 @@ def check_fp8(report: Report, k: Any) -> None:
     x = torch.randn(33, HIDDEN, device=dev).to(torch.bfloat16)
     with torch.no_grad():
         before = model(x).float()
-        replaced = quantize_model_fp8(model)
+        replaced = quantize_model(model, "fp8")
         after = model(x)
-    report.check_true("quantize_model_fp8 replaced both linears", replaced == 2)
-    report.check("Fp8Linear model vs bf16 model (fp8 weight error)", relative_error(after, before), 5e-2)
+    report.check_true("quantize_model(fp8) replaced both linears", replaced == 2)
+    report.check("fp8 QuantizedLinear model vs bf16 model (fp8 weight error)", relative_error(after, before), 5e-2)
+
+    # int8 weights run the same Triton matmul (the widening is the only difference).
+    iq, iscale = quantize_int8_weight(weight)
+    for m in (1, 16, 4096):
+        x = torch.randn(m, 4000, device=dev).to(torch.bfloat16)
+        with poisoned_allocations():
+            out = k.int8_scaled_mm(x, iq, iscale, None)
+        report.check(f"int8_scaled_mm bf16 x int8 M={m}", relative_error(out, reference.int8_scaled_mm(x.float(), iq, iscale)), 1e-2)
 
 
 def time_decode(report: Report, k: Any) -> None:
@@ -618,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     guarded(report, "correctness: elementwise kernels", lambda: check_elementwise(report, k))
     guarded(report, "correctness: attention", lambda: check_attention(report, k))
     guarded(report, "correctness: batch invariance", lambda: check_batch_invariance(report, k))
-    guarded(report, "correctness: fp8", lambda: check_fp8(report, k))
+    guarded(report, "correctness: fp8 and int8 weights", lambda: check_8bit_weights(report, k))
     if not args.checks_only and report.ceilings:
         guarded(report, "timing: decode attention", lambda: time_decode(report, k))
         guarded(report, "timing: prefill/extend attention", lambda: time_extend(report, k))

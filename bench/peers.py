@@ -2,7 +2,7 @@
 
 Workload (every engine): SmolLM2-135M-Instruct (kvmesh's default model), the 16 chat-templated questions of
 bench/engine.py (35-43 prompt tokens with the model's template) x 128 greedy new tokens, EOS ignored. Rows:
-kvmesh fp32/bf16, vLLM fp32/bf16, llama.cpp F32/BF16 GGUF and its Q4_1 GGUF. Columns:
+kvmesh fp32/bf16/int8 weights, vLLM fp32/bf16, llama.cpp F32/BF16/Q8_0 GGUFs and its Q4_1 GGUF. Columns:
   - in-process, 16 at once: tok/s over the whole call (prefill included) with all 16 prompts submitted together;
   - in-process, 1 alone: the first prompt by itself;
   - HTTP, 16 concurrent streams: each engine's OpenAI server, streaming ``/v1/completions`` with the prompt as
@@ -28,7 +28,7 @@ servers bind 127.0.0.1 on free ports and are stopped in any case (process groups
 
 Run (not part of ``make test``; about 25 minutes, plus ~20 for the first install):
 ``flock /tmp/kvmesh-bench.lock python bench/peers.py [--repeats 3] [--engines kvmesh,vllm,llamacpp]
-[--precisions fp32,bf16,q4_1] [--quick] [--peers-dir DIR] [--json bench/results/peers.json]``.
+[--precisions fp32,bf16,int8,q4_1] [--quick] [--peers-dir DIR] [--json bench/results/peers.json]``.
 """
 
 from __future__ import annotations
@@ -59,9 +59,13 @@ from _table import print_table  # noqa: E402
 from engine import chat_prompts  # noqa: E402
 
 THREADS = 2
-KVMESH_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
+KVMESH_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "int8": "bfloat16"}
+KVMESH_QUANTIZATION = {"int8": "int8"}  # precision -> --quantization (none for the others)
 VLLM_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
-GGUF = {"fp32": "F32", "bf16": "BF16", "q4_1": "Q4_1"}
+GGUF = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "q4_1": "Q4_1"}
+# llama.cpp's repacked (AMX) kernels for quantized GGUFs die on these machines (Q4_1: SIGILL, Q8_0: SIGSEGV while
+# loading): those rows run with weight repacking off.
+LLAMACPP_NO_REPACK = ("int8", "q4_1")
 VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4"}
 READY_TIMEOUT_S = 900  # a vLLM start compiles for ~2.5 min on 2 cores
 
@@ -149,7 +153,7 @@ class Peers:
         name = f"{engine}-{precision}-inproc"
         if engine == "kvmesh":
             argv = [sys.executable, str(BENCH / "_peers_inproc_kvmesh.py"), str(self.model), KVMESH_DTYPE[precision],
-                    str(int(self.args.kvmesh_compile))]
+                    str(int(self.args.kvmesh_compile)), KVMESH_QUANTIZATION.get(precision, "none")]
             env = {**os.environ, "PYTHONPATH": str(REPO)}
         elif engine == "vllm":
             argv = [str(self.vllm.python), str(BENCH / "_peers_inproc_vllm.py"), str(self.model), VLLM_DTYPE[precision]]
@@ -158,7 +162,7 @@ class Peers:
         else:
             gguf = self.llamacpp.ggufs[GGUF[precision]]
             argv = [str(self.llamacpp.python), str(BENCH / "_peers_inproc_llamacpp.py"), str(gguf), str(THREADS),
-                    str(self.ctx_size()), "0" if precision == "q4_1" else "1"]
+                    str(self.ctx_size()), "0" if precision in LLAMACPP_NO_REPACK else "1"]
             env = install.llamacpp_env(self.llamacpp)
         worker = Worker(name, argv, env, self.log(name))
         try:
@@ -189,7 +193,7 @@ class Peers:
             argv = [str(self.llamacpp.bin_dir / "llama-server"), "-m", str(self.llamacpp.ggufs[GGUF[precision]]),
                     "--host", "127.0.0.1", "--port", str(port), "-np", str(self.args.requests), "-t", str(THREADS),
                     "-tb", str(THREADS), "-c", str(self.ctx_size())]
-            if precision == "q4_1":
+            if precision in LLAMACPP_NO_REPACK:
                 argv.append("--no-repack")
             env = {**os.environ, "LD_LIBRARY_PATH": str(self.llamacpp.bin_dir)}
         with self.log(name).open("a") as f:
@@ -207,6 +211,8 @@ class Peers:
         from kvmesh.launcher.topology import MeshOptions, build_topology
 
         dtype = {"KVMESH_DTYPE": KVMESH_DTYPE[precision]}
+        if precision in KVMESH_QUANTIZATION:
+            dtype["KVMESH_QUANTIZATION"] = KVMESH_QUANTIZATION[precision]
         # Only decode runs decode steps: a compiling prefill worker would only start slower.
         decode = {**dtype, "KVMESH_COMPILE": str(int(self.args.kvmesh_compile))}
         # As `kvmesh up --no-speculator --no-publish` starts it: the compose file's mesh, free ports, this dtype.

@@ -6,6 +6,11 @@ picked when the tensors live on CUDA (or when ``TRITON_INTERPRET=1`` asks for
 the interpreter in tests). They are imported on the first such request, so
 CPU-only use never imports Triton, and a Triton that fails to import leaves the
 references in place.
+
+Native CPU kernels (``kernels.cpu``, C++ built on first use) register themselves
+when loaded, and are then picked for CPU tensors. They are loaded only by the layers
+that need them (``kernels.quantized_linear``), so a build is never paid for by
+engines that do not use them.
 """
 
 from __future__ import annotations
@@ -29,11 +34,14 @@ OPS = (
     "paged_extend_attention",
     "quantize_fp8_weight",
     "fp8_scaled_mm",
+    "int8_scaled_mm",
 )
 
 # op name -> Triton implementation, filled when kernels.triton is imported.
 _TRITON: dict[str, Callable[..., Any]] = {}
 _triton_import_tried = False
+# op name -> native CPU implementation, filled by kernels.cpu.load().
+_CPU_NATIVE: dict[str, Callable[..., Any]] = {}
 _log = logging.getLogger(__name__)
 
 
@@ -41,6 +49,12 @@ def register_triton(name: str, fn: Callable[..., Any]) -> None:
     if name not in OPS:
         raise KeyError(f"unknown op {name!r}")
     _TRITON[name] = fn
+
+
+def register_cpu_native(name: str, fn: Callable[..., Any]) -> None:
+    if name not in OPS:
+        raise KeyError(f"unknown op {name!r}")
+    _CPU_NATIVE[name] = fn
 
 
 def use_triton(device: torch.device) -> bool:
@@ -67,6 +81,8 @@ def get_op(name: str, device: torch.device) -> Callable[..., Any]:
         _import_triton_kernels()
         if name in _TRITON:
             return _TRITON[name]
+    if device.type == "cpu" and name in _CPU_NATIVE:
+        return _CPU_NATIVE[name]
     return getattr(reference, name)
 
 

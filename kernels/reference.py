@@ -191,8 +191,8 @@ def _rows_as_decodes(
     out[rows[valid]] = attn[valid].to(q.dtype)
 
 
-# FP8 (e4m3) weights, quantized per output channel. Added for fp8 serving; CUDA-only in the
-# engine (kernels.fp8_linear), but these run anywhere torch has float8_e4m3fn.
+# 8-bit weights (fp8 e4m3 or int8), quantized per output channel, for weight-only quantized
+# serving (kernels.quantized_linear). These run anywhere torch has the dtypes.
 
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_MIN_SCALE = 1e-12  # an all-zero row's scale, so quantizing it never divides by zero
@@ -210,8 +210,12 @@ def quantize_fp8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def fp8_scaled_mm(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [M, K] @ (qweight [N, K] · scale [N])ᵀ + bias, in float32, returned in x's dtype."""
+    """x [M, K] @ (qweight [N, K] · scale [N])ᵀ + bias, in float32, returned in x's dtype.
+    Also the definition of ``int8_scaled_mm``: only qweight's dtype differs."""
     out = torch.matmul(x.float(), qweight.float().t()) * scale
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
+
+
+int8_scaled_mm = fp8_scaled_mm  # qweight int8 [N, K]: the same product (see fp8_scaled_mm)

@@ -8,7 +8,7 @@ kernel is defined, not when it runs.
 from kernels.dispatch import register_triton
 from kernels.triton.decode_attention import paged_decode_attention
 from kernels.triton.extend_attention import paged_extend_attention
-from kernels.triton.fp8 import fp8_scaled_mm, quantize_fp8_weight
+from kernels.triton.fp8 import fp8_scaled_mm, int8_scaled_mm, quantize_fp8_weight
 from kernels.triton.kv_write import write_kv_cache
 from kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.triton.rotary import rotary_embedding
@@ -24,6 +24,7 @@ KERNELS = {
     "paged_extend_attention": paged_extend_attention,
     "quantize_fp8_weight": quantize_fp8_weight,
     "fp8_scaled_mm": fp8_scaled_mm,
+    "int8_scaled_mm": int8_scaled_mm,
 }
 
 for _name, _fn in KERNELS.items():

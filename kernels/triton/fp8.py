@@ -1,10 +1,10 @@
 """FP8 (e4m3) weights: per-output-channel quantization, and a matmul of 16-bit
-activations with those weights (weight-only fp8: half the weight bytes of bf16).
+activations with 8-bit weights, fp8 or int8 (weight-only: half the weight bytes of bf16).
 
-The matmul widens each fp8 weight tile to the activation dtype in registers —
-exact, since every e4m3 value is a bf16 and an fp16 value — runs the tensor-core
-dot with fp32 accumulation, and applies the channel scales (and bias) once at the
-end, so results match the reference up to summation order.
+The matmul widens each 8-bit weight tile to the activation dtype in registers —
+exact, since every e4m3 value and every integer in [-127, 127] is a bf16 and an fp16
+value — runs the tensor-core dot with fp32 accumulation, and applies the channel
+scales (and bias) once at the end, so results match the reference up to summation order.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def quantize_fp8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 @triton.jit
-def _fp8_matmul_kernel(
+def _scaled_matmul_kernel(
     x_ptr,
     w_ptr,
     scale_ptr,
@@ -112,8 +112,21 @@ def fp8_scaled_mm(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) @ (qweight [N, K] fp8 · scale [N])ᵀ + bias -> [M, N] in x's dtype."""
+    return _scaled_mm(x, qweight, scale, bias, torch.float8_e4m3fn)
+
+
+def int8_scaled_mm(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32) @ (qweight [N, K] int8 · scale [N])ᵀ + bias -> [M, N] in x's dtype."""
+    return _scaled_mm(x, qweight, scale, bias, torch.int8)
+
+
+def _scaled_mm(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, qdtype: torch.dtype
+) -> torch.Tensor:
     check_tensor("x", x, 2)
-    check_tensor("qweight", qweight, 2, (torch.float8_e4m3fn,))
+    check_tensor("qweight", qweight, 2, (qdtype,))
     check_tensor("scale", scale, 1, (torch.float32,))
     m, k = x.shape
     n = qweight.shape[0]
@@ -130,7 +143,7 @@ def fp8_scaled_mm(
         return out
     cfg = _matmul_config(m, n)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    _fp8_matmul_kernel[grid](
+    _scaled_matmul_kernel[grid](
         x, qweight, scale, bias if bias is not None else scale, out,
         m, n, k, x.stride(0), qweight.stride(0),
         HAS_BIAS=bias is not None, GROUP_M=8, **cfg,

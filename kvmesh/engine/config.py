@@ -166,7 +166,8 @@ class EngineConfig:
     # Context limit; None: the model's max_position_embeddings.
     max_model_len: int | None = None
     enable_prefix_cache: bool = True
-    # "fp8": e4m3 weights with per-channel scales (CUDA only); None: the model's dtype.
+    # Weight-only 8-bit weights with per-channel scales (kernels.quantized_linear): "fp8" (CUDA)
+    # or "int8" (CUDA, or CPU with AVX-512); None: the weights in the model's dtype.
     quantization: str | None = None
     # Draft tokens verified per decode step when a proposer is attached (0 = no speculation).
     num_speculative_tokens: int = 0

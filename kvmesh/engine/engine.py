@@ -17,6 +17,7 @@ from typing import Protocol
 import structlog
 import torch
 
+from kernels.quantized_linear import quantize_model
 from kvmesh.blocks import BlockHash, block_hashes, model_fingerprint
 from kvmesh.engine.block_manager import BlockEventSink, BlockManager, OutOfBlocks
 from kvmesh.engine.compile import compile_decode
@@ -129,18 +130,15 @@ class LLMEngine:
         self.model.load_weights(files, quant_checkpoint.dequantized_tensors(mc.raw, files))
         self.model.to(self.device).eval()
         if cfg.quantization is not None:
-            if cfg.quantization != "fp8":
-                raise InvalidArgument(f"unknown quantization {cfg.quantization!r}; supported: fp8")
-            from kernels.fp8_linear import quantize_model_fp8
-
             # Before the KV pool is allocated, so the freed weight memory can go to it.
-            quantize_model_fp8(self.model)  # FailedPrecondition off CUDA
+            # InvalidArgument for an unknown scheme; FailedPrecondition where it cannot run.
+            quantize_model(self.model, cfg.quantization)
         if cfg.wants_small_rows_linears(self.dtype):
             # Verify steps multiply k+1 rows a sequence, where MKL's GEMM repacks every weight
             # per call; a reordered copy of the weights avoids that (kernels.small_rows_linear).
             self.model.use_small_rows_linears()
         self.fingerprint = model_fingerprint(
-            # fp8 weights give different KV: such workers must never share blocks with others.
+            # Quantized weights give different KV: such workers must never share blocks with others.
             {**mc.raw, "weights_id": weights_id(files), "quantization": cfg.quantization},
             dtype_name(self.dtype),
             cfg.block_size,

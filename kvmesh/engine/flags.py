@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kernels.quantized_linear import SCHEMES as QUANTIZATION_SCHEMES
 from kvmesh.engine.config import EngineConfig, parse_draft_costs
 from kvmesh.runtime import Flag
 
@@ -16,7 +17,8 @@ ENGINE_FLAGS = [
     Flag("--max-num-seqs", "sequences in the running batch at most", default=64, type=int),
     Flag("--max-num-batched-tokens", "token budget of one step (prefill chunk size)", default=512, type=int),
     Flag("--max-model-len", "context limit (default: the model's)", type=int),
-    Flag("--quantization", "weight quantization: fp8 (CUDA only)", choices=("fp8",)),
+    Flag("--quantization", "8-bit weights, one scale per output channel: fp8 (CUDA) or int8 (CUDA, or a CPU with "
+         "AVX-512: a kernel built on first use)", choices=tuple(QUANTIZATION_SCHEMES)),
     Flag("--compile", "torch.compile the decode step (inductor): faster steps, about 2 minutes more start-up on CPU",
          default=False, type=bool),
     Flag("--num-speculative-tokens", "draft tokens verified per decode step (0: no speculation)", default=0, type=int),

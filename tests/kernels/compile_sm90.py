@@ -82,6 +82,7 @@ def _engine_like_calls() -> list[tuple[str, Callable[[], object]]]:
     cache = torch.zeros(64, 16, hk, d, dtype=bf16)
     tables, lens = torch.zeros(2, 64, dtype=torch.long), torch.tensor([150, 1000])
     qweight, scale = torch.zeros(512, 4096, dtype=torch.float8_e4m3fn), torch.ones(512)
+    int8_weight = torch.zeros(512, 4096, dtype=torch.int8)
     return [
         ("rms_norm", lambda: K["rms_norm"](x, ones, 1e-6)),
         ("fused_add_rms_norm", lambda: K["fused_add_rms_norm"](x, x, ones, 1e-6)),
@@ -94,6 +95,8 @@ def _engine_like_calls() -> list[tuple[str, Callable[[], object]]]:
         ("quantize_fp8_weight", lambda: K["quantize_fp8_weight"](torch.randn(512, 4096, dtype=bf16))),
         ("fp8_scaled_mm", lambda: K["fp8_scaled_mm"](torch.randn(16, 4096, dtype=bf16), qweight, scale)),  # decode
         ("fp8_scaled_mm", lambda: K["fp8_scaled_mm"](torch.randn(4096, 4096, dtype=bf16), qweight, scale)),  # prefill
+        ("int8_scaled_mm", lambda: K["int8_scaled_mm"](torch.randn(16, 4096, dtype=bf16), int8_weight, scale)),
+        ("int8_scaled_mm", lambda: K["int8_scaled_mm"](torch.randn(4096, 4096, dtype=bf16), int8_weight, scale)),
     ] + [  # attention and the matmul with wider rows, whose tiles must shrink to fit shared memory
         (f"{op} {dtype} D={dim}", call)
         for dtype, dim in ((torch.float32, 128), (torch.bfloat16, 256), (torch.float32, 256))

@@ -28,9 +28,24 @@ def test_interpreter_picks_triton() -> None:  # the conftest sets TRITON_INTERPR
 
 def test_plain_cpu_picks_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(dispatch, "_CPU_NATIVE", {})  # as before kernels.cpu.load()
     for name in OPS:
         assert get_op(name, CPU) is getattr(reference, name)
     assert Ops(CPU).rms_norm is reference.rms_norm
+
+
+def test_a_native_cpu_kernel_is_picked_on_plain_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    def native(*args):
+        return None
+
+    monkeypatch.setattr(dispatch, "_CPU_NATIVE", {})
+    dispatch.register_cpu_native("int8_scaled_mm", native)
+    assert get_op("int8_scaled_mm", CPU) is kernels.triton.KERNELS["int8_scaled_mm"]  # the interpreter's tests
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert get_op("int8_scaled_mm", CPU) is native
+    assert get_op("rms_norm", CPU) is reference.rms_norm
+    with pytest.raises(KeyError, match="unknown op"):
+        dispatch.register_cpu_native("int4_mm", native)
 
 
 def test_unknown_op() -> None:

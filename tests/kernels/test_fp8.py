@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from kernels import reference
-from kernels.fp8_linear import Fp8Linear, quantize_model_fp8
+from kernels.quantized_linear import SCHEMES, QuantizedLinear, quantize_model
 from kernels.triton.fp8 import fp8_scaled_mm, quantize_fp8_weight
 from kernels.triton.testing import poisoned_allocations, relative_error
 from kvmesh.errors import FailedPrecondition
@@ -73,7 +73,9 @@ def test_triton_quantized_values() -> None:
 
 
 def test_fp8_linear_needs_cuda() -> None:
+    with pytest.raises(FailedPrecondition, match="fp8 quantization needs a CUDA GPU; this model is on cpu"):
+        QuantizedLinear(nn.Linear(8, 8), SCHEMES["fp8"])
+    model = nn.Sequential(nn.Linear(8, 8))
     with pytest.raises(FailedPrecondition, match="fp8 quantization needs a CUDA GPU"):
-        Fp8Linear(nn.Linear(8, 8))
-    with pytest.raises(FailedPrecondition, match="fp8 quantization needs a CUDA GPU"):
-        quantize_model_fp8(nn.Sequential(nn.Linear(8, 8)))
+        quantize_model(model, "fp8")
+    assert type(model[0]) is nn.Linear  # refused before any layer was swapped

@@ -1,0 +1,78 @@
+"""Native CPU kernels: C++ with AVX-512 intrinsics, built on first use by torch's extension
+builder (ninja and a C++ compiler) and cached under ``TORCH_EXTENSIONS_DIR``
+(``~/.cache/torch_extensions`` by default), so one build serves every later process.
+
+``load()`` builds (or finds) them, registers each with the dispatcher for CPU tensors, and
+raises ``FailedPrecondition`` saying why when they cannot run here (a CPU without AVX-512,
+no compiler). Triton has no CPU backend in the wheels served here; these fill that role for
+the ops where a CPU engine is bound by something torch's own kernels do badly.
+
+- ``int8_scaled_mm`` (``int8_scaled_mm.cpp``): int8 weight-only products of a few rows
+  (decode, verify). torch's ``_weight_int8pack_mm`` streamed 7 GB/s here, this 17 GB/s
+  (the DRAM rate bf16 products reach), so int8 weights halve a decode step's weight time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from kernels.dispatch import register_cpu_native
+from kvmesh.errors import FailedPrecondition
+
+_SOURCES = [Path(__file__).with_name("int8_scaled_mm.cpp")]
+# -fopenmp: at::parallel_for is inlined from ATen's headers as an OpenMP loop; without it the
+# kernel would run on one thread.
+_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"]
+_OPS = ("int8_scaled_mm",)
+
+_lock = threading.Lock()
+_failure: str | None = None
+_loaded = False
+_log = logging.getLogger(__name__)
+
+
+def load() -> None:
+    """Build or load the kernels once per process and register them; FailedPrecondition if
+    they cannot run on this machine (the reason is kept: later calls raise it at once)."""
+    global _failure, _loaded
+    with _lock:
+        if _loaded:
+            return
+        if _failure is None:
+            _failure = _build()
+            _loaded = _failure is None
+        if _failure is not None:
+            raise FailedPrecondition(f"kvmesh's native CPU kernels are unavailable: {_failure}")
+
+
+def _build() -> str | None:
+    """None once the ops are registered; otherwise why not."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX512":
+        return f"they need AVX-512 (torch reports {capability} on this CPU)"
+    from torch.utils import cpp_extension
+
+    _log.info("loading kvmesh CPU kernels (the first build on a machine takes ~15 s)")
+    try:
+        cpp_extension.load(
+            name="kvmesh_cpu", sources=[str(s) for s in _SOURCES], extra_cflags=_CFLAGS, is_python_module=False
+        )
+    except (OSError, RuntimeError, ImportError) as exc:  # no compiler or ninja, a failed build
+        lines = str(exc).strip().splitlines()
+        return f"{type(exc).__name__}: {lines[-1] if lines else 'no message'}"  # a build's last line says why
+    for name in _OPS:
+        op = getattr(torch.ops.kvmesh_cpu, name)
+        torch.library.register_fake(f"kvmesh_cpu::{name}")(_fake_scaled_mm)
+        register_cpu_native(name, op)
+    return None
+
+
+def _fake_scaled_mm(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The output's shape and dtype, for torch.compile's tracing."""
+    return x.new_empty((x.shape[0], qweight.shape[0]))

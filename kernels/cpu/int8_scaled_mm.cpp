@@ -1,0 +1,126 @@
+// x [M, K] @ (qweight [N, K] int8 * scale [N])^T + bias on AVX-512: kernels.reference.int8_scaled_mm.
+//
+// Decode multiplies one row (or a verify's k + 1 rows) by every weight, so it is bound by
+// the bytes of weight it streams: int8 weights stream half the bytes of bf16. Each weight
+// row is widened to float32 in registers and multiplied with float32 activations, so the
+// only error is the weight's rounding to int8 (the activations keep every bit of x).
+//
+// Every output element is one fixed sequence of float32 FMAs over k, whatever the number of
+// rows of x, the pass a row falls in, or the thread its weight rows run on: a row's result
+// does not depend on what it is batched with (a speculative verify of k + 1 rows gives each
+// row exactly what a decode of that row alone gives).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int kWeightRows = 4;  // weight rows read together (4 * K bytes: well inside L1)
+constexpr int kMaxXRows = 4;    // rows of x per pass over those weight rows (16 accumulators)
+constexpr int64_t kBlocksPerTask = 8;
+// From this many rows of x on (prefill chunks), the product is bound by arithmetic, not by
+// weight bytes: the weight is widened to x's dtype once and the GEMM (AMX for bf16) runs it.
+constexpr int64_t kMaxStreamedRows = 16;
+
+inline __m512 widen(const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
+
+inline __m512 widen_masked(const int8_t* w, __mmask16 mask) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w)));
+}
+
+// out[m, r] = scale[r] * sum_k x[m, k] * w[r, k] (+ bias[r]) for MB rows of x and up to
+// kWeightRows weight rows. out points at out[0, n0]; its rows are n_out apart.
+template <int MB>
+void dot_block(const float* x, int64_t K, const int8_t* w, int rows, const float* scale,
+               const float* bias, float* out, int64_t n_out) {
+  __m512 acc[MB][kWeightRows];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < kWeightRows; ++r) acc[m][r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    // The next block's weight rows, one block ahead: with the int8 -> float32 widening
+    // between loads, the hardware prefetcher alone kept half the memory bandwidth idle.
+    if ((k & 63) == 0)
+      for (int r = 0; r < kWeightRows; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (r + kWeightRows) * K + k), _MM_HINT_T0);
+    __m512 wv[kWeightRows];
+    for (int r = 0; r < kWeightRows; ++r) wv[r] = r < rows ? widen(w + r * K + k) : _mm512_setzero_ps();
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * K + k);
+      for (int r = 0; r < kWeightRows; ++r) acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 wv[kWeightRows];
+    for (int r = 0; r < kWeightRows; ++r)
+      wv[r] = r < rows ? widen_masked(w + r * K + k, tail) : _mm512_setzero_ps();
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xv = _mm512_maskz_loadu_ps(tail, x + m * K + k);
+      for (int r = 0; r < kWeightRows; ++r) acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < rows; ++r) {
+      const float dot = _mm512_reduce_add_ps(acc[m][r]) * scale[r];
+      out[m * n_out + r] = bias ? dot + bias[r] : dot;
+    }
+}
+
+using DotBlock = void (*)(const float*, int64_t, const int8_t*, int, const float*, const float*, float*, int64_t);
+constexpr DotBlock kDotBlocks[kMaxXRows] = {dot_block<1>, dot_block<2>, dot_block<3>, dot_block<4>};
+
+at::Tensor int8_scaled_mm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+                          const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "x must be a 2-D CPU tensor");
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2 && qweight.is_contiguous(),
+              "qweight must be a contiguous 2-D int8 tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(qweight.size(1) == K, "x has ", K, " columns, qweight ", qweight.size(1));
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N,
+              "scale must be ", N, " contiguous float32 values");
+  const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  TORCH_CHECK(!b.defined() || b.numel() == N, "bias must have ", N, " values");
+
+  if (M > kMaxStreamedRows) {
+    const at::Tensor w = (qweight.to(at::kFloat) * scale.unsqueeze(1)).to(x.scalar_type());
+    return at::linear(x, w, b.defined() ? c10::optional<at::Tensor>(b.to(x.scalar_type())) : c10::nullopt);
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({M, N}, xf.options());
+  const float* X = xf.data_ptr<float>();
+  const int8_t* W = qweight.data_ptr<int8_t>();
+  const float* S = scale.data_ptr<float>();
+  const float* B = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* O = out.data_ptr<float>();
+
+  const int64_t blocks = (N + kWeightRows - 1) / kWeightRows;
+  at::parallel_for(0, blocks, kBlocksPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t n0 = block * kWeightRows;
+      const int rows = static_cast<int>(std::min<int64_t>(kWeightRows, N - n0));
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxXRows) {
+        const int mb = static_cast<int>(std::min<int64_t>(kMaxXRows, M - m0));
+        kDotBlocks[mb - 1](X + m0 * K, K, W + n0 * K, rows, S + n0, B ? B + n0 : nullptr, O + m0 * N + n0, N);
+      }
+    }
+  });
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvmesh_cpu, m) {
+  m.def("int8_scaled_mm(Tensor x, Tensor qweight, Tensor scale, Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvmesh_cpu, CPU, m) { m.impl("int8_scaled_mm", int8_scaled_mm); }

@@ -1,0 +1,125 @@
+"""Weight-only quantized linear layers for ``--quantization fp8|int8``.
+
+``quantize_model(model, scheme)`` swaps every ``nn.Linear`` of a loaded model (the LM head
+excepted) for a ``QuantizedLinear``: its weight is quantized once to 8 bits with one scale
+per output channel, and each forward runs the scaled matmul (activations in the model's
+dtype × 8-bit weights, float32 accumulation) through the dispatcher. Half the weight bytes
+of bf16, which is what bounds decode.
+
+- ``fp8``: e4m3 weights; CUDA only (the Triton kernel; the CPU has no fp8 arithmetic).
+- ``int8``: int8 weights, exactly the ``int8-channel`` format of ``kvmesh quantize``
+  (``kvmesh.quant.formats``, whose fidelity report measures what it costs). CUDA runs the
+  Triton kernel; the CPU runs ``kernels.cpu``'s AVX-512 kernel, built on first use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels.dispatch import get_op
+from kernels.module_swap import swap_modules
+from kvmesh.errors import FailedPrecondition, InvalidArgument
+from kvmesh.quant.formats import get_format
+
+# The output projection is read as a raw weight by the model (and kept in 16 bits by
+# common recipes: its errors go straight into the logits).
+DEFAULT_SKIP = ("lm_head",)
+
+
+def quantize_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (int8 [N, K], float32 scale [N]): the int8-channel format (kvmesh.quant.formats)."""
+    stored = get_format("int8-channel").quantize(weight)
+    return stored["weight"].contiguous(), stored["weight_scale"].reshape(-1).float().contiguous()
+
+
+def _load_cpu_kernels() -> None:
+    from kernels import cpu
+
+    cpu.load()  # FailedPrecondition, with the reason, where they cannot run
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    # weight [N, K] -> (8-bit qweight [N, K], float32 scale [N]); gets the device's op name
+    quantize: Callable[[torch.Tensor, torch.device], tuple[torch.Tensor, torch.Tensor]]
+    matmul_op: str  # the dispatcher's op: (x, qweight, scale, bias) -> x @ (qweight · scale)ᵀ + bias
+    # device type -> what must hold before the op can run there (raises FailedPrecondition)
+    prepare: dict[str, Callable[[], None]]
+
+
+def _no_preparation() -> None:
+    return None
+
+
+SCHEMES = {
+    "fp8": Scheme(
+        "fp8", lambda w, device: get_op("quantize_fp8_weight", device)(w), "fp8_scaled_mm",
+        {"cuda": _no_preparation},
+    ),
+    "int8": Scheme(
+        "int8", lambda w, device: quantize_int8_weight(w), "int8_scaled_mm",
+        {"cuda": _no_preparation, "cpu": _load_cpu_kernels},
+    ),
+}  # fmt: skip
+
+
+def get_scheme(name: str) -> Scheme:
+    if name not in SCHEMES:
+        raise InvalidArgument(f"unknown quantization {name!r}; supported: {', '.join(SCHEMES)}")
+    return SCHEMES[name]
+
+
+def _prepare(scheme: Scheme, device: torch.device) -> None:
+    if device.type not in scheme.prepare:
+        where = " or ".join(d.upper() if d == "cpu" else f"a {d.upper()} GPU" for d in scheme.prepare)
+        raise FailedPrecondition(f"{scheme.name} quantization needs {where}; this model is on {device.type}")
+    scheme.prepare[device.type]()
+
+
+class QuantizedLinear(nn.Module):
+    """An ``nn.Linear`` whose weight is stored as 8-bit values plus per-output-channel scales."""
+
+    def __init__(self, linear: nn.Linear, scheme: Scheme) -> None:
+        super().__init__()
+        device = linear.weight.device
+        _prepare(scheme, device)
+        self.scheme = scheme.name
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        qweight, scale = scheme.quantize(linear.weight.detach(), device)
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        self._scaled_mm = get_op(scheme.matmul_op, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        out = self._scaled_mm(rows, self.qweight, self.scale, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, scheme={self.scheme}"
+        )
+
+
+def quantize_model(model: nn.Module, scheme: str, skip: Collection[str] = DEFAULT_SKIP) -> int:
+    """Replace, in place, every ``nn.Linear`` in ``model`` whose last name component is not in
+    ``skip`` with a ``QuantizedLinear`` of ``scheme``; returns how many were replaced. Call it
+    on the loaded model, already on its device, and cast the model no more after it
+    (``.to(dtype)`` would widen the 8-bit buffers). Raises FailedPrecondition (before any
+    weight is touched) where the scheme cannot run on the model's device."""
+    chosen = get_scheme(scheme)
+    devices = {p.device for p in model.parameters()}
+    for device in devices:
+        _prepare(chosen, device)
+    return swap_modules(
+        model,
+        lambda name, m: isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] not in skip,
+        lambda linear: QuantizedLinear(linear, chosen),
+    )

@@ -1,0 +1,68 @@
+"""``--quantization int8`` on CPU: the engine serves exactly what an ``int8-channel`` checkpoint's
+dequantized weights give (the weights the fidelity report measures), eagerly, compiled, batched
+and while verifying drafts; and it gets a fingerprint of its own."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.engine.weights import iter_tensors, weight_files
+from kvmesh.quant.checkpoint import write_checkpoint
+
+from .conftest import PROMPTS
+from .test_speculative import ScriptedProposer
+
+N_NEW = 40  # crosses block boundaries (block size 16)
+
+
+def _int8_checkpoint(src, out):
+    """Every projection of ``src`` in the int8-channel format (the LM head stays, as the engine's int8 does)."""
+    names = [n for n, _ in iter_tensors(weight_files(src))]
+    return write_checkpoint(src, out, {n.rsplit(".", 1)[0]: "int8-channel" for n in names if "_proj.weight" in n})
+
+
+def _greedy(engine: LLMEngine, prompts) -> list[list[int]]:
+    return [r.token_ids for r in engine.generate(prompts, SamplingParams(max_tokens=N_NEW, ignore_eos=True))]
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "qwen2-bias", "qwen3-qknorm-tied"])
+def test_int8_serves_what_the_int8_channel_checkpoint_does(checkpoints, tmp_path, arch):
+    src = checkpoints[arch]
+    dequantized = LLMEngine(_int8_checkpoint(src, tmp_path / "q"), EngineConfig(num_blocks=64))
+    int8 = LLMEngine(src, EngineConfig(num_blocks=64, quantization="int8"))
+    assert _greedy(int8, [PROMPTS[0]]) == _greedy(dequantized, [PROMPTS[0]])
+    assert _greedy(int8, PROMPTS) == _greedy(dequantized, PROMPTS)
+    assert int8.fingerprint != LLMEngine(src, EngineConfig(num_blocks=64)).fingerprint
+
+
+def test_compiled_int8_decodes_as_eager_and_never_recompiles(checkpoints):
+    from torch._dynamo.utils import counters
+
+    path = checkpoints["llama-gqa"]
+    eager = LLMEngine(path, EngineConfig(num_blocks=128, quantization="int8"))
+    compiled = LLMEngine(path, EngineConfig(num_blocks=128, quantization="int8", compile=True))
+    graphs = counters["stats"]["unique_graphs"]
+    assert _greedy(compiled, [PROMPTS[0]]) == _greedy(eager, [PROMPTS[0]])
+    assert _greedy(compiled, PROMPTS) == _greedy(eager, PROMPTS)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_verify_steps_keep_greedy_output(checkpoints, dtype):
+    """A verify multiplies k + 1 rows a sequence; the int8 kernel gives each row what it gets
+    alone, so drafts (right ones, then wrong ones) change no token, in bf16 too."""
+    path = checkpoints["llama-gqa"]
+    plain = _greedy(LLMEngine(path, EngineConfig(num_blocks=64, dtype=dtype, quantization="int8")), [PROMPTS[0]])[0]
+    cfg = EngineConfig(num_blocks=64, dtype=dtype, quantization="int8", num_speculative_tokens=3, draft_costs=())
+    oracle = ScriptedProposer({"r": plain[:20]})  # right for 20 tokens, then no drafts
+    drafting = LLMEngine(path, cfg, proposer=oracle)
+    drafting.add_request(PROMPTS[0], SamplingParams(max_tokens=N_NEW, ignore_eos=True), request_id="r")
+    tokens = []
+    while drafting.has_unfinished():
+        tokens += [t for o in drafting.step() for t in o.new_token_ids]
+    assert tokens == plain
+    assert drafting.stats.draft_tokens_accepted >= 15
+    garbage = LLMEngine(path, cfg, proposer=ScriptedProposer(garbage=True))
+    assert _greedy(garbage, [PROMPTS[0]])[0] == plain
+    assert garbage.stats.draft_tokens_proposed > garbage.stats.draft_tokens_accepted
