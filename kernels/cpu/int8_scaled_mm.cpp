@@ -38,10 +38,11 @@ inline __m512 widen_masked(const int8_t* w, __mmask16 mask) {
 }
 
 // out[m, r] = scale[r] * sum_k x[m, k] * w[r, k] (+ bias[r]) for MB rows of x and up to
-// kWeightRows weight rows. out points at out[0, n0]; its rows are n_out apart.
-template <int MB>
+// kWeightRows weight rows, rounded once to the output's type T. out points at out[0, n0];
+// its rows are n_out apart.
+template <int MB, typename T>
 void dot_block(const float* x, int64_t K, const int8_t* w, int rows, const float* scale,
-               const float* bias, float* out, int64_t n_out) {
+               const float* bias, T* out, int64_t n_out) {
   __m512 acc[MB][kWeightRows];
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < kWeightRows; ++r) acc[m][r] = _mm512_setzero_ps();
@@ -72,12 +73,35 @@ void dot_block(const float* x, int64_t K, const int8_t* w, int rows, const float
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < rows; ++r) {
       const float dot = _mm512_reduce_add_ps(acc[m][r]) * scale[r];
-      out[m * n_out + r] = bias ? dot + bias[r] : dot;
+      out[m * n_out + r] = static_cast<T>(bias ? dot + bias[r] : dot);
     }
 }
 
-using DotBlock = void (*)(const float*, int64_t, const int8_t*, int, const float*, const float*, float*, int64_t);
-constexpr DotBlock kDotBlocks[kMaxXRows] = {dot_block<1>, dot_block<2>, dot_block<3>, dot_block<4>};
+// x's rows as float32: x itself when it is float32 and contiguous, else a converted copy.
+const float* float_rows(const at::Tensor& x, std::vector<float>& copy) {
+  if (x.scalar_type() == at::kFloat && x.is_contiguous()) return x.data_ptr<float>();
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  copy.assign(xf.data_ptr<float>(), xf.data_ptr<float>() + xf.numel());
+  return copy.data();
+}
+
+template <typename T>
+void streamed_mm(const float* X, int64_t M, int64_t K, const int8_t* W, int64_t N, const float* S,
+                 const float* B, T* O) {
+  using Block = void (*)(const float*, int64_t, const int8_t*, int, const float*, const float*, T*, int64_t);
+  constexpr Block kBlocks[kMaxXRows] = {dot_block<1, T>, dot_block<2, T>, dot_block<3, T>, dot_block<4, T>};
+  const int64_t blocks = (N + kWeightRows - 1) / kWeightRows;
+  at::parallel_for(0, blocks, kBlocksPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t n0 = block * kWeightRows;
+      const int rows = static_cast<int>(std::min<int64_t>(kWeightRows, N - n0));
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxXRows) {
+        const int mb = static_cast<int>(std::min<int64_t>(kMaxXRows, M - m0));
+        kBlocks[mb - 1](X + m0 * K, K, W + n0 * K, rows, S + n0, B ? B + n0 : nullptr, O + m0 * N + n0, N);
+      }
+    }
+  });
+}
 
 at::Tensor int8_scaled_mm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                           const c10::optional<at::Tensor>& bias) {
@@ -95,26 +119,19 @@ at::Tensor int8_scaled_mm(const at::Tensor& x, const at::Tensor& qweight, const 
     const at::Tensor w = (qweight.to(at::kFloat) * scale.unsqueeze(1)).to(x.scalar_type());
     return at::linear(x, w, b.defined() ? c10::optional<at::Tensor>(b.to(x.scalar_type())) : c10::nullopt);
   }
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({M, N}, xf.options());
-  const float* X = xf.data_ptr<float>();
+  std::vector<float> copy;
+  const float* X = float_rows(x, copy);
   const int8_t* W = qweight.data_ptr<int8_t>();
   const float* S = scale.data_ptr<float>();
   const float* B = b.defined() ? b.data_ptr<float>() : nullptr;
-  float* O = out.data_ptr<float>();
-
-  const int64_t blocks = (N + kWeightRows - 1) / kWeightRows;
-  at::parallel_for(0, blocks, kBlocksPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block) {
-      const int64_t n0 = block * kWeightRows;
-      const int rows = static_cast<int>(std::min<int64_t>(kWeightRows, N - n0));
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxXRows) {
-        const int mb = static_cast<int>(std::min<int64_t>(kMaxXRows, M - m0));
-        kDotBlocks[mb - 1](X + m0 * K, K, W + n0 * K, rows, S + n0, B ? B + n0 : nullptr, O + m0 * N + n0, N);
-      }
-    }
-  });
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  at::Tensor out = at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  switch (x.scalar_type()) {
+    case at::kFloat: streamed_mm(X, M, K, W, N, S, B, out.data_ptr<float>()); break;
+    case at::kBFloat16: streamed_mm(X, M, K, W, N, S, B, out.data_ptr<at::BFloat16>()); break;
+    case at::kHalf: streamed_mm(X, M, K, W, N, S, B, out.data_ptr<at::Half>()); break;
+    default: TORCH_CHECK(false, "x must be float32, bfloat16 or float16, not ", x.scalar_type());
+  }
+  return out;
 }
 
 }  // namespace
