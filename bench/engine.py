@@ -69,12 +69,14 @@ def chat_prompts(path: Path, n: int) -> list[list[int]]:
     return [tok.encode(t, add_special_tokens=False) for t in texts]
 
 
-def make_engine(path: Path, dtype: str, compile: bool = False, quantization: str | None = None):
+def make_engine(path: Path, dtype: str, compile: bool = False, quantization: str | None = None,
+                quantize_lm_head: bool = False):
     from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
 
     # No prefix cache: every run computes its whole prompt, as the anchor does.
     engine = LLMEngine(path, EngineConfig(dtype=dtype, num_blocks=512, max_num_seqs=32, max_num_batched_tokens=1024,
-                                          enable_prefix_cache=False, compile=compile, quantization=quantization))
+                                          enable_prefix_cache=False, compile=compile, quantization=quantization,
+                                          quantize_lm_head=quantize_lm_head))
     engine.generate([[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     return engine
 
@@ -113,6 +115,9 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=64, help="random model only: prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step (EngineConfig.compile)")
+    ap.add_argument("--quantization", choices=("int8",), help="8-bit weights (EngineConfig.quantization); "
+                    "transformers runs the unquantized model, so outputs are not compared then")
+    ap.add_argument("--quantize-lm-head", action="store_true", help="with --quantization: the LM head's too")
     ap.add_argument("--json", default="bench/results/engine.json")
     args = ap.parse_args()
 
@@ -127,8 +132,9 @@ def main() -> int:
 
             path = default_model_path() if args.model == "default" else Path(args.model)
             prompts = chat_prompts(path, args.requests)
-        engine = make_engine(path, args.dtype, args.compile)
-        n_params = sum(p.numel() for p in engine.model.parameters())
+        engine = make_engine(path, args.dtype, args.compile, args.quantization, args.quantize_lm_head)
+        n_params = sum(p.numel() for p in engine.model.parameters()) + sum(  # 8-bit weights are buffers
+            m.qweight.numel() for m in engine.model.modules() if hasattr(m, "qweight"))
         kv_s, kv_out = run_kvmesh(engine, prompts, args.new_tokens)
         one_s, one_out = run_kvmesh(engine, prompts[:1], args.new_tokens)
         roof = ceilings(engine.model, args.requests, engine.dtype)
@@ -141,6 +147,8 @@ def main() -> int:
         "model": str(args.model),
         "dtype": args.dtype,
         "compile": args.compile,
+        "quantization": args.quantization,
+        "quantize_lm_head": args.quantize_lm_head,
         "params": n_params,
         "requests": args.requests,
         "prompt_lens": [min(map(len, prompts)), max(map(len, prompts))],
@@ -159,7 +167,8 @@ def main() -> int:
         },
     }
     print(f"engine benchmark: {args.model} ({n_params / 1e6:.1f}M params), {args.requests} requests x "
-          f"{result['prompt_lens'][0]}-{result['prompt_lens'][1]} prompt + {args.new_tokens} new tokens, greedy, CPU {args.dtype}{', compiled decode' if args.compile else ''}")
+          f"{result['prompt_lens'][0]}-{result['prompt_lens'][1]} prompt + {args.new_tokens} new tokens, greedy, CPU {args.dtype}"
+          f"{', compiled decode' if args.compile else ''}{f', {args.quantization} weights' if args.quantization else ''}")
     print_table(
         ["run", "seconds", "tokens/s"],
         [

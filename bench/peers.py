@@ -60,7 +60,9 @@ from engine import chat_prompts  # noqa: E402
 
 THREADS = 2
 KVMESH_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "int8": "bfloat16"}
-KVMESH_QUANTIZATION = {"int8": "int8"}  # precision -> --quantization (none for the others)
+# precision -> --quantization, LM head included (none for the others): like llama.cpp's Q8_0, which quantizes every
+# matrix, the tied embedding / LM head too.
+KVMESH_QUANTIZATION = {"int8": "int8"}
 VLLM_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 GGUF = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "q4_1": "Q4_1"}
 # llama.cpp's repacked (AMX) kernels for quantized GGUFs die on these machines (Q4_1: SIGILL, Q8_0: SIGSEGV while
@@ -212,7 +214,7 @@ class Peers:
 
         dtype = {"KVMESH_DTYPE": KVMESH_DTYPE[precision]}
         if precision in KVMESH_QUANTIZATION:
-            dtype["KVMESH_QUANTIZATION"] = KVMESH_QUANTIZATION[precision]
+            dtype.update(KVMESH_QUANTIZATION=KVMESH_QUANTIZATION[precision], KVMESH_QUANTIZE_LM_HEAD="1")
         # Only decode runs decode steps: a compiling prefill worker would only start slower.
         decode = {**dtype, "KVMESH_COMPILE": str(int(self.args.kvmesh_compile))}
         # As `kvmesh up --no-speculator --no-publish` starts it: the compose file's mesh, free ports, this dtype.

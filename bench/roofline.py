@@ -1,7 +1,7 @@
 """This machine's ceilings for one decode step of a model: what the engine is measured against.
 
 - Batch 1 is bound by memory: every weight is read once per step, so the ceiling is
-  (bytes of weights) / (measured copy bandwidth).
+  (bytes of weights, as stored: 8-bit ones count 1 byte) / (measured copy bandwidth).
 - A batch of N is bound by matmuls: the ceiling is the time torch itself needs for the
   step's matmuls at their real shapes ([N, K] x [K, N_out] for every linear layer and
   the LM head), measured here in the engine's dtype.
@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 
 import torch
+
+from kernels.quantized_linear import QuantizedLinear
 
 
 def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
@@ -32,11 +34,12 @@ def _timed(fn) -> float:
 
 
 def linear_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
-    """(in, out) of every matmul in one forward step: each nn.Linear and the (tied) LM head."""
-    shapes = [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    head = model.lm_head if getattr(model, "lm_head", None) is not None else model.embed_tokens
-    if not isinstance(head, torch.nn.Linear):
-        shapes.append((head.weight.shape[1], head.weight.shape[0]))
+    """(in, out) of every matmul in one forward step: each linear (8-bit ones too) and the (tied) LM head."""
+    shapes = [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, (torch.nn.Linear, QuantizedLinear))]
+    if getattr(model, "head_proj", None) is None:  # else the head's product is one of the modules above
+        head = model.lm_head if getattr(model, "lm_head", None) is not None else model.embed_tokens
+        if not isinstance(head, torch.nn.Linear):
+            shapes.append((head.weight.shape[1], head.weight.shape[0]))
     return shapes
 
 
@@ -53,20 +56,10 @@ def matmul_seconds(shapes: list[tuple[int, int]], batch: int, dtype: torch.dtype
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def ceilings(model: torch.nn.Module, batch: int, dtype: torch.dtype) -> dict[str, float]:
-    """Ceiling tokens/s at batch 1 (bandwidth) and at ``batch`` (matmuls), with what they came from."""
-    shapes = linear_shapes(model)
-    bandwidth = copy_bandwidth()
-    mm_s = matmul_seconds(shapes, batch, dtype)
-    flops = 2 * batch * sum(k * n for k, n in shapes)
-    return {
-        "copy_bandwidth_gb_s": bandwidth / 1e9,
-        "weight_bytes": weight_bytes(model),
-        "batch1_tokens_per_s": bandwidth / weight_bytes(model),
-        f"batch{batch}_matmul_seconds": mm_s,
-        f"batch{batch}_matmul_gflop_s": flops / mm_s / 1e9,
-        f"batch{batch}_tokens_per_s": batch / mm_s,
-    }
+    """Bytes one step reads: the parameters, and the 8-bit layers' weights and scales (buffers). A tied
+    embedding whose head product is 8-bit is left out: a step reads only its few looked-up rows."""
+    quantized = [b for m in model.modules() if isinstance(m, QuantizedLinear) for b in m.buffers() if b is not None]
+    params = list(model.parameters())
+    if isinstance(getattr(model, "head_proj", None), QuantizedLinear) and getattr(model, "lm_head", None) is None:
+        params = [p for p in params if p is not model.embed_tokens.weight]
+    return sum(t.numel() * t.element_size() for t in [*params, *quantized])

@@ -25,8 +25,8 @@ from kernels.module_swap import swap_modules
 from kvmesh.errors import FailedPrecondition, InvalidArgument
 from kvmesh.quant.formats import get_format
 
-# The output projection is read as a raw weight by the model (and kept in 16 bits by
-# common recipes: its errors go straight into the logits).
+# The output projection is kept in 16 bits by common recipes (its errors go straight into the
+# logits); the engine quantizes it only when asked (CausalLM.quantize).
 DEFAULT_SKIP = ("lm_head",)
 
 
@@ -84,17 +84,25 @@ def _prepare(scheme: Scheme, device: torch.device) -> None:
 class QuantizedLinear(nn.Module):
     """An ``nn.Linear`` whose weight is stored as 8-bit values plus per-output-channel scales."""
 
-    def __init__(self, linear: nn.Linear, scheme: Scheme) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scheme: Scheme) -> None:
         super().__init__()
-        device = linear.weight.device
+        device = weight.device
         _prepare(scheme, device)
         self.scheme = scheme.name
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        qweight, scale = scheme.quantize(linear.weight.detach(), device)
+        self.out_features, self.in_features = weight.shape
+        qweight, scale = scheme.quantize(weight.detach(), device)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        self.register_buffer("bias", None if bias is None else bias.detach())
         self._scaled_mm = get_op(scheme.matmul_op, device)
+
+    @classmethod
+    def of(cls, linear: nn.Linear, scheme: Scheme) -> QuantizedLinear:
+        return cls(linear.weight, linear.bias, scheme)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this layer multiplies by, in float32 [out, in]."""
+        return self.qweight.float() * self.scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -121,5 +129,5 @@ def quantize_model(model: nn.Module, scheme: str, skip: Collection[str] = DEFAUL
     return swap_modules(
         model,
         lambda name, m: isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] not in skip,
-        lambda linear: QuantizedLinear(linear, chosen),
+        lambda linear: QuantizedLinear.of(linear, chosen),
     )

@@ -25,8 +25,9 @@ namespace {
 constexpr int kWeightRows = 4;  // weight rows read together (4 * K bytes: well inside L1)
 constexpr int kMaxXRows = 4;    // rows of x per pass over those weight rows (16 accumulators)
 constexpr int64_t kBlocksPerTask = 8;
-// From this many rows of x on (prefill chunks), the product is bound by arithmetic, not by
-// weight bytes: the weight is widened to x's dtype once and the GEMM (AMX for bf16) runs it.
+// Past this many rows of x (prefill chunks, large decode batches), the product is bound by
+// arithmetic, not by weight bytes: the weight is widened to x's dtype in one pass (a few MB,
+// still in cache when read back) and the GEMM (AMX for bf16) runs it.
 constexpr int64_t kMaxStreamedRows = 16;
 
 inline __m512 widen(const int8_t* w) {
@@ -77,6 +78,31 @@ void dot_block(const float* x, int64_t K, const int8_t* w, int rows, const float
     }
 }
 
+// Stores 16 float32 values as T, rounding to nearest even (the weights are finite).
+inline void store16(float* dst, __m512 v) { _mm512_storeu_ps(dst, v); }
+inline void store16(at::Half* dst, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+inline void store16(at::BFloat16* dst, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+// The weight widened to T in one pass: w[n, k] = qweight[n, k] * scale[n].
+template <typename T>
+void dequantize(const int8_t* W, const float* S, int64_t N, int64_t K, T* out) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const __m512 s = _mm512_set1_ps(S[n]);
+      int64_t k = 0;
+      for (; k + 16 <= K; k += 16) store16(out + n * K + k, _mm512_mul_ps(widen(W + n * K + k), s));
+      for (; k < K; ++k) out[n * K + k] = static_cast<T>(static_cast<float>(W[n * K + k]) * S[n]);
+    }
+  });
+}
+
 // x's rows as float32: x itself when it is float32 and contiguous, else a converted copy.
 const float* float_rows(const at::Tensor& x, std::vector<float>& copy) {
   if (x.scalar_type() == at::kFloat && x.is_contiguous()) return x.data_ptr<float>();
@@ -103,6 +129,17 @@ void streamed_mm(const float* X, int64_t M, int64_t K, const int8_t* W, int64_t 
   });
 }
 
+// Calls f with a value of x's element type: float, at::BFloat16 or at::Half.
+template <typename F>
+void with_type_of(const at::Tensor& x, F&& f) {
+  switch (x.scalar_type()) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(at::BFloat16{}); break;
+    case at::kHalf: f(at::Half{}); break;
+    default: TORCH_CHECK(false, "x must be float32, bfloat16 or float16, not ", x.scalar_type());
+  }
+}
+
 at::Tensor int8_scaled_mm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                           const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "x must be a 2-D CPU tensor");
@@ -116,7 +153,11 @@ at::Tensor int8_scaled_mm(const at::Tensor& x, const at::Tensor& qweight, const 
   TORCH_CHECK(!b.defined() || b.numel() == N, "bias must have ", N, " values");
 
   if (M > kMaxStreamedRows) {
-    const at::Tensor w = (qweight.to(at::kFloat) * scale.unsqueeze(1)).to(x.scalar_type());
+    at::Tensor w = at::empty({N, K}, x.options());
+    with_type_of(x, [&](auto tag) {
+      using T = decltype(tag);
+      dequantize(qweight.data_ptr<int8_t>(), scale.data_ptr<float>(), N, K, w.data_ptr<T>());
+    });
     return at::linear(x, w, b.defined() ? c10::optional<at::Tensor>(b.to(x.scalar_type())) : c10::nullopt);
   }
   std::vector<float> copy;
@@ -125,12 +166,7 @@ at::Tensor int8_scaled_mm(const at::Tensor& x, const at::Tensor& qweight, const 
   const float* S = scale.data_ptr<float>();
   const float* B = b.defined() ? b.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  switch (x.scalar_type()) {
-    case at::kFloat: streamed_mm(X, M, K, W, N, S, B, out.data_ptr<float>()); break;
-    case at::kBFloat16: streamed_mm(X, M, K, W, N, S, B, out.data_ptr<at::BFloat16>()); break;
-    case at::kHalf: streamed_mm(X, M, K, W, N, S, B, out.data_ptr<at::Half>()); break;
-    default: TORCH_CHECK(false, "x must be float32, bfloat16 or float16, not ", x.scalar_type());
-  }
+  with_type_of(x, [&](auto tag) { streamed_mm(X, M, K, W, N, S, B, out.data_ptr<decltype(tag)>()); });
   return out;
 }
 

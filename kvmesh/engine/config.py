@@ -169,6 +169,9 @@ class EngineConfig:
     # Weight-only 8-bit weights with per-channel scales (kernels.quantized_linear): "fp8" (CUDA)
     # or "int8" (CUDA, or CPU with AVX-512); None: the weights in the model's dtype.
     quantization: str | None = None
+    # With a quantization: the LM head's product in 8 bits too (the embedding lookup keeps the
+    # checkpoint's weights). Off by default: its errors go straight into the logits.
+    quantize_lm_head: bool = False
     # Draft tokens verified per decode step when a proposer is attached (0 = no speculation).
     num_speculative_tokens: int = 0
     # A verify of 1, 2, ... drafts in decode steps' time (kvmesh.engine.draft_length): fewer

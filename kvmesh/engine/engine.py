@@ -17,7 +17,6 @@ from typing import Protocol
 import structlog
 import torch
 
-from kernels.quantized_linear import quantize_model
 from kvmesh.blocks import BlockHash, block_hashes, model_fingerprint
 from kvmesh.engine.block_manager import BlockEventSink, BlockManager, OutOfBlocks
 from kvmesh.engine.compile import compile_decode
@@ -132,14 +131,17 @@ class LLMEngine:
         if cfg.quantization is not None:
             # Before the KV pool is allocated, so the freed weight memory can go to it.
             # InvalidArgument for an unknown scheme; FailedPrecondition where it cannot run.
-            quantize_model(self.model, cfg.quantization)
+            self.model.quantize(cfg.quantization, head=cfg.quantize_lm_head)
+        elif cfg.quantize_lm_head:
+            raise InvalidArgument("quantize_lm_head needs a quantization (fp8 or int8)")
         if cfg.wants_small_rows_linears(self.dtype):
             # Verify steps multiply k+1 rows a sequence, where MKL's GEMM repacks every weight
             # per call; a reordered copy of the weights avoids that (kernels.small_rows_linear).
             self.model.use_small_rows_linears()
         self.fingerprint = model_fingerprint(
             # Quantized weights give different KV: such workers must never share blocks with others.
-            {**mc.raw, "weights_id": weights_id(files), "quantization": cfg.quantization},
+            {**mc.raw, "weights_id": weights_id(files), "quantization": cfg.quantization,
+             **({"quantize_lm_head": True} if cfg.quantize_lm_head else {})},
             dtype_name(self.dtype),
             cfg.block_size,
         )

@@ -19,6 +19,8 @@ ENGINE_FLAGS = [
     Flag("--max-model-len", "context limit (default: the model's)", type=int),
     Flag("--quantization", "8-bit weights, one scale per output channel: fp8 (CUDA) or int8 (CUDA, or a CPU with "
          "AVX-512: a kernel built on first use)", choices=tuple(QUANTIZATION_SCHEMES)),
+    Flag("--quantize-lm-head", "with --quantization: the LM head's product in 8 bits too (docs/quantization.md "
+         "measures what it costs)", default=False, type=bool),
     Flag("--compile", "torch.compile the decode step (inductor): faster steps, about 2 minutes more start-up on CPU",
          default=False, type=bool),
     Flag("--num-speculative-tokens", "draft tokens verified per decode step (0: no speculation)", default=0, type=int),
@@ -42,6 +44,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         num_speculative_tokens=args.num_speculative_tokens,
         draft_costs=parse_draft_costs(args.draft_costs),
         quantization=args.quantization,
+        quantize_lm_head=args.quantize_lm_head,
         compile=args.compile,
         **overrides,
     )

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kernels import Ops
+from kernels.quantized_linear import QuantizedLinear, get_scheme, quantize_model
 from kernels.small_rows_linear import SmallRowsLinear, use_small_rows_linears
 from kvmesh.engine.config import ModelConfig
 from kvmesh.engine.rope import rope_cos_sin_cache
@@ -156,12 +157,24 @@ class CausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.matmul(hidden, weight.t()).float(), hidden
 
+    def quantize(self, scheme: str, head: bool = False) -> None:
+        """8-bit weights for every projection (``kernels.quantized_linear``), and with ``head``
+        for the LM head's product too. The embedding lookup keeps the checkpoint's weights (a
+        tied head's 8-bit copy is the head's own), so a draft head trained on this target still
+        recognises it (services.speculator.eagle.target_fingerprint)."""
+        quantize_model(self, scheme)  # the projections; "lm_head" is skipped
+        if head:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            bias = None if self.lm_head is None else self.lm_head.bias
+            self.head_proj = QuantizedLinear(weight, bias, get_scheme(scheme))
+
     def use_small_rows_linears(self) -> None:
         """Run few-row products (a speculative verify's k+1 rows) on oneDNN-reordered weights,
-        the LM head's included (``kernels.small_rows_linear``; float32 on CPU). The weights must
-        not change afterwards: the reordered copies would not follow."""
+        the LM head's included unless it is quantized (``kernels.small_rows_linear``; CPU). The
+        weights must not change afterwards: the reordered copies would not follow."""
         use_small_rows_linears(self)
-        self.head_proj = self.lm_head if self.lm_head is not None else SmallRowsLinear(self.embed_tokens.weight, None)
+        if self.head_proj is None:
+            self.head_proj = self.lm_head if self.lm_head is not None else SmallRowsLinear(self.embed_tokens.weight, None)
 
     def body(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata

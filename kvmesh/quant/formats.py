@@ -2,8 +2,9 @@
 
 A format turns one ``[N, K]`` weight into the tensors a compressed-tensors checkpoint stores
 for it (suffix -> tensor: ``weight``, ``weight_scale``, ...) and back into a float32 weight.
-The matmul runs in the model's compute dtype on the dequantized weight wherever the hardware
-lacks the format (always on CPU); ``NATIVE`` says where each one has tensor-core support.
+The matmul runs in the model's compute dtype on the dequantized weight, unless the engine keeps
+8-bit weights (``--quantization``, kernels.quantized_linear: int8-channel on CPU and CUDA);
+each format's ``native`` says where hardware supports it.
 
 NVFP4 is emulated exactly as the format defines it: e2m1 values {0, .5, 1, 1.5, 2, 3, 4, 6}
 (round to nearest, ties to the even code), blocks of 16 along K, one e4m3 scale per block

@@ -5,9 +5,11 @@ and while verifying drafts; and it gets a fingerprint of its own."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
 from kvmesh.engine.weights import iter_tensors, weight_files
+from kvmesh.errors import InvalidArgument
 from kvmesh.quant.checkpoint import write_checkpoint
 
 from .conftest import PROMPTS
@@ -66,3 +68,36 @@ def test_int8_verify_steps_keep_greedy_output(checkpoints, dtype):
     garbage = LLMEngine(path, cfg, proposer=ScriptedProposer(garbage=True))
     assert _greedy(garbage, [PROMPTS[0]])[0] == plain
     assert garbage.stats.draft_tokens_proposed > garbage.stats.draft_tokens_accepted
+
+
+def test_an_int8_lm_head_serves_what_the_checkpoint_with_an_int8_head_does(checkpoints, tmp_path):
+    src = checkpoints["llama-gqa"]  # untied: the plan's lm_head is the head alone
+    names = [n.rsplit(".", 1)[0] for n, _ in iter_tensors(weight_files(src)) if n.endswith(".weight")]
+    plan = {n: "int8-channel" for n in names if n.endswith("_proj") or n == "lm_head"}
+    dequantized = LLMEngine(write_checkpoint(src, tmp_path / "q", plan), EngineConfig(num_blocks=64))
+    int8 = LLMEngine(src, EngineConfig(num_blocks=64, quantization="int8", quantize_lm_head=True))
+    assert _greedy(int8, PROMPTS) == _greedy(dequantized, PROMPTS)
+    without_head = LLMEngine(src, EngineConfig(num_blocks=64, quantization="int8"))
+    assert int8.fingerprint != without_head.fingerprint
+
+
+def test_a_tied_int8_head_keeps_the_embedding_lookup_and_the_speculation_path(checkpoints):
+    from kernels.quantized_linear import QuantizedLinear
+    from kvmesh.quant.formats import fake_quantize
+
+    path = checkpoints["qwen3-qknorm-tied"]
+    plain = LLMEngine(path, EngineConfig(num_blocks=64))
+    cfg = EngineConfig(num_blocks=64, quantization="int8", quantize_lm_head=True, num_speculative_tokens=2)
+    int8 = LLMEngine(path, cfg, proposer=ScriptedProposer(garbage=True))
+    head = int8.model.head_proj
+    assert isinstance(head, QuantizedLinear)  # the small-row linears (speculation) left it in place
+    embedding = plain.model.embed_tokens.weight
+    assert torch.equal(int8.model.embed_tokens.weight, embedding)
+    assert torch.equal(head.dequantized(), fake_quantize("int8-channel", embedding.float()))
+    assert _greedy(int8, [PROMPTS[0]]) == _greedy(LLMEngine(path, EngineConfig(num_blocks=64, quantization="int8",
+                                                                                 quantize_lm_head=True)), [PROMPTS[0]])
+
+
+def test_an_lm_head_alone_is_not_quantized(checkpoints):
+    with pytest.raises(InvalidArgument, match="quantize_lm_head needs a quantization"):
+        LLMEngine(checkpoints["llama-gqa"], EngineConfig(num_blocks=16, quantize_lm_head=True))

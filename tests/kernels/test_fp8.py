@@ -74,7 +74,7 @@ def test_triton_quantized_values() -> None:
 
 def test_fp8_linear_needs_cuda() -> None:
     with pytest.raises(FailedPrecondition, match="fp8 quantization needs a CUDA GPU; this model is on cpu"):
-        QuantizedLinear(nn.Linear(8, 8), SCHEMES["fp8"])
+        QuantizedLinear.of(nn.Linear(8, 8), SCHEMES["fp8"])
     model = nn.Sequential(nn.Linear(8, 8))
     with pytest.raises(FailedPrecondition, match="fp8 quantization needs a CUDA GPU"):
         quantize_model(model, "fp8")

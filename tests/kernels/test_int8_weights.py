@@ -38,7 +38,7 @@ def test_quantization_is_the_int8_channel_format() -> None:
     assert torch.all((q.float() * scale[:, None] - weight).abs() <= scale[:, None] / 2 * (1 + 1e-6))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 17, 40])  # passes of 1-4 rows; past 16 the widened GEMM
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_native_kernel_matches_reference(native, dtype: torch.dtype, rows: int, with_bias: bool) -> None:
@@ -49,8 +49,8 @@ def test_native_kernel_matches_reference(native, dtype: torch.dtype, rows: int, 
     out = native(x, q, scale, bias)
     ref = reference.int8_scaled_mm(x, q, scale, bias)
     assert out.dtype == dtype and out.shape == (rows, n)
-    # float32: summation order only; bf16: the output's rounding (and past 16 rows, the widened weight's).
-    tol = {torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+    # float32: summation order only; 16 bits: the output's rounding (and past 16 rows, the widened weight's).
+    tol = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
     assert relative_error(out, reference.int8_scaled_mm(x.float(), q, scale, None if bias is None else bias.float())) < tol
     assert relative_error(out, ref) < tol
 
@@ -64,6 +64,15 @@ def test_native_kernel_rows_do_not_depend_on_their_batch(native) -> None:
         assert torch.equal(native(x[:rows], q, scale), alone[:rows])
 
 
+def test_native_kernel_widens_the_weight_exactly_past_the_streamed_rows(native) -> None:
+    """Past 16 rows the weight is widened to x's dtype (rounded to nearest even) for the GEMM."""
+    q, scale = quantize_int8_weight(torch.randn(40, 35))  # 35: a tail after two 16-wide vectors
+    eye = torch.eye(35)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        widened = native(eye.to(dtype), q, scale).t()  # x = I: the product is the widened weight
+        assert torch.equal(widened, (q.float() * scale[:, None]).to(dtype))
+
+
 def test_native_kernel_rejects_bad_shapes(native) -> None:
     q, scale = quantize_int8_weight(torch.randn(8, 16))
     with pytest.raises(RuntimeError, match="x has 15 columns, qweight 16"):
@@ -72,6 +81,8 @@ def test_native_kernel_rejects_bad_shapes(native) -> None:
         native(torch.randn(1, 16), q, scale.double())
     with pytest.raises(RuntimeError, match="qweight must be a contiguous 2-D int8 tensor"):
         native(torch.randn(1, 16), q.float(), scale)
+    with pytest.raises(RuntimeError, match="x must be float32, bfloat16 or float16, not Double"):
+        native(torch.randn(1, 16, dtype=torch.float64), q, scale)
 
 
 def test_native_kernel_under_torch_compile(native) -> None:
@@ -128,7 +139,7 @@ def test_a_cpu_without_avx512_gets_the_reason(monkeypatch: pytest.MonkeyPatch) -
             quantize_model(model, "int8")
     assert type(model[0]) is nn.Linear
     with pytest.raises(FailedPrecondition, match="unavailable"):
-        QuantizedLinear(nn.Linear(8, 8), SCHEMES["int8"])
+        QuantizedLinear.of(nn.Linear(8, 8), SCHEMES["int8"])
 
 
 def test_a_failed_build_gets_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
