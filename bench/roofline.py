@@ -63,3 +63,19 @@ def weight_bytes(model: torch.nn.Module) -> int:
     if isinstance(getattr(model, "head_proj", None), QuantizedLinear) and getattr(model, "lm_head", None) is None:
         params = [p for p in params if p is not model.embed_tokens.weight]
     return sum(t.numel() * t.element_size() for t in [*params, *quantized])
+
+
+def ceilings(model: torch.nn.Module, batch: int, dtype: torch.dtype) -> dict[str, float]:
+    """Ceiling tokens/s at batch 1 (bandwidth) and at ``batch`` (matmuls), with what they came from."""
+    shapes = linear_shapes(model)
+    bandwidth = copy_bandwidth()
+    mm_s = matmul_seconds(shapes, batch, dtype)
+    flops = 2 * batch * sum(k * n for k, n in shapes)
+    return {
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "weight_bytes": weight_bytes(model),
+        "batch1_tokens_per_s": bandwidth / weight_bytes(model),
+        f"batch{batch}_matmul_seconds": mm_s,
+        f"batch{batch}_matmul_gflop_s": flops / mm_s / 1e9,
+        f"batch{batch}_tokens_per_s": batch / mm_s,
+    }
