@@ -39,7 +39,7 @@ def test_quantization_is_the_int8_channel_format() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 17, 40])  # passes of 1-4 rows; past 16 the widened GEMM
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 32, 33, 40])  # passes of 1-6 rows; past 32 the widened GEMM
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_native_kernel_matches_reference(native, dtype: torch.dtype, rows: int, with_bias: bool) -> None:
     n, k = 203, 200  # neither a multiple of the 4-row weight blocks nor of 16 columns
@@ -49,7 +49,7 @@ def test_native_kernel_matches_reference(native, dtype: torch.dtype, rows: int, 
     out = native(x, q, scale, bias)
     ref = reference.int8_scaled_mm(x, q, scale, bias)
     assert out.dtype == dtype and out.shape == (rows, n)
-    # float32: summation order only; 16 bits: the output's rounding (and past 16 rows, the widened weight's).
+    # float32: summation order only; 16 bits: the output's rounding (and past 32 rows, the widened weight's).
     tol = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
     assert relative_error(out, reference.int8_scaled_mm(x.float(), q, scale, None if bias is None else bias.float())) < tol
     assert relative_error(out, ref) < tol
@@ -58,14 +58,14 @@ def test_native_kernel_matches_reference(native, dtype: torch.dtype, rows: int, 
 def test_native_kernel_rows_do_not_depend_on_their_batch(native) -> None:
     """A verify's k + 1 rows get bit for bit what each row gets alone (up to the streamed limit)."""
     q, scale = quantize_int8_weight(torch.randn(300, 576))
-    x = torch.randn(16, 576, dtype=torch.bfloat16)
-    alone = torch.cat([native(x[i : i + 1], q, scale) for i in range(16)])
-    for rows in (2, 3, 5, 16):
+    x = torch.randn(32, 576, dtype=torch.bfloat16)
+    alone = torch.cat([native(x[i : i + 1], q, scale) for i in range(32)])
+    for rows in (2, 3, 5, 6, 7, 16, 32):
         assert torch.equal(native(x[:rows], q, scale), alone[:rows])
 
 
 def test_native_kernel_widens_the_weight_exactly_past_the_streamed_rows(native) -> None:
-    """Past 16 rows the weight is widened to x's dtype (rounded to nearest even) for the GEMM."""
+    """Past 32 rows the weight is widened to x's dtype (rounded to nearest even) for the GEMM."""
     q, scale = quantize_int8_weight(torch.randn(40, 35))  # 35: a tail after two 16-wide vectors
     eye = torch.eye(35)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
