@@ -133,8 +133,9 @@ def main() -> int:
             path = default_model_path() if args.model == "default" else Path(args.model)
             prompts = chat_prompts(path, args.requests)
         engine = make_engine(path, args.dtype, args.compile, args.quantization, args.quantize_lm_head)
-        n_params = sum(p.numel() for p in engine.model.parameters()) + sum(  # 8-bit weights are buffers
-            m.qweight.numel() for m in engine.model.modules() if hasattr(m, "qweight"))
+        model = engine.model  # 8-bit weights are buffers; a tied head's 8-bit copy is no extra weight
+        n_params = sum(p.numel() for p in model.parameters()) + sum(
+            m.qweight.numel() for m in model.modules() if hasattr(m, "qweight") and m is not model.head_proj)
         kv_s, kv_out = run_kvmesh(engine, prompts, args.new_tokens)
         one_s, one_out = run_kvmesh(engine, prompts[:1], args.new_tokens)
         roof = ceilings(engine.model, args.requests, engine.dtype)
