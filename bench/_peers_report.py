@@ -74,7 +74,7 @@ def ratios(table: dict) -> dict[str, float | None]:
     out["kvmesh best/llamacpp q4_1 in-process 1"] = _ratio(kvmesh_any, _rate(table, "llamacpp", "q4_1", "inproc_1"))
     out["kvmesh best/llamacpp best, any precision, in-process 1"] = _ratio(
         kvmesh_any, _best(table, "llamacpp", "inproc_1", ROWS["llamacpp"]))
-    for p in SAME_PRECISION:
+    for p in ROWS["kvmesh"]:
         out[f"kvmesh HTTP 1 / in-process 1 {p}"] = _ratio(_rate(table, "kvmesh", p, "http_1"), _rate(table, "kvmesh", p, "inproc_1"))
     return out
 

@@ -37,6 +37,14 @@ def test_ratios_same_precision_best_of_both_and_missing_rows():
     assert r["kvmesh/vllm in-process 16 best"] == pytest.approx(150 / 400)
     assert r["kvmesh/llamacpp in-process 1 best"] == pytest.approx(30 / 50)  # Q4_1 is not a same-precision row
     assert r["kvmesh best/llamacpp q4_1 in-process 1"] == pytest.approx(0.5)
+    assert r["kvmesh/llamacpp in-process 1 int8"] is None  # no int8 rows measured
+    with_int8 = _table({("kvmesh", "int8", "inproc_1"): 70.0, ("kvmesh", "int8", "http_1"): 56.0,
+                        ("llamacpp", "int8", "inproc_1"): 64.0, ("llamacpp", "q4_1", "inproc_1"): 60.0})
+    r8 = ratios(with_int8)
+    assert r8["kvmesh/llamacpp in-process 1 int8"] == pytest.approx(70 / 64)
+    assert r8["kvmesh/llamacpp in-process 1 best"] is None  # fp32/bf16 only, none measured
+    assert r8["kvmesh best/llamacpp best, any precision, in-process 1"] == pytest.approx(70 / 64)
+    assert r8["kvmesh HTTP 1 / in-process 1 int8"] == pytest.approx(0.8)
     assert r["kvmesh HTTP 1 / in-process 1 fp32"] == pytest.approx(0.8)
     assert r["kvmesh HTTP 1 / in-process 1 bf16"] is None
     assert r["kvmesh/vllm HTTP 16 best"] is None
