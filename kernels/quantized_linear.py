@@ -45,7 +45,7 @@ def _load_cpu_kernels() -> None:
 @dataclass(frozen=True)
 class Scheme:
     name: str
-    # weight [N, K] -> (8-bit qweight [N, K], float32 scale [N]); gets the device's op name
+    # (weight [N, K], its device) -> (8-bit qweight [N, K], float32 scale [N])
     quantize: Callable[[torch.Tensor, torch.device], tuple[torch.Tensor, torch.Tensor]]
     matmul_op: str  # the dispatcher's op: (x, qweight, scale, bias) -> x @ (qweight · scale)ᵀ + bias
     # device type -> what must hold before the op can run there (raises FailedPrecondition)
