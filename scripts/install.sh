@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # Installs everything kvmesh and its tests need on a fresh Debian machine:
-# redis-server and docker-compose (Debian packages), the pinned Python packages, kvmesh itself
+# redis-server, docker-compose and g++ (Debian packages), the pinned Python packages, kvmesh itself
 # (editable), the default model and the npm tools (buf). Safe to re-run: each step is skipped
 # when already satisfied.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # docker-compose (Debian's, 1.29) only validates compose/ in the tests (`config`
-# needs no engine); --no-install-recommends keeps the Docker engine out.
-if ! command -v redis-server >/dev/null 2>&1 || ! command -v docker-compose >/dev/null 2>&1; then
+# needs no engine); --no-install-recommends keeps the Docker engine out. g++ builds
+# kernels/cpu/ (the CPU int8 kernel) on first use.
+if ! command -v redis-server >/dev/null 2>&1 || ! command -v docker-compose >/dev/null 2>&1 \
+    || ! command -v g++ >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends redis-server docker-compose >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends redis-server docker-compose g++ >/dev/null
 fi
 
 python3 -m pip install -q --disable-pip-version-check -r requirements-test.txt
