@@ -24,8 +24,8 @@ namespace {
 
 constexpr int kWeightRows = 4;  // weight rows read together (4 * K bytes: well inside L1)
 // Rows of x per pass over those weight rows: 24 accumulators + 4 weight vectors + x in the 32
-// registers. A verify of 4 or 5 drafts fits one pass: 5 rows took 10.4 ms over SmolLM2's layers,
-// against 12.4 ms with passes of at most 4 (one row: 7.0 ms).
+// registers. A verify of 4 or 5 drafts (5 or 6 rows) fits one pass: 5 rows took 10.4 ms over
+// SmolLM2's layers, against 12.4 ms with passes of at most 4 (one row: 7.0 ms).
 constexpr int kMaxXRows = 6;
 constexpr int64_t kBlocksPerTask = 8;
 // Past this many rows of x (prefill chunks, large decode batches), the product is bound by
@@ -55,6 +55,7 @@ void dot_block(const float* x, int64_t K, const int8_t* w, int rows, const float
   for (; k + 16 <= K; k += 16) {
     // The next block's weight rows, one block ahead: with the int8 -> float32 widening
     // between loads, the hardware prefetcher alone kept half the memory bandwidth idle.
+    // (After the last block this points past the weight: a prefetch never faults.)
     if ((k & 63) == 0)
       for (int r = 0; r < kWeightRows; ++r)
         _mm_prefetch(reinterpret_cast<const char*>(w + (r + kWeightRows) * K + k), _MM_HINT_T0);
