@@ -159,8 +159,10 @@ async def test_a_heartbeat_asking_for_a_resync_gets_one(router: Runtime, state: 
     await link.start()
     cache.store(hashes(6))
     await until(in_sync(state, cache), "the first events")
-    # The blocks may have gone in with the registration's snapshot, before any batch was published.
-    published = link.counters.get("batches_published", 0)
+    # The blocks may reach the router in the registration's snapshot, before their events are
+    # published; those events are published after it all the same: wait for them.
+    await until(lambda: link.counters.get("events_published", 0) == 6, "the first events published")
+    published = link.counters["batches_published"]
 
     state.lose_entries(WORKER)  # the index came back empty; the lease and sequence are fine
     await until(in_sync(state, cache), "the index rebuilt without any new event")
