@@ -58,7 +58,7 @@ def matmul_seconds(shapes: list[tuple[int, int]], batch: int, dtype: torch.dtype
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes one step reads: the parameters, and the 8-bit layers' weights and scales (buffers). A tied
     embedding whose head product is 8-bit is left out: a step reads only its few looked-up rows."""
-    quantized = [b for m in model.modules() if isinstance(m, QuantizedLinear) for b in m.buffers() if b is not None]
+    quantized = [b for m in model.modules() if isinstance(m, QuantizedLinear) for b in m.buffers()]
     params = list(model.parameters())
     if isinstance(getattr(model, "head_proj", None), QuantizedLinear) and getattr(model, "lm_head", None) is None:
         params = [p for p in params if p is not model.embed_tokens.weight]

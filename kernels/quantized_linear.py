@@ -100,10 +100,6 @@ class QuantizedLinear(nn.Module):
     def of(cls, linear: nn.Linear, scheme: Scheme) -> QuantizedLinear:
         return cls(linear.weight, linear.bias, scheme)
 
-    def dequantized(self) -> torch.Tensor:
-        """The weight this layer multiplies by, in float32 [out, in]."""
-        return self.qweight.float() * self.scale[:, None]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         out = self._scaled_mm(rows, self.qweight, self.scale, self.bias)

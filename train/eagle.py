@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from kvmesh.engine import EngineConfig, LLMEngine
 from kvmesh.engine.model import AttentionMetadata
-from services.speculator.eagle import FORMAT, EagleBlock, HeadConfig, lm_head_weight, target_fingerprint
+from services.speculator.eagle import FORMAT, EagleBlock, HeadConfig, target_fingerprint
 
 
 def parse_data(spec: str) -> list[tuple[str, str | None]]:
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab_map[draft_vocab] = torch.arange(len(vocab_ids))
 
     emb = engine.model.embed_tokens.weight.detach().float()
-    head_w = lm_head_weight(engine.model).detach().float()[draft_vocab].contiguous()
+    head_w = engine.model.head_weight.detach().float()[draft_vocab].contiguous()
     cfg = HeadConfig(hidden_size=mc.hidden_size, intermediate_size=args.intermediate, rms_norm_eps=mc.rms_norm_eps)
     block = EagleBlock(cfg)
     # Start the output norm at the target's final norm: its features live on that scale.

@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
 
 namespace {
 
@@ -108,14 +107,6 @@ void dequantize(const int8_t* W, const float* S, int64_t N, int64_t K, T* out) {
   });
 }
 
-// x's rows as float32: x itself when it is float32 and contiguous, else a converted copy.
-const float* float_rows(const at::Tensor& x, std::vector<float>& copy) {
-  if (x.scalar_type() == at::kFloat && x.is_contiguous()) return x.data_ptr<float>();
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  copy.assign(xf.data_ptr<float>(), xf.data_ptr<float>() + xf.numel());
-  return copy.data();
-}
-
 template <typename T>
 void streamed_mm(const float* X, int64_t M, int64_t K, const int8_t* W, int64_t N, const float* S,
                  const float* B, T* O) {
@@ -166,8 +157,8 @@ at::Tensor int8_scaled_mm(const at::Tensor& x, const at::Tensor& qweight, const 
     });
     return at::linear(x, w, b.defined() ? c10::optional<at::Tensor>(b.to(x.scalar_type())) : c10::nullopt);
   }
-  std::vector<float> copy;
-  const float* X = float_rows(x, copy);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // x itself when it already is
+  const float* X = xf.data_ptr<float>();
   const int8_t* W = qweight.data_ptr<int8_t>();
   const float* S = scale.data_ptr<float>();
   const float* B = b.defined() ? b.data_ptr<float>() : nullptr;

@@ -154,8 +154,12 @@ class CausalLM(nn.Module):
         hidden = self.body(input_ids, positions, kv_cache, meta)[logits_indices]
         if self.head_proj is not None:
             return self.head_proj(hidden).float(), hidden
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.matmul(hidden, weight.t()).float(), hidden
+        return torch.matmul(hidden, self.head_weight.t()).float(), hidden
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight as loaded [vocab, hidden]: the embedding's when they are tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def quantize(self, scheme: str, head: bool = False) -> None:
         """8-bit weights for every projection (``kernels.quantized_linear``), and with ``head``
@@ -164,9 +168,8 @@ class CausalLM(nn.Module):
         recognises it (services.speculator.eagle.target_fingerprint)."""
         quantize_model(self, scheme)  # the projections; "lm_head" is skipped
         if head:
-            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             bias = None if self.lm_head is None else self.lm_head.bias
-            self.head_proj = QuantizedLinear(weight, bias, get_scheme(scheme))
+            self.head_proj = QuantizedLinear(self.head_weight, bias, get_scheme(scheme))
 
     def use_small_rows_linears(self) -> None:
         """Run few-row products (a speculative verify's k+1 rows) on oneDNN-reordered weights,

@@ -61,10 +61,6 @@ def target_fingerprint(model: CausalLM) -> str:
     return d.hexdigest()
 
 
-def lm_head_weight(model: CausalLM) -> torch.Tensor:
-    return model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-
-
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -138,7 +134,7 @@ class EagleHead:
         tensors = load_file(str(path / "head.safetensors"))
         draft_vocab = tensors.pop("draft_vocab")
         block.load_state_dict(tensors)
-        return cls(block, model.embed_tokens.weight, lm_head_weight(model), draft_vocab)
+        return cls(block, model.embed_tokens.weight, model.head_weight, draft_vocab)
 
     @torch.inference_mode()
     def sample(self, feature: torch.Tensor, token: int, k: int, params: SamplingParams,

@@ -83,7 +83,7 @@ def test_an_int8_lm_head_serves_what_the_checkpoint_with_an_int8_head_does(check
 
 def test_a_tied_int8_head_keeps_the_embedding_lookup_and_the_speculation_path(checkpoints):
     from kernels.quantized_linear import QuantizedLinear
-    from kvmesh.quant.formats import fake_quantize
+    from kvmesh.quant.formats import fake_quantize, get_format
 
     path = checkpoints["qwen3-qknorm-tied"]
     plain = LLMEngine(path, EngineConfig(num_blocks=64))
@@ -93,7 +93,8 @@ def test_a_tied_int8_head_keeps_the_embedding_lookup_and_the_speculation_path(ch
     assert isinstance(head, QuantizedLinear)  # the small-row linears (speculation) left it in place
     embedding = plain.model.embed_tokens.weight
     assert torch.equal(int8.model.embed_tokens.weight, embedding)
-    assert torch.equal(head.dequantized(), fake_quantize("int8-channel", embedding.float()))
+    stored = {"weight": head.qweight, "weight_scale": head.scale[:, None]}
+    assert torch.equal(get_format("int8-channel").dequantize(stored), fake_quantize("int8-channel", embedding.float()))
     assert _greedy(int8, [PROMPTS[0]]) == _greedy(LLMEngine(path, EngineConfig(num_blocks=64, quantization="int8",
                                                                                  quantize_lm_head=True)), [PROMPTS[0]])
 
