@@ -94,7 +94,9 @@ def main() -> None:
             t0 = time.perf_counter()
             engine.step()
             step_times.append(time.perf_counter() - t0)
-        features = torch.randn(batch, engine.model_config.hidden_size)
+        # A layered head (EAGLE-3 style) drafts from several layers' outputs, concatenated.
+        feature_size = engine.model_config.hidden_size * max(1, len(proposer.feature_layers))
+        features = torch.randn(batch, feature_size)
         tokens = torch.arange(batch)
         draft_times = []
         for _ in range(args.steps):
@@ -107,7 +109,7 @@ def main() -> None:
             "target_step_ms": statistics.median(step_times[2:]) * 1e3,
             "head_draft_ms": statistics.median(draft_times) * 1e3,
             "stream_round_trip_ms": statistics.median(rtts) * 1e3,
-            "feature_bytes_per_step": batch * engine.model_config.hidden_size * 2,
+            "feature_bytes_per_step": batch * feature_size * 2,
         }
         results.append(r)
         rows.append(cells([batch, r["target_step_ms"], r["head_draft_ms"], r["stream_round_trip_ms"],

@@ -16,10 +16,11 @@
    as served.
 2. Features, once: the target (kvmesh's own engine model) runs over every
    window; per position it keeps the final hidden state (``--feature-dtype``,
-   float16 by default: 1.1 KB a token at hidden 576) and the target's own
-   greedy next token (the label: the head learns what the *target* says next,
-   not what the corpus says). Cached under ``--cache`` so epochs and reruns
-   never recompute them.
+   float16 by default: 1.1 KB a token at hidden 576), with ``--feature-layers``
+   (EAGLE-3 style: a low, a middle and a high layer) those layers' outputs too,
+   and the target's own greedy next token (the label: the head learns what the
+   *target* says next, not what the corpus says). The corpus and the features
+   are cached under ``--cache`` so epochs and reruns never recompute them.
 3. Draft vocabulary: the ``--draft-vocab`` ids the target predicts most often
    on that corpus (a draft step then costs hidden x draft_vocab).
 4. The head (``services.speculator.eagle.EagleBlock``) is trained with the
@@ -98,6 +99,22 @@ def generated_sequences(args: argparse.Namespace, names: set[str]) -> list[list[
     return seqs
 
 
+def corpus(args: argparse.Namespace, sources: list[tuple[str, str | None]], engine: LLMEngine) -> list[list[int]]:
+    """Every training window's token ids, from the ``--data`` sources in order."""
+    names = {name for name, _ in sources}
+    seqs = generated_sequences(args, names) if names & {"code", "chat"} else []
+    for name, arg in sources:
+        if name == "stdlib":
+            seqs += stdlib_sequences(engine, args.stdlib_tokens, args.window, args.seed)
+        elif name == "traffic":
+            seqs += traffic_sequences(Path(arg), args.window)
+    return seqs
+
+
+def _key(parts: list) -> str:
+    return hashlib.blake2b(json.dumps(parts).encode(), digest_size=8).hexdigest()
+
+
 def traffic_sequences(path: Path, window: int) -> list[list[int]]:
     seqs = []
     for line in path.read_text().splitlines():
@@ -107,10 +124,21 @@ def traffic_sequences(path: Path, window: int) -> list[list[int]]:
     return [s for s in seqs if len(s) > 8]
 
 
+def parse_layers(spec: str) -> tuple[int, ...]:
+    try:
+        layers = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        layers = None
+    if layers is None or layers != sorted(set(layers)) or any(i < 0 for i in layers):
+        raise SystemExit(f"--feature-layers: {spec!r} is not a list of distinct ascending layer indices")
+    return tuple(layers)
+
+
 @torch.inference_mode()
-def target_features(engine: LLMEngine, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(final hidden states [L, h], the target's greedy next token [L]) of one window, run as
-    one prefill through the engine's own model (the features serving will see)."""
+def target_features(engine: LLMEngine, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(final hidden states [L, h], the target's greedy next token [L], the outputs of the model's
+    ``feature_layers`` concatenated [L, n * h] or None) of one window, run as one prefill through
+    the engine's own model (the features serving will see)."""
     bs, n = engine.config.block_size, len(ids)
     dev = engine.device
     blocks = -(-n // bs)
@@ -121,19 +149,24 @@ def target_features(engine: LLMEngine, ids: list[int]) -> tuple[torch.Tensor, to
         query_start_loc=torch.tensor([0, n], device=dev),
         is_decode=False,
     )
-    logits, hidden = engine.model(
-        torch.tensor(ids, device=dev), torch.arange(n, device=dev), engine.kv.tensor, meta,
-        torch.arange(n, device=dev), return_hidden=True,
-    )
-    return hidden.float().cpu(), logits.argmax(dim=-1).cpu()
+    model = engine.model
+    hidden, taps = model.body(torch.tensor(ids, device=dev), torch.arange(n, device=dev), engine.kv.tensor, meta)
+    labels = torch.matmul(hidden, model.head_weight.t()).argmax(dim=-1)
+    layers = torch.cat(taps, dim=-1).float().cpu() if taps else None
+    return hidden.float().cpu(), labels.cpu(), layers
 
 
 def build_features(engine: LLMEngine, seqs: list[list[int]], dtype: torch.dtype) -> dict:
-    feats, toks, labels, starts = [], [], [], [0]
+    """Per position of every window: the final hidden state (``features``: the regression target,
+    and the first input of a head without feature layers), the layers' outputs (``layer_features``,
+    with the model's ``feature_layers``), the token and the target's greedy next token (``labels``)."""
+    feats, layer_feats, toks, labels, starts = [], [], [], [], [0]
     t0 = time.perf_counter()
     for i, ids in enumerate(seqs):
-        h, y = target_features(engine, ids)
+        h, y, layers = target_features(engine, ids)
         feats.append(h.to(dtype))
+        if layers is not None:
+            layer_feats.append(layers.to(dtype))
         toks.append(torch.tensor(ids, dtype=torch.int32))
         labels.append(y.to(torch.int32))
         starts.append(starts[-1] + len(ids))
@@ -141,8 +174,11 @@ def build_features(engine: LLMEngine, seqs: list[list[int]], dtype: torch.dtype)
             done = starts[-1]
             print(f"features: {i + 1}/{len(seqs)} windows, {done} tokens, {done / (time.perf_counter() - t0):.0f} tok/s",
                   file=sys.stderr, flush=True)
-    return {"features": torch.cat(feats), "tokens": torch.cat(toks), "labels": torch.cat(labels),
+    data = {"features": torch.cat(feats), "tokens": torch.cat(toks), "labels": torch.cat(labels),
             "starts": torch.tensor(starts)}
+    if layer_feats:
+        data["layer_features"] = torch.cat(layer_feats)
+    return data
 
 
 def example_starts(starts: torch.Tensor, unroll: int, windows: list[int]) -> torch.Tensor:
@@ -158,7 +194,7 @@ def unrolled_loss(block: EagleBlock, data: dict, t: torch.Tensor, unroll: int, e
     positions whose drafts 1..j all agree with the target (a chain of drafts is accepted up to its
     first miss, so 1 + their sum is the expected accepted length at k = ``unroll``)."""
     feats, toks, labels = data["features"], data["tokens"], data["labels"]
-    f = feats[t].float()
+    f = block.first_feature(data.get("layer_features", feats)[t].float())
     total, chain = 0.0, []
     alive = torch.ones(len(t), dtype=torch.bool)
     for j in range(1, unroll + 1):
@@ -191,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen-compile", action="store_true", help="compile that engine's decode step")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--feature-dtype", choices=["float16", "float32"], default="float16")
+    p.add_argument("--feature-layers", default="",
+                   help="EAGLE-3 style: comma-separated target layers (e.g. 2,15,27) whose outputs, concatenated, "
+                        "are the head's first input instead of the final hidden state")
     p.add_argument("--draft-vocab", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=1536)
     p.add_argument("--unroll", type=int, default=4)
@@ -206,27 +245,34 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     t_start = time.perf_counter()
     sources = parse_data(args.data)
+    feature_layers = parse_layers(args.feature_layers)
 
     engine = LLMEngine(args.model, EngineConfig(num_blocks=max(64, 2 * args.window // 16 + 8)))
     mc = engine.model_config
+    cfg = HeadConfig(hidden_size=mc.hidden_size, intermediate_size=args.intermediate, rms_norm_eps=mc.rms_norm_eps,
+                     feature_layers=feature_layers)
+    if feature_layers and feature_layers[-1] >= mc.num_layers:
+        raise SystemExit(f"--feature-layers: the target has {mc.num_layers} layers (0..{mc.num_layers - 1})")
+    engine.model.feature_layers = feature_layers
     fingerprint = target_fingerprint(engine.model)
-    key = hashlib.blake2b(json.dumps([fingerprint, args.data, args.stdlib_tokens, args.code_prompts, args.code_tokens,
-                                      args.answer_tokens, args.gen_dtype, args.gen_compile, args.window,
-                                      args.feature_dtype, args.seed]).encode(), digest_size=8).hexdigest()
-    cache = args.cache / f"{key}.pt"
+    # Two caches: the corpus (the target's text: minutes of generation) and its features (another
+    # pass of the target), so a run that only changes what is kept of the target reuses the text.
+    corpus_args = [fingerprint, args.data, args.stdlib_tokens, args.code_prompts, args.code_tokens,
+                   args.answer_tokens, args.gen_dtype, args.gen_compile, args.window, args.seed]
+    corpus_cache = args.cache / f"corpus-{_key(corpus_args)}.pt"
+    cache = args.cache / f"{_key([*corpus_args, args.feature_dtype, feature_layers])}.pt"
     if cache.exists():
         data = torch.load(cache)
         print(f"features: cached {cache}", file=sys.stderr)
     else:
-        names = {name for name, _ in sources}
-        seqs = generated_sequences(args, names) if names & {"code", "chat"} else []
-        for name, arg in sources:
-            if name == "stdlib":
-                seqs += stdlib_sequences(engine, args.stdlib_tokens, args.window, args.seed)
-            elif name == "traffic":
-                seqs += traffic_sequences(Path(arg), args.window)
+        if corpus_cache.exists():
+            seqs = torch.load(corpus_cache)
+            print(f"corpus: cached {corpus_cache}", file=sys.stderr)
+        else:
+            seqs = corpus(args, sources, engine)
+            corpus_cache.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(seqs, corpus_cache)
         data = build_features(engine, seqs, getattr(torch, args.feature_dtype))
-        cache.parent.mkdir(parents=True, exist_ok=True)
         torch.save(data, cache)
     t_features = time.perf_counter() - t_start
     n_tokens = int(data["tokens"].numel())
@@ -240,7 +286,6 @@ def main(argv: list[str] | None = None) -> int:
 
     emb = engine.model.embed_tokens.weight.detach().float()
     head_w = engine.model.head_weight.detach().float()[draft_vocab].contiguous()
-    cfg = HeadConfig(hidden_size=mc.hidden_size, intermediate_size=args.intermediate, rms_norm_eps=mc.rms_norm_eps)
     block = EagleBlock(cfg)
     # Start the output norm at the target's final norm: its features live on that scale.
     with torch.no_grad():
@@ -288,14 +333,14 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "format": FORMAT,
         "head": {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-                 "rms_norm_eps": cfg.rms_norm_eps},
+                 "rms_norm_eps": cfg.rms_norm_eps, "feature_layers": list(cfg.feature_layers)},
         "target": {"name": args.model.name, "fingerprint": fingerprint, "architecture": mc.architecture,
                    "vocab_size": mc.vocab_size, "hidden_size": mc.hidden_size},
         "draft_vocab_size": len(vocab_ids),
         "training": {
             "command": "kvmesh train-speculator " + " ".join(sys.argv[1:] if argv is None else argv),
             "data": args.data, "tokens": n_tokens, "windows": int(len(data["starts"]) - 1),
-            "feature_dtype": args.feature_dtype, "unroll": args.unroll, "epochs": args.epochs,
+            "feature_dtype": args.feature_dtype, "feature_layers": list(feature_layers), "unroll": args.unroll, "epochs": args.epochs,
             "batch": args.batch, "lr": args.lr, "steps": step, "threads": args.threads,
             "draft_vocab_coverage": round(coverage, 4),
             "heldout_chain_agreement_per_step": heldout,

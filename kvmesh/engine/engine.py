@@ -94,7 +94,8 @@ class DraftProposer(Protocol):
     A proposer that reads the target (an EAGLE head) has a ``bind(model)`` method, called
     once the model is loaded, and a true ``wants_features``: it then finds each sequence's
     target feature in ``seq.feature``, the final hidden state of the row that sampled its
-    last token.
+    last token, or the outputs of the target's layers it names in ``feature_layers``
+    (read after ``bind``), concatenated.
     """
 
     def propose(self, wants: list[tuple[Sequence, int]]) -> dict[str, list[int]]:
@@ -145,6 +146,10 @@ class LLMEngine:
             dtype_name(self.dtype),
             cfg.block_size,
         )
+        if hasattr(proposer, "bind"):
+            # Before the decode step is compiled: the features it returns are traced with it.
+            proposer.bind(self.model)
+            self.model.feature_layers = tuple(getattr(proposer, "feature_layers", ()))
         self.kv = KVCache(
             mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
         )
@@ -161,8 +166,6 @@ class LLMEngine:
         self.stats = EngineStats()
         self.proposer = proposer
         self._draft_length = DraftLengthPolicy(cfg.num_speculative_tokens, cfg.resolve_draft_costs(self.dtype))
-        if hasattr(proposer, "bind"):
-            proposer.bind(self.model)
         self._wants_features = bool(getattr(proposer, "wants_features", False))
         # Outputs produced outside a step (a handed-off first token), delivered with the next one.
         self._pending: list[RequestOutput] = []

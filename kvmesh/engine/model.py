@@ -122,6 +122,11 @@ class CausalLM(nn.Module):
         self.write_kv = write_layer_kv
         # The LM head as a module of its own kind (``use_small_rows_linears``); None: a plain product.
         self.head_proj: nn.Module | None = None
+        # Layers (ascending) whose outputs (the residual stream after them), concatenated, are the
+        # feature ``forward(return_hidden=True)`` returns (an EAGLE-3 style draft head's input);
+        # empty: the final hidden state. Set before the decode step is compiled: a graph keeps what
+        # it traced.
+        self.feature_layers: tuple[int, ...] = ()
 
     @torch.inference_mode()
     def forward(
@@ -135,8 +140,9 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Returns float32 logits [len(logits_indices), vocab] for the rows that sample.
 
-        With ``return_hidden``, returns ``(logits, hidden)``: also those rows' final hidden
-        states (after the last norm, the LM head's input), the features an EAGLE head drafts from.
+        With ``return_hidden``, returns ``(logits, features)``: also those rows' features, the
+        input an EAGLE head drafts from: the final hidden states (after the last norm, the LM
+        head's input), or with ``feature_layers`` the outputs of those layers, concatenated.
         """
         run = self.compiled_decode if meta.is_decode and self.compiled_decode is not None else self.run
         logits, hidden = run(input_ids, positions, kv_cache, meta, logits_indices)
@@ -150,11 +156,13 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The body and the LM head on the rows that sample: (float32 logits, their hidden states)."""
-        hidden = self.body(input_ids, positions, kv_cache, meta)[logits_indices]
+        """The body and the LM head on the rows that sample: (float32 logits, their features)."""
+        hidden, taps = self.body(input_ids, positions, kv_cache, meta)
+        hidden = hidden[logits_indices]
+        features = torch.cat([t[logits_indices] for t in taps], dim=-1) if taps else hidden
         if self.head_proj is not None:
-            return self.head_proj(hidden).float(), hidden
-        return torch.matmul(hidden, self.head_weight.t()).float(), hidden
+            return self.head_proj(hidden).float(), features
+        return torch.matmul(hidden, self.head_weight.t()).float(), features
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -181,14 +189,18 @@ class CausalLM(nn.Module):
 
     def body(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """Embedding, every layer (writing this step's K/V) and the final norm: hidden [T, hidden]."""
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Embedding, every layer (writing this step's K/V) and the final norm: (hidden [T, hidden],
+        the residual stream [T, hidden] after each of ``feature_layers``, in layer order)."""
         hidden = self.embed_tokens(input_ids)
         residual = None
+        taps = []
         for layer in self.layers:
             hidden, residual = layer(self.ops, positions, hidden, residual, kv_cache, self.cos_sin, meta, self.write_kv)
+            if layer.index in self.feature_layers:
+                taps.append(hidden + residual)
         hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
-        return hidden
+        return hidden, taps
 
     def load_weights(self, files: list, tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
         """Copy HF-named tensors into this model, fusing q/k/v and gate/up projections.

@@ -7,6 +7,11 @@ its predicted feature and its own greedy token back in (EAGLE-1's feature
 autoregression), starting from the target's feature of the last verified position
 (``Sequence.feature``, filled by the engine for a proposer that ``wants_features``).
 
+That first feature is the target's final hidden state, or (EAGLE-3 style, a head with
+``feature_layers``) the outputs of a low, a middle and a high layer of the target,
+concatenated, which the head fuses into one feature (``FeatureFusion``): the middle
+layers carry more about the tokens after the next than the last one does.
+
 The target's embedding and LM head are reused, frozen, and never stored in the head's
 folder: only the block's weights are, plus the draft vocabulary (the ids the head may
 propose: the most frequent ones of its training data, so a draft step costs a
@@ -76,6 +81,30 @@ class HeadConfig:
     hidden_size: int
     intermediate_size: int
     rms_norm_eps: float = 1e-5
+    # The target's layers whose outputs make the first feature (ascending); empty: its final hidden state.
+    feature_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        layers = tuple(self.feature_layers)
+        if list(layers) != sorted(set(layers)) or any(i < 0 for i in layers):
+            raise InvalidArgument(f"feature_layers must be distinct ascending layer indices, not {list(layers)}")
+        object.__setattr__(self, "feature_layers", layers)
+
+
+class FeatureFusion(nn.Module):
+    """The target's layer outputs [.., n * h] -> one feature [.., h]: each layer's output
+    RMS-normed on its own (their scales differ by orders of magnitude), then one projection."""
+
+    def __init__(self, layers: int, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.layers, self.hidden, self.eps = layers, hidden, eps
+        self.norm = nn.Parameter(torch.ones(layers, hidden))
+        self.fc = nn.Linear(layers * hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.view(*x.shape[:-1], self.layers, self.hidden)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm
+        return self.fc(x.flatten(-2))
 
 
 class EagleBlock(nn.Module):
@@ -91,6 +120,12 @@ class EagleBlock(nn.Module):
         self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
         self.out_norm = RMSNorm(h, eps)
+        n = len(cfg.feature_layers)
+        self.fusion = FeatureFusion(n, h, eps) if n else None
+
+    def first_feature(self, target_feature: torch.Tensor) -> torch.Tensor:
+        """The target's feature as the first step's input: fused when it is several layers'."""
+        return target_feature if self.fusion is None else self.fusion(target_feature)
 
     def forward(self, feature: torch.Tensor, token_embedding: torch.Tensor) -> torch.Tensor:
         x = self.fc(torch.cat([self.feature_norm(feature), self.embed_norm(token_embedding)], dim=-1))
@@ -103,9 +138,11 @@ class EagleHead:
     """A trained block bound to its target's frozen embedding and LM head (draft vocabulary rows)."""
 
     def __init__(
-        self, block: EagleBlock, embedding: torch.Tensor, lm_head: torch.Tensor, draft_vocab: torch.Tensor
+        self, block: EagleBlock, embedding: torch.Tensor, lm_head: torch.Tensor, draft_vocab: torch.Tensor,
+        feature_layers: tuple[int, ...] = (),
     ) -> None:
         self.block = block.eval()
+        self.feature_layers = feature_layers
         self.embedding = embedding.detach()
         self.draft_vocab = draft_vocab.to(torch.long)
         # The LM head's rows for the draft vocabulary, contiguous: one small product per draft step.
@@ -130,11 +167,15 @@ class EagleHead:
                 f"({meta['target'].get('name', '?')}, fingerprint {want}); this target's fingerprint is {have}: "
                 "train one for it with `kvmesh train-speculator`"
             )
-        block = EagleBlock(HeadConfig(**meta["head"]))
+        cfg = HeadConfig(**meta["head"])
+        if cfg.feature_layers and cfg.feature_layers[-1] >= model.cfg.num_layers:
+            raise InvalidArgument(f"{path}: feature_layers {list(cfg.feature_layers)} past the target's "
+                                  f"{model.cfg.num_layers} layers")
+        block = EagleBlock(cfg)
         tensors = load_file(str(path / "head.safetensors"))
         draft_vocab = tensors.pop("draft_vocab")
         block.load_state_dict(tensors)
-        return cls(block, model.embed_tokens.weight, model.head_weight, draft_vocab)
+        return cls(block, model.embed_tokens.weight, model.head_weight, draft_vocab, cfg.feature_layers)
 
     @torch.inference_mode()
     def sample(self, feature: torch.Tensor, token: int, k: int, params: SamplingParams,
@@ -142,7 +183,7 @@ class EagleHead:
         """k drafts for one sampled request, each drawn from the head's distribution under the
         request's temperature / top-k / top-p / min-p; returned with those distributions [k, V]
         so verification can use the full rejection rule (``sampler.verify``)."""
-        f = feature.to(torch.float32).unsqueeze(0)
+        f = self.block.first_feature(feature.to(torch.float32).unsqueeze(0))
         tok = torch.tensor([token])
         out, probs = SampledDrafts(), []
         for _ in range(k):
@@ -160,7 +201,7 @@ class EagleHead:
     def draft(self, features: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
         """Greedy drafts [B, k] continuing each row: ``features`` [B, h] the target's feature of
         the position before ``tokens`` [B] (the last sampled token of each sequence)."""
-        f = features.to(torch.float32)
+        f = self.block.first_feature(features.to(torch.float32))
         tok = tokens.to(torch.long)
         out = []
         for _ in range(k):
@@ -185,6 +226,11 @@ class EagleProposer:
     def bind(self, model: CausalLM) -> None:
         """Called by the engine once its target is loaded; refuses a head trained for another target."""
         self.head = EagleHead.load(self.head_path, model)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose outputs the head drafts from (empty: the final hidden state); known once bound."""
+        return self.head.feature_layers if self.head is not None else ()
 
     def draft(self, wants: list[tuple[Sequence, int]]) -> dict[str, list[int]]:
         """Drafts for the sequences that have a feature (a request handed off from a prefill
@@ -231,6 +277,10 @@ class RemoteWithHead:
 
     def bind(self, model: CausalLM) -> None:
         self.head.bind(model)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.head.feature_layers
 
     def propose(self, wants: list[tuple[Sequence, int]]) -> dict[str, list[int]]:
         drafts = self.remote.propose(wants)

@@ -49,6 +49,10 @@ class LocalProposer:
         if self.head is not None:
             self.head.bind(model)
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.head.feature_layers if self.head is not None else ()
+
     def propose(self, wants: list[tuple[Sequence, int]]) -> dict[str, list[int]]:
         for seq in self._tracker.ended_unannounced({seq.request_id for seq, _ in wants}):
             self._session.finish(seq.request_id, learn=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -35,23 +36,38 @@ def target(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def head(target, tmp_path_factory) -> Path:
-    """A head trained on the target's own greedy continuations (a seconds-long run)."""
-    root = tmp_path_factory.mktemp("eagle-head")
+def traffic(target, tmp_path_factory) -> Path:
+    """The target's own greedy continuations, as a speculator's retained traffic."""
     engine = LLMEngine(target, EngineConfig(num_blocks=256))
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, 500, (8,), generator=gen).tolist() for _ in range(48)]
     done = engine.generate(prompts, SamplingParams(max_tokens=56, ignore_eos=True))
-    traffic = root / "traffic.jsonl"
-    traffic.write_text("".join(json.dumps({"token_ids": c.prompt_ids + c.token_ids}) + "\n" for c in done))
+    path = tmp_path_factory.mktemp("eagle-traffic") / "traffic.jsonl"
+    path.write_text("".join(json.dumps({"token_ids": c.prompt_ids + c.token_ids}) + "\n" for c in done))
+    return path
+
+
+def _train_head(target: Path, traffic: Path, root: Path, *flags: str) -> Path:
+    """A head trained on ``traffic`` in a seconds-long run."""
     out = root / "head"
     rc = train_eagle.main([
         "--model", str(target), "--data", f"traffic={traffic}", "--out", str(out), "--cache", str(root / "cache"),
         "--window", "64", "--intermediate", "128", "--draft-vocab", "512", "--unroll", "2",
-        "--epochs", "8", "--batch", "64", "--lr", "5e-3", "--threads", "1",
+        "--epochs", "8", "--batch", "64", "--lr", "5e-3", "--threads", "1", *flags,
     ])
     assert rc == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def head(target, traffic, tmp_path_factory) -> Path:
+    return _train_head(target, traffic, tmp_path_factory.mktemp("eagle-head"))
+
+
+@pytest.fixture(scope="module")
+def layered_head(target, traffic, tmp_path_factory) -> Path:
+    """EAGLE-3 style: drafts from the outputs of both of the target's layers."""
+    return _train_head(target, traffic, tmp_path_factory.mktemp("eagle-layered"), "--feature-layers", "0,1")
 
 
 def _greedy(n: int = 24) -> SamplingParams:
@@ -82,6 +98,60 @@ def test_greedy_output_identical_with_every_source(target, head):
         if name != "ngram":
             assert engine.stats.draft_tokens_proposed > 0, name
         assert engine.blocks.num_free == 128
+
+
+def test_a_layered_head_drafts_from_the_target_layers_it_names(target, layered_head):
+    meta = json.loads((layered_head / "config.json").read_text())
+    assert meta["head"]["feature_layers"] == [0, 1] and meta["training"]["feature_layers"] == [0, 1]
+    expected = [c.token_ids for c in LLMEngine(target, EngineConfig(num_blocks=128)).generate(PROMPTS, _greedy())]
+    for name, proposer in [("eagle", EagleProposer(layered_head)), ("merged", LocalProposer(head=EagleProposer(layered_head)))]:
+        engine = LLMEngine(target, EngineConfig(num_blocks=128, num_speculative_tokens=4), proposer=proposer)
+        assert engine.model.feature_layers == (0, 1)
+        assert [c.token_ids for c in engine.generate(PROMPTS, _greedy())] == expected, name
+        assert engine.stats.draft_tokens_accepted > 0, name
+        assert engine.blocks.num_free == 128
+
+
+def test_a_compiled_target_traces_the_layers_a_head_drafts_from(target, layered_head):
+    """The proposer is bound before the decode step is compiled, so the compiled graph returns the
+    layer features (a graph traced for the final hidden state would hand the head the wrong input)."""
+    expected = [c.token_ids for c in LLMEngine(target, EngineConfig(num_blocks=128)).generate(PROMPTS, _greedy())]
+    eager = LLMEngine(target, EngineConfig(num_blocks=128, num_speculative_tokens=4), proposer=EagleProposer(layered_head))
+    compiled = LLMEngine(target, EngineConfig(num_blocks=128, num_speculative_tokens=4, compile=True),
+                         proposer=EagleProposer(layered_head))
+    for engine in (eager, compiled):
+        assert [c.token_ids for c in engine.generate(PROMPTS, _greedy())] == expected
+    assert compiled.stats.draft_tokens_accepted == eager.stats.draft_tokens_accepted > 0
+
+
+def test_a_head_naming_layers_the_target_lacks_is_refused(target, layered_head, tmp_path):
+    bad = tmp_path / "head"
+    shutil.copytree(layered_head, bad)
+    meta = json.loads((bad / "config.json").read_text())
+    meta["head"]["feature_layers"] = [0, 5]
+    (bad / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(InvalidArgument, match="past the target's 2 layers"):
+        LLMEngine(target, EngineConfig(num_blocks=32, num_speculative_tokens=2), proposer=EagleProposer(bad))
+
+
+def test_the_last_layers_output_normed_is_the_final_hidden_state(target):
+    """The layer taps are the residual stream after each layer: the last one, through the final
+    norm, is what the LM head reads (the feature a head without layers drafts from)."""
+    engine = LLMEngine(target, EngineConfig(num_blocks=32, num_speculative_tokens=2), proposer=LocalProposer())
+    model = engine.model
+    ids = torch.tensor(PROMPTS[0])
+    n = len(ids)
+    from kvmesh.engine.model import AttentionMetadata
+
+    meta = AttentionMetadata(slot_mapping=torch.arange(n), block_tables=torch.arange(2).unsqueeze(0),
+                             seq_lens=torch.tensor([n]), query_start_loc=torch.tensor([0, n]), is_decode=False)
+    rows = torch.arange(n)
+    _, final = model(ids, torch.arange(n), engine.kv.tensor, meta, rows, return_hidden=True)
+    model.feature_layers = (0, 1)
+    _, layered = model(ids, torch.arange(n), engine.kv.tensor, meta, rows, return_hidden=True)
+    assert layered.shape == (n, 2 * final.shape[1])
+    last = layered[:, final.shape[1]:]
+    assert torch.allclose(model.ops.rms_norm(last, model.norm, model.cfg.rms_norm_eps), final, atol=1e-5)
 
 
 def test_merged_acceptance_is_counted_per_source(target, head):

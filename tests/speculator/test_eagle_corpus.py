@@ -53,4 +53,21 @@ def test_a_head_trains_on_the_targets_own_continuations_of_code(llama_with_token
     chain = cfg["training"]["heldout_chain_agreement_per_step"]
     assert len(chain) == 2 and 1.0 >= chain[0] >= chain[1] >= 0.0  # a chain can only die as it grows
     assert cfg["training"]["heldout_expected_accepted_length"] == round(1 + sum(chain), 3)
-    assert torch.load(next((tmp_path / "cache").iterdir()))["labels"].numel() == cfg["training"]["tokens"]
+    (corpus,) = (tmp_path / "cache").glob("corpus-*.pt")
+    (features,) = set((tmp_path / "cache").iterdir()) - {corpus}
+    assert sum(map(len, torch.load(corpus))) == torch.load(features)["labels"].numel() == cfg["training"]["tokens"]
+
+
+def test_features_for_other_layers_reuse_the_cached_corpus(llama_with_tokenizer, tmp_path, capsys):  # noqa: F811
+    flags = ["--model", str(llama_with_tokenizer), "--data", "code", "--code-prompts", "6", "--code-tokens", "16",
+             "--cache", str(tmp_path / "cache"), "--intermediate", "32", "--draft-vocab", "128", "--unroll", "2",
+             "--epochs", "1", "--batch", "16", "--threads", "1"]
+    assert train_eagle.main([*flags, "--out", str(tmp_path / "a")]) == 0
+    assert "target wrote" in capsys.readouterr().err
+    assert train_eagle.main([*flags, "--out", str(tmp_path / "b"), "--feature-layers", "0,1"]) == 0
+    err = capsys.readouterr().err
+    assert "corpus: cached" in err and "target wrote" not in err
+    data = torch.load(next(p for p in (tmp_path / "cache").iterdir()
+                            if not p.name.startswith("corpus-") and "layer_features" in torch.load(p)))
+    assert data["layer_features"].shape == (data["features"].shape[0], 2 * data["features"].shape[1])
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["head"]["feature_layers"] == [0, 1]
