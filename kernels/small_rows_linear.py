@@ -16,6 +16,13 @@ what one decode row does.
 Products of more than ``max_rows`` rows (prefill chunks) stay on the plain weight: no
 gain was measured at 128 or 512 rows (float32).
 
+Which float32 path wins below 4 rows depends on the processor: on a 2-core AMD EPYC
+(Zen 5, no AMX) the model's linears took 35.7 / 58.5 / 74.5 ms for 1 / 2 / 3 rows with
+MKL and 17.7 / 19.0 / 12.7 ms on the reordered weights, the reverse of the numbers above.
+So ``use_small_rows_linears`` times both paths on the model's own weights at 1 to 3 rows
+once, at load, and moves the floor down where the reordered weight wins
+(``fewest_rows_that_pay``).
+
 Costs a second, reordered copy of every weight, so the engine only swaps these in
 where they pay (``EngineConfig.wants_small_rows_linears``). Inside a compiled graph the
 plain product is traced (inductor prepacks weights itself).
@@ -23,13 +30,19 @@ plain product is traced (inductor prepacks weights itself).
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 from torch import nn
 
 from kernels.module_swap import swap_modules
 from kvmesh.errors import FailedPrecondition
 
-# The fewest rows that run on the reordered weight, per dtype (the module's docstring says why).
+_log = logging.getLogger(__name__)
+
+# The fewest rows that run on the reordered weight, per dtype (the module's docstring says why);
+# for float32, where no calibration has moved it down (``calibrate_min_rows``).
 MIN_ROWS = {torch.float32: 4, torch.bfloat16: 1}
 # More rows are prefill-sized, where the plain GEMM is as fast.
 DEFAULT_MAX_ROWS = 64
@@ -65,11 +78,58 @@ class SmallRowsLinear(nn.Linear):
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def use_small_rows_linears(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> int:
+def use_small_rows_linears(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS, calibrate: bool = True) -> int:
     """Swap, in place, every float32 or bfloat16 CPU ``nn.Linear`` of ``model`` for a
-    ``SmallRowsLinear`` (sharing its parameters); returns how many were swapped."""
-    return swap_modules(
+    ``SmallRowsLinear`` (sharing its parameters); returns how many were swapped. With
+    ``calibrate``, the float32 ones get the row floor this processor pays at (``calibrate_min_rows``)."""
+    swapped = swap_modules(
         model,
         lambda _, m: type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype in MIN_ROWS,
         lambda linear: SmallRowsLinear.of(linear, max_rows),
     )
+    fp32 = [m for m in model.modules() if isinstance(m, SmallRowsLinear) and m.weight.dtype == torch.float32]
+    if calibrate and fp32:
+        calibrate_min_rows(fp32)
+    return swapped
+
+
+def fewest_rows_that_pay(plain_s: dict[int, float], reordered_s: dict[int, float], default: int) -> int:
+    """The smallest row count r below ``default`` from which the reordered weight was faster at
+    every measured count up to ``default`` - 1 (``default`` when it never was)."""
+    floor = default
+    for rows in sorted(plain_s, reverse=True):
+        if rows >= default or reordered_s[rows] >= plain_s[rows]:
+            break
+        floor = rows
+    return floor
+
+
+def calibrate_min_rows(modules: list[SmallRowsLinear], repeats: int = 3) -> int:
+    """Time one pass of 1, 2, ... MIN_ROWS - 1 rows through every module, on the plain weight and
+    on the reordered one (best of ``repeats``; the weights stream from memory as in a decode
+    step), and give all of them the floor ``fewest_rows_that_pay`` picks. Returns it."""
+    default = MIN_ROWS[torch.float32]
+    plain_s, reordered_s = {}, {}
+    with torch.inference_mode():
+        for rows in range(1, default):
+            xs = [torch.randn(rows, m.in_features) for m in modules]
+            plain_s[rows] = _best_of(repeats, lambda: [nn.functional.linear(x, m.weight, m.bias) for x, m in zip(xs, modules)])
+            reordered_s[rows] = _best_of(repeats, lambda: [torch.ops.mkldnn._linear_pointwise(
+                x, m._reordered, m.bias, "none", [], "") for x, m in zip(xs, modules)])
+    floor = fewest_rows_that_pay(plain_s, reordered_s, default)
+    for m in modules:
+        m.min_rows = floor
+    _log.info("small-row linears: float32 products of %d to %d rows run on the reordered weights "
+              "(ms per pass, plain vs reordered: %s)", floor, modules[0].max_rows,
+              {r: (round(plain_s[r] * 1e3, 1), round(reordered_s[r] * 1e3, 1)) for r in plain_s})
+    return floor
+
+
+def _best_of(repeats: int, fn) -> float:
+    fn()  # first touch: allocations, oneDNN primitive creation
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best

@@ -18,6 +18,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -157,8 +159,23 @@ at::Tensor int8_scaled_mm(const at::Tensor& x, const at::Tensor& qweight, const 
     });
     return at::linear(x, w, b.defined() ? c10::optional<at::Tensor>(b.to(x.scalar_type())) : c10::nullopt);
   }
-  const at::Tensor xf = x.to(at::kFloat).contiguous();  // x itself when it already is
-  const float* X = xf.data_ptr<float>();
+  // The rows of x as float32: x itself, or widened (exactly) into a buffer of this call's. A
+  // torch conversion here (x.to(kFloat)) showed in the profiler at 0.25 ms a step over the 121
+  // calls of a SmolLM2 decode step: 4% of a compiled one-row bf16 + int8 step (5.75 ms).
+  const at::Tensor xc = x.contiguous();
+  std::vector<float> widened;
+  const float* X = nullptr;
+  with_type_of(xc, [&](auto tag) {
+    using T = decltype(tag);
+    const T* src = xc.data_ptr<T>();
+    if constexpr (std::is_same_v<T, float>) {
+      X = src;
+    } else {
+      widened.resize(static_cast<size_t>(M * K));
+      for (int64_t i = 0; i < M * K; ++i) widened[i] = static_cast<float>(src[i]);
+      X = widened.data();
+    }
+  });
   const int8_t* W = qweight.data_ptr<int8_t>();
   const float* S = scale.data_ptr<float>();
   const float* B = b.defined() ? b.data_ptr<float>() : nullptr;

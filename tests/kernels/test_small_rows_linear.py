@@ -7,7 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.small_rows_linear import DEFAULT_MAX_ROWS, MIN_ROWS, SmallRowsLinear, use_small_rows_linears
+from kernels.small_rows_linear import (
+    DEFAULT_MAX_ROWS,
+    MIN_ROWS,
+    SmallRowsLinear,
+    calibrate_min_rows,
+    fewest_rows_that_pay,
+    use_small_rows_linears,
+)
 from kvmesh.errors import FailedPrecondition
 
 
@@ -29,7 +36,7 @@ def test_every_row_count_gives_the_plain_product(rows, bias, dtype):
 def test_the_row_range_on_the_reordered_weight_depends_on_the_dtype():
     assert MIN_ROWS == {torch.float32: 4, torch.bfloat16: 1}
     assert SmallRowsLinear.of(nn.Linear(8, 8, dtype=torch.bfloat16)).min_rows == 1
-    assert SmallRowsLinear.of(nn.Linear(8, 8)).min_rows == 4
+    assert SmallRowsLinear.of(nn.Linear(8, 8)).min_rows == 4  # until calibrated
 
 
 def test_leading_dimensions_are_kept():
@@ -61,3 +68,24 @@ def test_training_takes_the_plain_differentiable_product():
     x = torch.randn(5, 8, requires_grad=True)
     linear(x).sum().backward()
     assert x.grad is not None and linear.weight.grad is not None
+
+
+@pytest.mark.parametrize(("plain", "reordered", "floor"), [
+    ({1: 35.0, 2: 41.0, 3: 42.0}, {1: 50.0, 2: 50.0, 3: 50.0}, 4),  # MKL wins below 4 rows (the Intel dev box)
+    ({1: 35.7, 2: 58.5, 3: 74.5}, {1: 17.7, 2: 19.0, 3: 12.7}, 1),  # oneDNN wins everywhere (Zen 5)
+    ({1: 30.0, 2: 41.0, 3: 42.0}, {1: 31.0, 2: 40.0, 3: 40.0}, 2),  # from 2 rows on
+    ({1: 30.0, 2: 39.0, 3: 42.0}, {1: 29.0, 2: 40.0, 3: 40.0}, 3),  # 1 row alone is no run down to it
+])
+def test_the_float32_floor_is_the_fewest_rows_from_which_the_reordered_weight_wins(plain, reordered, floor):
+    assert fewest_rows_that_pay(plain, reordered, default=4) == floor
+
+
+def test_calibration_gives_every_float32_module_one_floor_and_the_same_products():
+    torch.manual_seed(0)
+    modules = [SmallRowsLinear.of(nn.Linear(64, 96)) for _ in range(3)]
+    floor = calibrate_min_rows(modules, repeats=1)
+    assert 1 <= floor <= MIN_ROWS[torch.float32] and {m.min_rows for m in modules} == {floor}
+    x = torch.randn(2, 64)
+    with torch.inference_mode():
+        for m in modules:
+            torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
