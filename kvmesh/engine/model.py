@@ -183,9 +183,12 @@ class CausalLM(nn.Module):
         """Run few-row products (a speculative verify's k+1 rows) on oneDNN-reordered weights,
         the LM head's included unless it is quantized (``kernels.small_rows_linear``; CPU). The
         weights must not change afterwards: the reordered copies would not follow."""
+        if self.head_proj is None and self.lm_head is None:
+            self.head_proj = SmallRowsLinear(self.embed_tokens.weight, None)
+        # After the tied head's module exists: the float32 row floor is calibrated for every one.
         use_small_rows_linears(self)
         if self.head_proj is None:
-            self.head_proj = self.lm_head if self.lm_head is not None else SmallRowsLinear(self.embed_tokens.weight, None)
+            self.head_proj = self.lm_head
 
     def body(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata

@@ -3,8 +3,10 @@ distributed exactly as without drafts."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from kernels import small_rows_linear
 from kernels.small_rows_linear import SmallRowsLinear
 from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
 from kvmesh.engine.sampler import verify
@@ -126,3 +128,15 @@ def test_small_rows_linears_come_with_speculation_or_when_asked(checkpoints):
     assert not swapped(num_speculative_tokens=2, small_rows_linears=False)
     assert swapped(num_speculative_tokens=2, dtype="bfloat16")
     assert not swapped(small_rows_linears=True, dtype="float16")  # float32 and bfloat16 only
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "llama-mha-tied"])
+def test_the_lm_head_gets_the_calibrated_row_floor_of_the_other_linears(checkpoints, arch, monkeypatch):
+    """The float32 floor is timed once for the whole model: the LM head's product (its own
+    module for a tied head) must not keep the uncalibrated one. (The timing's verdict is fixed
+    here: which path wins depends on the processor.)"""
+    monkeypatch.setattr(small_rows_linear, "fewest_rows_that_pay", lambda *_, **__: 2)
+    model = LLMEngine(checkpoints[arch], EngineConfig(num_blocks=16, small_rows_linears=True)).model
+    assert isinstance(model.head_proj, SmallRowsLinear)
+    assert {m.min_rows for m in model.modules() if isinstance(m, SmallRowsLinear)} == {2}
+    assert model.head_proj.min_rows == 2
