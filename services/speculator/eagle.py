@@ -199,8 +199,9 @@ class EagleHead:
 
     @torch.inference_mode()
     def draft(self, features: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
-        """Greedy drafts [B, k] continuing each row: ``features`` [B, h] the target's feature of
-        the position before ``tokens`` [B] (the last sampled token of each sequence)."""
+        """Greedy drafts [B, k] continuing each row: ``features`` [B, h] (with feature layers
+        [B, n * h]) the target's feature of the position before ``tokens`` [B] (the last sampled
+        token of each sequence)."""
         f = self.block.first_feature(features.to(torch.float32))
         tok = tokens.to(torch.long)
         out = []
