@@ -97,8 +97,8 @@ def fewest_rows_that_pay(plain_s: dict[int, float], reordered_s: dict[int, float
     """The smallest row count r below ``default`` from which the reordered weight was faster at
     every measured count up to ``default`` - 1 (``default`` when it never was)."""
     floor = default
-    for rows in sorted(plain_s, reverse=True):
-        if rows >= default or reordered_s[rows] >= plain_s[rows]:
+    for rows in sorted((r for r in plain_s if r < default), reverse=True):
+        if reordered_s[rows] >= plain_s[rows]:
             break
         floor = rows
     return floor
