@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 from kvmesh.engine import EngineConfig, LLMEngine
 from kvmesh.engine.model import AttentionMetadata
+from kvmesh.errors import InvalidArgument
 from services.speculator.eagle import FORMAT, EagleBlock, HeadConfig, target_fingerprint
 
 
@@ -126,12 +127,9 @@ def traffic_sequences(path: Path, window: int) -> list[list[int]]:
 
 def parse_layers(spec: str) -> tuple[int, ...]:
     try:
-        layers = [int(x) for x in spec.split(",") if x.strip()]
+        return tuple(int(x) for x in spec.split(",") if x.strip())
     except ValueError:
-        layers = None
-    if layers is None or layers != sorted(set(layers)) or any(i < 0 for i in layers):
-        raise SystemExit(f"--feature-layers: {spec!r} is not a list of distinct ascending layer indices")
-    return tuple(layers)
+        raise SystemExit(f"--feature-layers: {spec!r} is not a comma-separated list of layer indices") from None
 
 
 @torch.inference_mode()
@@ -249,10 +247,12 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = LLMEngine(args.model, EngineConfig(num_blocks=max(64, 2 * args.window // 16 + 8)))
     mc = engine.model_config
-    cfg = HeadConfig(hidden_size=mc.hidden_size, intermediate_size=args.intermediate, rms_norm_eps=mc.rms_norm_eps,
-                     feature_layers=feature_layers)
-    if feature_layers and feature_layers[-1] >= mc.num_layers:
-        raise SystemExit(f"--feature-layers: the target has {mc.num_layers} layers (0..{mc.num_layers - 1})")
+    try:  # the head's own checks: distinct ascending layers, all inside the target
+        cfg = HeadConfig(hidden_size=mc.hidden_size, intermediate_size=args.intermediate,
+                         rms_norm_eps=mc.rms_norm_eps, feature_layers=feature_layers)
+        cfg.check_target_layers(mc.num_layers)
+    except InvalidArgument as e:
+        raise SystemExit(f"--feature-layers: {e}") from None
     engine.model.feature_layers = feature_layers
     fingerprint = target_fingerprint(engine.model)
     # Two caches: the corpus (the target's text: minutes of generation) and its features (another

@@ -90,6 +90,11 @@ class HeadConfig:
             raise InvalidArgument(f"feature_layers must be distinct ascending layer indices, not {list(layers)}")
         object.__setattr__(self, "feature_layers", layers)
 
+    def check_target_layers(self, num_layers: int) -> None:
+        """InvalidArgument when a feature layer is past a target of ``num_layers`` layers."""
+        if self.feature_layers and self.feature_layers[-1] >= num_layers:
+            raise InvalidArgument(f"feature_layers {list(self.feature_layers)} past the target's {num_layers} layers")
+
 
 class FeatureFusion(nn.Module):
     """The target's layer outputs [.., n * h] -> one feature [.., h]: each layer's output
@@ -112,6 +117,7 @@ class EagleBlock(nn.Module):
 
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__()
+        self.cfg = cfg
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.feature_norm = RMSNorm(h, eps)
         self.embed_norm = RMSNorm(h, eps)
@@ -138,11 +144,10 @@ class EagleHead:
     """A trained block bound to its target's frozen embedding and LM head (draft vocabulary rows)."""
 
     def __init__(
-        self, block: EagleBlock, embedding: torch.Tensor, lm_head: torch.Tensor, draft_vocab: torch.Tensor,
-        feature_layers: tuple[int, ...] = (),
+        self, block: EagleBlock, embedding: torch.Tensor, lm_head: torch.Tensor, draft_vocab: torch.Tensor
     ) -> None:
         self.block = block.eval()
-        self.feature_layers = feature_layers
+        self.feature_layers = block.cfg.feature_layers
         self.embedding = embedding.detach()
         self.draft_vocab = draft_vocab.to(torch.long)
         # The LM head's rows for the draft vocabulary, contiguous: one small product per draft step.
@@ -168,14 +173,15 @@ class EagleHead:
                 "train one for it with `kvmesh train-speculator`"
             )
         cfg = HeadConfig(**meta["head"])
-        if cfg.feature_layers and cfg.feature_layers[-1] >= model.cfg.num_layers:
-            raise InvalidArgument(f"{path}: feature_layers {list(cfg.feature_layers)} past the target's "
-                                  f"{model.cfg.num_layers} layers")
+        try:
+            cfg.check_target_layers(model.cfg.num_layers)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"{path}: {e}") from None
         block = EagleBlock(cfg)
         tensors = load_file(str(path / "head.safetensors"))
         draft_vocab = tensors.pop("draft_vocab")
         block.load_state_dict(tensors)
-        return cls(block, model.embed_tokens.weight, model.head_weight, draft_vocab, cfg.feature_layers)
+        return cls(block, model.embed_tokens.weight, model.head_weight, draft_vocab)
 
     @torch.inference_mode()
     def sample(self, feature: torch.Tensor, token: int, k: int, params: SamplingParams,
