@@ -43,7 +43,7 @@ from _common import cells, write_json  # noqa: E402
 from _table import print_table  # noqa: E402
 
 from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from kvmesh.engine.config import parse_draft_costs, parse_dtype  # noqa: E402
+from kvmesh.engine.config import parse_draft_costs  # noqa: E402
 from kvmesh.engine.default_model import default_model_path  # noqa: E402
 from kvmesh.engine.engine import DraftProposer  # noqa: E402
 from services.speculator.candidate import Source  # noqa: E402
@@ -133,6 +133,9 @@ def run(model: Path, prompts: list[list[int]], batch: int, max_tokens: int, k: i
         "requests": len(order),
         "proposed": stats.draft_tokens_proposed,
         "accepted": stats.draft_tokens_accepted,
+        # What the engine priced a verify of 1, 2, ... drafts at (measured at start-up unless
+        # --draft-costs says); [] = always k.
+        "draft_costs": list(engine.draft_costs),
     }
 
 
@@ -157,7 +160,7 @@ def main() -> None:
     p.add_argument("--batch1-prompts", type=int, default=4, help="prompts per kind at batch 1 (batch 8: all eight)")
     p.add_argument("--eagle-match-tokens", type=int, default=EAGLE_MATCH_TOKENS)
     p.add_argument("--draft-costs", default=None,
-                   help="EngineConfig.draft_costs, e.g. 1.2,1.3 (default: the engine's; 'free': always k drafts)")
+                   help="EngineConfig.draft_costs, e.g. 1.2,1.3 (default: measured by each engine; 'free': always k drafts)")
     p.add_argument("--repeats", type=int, default=1, help="passes per configuration, interleaved; the fastest counts")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the target's (every engine's)")
@@ -217,7 +220,8 @@ def main() -> None:
                     s = summary(r) | {"speedup": summary(r)["tokens_per_s"] / anchor["tokens_per_s"]}
                     entry = {"kind": kind, "batch": batch, "k": k, **s,
                              "target_forward_passes": r["target_forward_passes"],
-                             "proposed": r["proposed"], "accepted": r["accepted"], "identical_to_none": same}
+                             "proposed": r["proposed"], "accepted": r["accepted"], "identical_to_none": same,
+                             **({} if kind == "all" else {"draft_costs": r["draft_costs"]})}
                     results[src].append(entry)
                     rows.append(cells([kind, batch, src, k or "-", s["mean_accepted_length"],
                                        s["decode_accepted_length"],
@@ -231,8 +235,6 @@ def main() -> None:
         "batch1_prompts": args.batch1_prompts,
         "eagle_match_tokens": args.eagle_match_tokens, "repeats": args.repeats, "threads": args.threads,
         "dtype": args.dtype,
-        # What the speculating engines priced a verify at (kvmesh.engine.draft_length); [] = always k.
-        "draft_costs": list(EngineConfig(draft_costs=draft_costs).resolve_draft_costs(parse_dtype(args.dtype))),
         **results,
     })
     if not identical:

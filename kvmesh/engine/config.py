@@ -129,16 +129,6 @@ def _rope_params(raw: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-# A verify of k = 1, 2, 3, 4 drafts in decode steps' time (kvmesh.engine.draft_length), per
-# dtype, measured on the 2-core dev machine (SmolLM2-135M, one sequence, eager,
-# kernels.small_rows_linear), plus ~1 ms a draft for the EAGLE head. float32: decode 34.8 ms,
-# verifies 41.0 / 42.1 / 51.1 / 52.8 ms. bfloat16: every product up to 64 rows runs on
-# AMX-reordered weights, so a verify costs little more than a decode: 39.0 ms, then 43.5 /
-# 44.7 / 44.6 / 44.9 ms (best of 6 passes). No GPU default is measured: there, verify rows
-# are nearly free at small batch.
-DEFAULT_CPU_DRAFT_COSTS = {torch.float32: (1.21, 1.27, 1.56, 1.64), torch.bfloat16: (1.14, 1.20, 1.22, 1.25)}
-
-
 def parse_draft_costs(text: str | None) -> tuple[float, ...] | None:
     """``"1.2,1.3"`` -> (1.2, 1.3); ``"free"`` -> () (always k drafts); None -> None (the default)."""
     if text is None:
@@ -175,8 +165,8 @@ class EngineConfig:
     # Draft tokens verified per decode step when a proposer is attached (0 = no speculation).
     num_speculative_tokens: int = 0
     # A verify of 1, 2, ... drafts in decode steps' time (kvmesh.engine.draft_length): fewer
-    # drafts for sequences whose drafts miss. None: DEFAULT_CPU_DRAFT_COSTS of the dtype on CPU
-    # (float32's for another), () (drafts free: always k) elsewhere.
+    # drafts for sequences whose drafts miss. None: measured at start-up on CPU
+    # (kvmesh.engine.verify_cost), () (drafts free: always k) elsewhere.
     draft_costs: tuple[float, ...] | None = None
     # Run few-row products (float32: 4-64 rows, bfloat16: 1-64) on oneDNN-reordered copies of
     # the weights (kernels.small_rows_linear; CPU only; a second copy of the weights). None: on
@@ -190,13 +180,6 @@ class EngineConfig:
         if self.device != "cpu" or dtype not in SMALL_ROWS_DTYPES:
             return False
         return self.num_speculative_tokens > 0 if self.small_rows_linears is None else self.small_rows_linears
-
-    def resolve_draft_costs(self, dtype: torch.dtype) -> tuple[float, ...]:
-        if self.draft_costs is not None:
-            return tuple(self.draft_costs)
-        if self.device != "cpu":
-            return ()
-        return DEFAULT_CPU_DRAFT_COSTS.get(dtype, DEFAULT_CPU_DRAFT_COSTS[torch.float32])
 
     def resolve_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         if self.dtype is not None:

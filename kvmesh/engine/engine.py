@@ -33,6 +33,7 @@ from kvmesh.engine.scheduler import ScheduledBatch, Scheduler
 from kvmesh.engine.sequence import Sequence, TokenLogprob
 from kvmesh.engine.stop import check_stop, releasable_text
 from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.engine.verify_cost import measure_draft_costs
 from kvmesh.engine.weights import weight_files, weights_id
 from kvmesh.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvmesh.quant import checkpoint as quant_checkpoint  # a module: kvmesh.quant imports the engine too
@@ -95,7 +96,9 @@ class DraftProposer(Protocol):
     once the model is loaded, and a true ``wants_features``: it then finds each sequence's
     target feature in ``seq.feature``, the final hidden state of the row that sampled its
     last token, or the outputs of the target's layers it names in ``feature_layers``
-    (read after ``bind``), concatenated.
+    (read after ``bind``), concatenated. One whose drafting takes time on the engine thread
+    says how much with ``draft_seconds(k)`` (k drafts for one sequence, read after ``bind``),
+    so the draft-length policy prices it (``kvmesh.engine.verify_cost``).
     """
 
     def propose(self, wants: list[tuple[Sequence, int]]) -> dict[str, list[int]]:
@@ -155,6 +158,7 @@ class LLMEngine:
         )
         if cfg.compile:
             compile_decode(self.model, self.kv.tensor)  # before any block holds KV
+        self._draft_length = DraftLengthPolicy(cfg.num_speculative_tokens, self._draft_costs(proposer))
         self.blocks = BlockManager(cfg.num_blocks, cfg.enable_prefix_cache, on_block_event)
         self.scheduler = Scheduler(
             self.blocks, cfg.block_size, self.fingerprint, cfg.max_num_seqs, cfg.max_num_batched_tokens
@@ -165,7 +169,6 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self.stats = EngineStats()
         self.proposer = proposer
-        self._draft_length = DraftLengthPolicy(cfg.num_speculative_tokens, cfg.resolve_draft_costs(self.dtype))
         self._wants_features = bool(getattr(proposer, "wants_features", False))
         # Outputs produced outside a step (a handed-off first token), delivered with the next one.
         self._pending: list[RequestOutput] = []
@@ -176,6 +179,23 @@ class LLMEngine:
         self._default_gen = torch.Generator().manual_seed(cfg.seed)
         self._grammars: GrammarCache | None = None
         self._grammars_lock = threading.Lock()
+
+    def _draft_costs(self, proposer: DraftProposer | None) -> tuple[float, ...]:
+        """The draft-length policy's prices: the configured ones; else measured on CPU, where a
+        verify row costs what the processor makes it (before any block holds KV: the probe
+        writes pool blocks); free on a GPU, where verify rows are nearly free at small batch."""
+        cfg = self.config
+        if cfg.draft_costs is not None:
+            return tuple(cfg.draft_costs)
+        if proposer is None or cfg.num_speculative_tokens == 0 or self.device.type != "cpu":
+            return ()
+        return measure_draft_costs(self.model, self.kv.tensor, cfg.num_speculative_tokens, self.max_model_len,
+                                   getattr(proposer, "draft_seconds", None))
+
+    @property
+    def draft_costs(self) -> tuple[float, ...]:
+        """A verify of 1, 2, ... drafts in decode steps' time, as the draft-length policy prices it."""
+        return self._draft_length.costs
 
     @property
     def grammars(self) -> GrammarCache:

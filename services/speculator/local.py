@@ -53,6 +53,10 @@ class LocalProposer:
     def feature_layers(self) -> tuple[int, ...]:
         return self.head.feature_layers if self.head is not None else ()
 
+    def draft_seconds(self, k: int) -> float:
+        """The head's drafting time (the core's n-gram sources take microseconds)."""
+        return self.head.draft_seconds(k) if self.head is not None else 0.0
+
     def propose(self, wants: list[tuple[Sequence, int]]) -> dict[str, list[int]]:
         for seq in self._tracker.ended_unannounced({seq.request_id for seq, _ in wants}):
             self._session.finish(seq.request_id, learn=False)

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
-from kvmesh.engine.config import DEFAULT_CPU_DRAFT_COSTS, parse_draft_costs
+from kvmesh.engine.config import parse_draft_costs
 from kvmesh.engine.draft_length import DraftLengthPolicy, best_length, step_cost, tokens_per_step
 
 from .conftest import PROMPTS
 from .test_speculative import ScriptedProposer
 
-COSTS = DEFAULT_CPU_DRAFT_COSTS[torch.float32]
+# A float32 table measured on an Intel (AMX) dev machine: verifies of 3+ drafts cost more there.
+COSTS = (1.21, 1.27, 1.56, 1.64)
 
 
 def test_tokens_per_step_of_a_chain():

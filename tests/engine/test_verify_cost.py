@@ -1,0 +1,64 @@
+"""The draft-cost table a CPU engine measures for itself at start-up."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.engine.verify_cost import costs_from_seconds
+
+from .conftest import PROMPTS
+from .test_speculative import ScriptedProposer
+
+
+def test_costs_count_the_drafting_and_never_fall_below_one_or_with_more_drafts():
+    decode = 0.020
+    assert costs_from_seconds(decode, [0.024, 0.025], [0.0, 0.0]) == (1.2, 1.25)
+    assert costs_from_seconds(decode, [0.024, 0.025], [0.002, 0.004]) == (1.3, 1.45)
+    # A verify timed faster than a decode, or than a shorter verify, is noise.
+    assert costs_from_seconds(decode, [0.018, 0.030, 0.028], [0.0] * 3) == (1.0, 1.5, 1.5)
+
+
+class PricedProposer(ScriptedProposer):
+    """Garbage drafts that say drafting k of them takes k seconds."""
+
+    def __init__(self) -> None:
+        super().__init__(garbage=True)
+        self.asked: list[int] = []
+
+    def draft_seconds(self, k: int) -> float:
+        self.asked.append(k)
+        return float(k)
+
+
+def test_a_cpu_engine_measures_its_verifies_and_prices_the_proposers_drafting(checkpoints):
+    path = checkpoints["llama-gqa"]
+    free = LLMEngine(path, EngineConfig(num_blocks=64, num_speculative_tokens=3), proposer=ScriptedProposer())
+    assert len(free.draft_costs) == 3
+    assert 1.0 <= free.draft_costs[0] <= free.draft_costs[1] <= free.draft_costs[2]
+
+    priced = PricedProposer()
+    engine = LLMEngine(path, EngineConfig(num_blocks=64, num_speculative_tokens=3), proposer=priced)
+    assert priced.asked == [1, 2, 3]
+    # Seconds of drafting against a tiny model's millisecond decode: each draft costs many decodes.
+    assert engine.draft_costs[0] > 50 and engine.draft_costs[2] > 2 * engine.draft_costs[0]
+    # The probe wrote pool blocks before any request held one: output is the plain engine's.
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    plain = LLMEngine(path, EngineConfig(num_blocks=64)).generate(PROMPTS, params)
+    assert [c.token_ids for c in engine.generate(PROMPTS, params)] == [c.token_ids for c in plain]
+    # So priced, a sequence asks for one draft a step.
+    assert engine.stats.draft_tokens_proposed <= engine.stats.steps * len(PROMPTS)
+
+
+@pytest.mark.parametrize("costs", [(), (1.5, 2.0)])
+def test_configured_costs_are_taken_as_given_and_nothing_is_timed(checkpoints, costs):
+    priced = PricedProposer()
+    engine = LLMEngine(checkpoints["llama-gqa"], EngineConfig(num_blocks=64, num_speculative_tokens=2,
+                                                              draft_costs=costs), proposer=priced)
+    assert engine.draft_costs == costs and priced.asked == []
+
+
+def test_no_speculation_no_probe(checkpoints):
+    priced = PricedProposer()
+    assert LLMEngine(checkpoints["llama-gqa"], EngineConfig(num_blocks=64), proposer=priced).draft_costs == ()
+    assert priced.asked == []
