@@ -101,12 +101,10 @@ def prompts_of(model: Path) -> dict[str, list[list[int]]]:
 def run(model: Path, prompts: list[list[int]], batch: int, max_tokens: int, k: int,
         proposer: DraftProposer | None, draft_costs: tuple[float, ...] | None, dtype: str) -> dict:
     """One timed pass over the prompts, ``batch`` at a time, on a fresh engine and proposer."""
-    # The anchor runs the same linears a speculating engine gets (kernels.small_rows_linear, on
-    # by default only with speculation): a batch of 8 decodes faster on them, drafts or not.
     engine = LLMEngine(
         model,
         EngineConfig(dtype=dtype, num_blocks=512, num_speculative_tokens=k if proposer else 0,
-                     draft_costs=draft_costs, small_rows_linears=True),
+                     draft_costs=draft_costs),
         proposer=proposer,
     )
     params = SamplingParams(max_tokens=max_tokens)

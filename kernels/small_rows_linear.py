@@ -23,9 +23,10 @@ So ``use_small_rows_linears`` times both paths on the model's own weights at 1 t
 once, at load, and moves the floor down where the reordered weight wins
 (``fewest_rows_that_pay``).
 
-Costs a second, reordered copy of every weight, so the engine only swaps these in
-where they pay (``EngineConfig.wants_small_rows_linears``). Inside a compiled graph the
-plain product is traced (inductor prepacks weights itself).
+Costs a second, reordered copy of every weight. A CPU engine swaps these in by default
+(``EngineConfig.small_rows_linears``): on that Zen 5 machine, SmolLM2 in float32 decoded
+18.9 -> 41.3 tok/s alone and 136 -> 359 tok/s 16 at once (bench/engine.py, one run each).
+Inside a compiled graph the plain product is traced (inductor prepacks weights itself).
 """
 
 from __future__ import annotations

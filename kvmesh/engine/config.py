@@ -168,18 +168,16 @@ class EngineConfig:
     # drafts for sequences whose drafts miss. None: measured at start-up on CPU
     # (kvmesh.engine.verify_cost), () (drafts free: always k) elsewhere.
     draft_costs: tuple[float, ...] | None = None
-    # Run few-row products (float32: 4-64 rows, bfloat16: 1-64) on oneDNN-reordered copies of
-    # the weights (kernels.small_rows_linear; CPU only; a second copy of the weights). None: on
-    # where speculation is.
-    small_rows_linears: bool | None = None
+    # Run few-row products (up to 64 rows: decode steps, verifies) on oneDNN-reordered copies of
+    # the weights (kernels.small_rows_linear; CPU, float32 and bfloat16). Costs a second copy of
+    # the weights; False keeps only the checkpoint's (MKL's products).
+    small_rows_linears: bool = True
     seed: int = 0
     # torch.compile the decode step's layers (kvmesh.engine.compile): start-up pays the compile.
     compile: bool = False
 
     def wants_small_rows_linears(self, dtype: torch.dtype) -> bool:
-        if self.device != "cpu" or dtype not in SMALL_ROWS_DTYPES:
-            return False
-        return self.num_speculative_tokens > 0 if self.small_rows_linears is None else self.small_rows_linears
+        return self.small_rows_linears and self.device == "cpu" and dtype in SMALL_ROWS_DTYPES
 
     def resolve_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         if self.dtype is not None:

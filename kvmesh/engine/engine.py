@@ -139,8 +139,9 @@ class LLMEngine:
         elif cfg.quantize_lm_head:
             raise InvalidArgument("quantize_lm_head needs a quantization (fp8 or int8)")
         if cfg.wants_small_rows_linears(self.dtype):
-            # Verify steps multiply k+1 rows a sequence, where MKL's GEMM repacks every weight
-            # per call; a reordered copy of the weights avoids that (kernels.small_rows_linear).
+            # Decode and verify steps multiply a few rows, where MKL repacks every weight per call
+            # (or, on some processors, runs one row at half memory speed); a reordered copy of the
+            # weights avoids that (kernels.small_rows_linear, which says where and by how much).
             self.model.use_small_rows_linears()
         self.fingerprint = model_fingerprint(
             # Quantized weights give different KV: such workers must never share blocks with others.

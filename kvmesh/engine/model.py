@@ -180,7 +180,7 @@ class CausalLM(nn.Module):
             self.head_proj = QuantizedLinear(self.head_weight, bias, get_scheme(scheme))
 
     def use_small_rows_linears(self) -> None:
-        """Run few-row products (a speculative verify's k+1 rows) on oneDNN-reordered weights,
+        """Run few-row products (decode steps, a speculative verify's k+1 rows) on oneDNN-reordered weights,
         the LM head's included unless it is quantized (``kernels.small_rows_linear``; CPU). The
         weights must not change afterwards: the reordered copies would not follow."""
         if self.head_proj is None and self.lm_head is None:

@@ -116,18 +116,17 @@ def test_handed_off_first_token_continues_exactly(checkpoints):
     assert b.stats.computed_tokens == (37 - 32 + 1) + 10
 
 
-def test_small_rows_linears_come_with_speculation_or_when_asked(checkpoints):
+def test_small_rows_linears_are_on_by_default_on_cpu_unless_turned_off(checkpoints):
     path = checkpoints["llama-gqa"]
 
     def swapped(**cfg) -> bool:
         return isinstance(LLMEngine(path, EngineConfig(num_blocks=16, **cfg)).model.layers[0].qkv_proj, SmallRowsLinear)
 
-    assert not swapped()
-    assert swapped(num_speculative_tokens=2)
-    assert swapped(small_rows_linears=True)
-    assert not swapped(num_speculative_tokens=2, small_rows_linears=False)
+    assert swapped()
     assert swapped(num_speculative_tokens=2, dtype="bfloat16")
-    assert not swapped(small_rows_linears=True, dtype="float16")  # float32 and bfloat16 only
+    assert not swapped(small_rows_linears=False)
+    assert not swapped(num_speculative_tokens=2, small_rows_linears=False)
+    assert not swapped(dtype="float16")  # float32 and bfloat16 only
 
 
 @pytest.mark.parametrize("arch", ["llama-gqa", "llama-mha-tied"])
@@ -136,7 +135,7 @@ def test_the_lm_head_gets_the_calibrated_row_floor_of_the_other_linears(checkpoi
     module for a tied head) must not keep the uncalibrated one. (The timing's verdict is fixed
     here: which path wins depends on the processor.)"""
     monkeypatch.setattr(small_rows_linear, "fewest_rows_that_pay", lambda *_, **__: 2)
-    model = LLMEngine(checkpoints[arch], EngineConfig(num_blocks=16, small_rows_linears=True)).model
+    model = LLMEngine(checkpoints[arch], EngineConfig(num_blocks=16)).model
     assert isinstance(model.head_proj, SmallRowsLinear)
     assert {m.min_rows for m in model.modules() if isinstance(m, SmallRowsLinear)} == {2}
     assert model.head_proj.min_rows == 2

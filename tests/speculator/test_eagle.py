@@ -37,10 +37,13 @@ def target(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def traffic(target, tmp_path_factory) -> Path:
-    """The target's own greedy continuations, as a speculator's retained traffic."""
+    """The target's own greedy continuations, as a speculator's retained traffic: of random
+    prompts, and of the prompts the tests serve (a random target's text is no language a head
+    can generalise from, so only what it has seen shows that serving hands it the features it
+    was trained on)."""
     engine = LLMEngine(target, EngineConfig(num_blocks=256))
     gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, 500, (8,), generator=gen).tolist() for _ in range(48)]
+    prompts = [torch.randint(1, 500, (8,), generator=gen).tolist() for _ in range(48)] + PROMPTS
     done = engine.generate(prompts, SamplingParams(max_tokens=56, ignore_eos=True))
     path = tmp_path_factory.mktemp("eagle-traffic") / "traffic.jsonl"
     path.write_text("".join(json.dumps({"token_ids": c.prompt_ids + c.token_ids}) + "\n" for c in done))
@@ -116,8 +119,10 @@ def test_a_compiled_target_traces_the_layers_a_head_drafts_from(target, layered_
     """The proposer is bound before the decode step is compiled, so the compiled graph returns the
     layer features (a graph traced for the final hidden state would hand the head the wrong input)."""
     expected = [c.token_ids for c in LLMEngine(target, EngineConfig(num_blocks=128)).generate(PROMPTS, _greedy())]
-    eager = LLMEngine(target, EngineConfig(num_blocks=128, num_speculative_tokens=4), proposer=EagleProposer(layered_head))
-    compiled = LLMEngine(target, EngineConfig(num_blocks=128, num_speculative_tokens=4, compile=True),
+    # Always 4 drafts: each engine measures its own verify costs, and a compiled one's differ.
+    eager = LLMEngine(target, EngineConfig(num_blocks=128, num_speculative_tokens=4, draft_costs=()),
+                      proposer=EagleProposer(layered_head))
+    compiled = LLMEngine(target, EngineConfig(num_blocks=128, num_speculative_tokens=4, draft_costs=(), compile=True),
                          proposer=EagleProposer(layered_head))
     for engine in (eager, compiled):
         assert [c.token_ids for c in engine.generate(PROMPTS, _greedy())] == expected
