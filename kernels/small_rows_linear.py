@@ -94,6 +94,11 @@ def use_small_rows_linears(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS, c
     return swapped
 
 
+def one_row_runs_reordered(model: nn.Module) -> bool:
+    """Whether ``model`` has small-row linears that run even one-row products on the reordered weights."""
+    return any(isinstance(m, SmallRowsLinear) and m.min_rows <= 1 for m in model.modules())
+
+
 def fewest_rows_that_pay(plain_s: dict[int, float], reordered_s: dict[int, float], default: int) -> int:
     """The smallest row count r below ``default`` from which the reordered weight was faster at
     every measured count up to ``default`` - 1 (``default`` when it never was)."""

@@ -92,3 +92,18 @@ def test_a_compiled_bfloat16_engine_alone_decodes_as_eager(checkpoints):
     graphs = counters["stats"]["unique_graphs"]
     assert engine.generate([PROMPTS[0]], params)[0].token_ids[:8] == eager[0].token_ids[:8]
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.parametrize("floor", [1, 4])
+def test_float32_one_sequence_is_compiled_only_where_its_product_is_not_faster_eager(checkpoints, monkeypatch, floor):
+    """A one-sequence graph traces MKL's float32 product; where the small-row linears run one
+    row on oneDNN's reordered weights (a floor of 1: the calibration's verdict, fixed here),
+    one sequence stays eager. Either way it decodes what transformers does."""
+    from kernels import small_rows_linear
+
+    monkeypatch.setattr(small_rows_linear, "fewest_rows_that_pay", lambda *_, **__: floor)
+    path = checkpoints["llama-gqa"]
+    engine = LLMEngine(path, EngineConfig(num_blocks=128, compile=True))
+    assert (engine.model.compiled_decode.alone is None) == (floor == 1)
+    alone = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=N_NEW, ignore_eos=True))[0].token_ids
+    assert alone == hf_greedy(path, PROMPTS[0], N_NEW)[0]
