@@ -131,9 +131,9 @@ def run(model: Path, prompts: list[list[int]], batch: int, max_tokens: int, k: i
         "requests": len(order),
         "proposed": stats.draft_tokens_proposed,
         "accepted": stats.draft_tokens_accepted,
-        # What the engine priced a verify of 1, 2, ... drafts at (measured at start-up unless
-        # --draft-costs says); [] = always k.
-        "draft_costs": list(engine.draft_costs),
+        # What the engine priced a verify of 1, 2, ... drafts at, per batch size (measured at
+        # start-up unless --draft-costs says); [] = always k.
+        "draft_costs": {str(b): list(c) for b, c in engine.draft_costs.items()},
     }
 
 

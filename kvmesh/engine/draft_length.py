@@ -8,6 +8,10 @@ included), and a verify of k drafts takes ``costs[k - 1]`` decode steps' time; t
 policy picks the k that gives the most tokens per unit of time. Past the table, each
 draft costs what the last one in it did; an empty table makes drafts free (always k).
 
+The price depends on the batch: a verify adds k rows per sequence, and the more sequences,
+the less of a step is the weights' streaming that extra rows get for free; so the table is
+kept per batch size (``verify_cost`` measures 1 and 8 on CPU).
+
 ``a`` is estimated per sequence from its own verifies (accepted drafts against misses),
 starting from the engine-wide rate so a new request begins where the traffic is. At
 least one draft is always asked for: with none, the estimate could never recover.
@@ -45,20 +49,27 @@ def best_length(a: float, max_k: int, costs: Sequence[float]) -> int:
 @dataclass
 class DraftLengthPolicy:
     max_k: int
-    costs: tuple[float, ...]
+    # The cost table per batch size it was measured at (at least 1): a step of n decoding
+    # sequences is priced by the table of the largest size <= n.
+    costs: dict[int, tuple[float, ...]]
     # Engine-wide counts (accepted drafts, verifies that ended in a miss), from a 1:1 prior.
     accepted: float = 1.0
     missed: float = 1.0
 
-    def choose(self, accepted: int, missed: int, room: int) -> int:
+    def costs_at(self, batch: int) -> tuple[float, ...]:
+        return self.costs[max((b for b in self.costs if b <= batch), default=min(self.costs))]
+
+    def choose(self, accepted: int, missed: int, room: int, batch: int = 1) -> int:
         """Drafts to ask of a sequence that has had ``accepted`` drafts accepted and ``missed``
-        verifies end in a miss, with ``room`` tokens left under its limits."""
+        verifies end in a miss, with ``room`` tokens left under its limits, in a step of
+        ``batch`` decoding sequences."""
         k_max = min(self.max_k, room)
-        if k_max < 1 or not self.costs:
+        costs = self.costs_at(batch)
+        if k_max < 1 or not costs:
             return k_max
         prior = self.accepted / (self.accepted + self.missed)
         a = (accepted + PRIOR_WEIGHT * prior) / (accepted + missed + PRIOR_WEIGHT)
-        return best_length(a, k_max, self.costs)
+        return best_length(a, k_max, costs)
 
     def record(self, proposed: int, accepted: int) -> None:
         """A verify of ``proposed`` drafts accepted ``accepted`` of them."""

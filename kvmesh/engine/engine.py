@@ -181,21 +181,23 @@ class LLMEngine:
         self._grammars: GrammarCache | None = None
         self._grammars_lock = threading.Lock()
 
-    def _draft_costs(self, proposer: DraftProposer | None) -> tuple[float, ...]:
-        """The draft-length policy's prices: the configured ones; else measured on CPU, where a
-        verify row costs what the processor makes it (before any block holds KV: the probe
-        writes pool blocks); free on a GPU, where verify rows are nearly free at small batch."""
+    def _draft_costs(self, proposer: DraftProposer | None) -> dict[int, tuple[float, ...]]:
+        """The draft-length policy's prices per batch size: the configured table (at every size);
+        else measured on CPU, where a verify row costs what the processor makes it (before any
+        block holds KV: the probe writes pool blocks); free on a GPU, where verify rows are
+        nearly free at small batch."""
         cfg = self.config
         if cfg.draft_costs is not None:
-            return tuple(cfg.draft_costs)
+            return {1: tuple(cfg.draft_costs)}
         if proposer is None or cfg.num_speculative_tokens == 0 or self.device.type != "cpu":
-            return ()
+            return {1: ()}
         return measure_draft_costs(self.model, self.kv.tensor, cfg.num_speculative_tokens, self.max_model_len,
                                    getattr(proposer, "draft_seconds", None))
 
     @property
-    def draft_costs(self) -> tuple[float, ...]:
-        """A verify of 1, 2, ... drafts in decode steps' time, as the draft-length policy prices it."""
+    def draft_costs(self) -> dict[int, tuple[float, ...]]:
+        """Per batch size, a verify of 1, 2, ... drafts in decode steps' time, as the draft-length
+        policy prices it (a step of n sequences: the table of the largest size <= n)."""
         return self._draft_length.costs
 
     @property
@@ -391,11 +393,12 @@ class LLMEngine:
 
     def _propose_drafts(self) -> None:
         want = {}
-        for seq in self.scheduler.running:
+        decoding = [seq for seq in self.scheduler.running if seq.is_decoding]
+        for seq in decoding:
             # Room left under max_tokens and the context: the bonus token needs a slot too.
             room = min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_tokens) - 1
-            if seq.is_decoding and room > 0:
-                k = self._draft_length.choose(seq.num_draft_accepted, seq.num_draft_missed, room)
+            if room > 0:
+                k = self._draft_length.choose(seq.num_draft_accepted, seq.num_draft_missed, room, len(decoding))
                 want[seq.request_id] = (seq, k)
         if not want:
             return

@@ -5,9 +5,10 @@ plain decode step. That price belongs to the processor, not the model: on the In
 machine (AMX) a float32 verify of 3 / 4 drafts cost 1.56 / 1.64 decodes, where MKL's GEMM
 repacks every weight from 4 rows on; on a 2-core AMD EPYC (Zen 5) the same verifies cost
 1.1-1.3, and drafting from a head priced by the Intel table stopped at 2 drafts where 4 paid.
-So a CPU engine times its own step once: one sequence's decode forward against forwards of
-k + 1 new rows (a verify), interleaved so a burst of noise on a shared machine hits every
-count alike, best of ``repeats``, plus what the proposer says drafting k tokens takes.
+So a CPU engine times its own step once: a decode forward against forwards of k + 1 new rows
+a sequence (a verify), for one sequence and for a batch (``PROBE_BATCHES``: a batch's verify
+rows cost more), interleaved so a burst of noise on a shared machine hits every count alike,
+best of ``repeats``, plus what the proposer says drafting k tokens takes.
 
 It runs on pool blocks 0.. before any request holds one (their KV is overwritten before
 anything reads it), as the compile warm-up does, and through ``model.forward``, so a compiled
@@ -26,8 +27,12 @@ from kvmesh.engine.model import AttentionMetadata, CausalLM
 
 _log = logging.getLogger(__name__)
 
-# Context of the probe sequence, in blocks: a short chat turn's.
+# Context of the probe sequences, in blocks: a short chat turn's.
 _CONTEXT_BLOCKS = 4
+# Batch sizes a table is measured at: one sequence, and a batch whose verify rows are no longer
+# nearly free. On Zen 5 (SmolLM2 float32) a verify of 1-4 drafts cost 1.24 / 1.21 / 1.27 / 1.34
+# decodes alone and 1.31 / 1.58 / 1.86 / 2.15 decodes of 8 sequences at 8.
+PROBE_BATCHES = (1, 8)
 
 
 def costs_from_seconds(decode_s: float, verify_s: list[float], draft_s: list[float]) -> tuple[float, ...]:
@@ -44,37 +49,43 @@ def costs_from_seconds(decode_s: float, verify_s: list[float], draft_s: list[flo
 def measure_draft_costs(
     model: CausalLM, kv_cache: torch.Tensor, max_k: int, max_model_len: int,
     draft_seconds: Callable[[int], float] | None = None, repeats: int = 5,
-) -> tuple[float, ...]:
-    """The draft-cost table for ``max_k`` drafts (``costs_from_seconds``) of ``model`` on its pool
-    ``kv_cache`` [layers, 2, blocks, block_size, ...] (contexts up to ``max_model_len``);
-    ``draft_seconds(k)``: the proposer's own time to draft k tokens for one sequence (None: free)."""
-    block_size = kv_cache.shape[3]
-    width = min(_CONTEXT_BLOCKS, kv_cache.shape[2])
+) -> dict[int, tuple[float, ...]]:
+    """The draft-cost tables for ``max_k`` drafts (``costs_from_seconds``) of ``model`` on its pool
+    ``kv_cache`` [layers, 2, blocks, block_size, ...] (contexts up to ``max_model_len``), per batch
+    size of ``PROBE_BATCHES`` the pool has room for; ``draft_seconds(k)``: the proposer's own time
+    to draft k tokens for one sequence (None: free; a batch's drafts are drafted together)."""
+    block_size, num_blocks = kv_cache.shape[3], kv_cache.shape[2]
+    width = min(_CONTEXT_BLOCKS, num_blocks)
     seq_len = min(width * block_size, max_model_len)
-    best = [float("inf")] * (max_k + 1)
+    batches = [b for b in PROBE_BATCHES if b == 1 or b * max(2, width) <= num_blocks]
+    best = {(b, k): float("inf") for b in batches for k in range(max_k + 1)}
     with torch.inference_mode():
         for _ in range(repeats + 1):  # the first round warms up (allocations, primitives)
-            for k in range(max_k + 1):
+            for b, k in best:
                 t0 = time.perf_counter()
-                _verify_forward(model, kv_cache, width, seq_len, k)
-                best[k] = min(best[k], time.perf_counter() - t0)
+                _verify_forward(model, kv_cache, b, width, seq_len, k)
+                best[b, k] = min(best[b, k], time.perf_counter() - t0)
     draft_s = [draft_seconds(k) if draft_seconds else 0.0 for k in range(1, max_k + 1)]
-    costs = costs_from_seconds(best[0], best[1:], draft_s)
-    _log.info("draft costs measured: decode %.1f ms, verify of 1..%d drafts %s decodes (drafting %s ms)",
-              best[0] * 1e3, max_k, list(costs), [round(s * 1e3, 2) for s in draft_s])
-    return costs
+    tables = {b: costs_from_seconds(best[b, 0], [best[b, k] for k in range(1, max_k + 1)], draft_s) for b in batches}
+    _log.info("draft costs measured (verify of 1..%d drafts in decodes; drafting %s ms): %s", max_k,
+              [round(s * 1e3, 2) for s in draft_s],
+              {f"batch {b} (decode {best[b, 0] * 1e3:.1f} ms)": list(t) for b, t in tables.items()})
+    return tables
 
 
-def _verify_forward(model: CausalLM, kv_cache: torch.Tensor, width: int, seq_len: int, k: int) -> None:
-    """One sequence of ``seq_len`` tokens on pool blocks 0..width-1 whose last k + 1 are new
-    (k = 0: a decode step), every new row sampling."""
-    dev = kv_cache.device
-    positions = torch.arange(seq_len - k - 1, seq_len, device=dev)
+def _verify_forward(model: CausalLM, kv_cache: torch.Tensor, batch: int, width: int, seq_len: int, k: int) -> None:
+    """``batch`` sequences of ``seq_len`` tokens, sequence i on pool blocks i*width.., whose last
+    k + 1 tokens are new (k = 0: a decode step), every new row sampling."""
+    dev, block_size = kv_cache.device, kv_cache.shape[3]
+    new = torch.arange(seq_len - k - 1, seq_len, device=dev)
+    tables = torch.arange(batch * max(2, width), device=dev).view(batch, -1)
     meta = AttentionMetadata(
-        slot_mapping=positions.clone(),  # block i of the table is pool block i
-        block_tables=torch.arange(max(2, width), device=dev).view(1, -1),
-        seq_lens=torch.tensor([seq_len], device=dev),
-        query_start_loc=torch.tensor([0, k + 1], device=dev),
+        slot_mapping=(tables[:, new // block_size] * block_size + new % block_size).flatten(),
+        block_tables=tables,
+        seq_lens=torch.full((batch,), seq_len, device=dev),
+        query_start_loc=torch.arange(batch + 1, device=dev) * (k + 1),
         is_decode=k == 0,
     )
-    model(torch.zeros(k + 1, dtype=torch.long, device=dev), positions, kv_cache, meta, torch.arange(k + 1, device=dev))
+    rows = batch * (k + 1)
+    model(torch.zeros(rows, dtype=torch.long, device=dev), new.repeat(batch), kv_cache, meta,
+          torch.arange(rows, device=dev))

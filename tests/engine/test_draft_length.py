@@ -37,13 +37,13 @@ def test_the_length_grows_with_acceptance_and_drafts_free_are_always_all_taken()
 
 
 def test_a_sequence_starts_from_the_engine_wide_rate_and_moves_with_its_own():
-    policy = DraftLengthPolicy(max_k=4, costs=COSTS)
+    policy = DraftLengthPolicy(max_k=4, costs={1: COSTS})
     for _ in range(50):
         policy.record(4, 4)  # traffic whose drafts all land
     assert policy.choose(accepted=0, missed=0, room=100) == 4
     assert policy.choose(accepted=0, missed=30, room=100) == 1  # this one's never do
     assert policy.choose(accepted=40, missed=0, room=2) == 2  # no more than room
-    assert DraftLengthPolicy(max_k=4, costs=()).choose(0, 30, room=100) == 4
+    assert DraftLengthPolicy(max_k=4, costs={1: ()}).choose(0, 30, room=100) == 4
 
 
 def test_draft_costs_parse():
@@ -67,3 +67,12 @@ def test_an_engine_drafts_less_for_drafts_that_miss_and_output_stays_identical(c
         proposed[costs] = spec.stats.draft_tokens_proposed
     # Garbage is never accepted: priced, each sequence soon asks for one draft a step.
     assert proposed[COSTS] < proposed[()] / 2
+
+
+def test_a_step_is_priced_by_the_table_of_the_largest_batch_measured_at_or_below_it():
+    cheap, dear = (1.0, 1.0, 1.0, 1.0), (2.0, 3.0, 4.0, 5.0)
+    policy = DraftLengthPolicy(max_k=4, costs={1: cheap, 8: dear})
+    assert policy.costs_at(1) == policy.costs_at(7) == cheap and policy.costs_at(8) == policy.costs_at(64) == dear
+    # The same sequence: all four drafts alone, one in a batch of 8 where each costs a decode more.
+    assert policy.choose(accepted=10, missed=10, room=100, batch=1) == 4
+    assert policy.choose(accepted=10, missed=10, room=100, batch=8) == 1

@@ -34,14 +34,19 @@ class PricedProposer(ScriptedProposer):
 def test_a_cpu_engine_measures_its_verifies_and_prices_the_proposers_drafting(checkpoints):
     path = checkpoints["llama-gqa"]
     free = LLMEngine(path, EngineConfig(num_blocks=64, num_speculative_tokens=3), proposer=ScriptedProposer())
-    assert len(free.draft_costs) == 3
-    assert 1.0 <= free.draft_costs[0] <= free.draft_costs[1] <= free.draft_costs[2]
+    assert set(free.draft_costs) == {1, 8}  # 8 sequences of 4 blocks fit in 64
+    for costs in free.draft_costs.values():
+        assert len(costs) == 3 and 1.0 <= costs[0] <= costs[1] <= costs[2]
+    # A pool too small for 8 probe sequences is measured alone.
+    small = LLMEngine(path, EngineConfig(num_blocks=16, num_speculative_tokens=3), proposer=ScriptedProposer())
+    assert set(small.draft_costs) == {1}
 
     priced = PricedProposer()
     engine = LLMEngine(path, EngineConfig(num_blocks=64, num_speculative_tokens=3), proposer=priced)
     assert priced.asked == [1, 2, 3]
     # Seconds of drafting against a tiny model's millisecond decode: each draft costs many decodes.
-    assert engine.draft_costs[0] > 50 and engine.draft_costs[2] > 2 * engine.draft_costs[0]
+    costs = engine.draft_costs[1]
+    assert costs[0] > 50 and costs[2] > 2 * costs[0]
     # The probe wrote pool blocks before any request held one: output is the plain engine's.
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     plain = LLMEngine(path, EngineConfig(num_blocks=64)).generate(PROMPTS, params)
@@ -55,10 +60,10 @@ def test_configured_costs_are_taken_as_given_and_nothing_is_timed(checkpoints, c
     priced = PricedProposer()
     engine = LLMEngine(checkpoints["llama-gqa"], EngineConfig(num_blocks=64, num_speculative_tokens=2,
                                                               draft_costs=costs), proposer=priced)
-    assert engine.draft_costs == costs and priced.asked == []
+    assert engine.draft_costs == {1: costs} and priced.asked == []
 
 
 def test_no_speculation_no_probe(checkpoints):
     priced = PricedProposer()
-    assert LLMEngine(checkpoints["llama-gqa"], EngineConfig(num_blocks=64), proposer=priced).draft_costs == ()
+    assert LLMEngine(checkpoints["llama-gqa"], EngineConfig(num_blocks=64), proposer=priced).draft_costs == {1: ()}
     assert priced.asked == []
