@@ -28,7 +28,8 @@ from torch.fx.experimental import _config as fx_config
 
 from kernels import Ops
 from kernels.small_rows_linear import one_row_runs_reordered
-from kvmesh.engine.model import AttentionMetadata, CausalLM
+from kvmesh.engine.model import CausalLM
+from kvmesh.engine.synthetic_step import synthetic_step
 
 # Graphs one warmed-up engine holds (one sequence; symbolic), with room to spare; past it
 # dynamo would run eagerly.
@@ -113,23 +114,6 @@ def compile_decode(model: CausalLM, kv_cache: torch.Tensor) -> None:
     with fx_config.patch(use_duck_shape=False), inductor_config.patch(cpp_wrapper=True):
         if alone:
             with inductor_config.patch(freezing=kv_cache.dtype == torch.bfloat16):
-                _decode_forward(model, kv_cache, batch=1, width=3)
+                synthetic_step(model, kv_cache, batch=1, width=3, seq_len=3 * kv_cache.shape[3])
         with inductor_config.patch(freezing=True):
-            _decode_forward(model, kv_cache, batch=2, width=3)
-
-
-def _decode_forward(model: CausalLM, kv_cache: torch.Tensor, batch: int, width: int) -> None:
-    """One synthetic decode step: ``batch`` sequences of ``width`` blocks each, on pool blocks 0..."""
-    dev, block_size = kv_cache.device, kv_cache.shape[3]
-    # Fresh tensors, as the engine's: dynamo guards on whether an input is a view of another.
-    tables = torch.arange(batch * width, device=dev).view(batch, width).clone()
-    seq_lens = torch.full((batch,), width * block_size, device=dev)
-    meta = AttentionMetadata(
-        slot_mapping=tables[:, -1] * block_size + block_size - 1,
-        block_tables=tables,
-        seq_lens=seq_lens,
-        query_start_loc=torch.arange(batch + 1, device=dev),
-        is_decode=True,
-    )
-    ids = torch.zeros(batch, dtype=torch.long, device=dev)
-    model(ids, seq_lens - 1, kv_cache, meta, torch.arange(batch, device=dev))
+            synthetic_step(model, kv_cache, batch=2, width=3, seq_len=3 * kv_cache.shape[3])

@@ -10,9 +10,8 @@ a sequence (a verify), for one sequence and for a batch (``PROBE_BATCHES``: a ba
 rows cost more), interleaved so a burst of noise on a shared machine hits every count alike,
 best of ``repeats``, plus what the proposer says drafting k tokens takes.
 
-It runs on pool blocks 0.. before any request holds one (their KV is overwritten before
-anything reads it), as the compile warm-up does, and through ``model.forward``, so a compiled
-decode step is what gets timed.
+It runs on pool blocks 0.. before any request holds one (``synthetic_step``, as the compile
+warm-up does), and through ``model.forward``, so a compiled decode step is what gets timed.
 """
 
 from __future__ import annotations
@@ -23,7 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from kvmesh.engine.model import AttentionMetadata, CausalLM
+from kvmesh.engine.model import CausalLM
+from kvmesh.engine.synthetic_step import synthetic_step
 
 _log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def measure_draft_costs(
         for _ in range(repeats + 1):  # the first round warms up (allocations, primitives)
             for b, k in best:
                 t0 = time.perf_counter()
-                _verify_forward(model, kv_cache, b, width, seq_len, k)
+                synthetic_step(model, kv_cache, b, width, seq_len, new_tokens=k + 1)
                 best[b, k] = min(best[b, k], time.perf_counter() - t0)
     draft_s = [draft_seconds(k) if draft_seconds else 0.0 for k in range(1, max_k + 1)]
     tables = {b: costs_from_seconds(best[b, 0], [best[b, k] for k in range(1, max_k + 1)], draft_s) for b in batches}
@@ -71,21 +71,3 @@ def measure_draft_costs(
               [round(s * 1e3, 2) for s in draft_s],
               {f"batch {b} (decode {best[b, 0] * 1e3:.1f} ms)": list(t) for b, t in tables.items()})
     return tables
-
-
-def _verify_forward(model: CausalLM, kv_cache: torch.Tensor, batch: int, width: int, seq_len: int, k: int) -> None:
-    """``batch`` sequences of ``seq_len`` tokens, sequence i on pool blocks i*width.., whose last
-    k + 1 tokens are new (k = 0: a decode step), every new row sampling."""
-    dev, block_size = kv_cache.device, kv_cache.shape[3]
-    new = torch.arange(seq_len - k - 1, seq_len, device=dev)
-    tables = torch.arange(batch * max(2, width), device=dev).view(batch, -1)
-    meta = AttentionMetadata(
-        slot_mapping=(tables[:, new // block_size] * block_size + new % block_size).flatten(),
-        block_tables=tables,
-        seq_lens=torch.full((batch,), seq_len, device=dev),
-        query_start_loc=torch.arange(batch + 1, device=dev) * (k + 1),
-        is_decode=k == 0,
-    )
-    rows = batch * (k + 1)
-    model(torch.zeros(rows, dtype=torch.long, device=dev), new.repeat(batch), kv_cache, meta,
-          torch.arange(rows, device=dev))
