@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -119,8 +120,9 @@ def calibrate_min_rows(modules: list[SmallRowsLinear], repeats: int = 3) -> int:
     with torch.inference_mode():
         for rows in range(1, default):
             xs = [torch.randn(rows, m.in_features) for m in modules]
-            plain_s[rows] = _best_of(repeats, lambda: [nn.functional.linear(x, m.weight, m.bias) for x, m in zip(xs, modules)])
-            reordered_s[rows] = _best_of(repeats, lambda: [torch.ops.mkldnn._linear_pointwise(
+            plain_s[rows] = best_seconds(
+                repeats, lambda: [nn.functional.linear(x, m.weight, m.bias) for x, m in zip(xs, modules)])
+            reordered_s[rows] = best_seconds(repeats, lambda: [torch.ops.mkldnn._linear_pointwise(
                 x, m._reordered, m.bias, "none", [], "") for x, m in zip(xs, modules)])
     floor = fewest_rows_that_pay(plain_s, reordered_s, default)
     for m in modules:
@@ -131,7 +133,8 @@ def calibrate_min_rows(modules: list[SmallRowsLinear], repeats: int = 3) -> int:
     return floor
 
 
-def _best_of(repeats: int, fn) -> float:
+def best_seconds(repeats: int, fn: Callable[[], object]) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn``, after one untimed call."""
     fn()  # first touch: allocations, oneDNN primitive creation
     best = float("inf")
     for _ in range(repeats):

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from kernels.small_rows_linear import use_small_rows_linears
+from kernels.small_rows_linear import best_seconds, use_small_rows_linears
 from kvmesh.engine.sampler import filter_probs
 from kvmesh.errors import InvalidArgument
 
@@ -233,13 +232,7 @@ class EagleHead:
         a verify's price (``kvmesh.engine.verify_cost``)."""
         features = torch.zeros(1, self.block.cfg.hidden_size * max(1, len(self.feature_layers)))
         tokens = torch.zeros(1, dtype=torch.long)
-        self.draft(features, tokens, k)  # first touch: allocations, oneDNN primitives
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            self.draft(features, tokens, k)
-            best = min(best, time.perf_counter() - t0)
-        return best
+        return best_seconds(repeats, lambda: self.draft(features, tokens, k))
 
 
 class EagleProposer:
