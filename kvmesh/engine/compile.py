@@ -27,7 +27,6 @@ import torch
 from torch.fx.experimental import _config as fx_config
 
 from kernels import Ops
-from kernels.small_rows_linear import one_row_runs_reordered
 from kvmesh.engine.model import CausalLM
 from kvmesh.engine.synthetic_step import synthetic_step
 
@@ -60,8 +59,8 @@ class CompiledDecode:
     prepacked for oneDNN/MKL (bf16 on AMX); at 16 sequences a step runs 1.1x (fp32) to 1.2x
     (bf16) faster. One sequence is frozen in bf16 only: 42.6 vs 40.0 tok/s alone (4 alternating
     passes of 128 tokens, each faster), where in fp32 a packed GEMV measured ~5% slower. In
-    float32 on a processor whose one-row products run faster on the small-row linears'
-    reordered weights, one sequence runs eagerly instead (``compile_decode``).
+    float32 its products run on the small-row linears' reordered weights where those win for
+    one row (``kernels.small_rows_linear``: traced as an opaque op).
 
     Both graphs skip dynamo's guards on the model's modules (checking ~270 parameters took
     ~0.6 ms a step): nothing changes the model once compiled. That is only safe while a graph
@@ -69,19 +68,15 @@ class CompiledDecode:
     each instance compiles functions with code objects of its own (``_own_code``).
     """
 
-    def __init__(self, model: CausalLM, alone: bool = True) -> None:
+    def __init__(self, model: CausalLM) -> None:
         skip = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        # None: one sequence runs eagerly (``compile_decode`` says when that is faster).
-        self.alone = torch.compile(_own_code(_run), dynamic=True, options=skip) if alone else None
+        self.alone = torch.compile(_own_code(_run), dynamic=True, options=skip)
         self.batched = torch.compile(_own_code(_run), dynamic=True, options=skip)
         self.model = model
 
     def __call__(self, input_ids: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:
-        if input_ids.shape[0] > 1:
-            return self.batched(self.model, input_ids, *args)
-        if self.alone is None:
-            return self.model.run(input_ids, *args)
-        return self.alone(self.model, input_ids, *args)
+        graph = self.batched if input_ids.shape[0] > 1 else self.alone
+        return graph(self.model, input_ids, *args)
 
 
 def _run(model: CausalLM, *args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,19 +96,14 @@ def compile_decode(model: CausalLM, kv_cache: torch.Tensor) -> None:
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, _GRAPH_LIMIT)
     model.write_kv = _traced_write
-    # A one-sequence graph's batch of 1 is static, and inductor runs a static float32 product on
-    # MKL. Where the small-row linears found oneDNN's reordered weights faster for one row
-    # (kernels.small_rows_linear: Zen 5), that graph lost to eager: SmolLM2 alone 22 vs 41 tok/s.
-    alone = kv_cache.dtype != torch.float32 or not one_row_runs_reordered(model)
-    model.compiled_decode = CompiledDecode(model, alone)
+    model.compiled_decode = CompiledDecode(model)
     torch._dynamo.mark_static(kv_cache)  # the pool's shape never changes
     # Sizes become symbols here. Without duck shaping, two sizes that happen to be equal in the
     # warm-up (batch and width, or either and a model dimension) do not become one symbol.
     # cpp_wrapper: the graph's calls between kernels run in generated C++, not Python (~1 ms a
     # step at 30 layers: 1.10x at both 1 and 16 sequences, bf16).
     with fx_config.patch(use_duck_shape=False), inductor_config.patch(cpp_wrapper=True):
-        if alone:
-            with inductor_config.patch(freezing=kv_cache.dtype == torch.bfloat16):
-                synthetic_step(model, kv_cache, batch=1, width=3, seq_len=3 * kv_cache.shape[3])
+        with inductor_config.patch(freezing=kv_cache.dtype == torch.bfloat16):
+            synthetic_step(model, kv_cache, batch=1, width=3, seq_len=3 * kv_cache.shape[3])
         with inductor_config.patch(freezing=True):
             synthetic_step(model, kv_cache, batch=2, width=3, seq_len=3 * kv_cache.shape[3])

@@ -89,3 +89,34 @@ def test_calibration_gives_every_float32_module_one_floor_and_the_same_products(
     with torch.inference_mode():
         for m in modules:
             torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_a_compiled_one_row_float32_product_runs_on_the_reordered_weight_and_its_handle_goes_with_the_module(
+        monkeypatch):
+    import gc
+
+    from kernels import small_rows_linear
+
+    looked_up = []
+
+    class Recording(dict):
+        def __getitem__(self, handle):
+            looked_up.append(handle)
+            return super().__getitem__(handle)
+
+    torch.manual_seed(0)
+    plain = nn.Linear(64, 96)
+    linear = SmallRowsLinear.of(plain)
+    linear.min_rows = 1  # what calibration says where oneDNN wins one row (Zen 5)
+    handle = linear._handle
+    assert handle in small_rows_linear._REORDERED
+    compiled = torch.compile(linear, fullgraph=True)
+    x = torch.randn(1, 64)
+    with monkeypatch.context() as patch, torch.inference_mode():
+        patch.setattr(small_rows_linear, "_REORDERED", Recording(small_rows_linear._REORDERED))
+        torch.testing.assert_close(compiled(x), plain(x), rtol=1e-5, atol=1e-5)
+    assert looked_up == [handle]
+    del compiled, linear
+    torch._dynamo.reset()  # the compiled graph holds the module too
+    gc.collect()
+    assert handle not in small_rows_linear._REORDERED
