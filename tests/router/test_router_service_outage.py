@@ -52,7 +52,13 @@ async def test_redis_killed_mid_test_then_back(redis_server) -> None:
 
         redis_server.stop()
         # The cache holder is busy: without the index, load alone decides.
-        await hot.heartbeat(tokens_in_flight=50_000)
+        # Busy *as a decode worker*: this 1029-token prompt is over the local-prefill
+        # threshold, so p1 prefills it and the decode pick weighs running sequences
+        # (and KV pressure), not tokens_in_flight. With tokens_in_flight alone, hot
+        # and cold tie and the round-robin tie-break follows the registry's order,
+        # which after any pull is Redis's hash order (random per redis-server):
+        # "hot" won whenever a pull had reordered the registry to [cold, hot].
+        await hot.heartbeat(tokens_in_flight=50_000, active_sequences=8)
         plan = await stub.Route(route_tokens(tokens))
         assert not plan.index_available
         assert plan.decode_worker.worker_id == "cold" and plan.decode_matched_blocks == 0
