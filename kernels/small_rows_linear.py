@@ -144,19 +144,34 @@ def fewest_rows_that_pay(plain_s: dict[int, float], reordered_s: dict[int, float
     return floor
 
 
-def calibrate_min_rows(modules: list[SmallRowsLinear], repeats: int = 3) -> int:
+def calibrate_min_rows(modules: list[SmallRowsLinear], repeats: int = 6) -> int:
     """Time one pass of 1, 2, ... MIN_ROWS - 1 rows through every module, on the plain weight and
-    on the reordered one (best of ``repeats``; the weights stream from memory as in a decode
-    step), and give all of them the floor ``fewest_rows_that_pay`` picks. Returns it."""
+    on the reordered one (the weights stream from memory as in a decode step), and give all of
+    them the floor ``fewest_rows_that_pay`` picks. Returns it.
+
+    Timed on one thread, the two paths taking turns pass by pass, each keeping its fastest of
+    ``repeats``. A worker calibrates while the mesh's other processes start beside it: in a
+    colocated float32 mesh on 2 cores, prefill and decode calibrated at the same moment, each on
+    2 threads; oneDNN's threads waited on each other's time slices (a reordered pass took
+    900 ms, against 15 ms alone) while MKL's one-row product, single-threaded, did not (37 ms),
+    so decode kept MKL for one row and streamed one HTTP request at 21-23 tok/s, where the same
+    engine alone ran 48. One thread compares the kernels, not the scheduler; taking turns puts
+    load that comes and goes on both paths alike."""
     default = MIN_ROWS[torch.float32]
     plain_s, reordered_s = {}, {}
-    with torch.inference_mode():
-        for rows in range(1, default):
-            xs = [torch.randn(rows, m.in_features) for m in modules]
-            plain_s[rows] = best_seconds(
-                repeats, lambda: [nn.functional.linear(x, m.weight, m.bias) for x, m in zip(xs, modules)])
-            reordered_s[rows] = best_seconds(repeats, lambda: [torch.ops.mkldnn._linear_pointwise(
-                x, m._reordered, m.bias, "none", [], "") for x, m in zip(xs, modules)])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            for rows in range(1, default):
+                xs = [torch.randn(rows, m.in_features) for m in modules]
+                plain_s[rows], reordered_s[rows] = fastest_alternating(repeats, (
+                    lambda: [nn.functional.linear(x, m.weight, m.bias) for x, m in zip(xs, modules)],
+                    lambda: [torch.ops.mkldnn._linear_pointwise(x, m._reordered, m.bias, "none", [], "")
+                             for x, m in zip(xs, modules)],
+                ))
+    finally:
+        torch.set_num_threads(threads)
     floor = fewest_rows_that_pay(plain_s, reordered_s, default)
     for m in modules:
         m.min_rows = floor
@@ -166,12 +181,20 @@ def calibrate_min_rows(modules: list[SmallRowsLinear], repeats: int = 3) -> int:
     return floor
 
 
+def fastest_alternating(repeats: int, fns: tuple[Callable[[], object], ...]) -> tuple[float, ...]:
+    """The fastest of ``repeats`` timed calls of each of ``fns``, called in turn (after one
+    untimed call each), so that load that comes and goes falls on all of them alike."""
+    for fn in fns:
+        fn()  # first touch: allocations, oneDNN primitive creation
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return tuple(best)
+
+
 def best_seconds(repeats: int, fn: Callable[[], object]) -> float:
     """The fastest of ``repeats`` timed calls of ``fn``, after one untimed call."""
-    fn()  # first touch: allocations, oneDNN primitive creation
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return fastest_alternating(repeats, (fn,))[0]

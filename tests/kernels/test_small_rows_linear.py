@@ -12,6 +12,7 @@ from kernels.small_rows_linear import (
     MIN_ROWS,
     SmallRowsLinear,
     calibrate_min_rows,
+    fastest_alternating,
     fewest_rows_that_pay,
     use_small_rows_linears,
 )
@@ -78,6 +79,13 @@ def test_training_takes_the_plain_differentiable_product():
 ])
 def test_the_float32_floor_is_the_fewest_rows_from_which_the_reordered_weight_wins(plain, reordered, floor):
     assert fewest_rows_that_pay(plain, reordered, default=4) == floor
+
+
+def test_the_timed_paths_take_turns_so_passing_load_falls_on_both():
+    calls = []
+    best = fastest_alternating(3, (lambda: calls.append("plain"), lambda: calls.append("reordered")))
+    assert calls == ["plain", "reordered"] * 4  # one untimed call each, then 3 timed turns
+    assert len(best) == 2 and all(0 <= t < 1 for t in best)
 
 
 def test_calibration_gives_every_float32_module_one_floor_and_the_same_products():
