@@ -29,8 +29,9 @@ Costs a second, reordered copy of every weight. A CPU engine swaps these in by d
 Inside a compiled graph, a float32 product of one row (a one-sequence decode graph: dynamo
 specializes a batch of 1), where one row runs on the reordered weight, goes through the opaque
 op ``kvmesh::reordered_linear``: traced as the plain product, it goes to MKL (SmolLM2 alone
-22 tok/s compiled that way on Zen 5, 41-43 eager, 50-51 compiled through the op). Every other product is traced as the
-plain one: inductor's freezing prepacks those weights itself (bf16 on AMX, batched float32).
+22 tok/s compiled that way on Zen 5, 41-43 eager, 50-51 compiled through the op). Every other
+product is traced as the plain one: inductor's freezing prepacks those weights itself (bf16 on
+AMX, batched float32).
 """
 
 from __future__ import annotations
@@ -67,7 +68,12 @@ _handles = itertools.count()
 @torch.library.custom_op("kvmesh::reordered_linear", mutates_args=())
 def reordered_linear(rows: torch.Tensor, handle: int, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """``rows @ weight.T + bias`` on the reordered weight registered under ``handle`` (rows: 2-D, contiguous)."""
-    return torch.ops.mkldnn._linear_pointwise(rows, _REORDERED[handle], bias, "none", [], "")
+    return _reordered_product(rows, _REORDERED[handle], bias)
+
+
+def _reordered_product(rows: torch.Tensor, reordered: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's product of 2-D ``rows`` with a ``_reorder_linear_weight`` weight, no fused activation."""
+    return torch.ops.mkldnn._linear_pointwise(rows, reordered, bias, "none", [], "")
 
 
 @reordered_linear.register_fake
@@ -107,7 +113,7 @@ class SmallRowsLinear(nn.Linear):
         elif not self.min_rows <= rows.shape[0] <= self.max_rows or torch.is_grad_enabled():
             return super().forward(x)
         else:
-            out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self._reordered, self.bias, "none", [], "")
+            out = _reordered_product(rows.contiguous(), self._reordered, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def _traced_reordered(self, rows: int | torch.SymInt) -> bool:
@@ -167,8 +173,7 @@ def calibrate_min_rows(modules: list[SmallRowsLinear], repeats: int = 6) -> int:
                 xs = [torch.randn(rows, m.in_features) for m in modules]
                 plain_s[rows], reordered_s[rows] = fastest_alternating(repeats, (
                     lambda: [nn.functional.linear(x, m.weight, m.bias) for x, m in zip(xs, modules)],
-                    lambda: [torch.ops.mkldnn._linear_pointwise(x, m._reordered, m.bias, "none", [], "")
-                             for x, m in zip(xs, modules)],
+                    lambda: [_reordered_product(x, m._reordered, m.bias) for x, m in zip(xs, modules)],
                 ))
     finally:
         torch.set_num_threads(threads)

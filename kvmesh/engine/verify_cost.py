@@ -16,12 +16,13 @@ warm-up does), and through ``model.forward``, so a compiled decode step is what 
 
 from __future__ import annotations
 
+import functools
 import logging
-import time
 from collections.abc import Callable
 
 import torch
 
+from kernels.small_rows_linear import fastest_alternating
 from kvmesh.engine.model import CausalLM
 from kvmesh.engine.synthetic_step import synthetic_step
 
@@ -58,13 +59,11 @@ def measure_draft_costs(
     width = min(_CONTEXT_BLOCKS, num_blocks)
     seq_len = min(width * block_size, max_model_len)
     batches = [b for b in PROBE_BATCHES if b == 1 or b * max(2, width) <= num_blocks]
-    best = {(b, k): float("inf") for b in batches for k in range(max_k + 1)}
+    shapes = [(b, k) for b in batches for k in range(max_k + 1)]
     with torch.inference_mode():
-        for _ in range(repeats + 1):  # the first round warms up (allocations, primitives)
-            for b, k in best:
-                t0 = time.perf_counter()
-                synthetic_step(model, kv_cache, b, width, seq_len, new_tokens=k + 1)
-                best[b, k] = min(best[b, k], time.perf_counter() - t0)
+        seconds = fastest_alternating(repeats, tuple(
+            functools.partial(synthetic_step, model, kv_cache, b, width, seq_len, new_tokens=k + 1) for b, k in shapes))
+    best = dict(zip(shapes, seconds))
     draft_s = [draft_seconds(k) if draft_seconds else 0.0 for k in range(1, max_k + 1)]
     tables = {b: costs_from_seconds(best[b, 0], [best[b, k] for k in range(1, max_k + 1)], draft_s) for b in batches}
     _log.info("draft costs measured (verify of 1..%d drafts in decodes; drafting %s ms): %s", max_k,
