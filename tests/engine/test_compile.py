@@ -94,16 +94,6 @@ def test_a_compiled_bfloat16_engine_alone_decodes_as_eager(checkpoints):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-class _CountingLookups(dict):
-    def __init__(self, entries: dict) -> None:
-        super().__init__(entries)
-        self.lookups = 0
-
-    def __getitem__(self, key):
-        self.lookups += 1
-        return super().__getitem__(key)
-
-
 @pytest.mark.parametrize("floor", [1, 4])
 def test_float32_one_sequence_graph_runs_on_the_reordered_weights_where_they_win(checkpoints, monkeypatch, floor):
     """Traced as a plain product, a one-sequence graph's static float32 row goes to MKL; where the
@@ -111,17 +101,18 @@ def test_float32_one_sequence_graph_runs_on_the_reordered_weights_where_they_win
     verdict, fixed here), the graph calls kvmesh::reordered_linear instead. Either way it decodes
     what transformers does, and the batched graph never calls it."""
     from kernels import small_rows_linear
+    from tests.kernels.test_small_rows_linear import RecordedLookups
 
     monkeypatch.setattr(small_rows_linear, "fewest_rows_that_pay", lambda *_, **__: floor)
     path = checkpoints["llama-gqa"]
     engine = LLMEngine(path, EngineConfig(num_blocks=128, compile=True))
-    lookups = _CountingLookups(small_rows_linear._REORDERED)
+    lookups = RecordedLookups(small_rows_linear._REORDERED)
     monkeypatch.setattr(small_rows_linear, "_REORDERED", lookups)
     alone = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=N_NEW, ignore_eos=True))[0].token_ids
     assert alone == hf_greedy(path, PROMPTS[0], N_NEW)[0]
     linears = sum(isinstance(m, small_rows_linear.SmallRowsLinear) for m in engine.model.modules())
     # Every decode step after the prefill runs each linear once on its reordered weight.
-    assert lookups.lookups == (linears * (N_NEW - 1) if floor == 1 else 0)
-    lookups.lookups = 0
+    assert len(lookups.keys_looked_up) == (linears * (N_NEW - 1) if floor == 1 else 0)
+    lookups.keys_looked_up.clear()
     engine.generate(PROMPTS[:2], SamplingParams(max_tokens=4, ignore_eos=True))
-    assert lookups.lookups == 0
+    assert lookups.keys_looked_up == []

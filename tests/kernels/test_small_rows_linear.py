@@ -99,18 +99,23 @@ def test_calibration_gives_every_float32_module_one_floor_and_the_same_products(
             torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
 
 
+class RecordedLookups(dict):
+    """A copy of ``kernels.small_rows_linear._REORDERED`` that records which handles a product looks up."""
+
+    def __init__(self, entries: dict) -> None:
+        super().__init__(entries)
+        self.keys_looked_up: list[int] = []
+
+    def __getitem__(self, key: int) -> torch.Tensor:
+        self.keys_looked_up.append(key)
+        return super().__getitem__(key)
+
+
 def test_a_compiled_one_row_float32_product_runs_on_the_reordered_weight_and_its_handle_goes_with_the_module(
         monkeypatch):
     import gc
 
     from kernels import small_rows_linear
-
-    looked_up = []
-
-    class Recording(dict):
-        def __getitem__(self, handle):
-            looked_up.append(handle)
-            return super().__getitem__(handle)
 
     torch.manual_seed(0)
     plain = nn.Linear(64, 96)
@@ -121,9 +126,10 @@ def test_a_compiled_one_row_float32_product_runs_on_the_reordered_weight_and_its
     compiled = torch.compile(linear, fullgraph=True)
     x = torch.randn(1, 64)
     with monkeypatch.context() as patch, torch.inference_mode():
-        patch.setattr(small_rows_linear, "_REORDERED", Recording(small_rows_linear._REORDERED))
+        lookups = RecordedLookups(small_rows_linear._REORDERED)
+        patch.setattr(small_rows_linear, "_REORDERED", lookups)
         torch.testing.assert_close(compiled(x), plain(x), rtol=1e-5, atol=1e-5)
-    assert looked_up == [handle]
+    assert lookups.keys_looked_up == [handle]
     del compiled, linear
     torch._dynamo.reset()  # the compiled graph holds the module too
     gc.collect()
