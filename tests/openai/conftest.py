@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
+import urllib.parse
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
@@ -21,6 +23,15 @@ def all_full_blocks(prompt_tokens: int, cached: int, block: int = 16) -> bool:
     """Every full block of the prompt came from cache, except that the last token is always computed
     (its logits give the first new token), so a prompt ending on a block boundary recomputes that block."""
     return cached % block == 0 and ((prompt_tokens - 1) // block) * block <= cached <= prompt_tokens
+
+
+def post_raw(base_url: str, body: bytes, headers: bytes = b"") -> socket.socket:
+    """A raw connection with a chat completion request sent on it, for tests that read, or hang up, by hand."""
+    url = urllib.parse.urlsplit(base_url)
+    conn = socket.create_connection((url.hostname, url.port), timeout=30)
+    conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: kvmesh\r\nContent-Type: application/json\r\n"
+                 b"%sContent-Length: %d\r\n\r\n%s" % (headers, len(body), body))
+    return conn
 
 
 @pytest.fixture(scope="session")

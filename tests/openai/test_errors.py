@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import signal
+import time
 import urllib.error
 import urllib.request
 
@@ -14,7 +16,8 @@ from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from kvmesh.launcher.topology import free_port
 from kvmesh.runtime import common_flags, parse_flags, serve
 from services.gateway.main import FLAGS, build
-from tests.openai.conftest import API_KEY, MODEL
+from tests.e2e.mesh_helpers import metrics
+from tests.openai.conftest import API_KEY, MODEL, post_raw
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -90,16 +93,26 @@ def test_a_wrong_or_missing_key_is_401_on_http_and_unauthenticated_on_grpc(guard
     assert served[-1].HasField("final")
 
 
-def test_admission_control_sheds_load_with_429(guarded) -> None:
-    client = guarded.client()
-    long = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=400, stream=True,
-                                          extra_body={"ignore_eos": True})
+def test_admission_control_sheds_load_with_429(mesh, guarded) -> None:
+    # The guarded gateway's one slot must still be taken when the second request arrives, but this tiny model
+    # streams 400 tokens in well under a second: a first request read up to its first chunk could be finished
+    # before the second was sent (CI saw it once). With the prefill worker stopped, the first request is
+    # admitted and then waits on its prefill for as long as the test needs; the gateway's admission answers
+    # without any worker.
+    body = json.dumps({"model": MODEL, "messages": HI, "max_tokens": 400, "stream": True}).encode()
+    mesh.kill("prefill-0", signal.SIGSTOP)
     try:
-        next(iter(long))  # admitted and streaming: the guarded gateway's one slot is taken
-        with pytest.raises(openai.RateLimitError) as info:
-            client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2)
+        with post_raw(guarded.url, body, b"Authorization: Bearer %s\r\n" % API_KEY.encode()):
+            for _ in range(500):
+                inflight = metrics(guarded.process, "gateway-guarded")["kvmesh_gateway_inflight_requests"]
+                if inflight == 1:
+                    break
+                time.sleep(0.01)
+            assert inflight == 1  # admitted, and waiting on the stopped prefill
+            with pytest.raises(openai.RateLimitError) as info:
+                guarded.client().chat.completions.create(model=MODEL, messages=HI, max_tokens=2)
     finally:
-        long.close()
+        mesh.kill("prefill-0", signal.SIGCONT)
 
     assert info.value.status_code == 429 and _error(info)["code"] == "rate_limit_exceeded"
     assert "limit of 1 requests in flight" in _error(info)["message"]
