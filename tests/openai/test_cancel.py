@@ -50,10 +50,7 @@ def _hang_up_after_three_events(mesh, base_url: str, baseline: tuple[float, floa
             received += conn.recv(65536)
         mesh.kill("decode-0", signal.SIGSTOP)
     try:  # the connection is closed with decode stopped
-        for _ in range(100):
-            if _gateway_inflight(mesh) == baseline[0]:
-                break
-            time.sleep(0.1)
+        _wait_for_gateway_inflight(mesh, baseline[0])
     finally:
         mesh.kill("decode-0", signal.SIGCONT)
     assert _back_to(mesh, baseline) == baseline
@@ -81,6 +78,14 @@ def _gateway_inflight(mesh) -> float:
     return metrics(mesh, "gateway")["kvmesh_gateway_inflight_requests"]
 
 
+def _wait_for_gateway_inflight(mesh, value: float) -> None:
+    """Until the gateway has ``value`` requests in flight (10 s at most: the caller's assertions say what was)."""
+    for _ in range(100):
+        if _gateway_inflight(mesh) == value:
+            return
+        time.sleep(0.1)
+
+
 def test_hanging_up_before_a_whole_response(mesh, base_url) -> None:
     baseline = _usage(mesh)
     cancelled = "kvmesh_gateway_requests_total{method=chat,outcome=cancelled}"
@@ -104,10 +109,7 @@ def test_hanging_up_before_a_whole_response(mesh, base_url) -> None:
                 time.sleep(0.01)
             assert (inflight, n_routed) == (baseline[0] + 4, routed_before + 4)
         # The connection is closed with the four choices routed and waiting on their prefill.
-        for _ in range(100):
-            if _gateway_inflight(mesh) == baseline[0]:
-                break
-            time.sleep(0.1)
+        _wait_for_gateway_inflight(mesh, baseline[0])
     finally:
         mesh.kill("prefill-0", signal.SIGCONT)
 
