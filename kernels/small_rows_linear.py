@@ -26,20 +26,18 @@ once, at load, and moves the floor down where the reordered weight wins
 Costs a second, reordered copy of every weight. A CPU engine swaps these in by default
 (``EngineConfig.small_rows_linears``): on that Zen 5 machine, SmolLM2 in float32 decoded
 18.9 -> 41.3 tok/s alone and 136 -> 359 tok/s 16 at once (bench/engine.py, one run each).
-Inside a compiled graph, a float32 product of one row (a one-sequence decode graph: dynamo
-specializes a batch of 1), where one row runs on the reordered weight, goes through the opaque
-op ``kvmesh::reordered_linear``: traced as the plain product, it goes to MKL (SmolLM2 alone
-22 tok/s compiled that way on Zen 5, 41-43 eager, 50-51 compiled through the op). Every other
-product is traced as the plain one: inductor's freezing prepacks those weights itself (bf16 on
-AMX, batched float32).
+Inside a compiled graph every product is traced as the plain one, and inductor's freezing
+prepacks the weights itself: bf16 for oneDNN (AMX where there is one), float32 for oneDNN
+where the graph's row count is symbolic and for MKL where it is a static one. A one-sequence
+decode graph has one row, static unless marked otherwise, and MKL's one-row product is the
+slow one on Zen 5: ``kvmesh.engine.compile`` keeps that graph's rows symbolic wherever one
+row runs faster reordered (``one_row_runs_reordered``).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -58,27 +56,10 @@ DEFAULT_MAX_ROWS = 64
 # Shape the reorder is tuned for: a verify of 4 drafts plus the bonus row.
 _REORDER_ROWS_HINT = 5
 
-# Reordered weights by handle, for ``reordered_linear``: a graph cannot take an opaque oneDNN
-# tensor as an input (tracing fakes every input), so it names the weight by an int constant.
-# Each entry lives as long as its module (a weakref finalizer drops it).
-_REORDERED: dict[int, torch.Tensor] = {}
-_handles = itertools.count()
-
-
-@torch.library.custom_op("kvmesh::reordered_linear", mutates_args=())
-def reordered_linear(rows: torch.Tensor, handle: int, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """``rows @ weight.T + bias`` on the reordered weight registered under ``handle`` (rows: 2-D, contiguous)."""
-    return _reordered_product(rows, _REORDERED[handle], bias)
-
 
 def _reordered_product(rows: torch.Tensor, reordered: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """oneDNN's product of 2-D ``rows`` with a ``_reorder_linear_weight`` weight, no fused activation."""
     return torch.ops.mkldnn._linear_pointwise(rows, reordered, bias, "none", [], "")
-
-
-@reordered_linear.register_fake
-def _(rows: torch.Tensor, handle: int, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    return rows.new_empty((rows.shape[0], out_features))
 
 
 class SmallRowsLinear(nn.Linear):
@@ -96,9 +77,6 @@ class SmallRowsLinear(nn.Linear):
         self.min_rows, self.max_rows = MIN_ROWS[weight.dtype], max_rows
         # A plain attribute, not a buffer: it is no part of the state dict.
         self._reordered = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _REORDER_ROWS_HINT)
-        self._handle = next(_handles)
-        _REORDERED[self._handle] = self._reordered
-        weakref.finalize(self, _REORDERED.pop, self._handle, None)
 
     @classmethod
     def of(cls, linear: nn.Linear, max_rows: int = DEFAULT_MAX_ROWS) -> SmallRowsLinear:
@@ -106,22 +84,18 @@ class SmallRowsLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if torch.compiler.is_compiling():
-            if not self._traced_reordered(rows.shape[0]):
-                return super().forward(x)
-            out = reordered_linear(rows.contiguous(), self._handle, self.bias, self.out_features)
-        elif not self.min_rows <= rows.shape[0] <= self.max_rows or torch.is_grad_enabled():
+        # A graph being traced takes the plain product: inductor packs the weights itself (module docstring).
+        if torch.compiler.is_compiling() or not self.min_rows <= rows.shape[0] <= self.max_rows \
+                or torch.is_grad_enabled():
             return super().forward(x)
-        else:
-            out = _reordered_product(rows.contiguous(), self._reordered, self.bias)
-        return out.view(*x.shape[:-1], self.out_features)
+        return _reordered_product(rows.contiguous(), self._reordered, self.bias).view(*x.shape[:-1], self.out_features)
 
-    def _traced_reordered(self, rows: int | torch.SymInt) -> bool:
-        """Whether a graph being traced runs this product on the reordered weight: a float32 row
-        alone where one row runs reordered (the module's docstring says why). Compared with 1
-        only: a batched graph's symbolic row count is known to be >= 2, so that adds no guard,
-        where comparing it with ``min_rows`` would specialize the graph to the rows below it."""
-        return self.weight.dtype == torch.float32 and rows == 1 and self.min_rows <= 1 and not torch.is_grad_enabled()
+
+def one_row_runs_reordered(model: nn.Module) -> bool:
+    """Whether ``model`` runs a float32 product of one row on the reordered weights (its
+    small-row linears' calibrated floor is 1)."""
+    return any(isinstance(m, SmallRowsLinear) and m.weight.dtype == torch.float32 and m.min_rows <= 1
+               for m in model.modules())
 
 
 def use_small_rows_linears(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS, calibrate: bool = True) -> int:

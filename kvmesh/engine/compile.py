@@ -27,7 +27,8 @@ import torch
 from torch.fx.experimental import _config as fx_config
 
 from kernels import Ops
-from kvmesh.engine.model import CausalLM
+from kernels.small_rows_linear import one_row_runs_reordered
+from kvmesh.engine.model import AttentionMetadata, CausalLM
 from kvmesh.engine.synthetic_step import synthetic_step
 
 # Graphs one warmed-up engine holds (one sequence; symbolic), with room to spare; past it
@@ -57,10 +58,18 @@ class CompiledDecode:
 
     The batched graph is compiled with inductor's freezing: the weights become constants,
     prepacked for oneDNN/MKL (bf16 on AMX); at 16 sequences a step runs 1.1x (fp32) to 1.2x
-    (bf16) faster. One sequence is frozen in bf16 only: 42.6 vs 40.0 tok/s alone (4 alternating
-    passes of 128 tokens, each faster), where in fp32 a packed GEMV measured ~5% slower. In
-    float32 its products run on the small-row linears' reordered weights where those win for
-    one row (``kernels.small_rows_linear``: traced as an opaque op).
+    (bf16) faster. The one-sequence graph is frozen too in bf16 (42.6 vs 40.0 tok/s alone, 4
+    alternating passes of 128 tokens, each faster), and in float32 where one row runs faster on
+    oneDNN's reordered weights than on MKL (``kernels.small_rows_linear``, calibrated at load).
+    There its row count is kept symbolic (``unbacked_rows``): inductor packs a float32 weight for
+    oneDNN only when the rows are symbolic, and sends a static row to MKL's slow one-row path.
+    Unbacked, not just dynamic, because dynamo specializes a backed size of 1, and an unbacked
+    size packs for many rows, which ran 121 one-row SmolLM2 products in 15.8 ms against 19.6 ms
+    packed for one row. On Zen 5, SmolLM2 alone: 1.05x and 1.09x (paired medians of 6
+    alternating passes of 128 tokens, in one process) over the same graph calling the reordered
+    weights through a Python custom op; 22 tok/s where one row ran on MKL, ~60 this way.
+    Elsewhere (floor above 1) the float32 one-sequence graph is not frozen: a packed MKL GEMV
+    measured ~5% slower than the plain one.
 
     Both graphs skip dynamo's guards on the model's modules (checking ~270 parameters took
     ~0.6 ms a step): nothing changes the model once compiled. That is only safe while a graph
@@ -68,15 +77,21 @@ class CompiledDecode:
     each instance compiles functions with code objects of its own (``_own_code``).
     """
 
-    def __init__(self, model: CausalLM) -> None:
+    def __init__(self, model: CausalLM, unbacked_rows: bool) -> None:
         skip = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         self.alone = torch.compile(_own_code(_run), dynamic=True, options=skip)
         self.batched = torch.compile(_own_code(_run), dynamic=True, options=skip)
         self.model = model
+        self.unbacked_rows = unbacked_rows
 
-    def __call__(self, input_ids: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:
-        graph = self.batched if input_ids.shape[0] > 1 else self.alone
-        return graph(self.model, input_ids, *args)
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata, logits_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if input_ids.shape[0] > 1:
+            return self.batched(self.model, input_ids, positions, kv_cache, meta, logits_idx)
+        if self.unbacked_rows:
+            for rows in (input_ids, positions, meta.slot_mapping, logits_idx):
+                torch._dynamo.decorators.mark_unbacked(rows, 0)
+        return self.alone(self.model, input_ids, positions, kv_cache, meta, logits_idx)
 
 
 def _run(model: CausalLM, *args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,14 +111,15 @@ def compile_decode(model: CausalLM, kv_cache: torch.Tensor) -> None:
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, _GRAPH_LIMIT)
     model.write_kv = _traced_write
-    model.compiled_decode = CompiledDecode(model)
+    reordered_alone = kv_cache.dtype == torch.float32 and one_row_runs_reordered(model)
+    model.compiled_decode = CompiledDecode(model, unbacked_rows=reordered_alone)
     torch._dynamo.mark_static(kv_cache)  # the pool's shape never changes
     # Sizes become symbols here. Without duck shaping, two sizes that happen to be equal in the
     # warm-up (batch and width, or either and a model dimension) do not become one symbol.
     # cpp_wrapper: the graph's calls between kernels run in generated C++, not Python (~1 ms a
     # step at 30 layers: 1.10x at both 1 and 16 sequences, bf16).
     with fx_config.patch(use_duck_shape=False), inductor_config.patch(cpp_wrapper=True):
-        with inductor_config.patch(freezing=kv_cache.dtype == torch.bfloat16):
+        with inductor_config.patch(freezing=kv_cache.dtype == torch.bfloat16 or reordered_alone):
             synthetic_step(model, kv_cache, batch=1, width=3, seq_len=3 * kv_cache.shape[3])
         with inductor_config.patch(freezing=True):
             synthetic_step(model, kv_cache, batch=2, width=3, seq_len=3 * kv_cache.shape[3])

@@ -95,24 +95,22 @@ def test_a_compiled_bfloat16_engine_alone_decodes_as_eager(checkpoints):
 
 
 @pytest.mark.parametrize("floor", [1, 4])
-def test_float32_one_sequence_graph_runs_on_the_reordered_weights_where_they_win(checkpoints, monkeypatch, floor):
-    """Traced as a plain product, a one-sequence graph's static float32 row goes to MKL; where the
-    small-row linears run one row on oneDNN's reordered weights (a floor of 1: the calibration's
-    verdict, fixed here), the graph calls kvmesh::reordered_linear instead. Either way it decodes
-    what transformers does, and the batched graph never calls it."""
+def test_float32_one_sequence_graph_runs_on_onednn_where_one_row_wins_there(checkpoints, monkeypatch, floor):
+    """Inductor packs a float32 weight for oneDNN only where a graph's row count is symbolic; a
+    static row goes to MKL. Where the small-row linears run one row on oneDNN (a floor of 1: the
+    calibration's verdict, fixed here), the one-sequence graph keeps its rows symbolic and every
+    product in it is oneDNN's; otherwise it keeps the plain products. Either way it decodes what
+    transformers does."""
+    from torch._inductor.utils import run_and_get_code
+
     from kernels import small_rows_linear
-    from tests.kernels.test_small_rows_linear import RecordedLookups
 
     monkeypatch.setattr(small_rows_linear, "fewest_rows_that_pay", lambda *_, **__: floor)
     path = checkpoints["llama-gqa"]
-    engine = LLMEngine(path, EngineConfig(num_blocks=128, compile=True))
-    lookups = RecordedLookups(small_rows_linear._REORDERED)
-    monkeypatch.setattr(small_rows_linear, "_REORDERED", lookups)
+    torch._dynamo.reset()  # so that this engine's graphs are compiled here, where their code is kept
+    engine, codes = run_and_get_code(lambda: LLMEngine(path, EngineConfig(num_blocks=128, compile=True)))
+    alone_code = codes[0]  # the warm-up compiles the one-sequence graph first
+    assert ("_linear_pointwise" in alone_code) == (floor == 1)
+    assert "mkl_linear" not in alone_code
     alone = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=N_NEW, ignore_eos=True))[0].token_ids
     assert alone == hf_greedy(path, PROMPTS[0], N_NEW)[0]
-    linears = sum(isinstance(m, small_rows_linear.SmallRowsLinear) for m in engine.model.modules())
-    # Every decode step after the prefill runs each linear once on its reordered weight.
-    assert len(lookups.keys_looked_up) == (linears * (N_NEW - 1) if floor == 1 else 0)
-    lookups.keys_looked_up.clear()
-    engine.generate(PROMPTS[:2], SamplingParams(max_tokens=4, ignore_eos=True))
-    assert lookups.keys_looked_up == []

@@ -99,38 +99,22 @@ def test_calibration_gives_every_float32_module_one_floor_and_the_same_products(
             torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
 
 
-class RecordedLookups(dict):
-    """A copy of ``kernels.small_rows_linear._REORDERED`` that records which handles a product looks up."""
-
-    def __init__(self, entries: dict) -> None:
-        super().__init__(entries)
-        self.keys_looked_up: list[int] = []
-
-    def __getitem__(self, key: int) -> torch.Tensor:
-        self.keys_looked_up.append(key)
-        return super().__getitem__(key)
-
-
-def test_a_compiled_one_row_float32_product_runs_on_the_reordered_weight_and_its_handle_goes_with_the_module(
-        monkeypatch):
-    import gc
-
-    from kernels import small_rows_linear
-
+def test_a_graph_being_traced_takes_the_plain_product_for_inductor_to_pack():
     torch.manual_seed(0)
     plain = nn.Linear(64, 96)
     linear = SmallRowsLinear.of(plain)
     linear.min_rows = 1  # what calibration says where oneDNN wins one row (Zen 5)
-    handle = linear._handle
-    assert handle in small_rows_linear._REORDERED
-    compiled = torch.compile(linear, fullgraph=True)
+    graphs = []
+
+    def record(gm: torch.fx.GraphModule, _inputs) -> torch.fx.GraphModule:
+        graphs.append(gm)
+        return gm
+
+    compiled = torch.compile(linear, backend=record, fullgraph=True)
     x = torch.randn(1, 64)
-    with monkeypatch.context() as patch, torch.inference_mode():
-        lookups = RecordedLookups(small_rows_linear._REORDERED)
-        patch.setattr(small_rows_linear, "_REORDERED", lookups)
+    with torch.inference_mode():
         torch.testing.assert_close(compiled(x), plain(x), rtol=1e-5, atol=1e-5)
-    assert lookups.keys_looked_up == [handle]
-    del compiled, linear
-    torch._dynamo.reset()  # the compiled graph holds the module too
-    gc.collect()
-    assert handle not in small_rows_linear._REORDERED
+    (graph,) = graphs
+    targets = {node.target for node in graph.graph.nodes if node.op == "call_function"}
+    assert torch._C._nn.linear in targets or F.linear in targets, targets
+    assert not any("mkldnn" in str(t) for t in targets), targets
