@@ -61,7 +61,7 @@ class CompiledDecode:
     (bf16) faster. The one-sequence graph is frozen too in bf16 (42.6 vs 40.0 tok/s alone, 4
     alternating passes of 128 tokens, each faster), and in float32 where one row runs faster on
     oneDNN's reordered weights than on MKL (``kernels.small_rows_linear``, calibrated at load).
-    There its row count is kept symbolic (``unbacked_rows``): inductor packs a float32 weight for
+    There its row count is kept symbolic (``mark_rows_unbacked``): inductor packs a float32 weight for
     oneDNN only when the rows are symbolic, and sends a static row to MKL's slow one-row path.
     Unbacked, not just dynamic, because dynamo specializes a backed size of 1, and an unbacked
     size packs for many rows, which ran 121 one-row SmolLM2 products in 15.8 ms against 19.6 ms
@@ -77,18 +77,20 @@ class CompiledDecode:
     each instance compiles functions with code objects of its own (``_own_code``).
     """
 
-    def __init__(self, model: CausalLM, unbacked_rows: bool) -> None:
+    def __init__(self, model: CausalLM) -> None:
         skip = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         self.alone = torch.compile(_own_code(_run), dynamic=True, options=skip)
         self.batched = torch.compile(_own_code(_run), dynamic=True, options=skip)
         self.model = model
-        self.unbacked_rows = unbacked_rows
+        # Set by compile_decode only while the one-sequence graph compiles: once built, an
+        # unbacked graph takes one row unmarked, and marking cost ~0.13 ms a step.
+        self.mark_rows_unbacked = False
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata, logits_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if input_ids.shape[0] > 1:
             return self.batched(self.model, input_ids, positions, kv_cache, meta, logits_idx)
-        if self.unbacked_rows:
+        if self.mark_rows_unbacked:
             for rows in (input_ids, positions, meta.slot_mapping, logits_idx):
                 torch._dynamo.decorators.mark_unbacked(rows, 0)
         return self.alone(self.model, input_ids, positions, kv_cache, meta, logits_idx)
@@ -112,7 +114,7 @@ def compile_decode(model: CausalLM, kv_cache: torch.Tensor) -> None:
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, _GRAPH_LIMIT)
     model.write_kv = _traced_write
     reordered_alone = kv_cache.dtype == torch.float32 and one_row_runs_reordered(model)
-    model.compiled_decode = CompiledDecode(model, unbacked_rows=reordered_alone)
+    compiled = model.compiled_decode = CompiledDecode(model)
     torch._dynamo.mark_static(kv_cache)  # the pool's shape never changes
     # Sizes become symbols here. Without duck shaping, two sizes that happen to be equal in the
     # warm-up (batch and width, or either and a model dimension) do not become one symbol.
@@ -120,6 +122,8 @@ def compile_decode(model: CausalLM, kv_cache: torch.Tensor) -> None:
     # step at 30 layers: 1.10x at both 1 and 16 sequences, bf16).
     with fx_config.patch(use_duck_shape=False), inductor_config.patch(cpp_wrapper=True):
         with inductor_config.patch(freezing=kv_cache.dtype == torch.bfloat16 or reordered_alone):
+            compiled.mark_rows_unbacked = reordered_alone
             synthetic_step(model, kv_cache, batch=1, width=3, seq_len=3 * kv_cache.shape[3])
+            compiled.mark_rows_unbacked = False
         with inductor_config.patch(freezing=True):
             synthetic_step(model, kv_cache, batch=2, width=3, seq_len=3 * kv_cache.shape[3])

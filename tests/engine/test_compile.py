@@ -101,6 +101,7 @@ def test_float32_one_sequence_graph_runs_on_onednn_where_one_row_wins_there(chec
     calibration's verdict, fixed here), the one-sequence graph keeps its rows symbolic and every
     product in it is oneDNN's; otherwise it keeps the plain products. Either way it decodes what
     transformers does."""
+    from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
 
     from kernels import small_rows_linear
@@ -112,5 +113,7 @@ def test_float32_one_sequence_graph_runs_on_onednn_where_one_row_wins_there(chec
     alone_code = codes[0]  # the warm-up compiles the one-sequence graph first
     assert ("_linear_pointwise" in alone_code) == (floor == 1)
     assert "mkl_linear" not in alone_code
+    graphs = counters["stats"]["unique_graphs"]
     alone = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=N_NEW, ignore_eos=True))[0].token_ids
     assert alone == hf_greedy(path, PROMPTS[0], N_NEW)[0]
+    assert counters["stats"]["unique_graphs"] == graphs  # serving's unmarked rows run the warm-up's graph
