@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import shutil
+import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -15,6 +18,8 @@ from kvmesh.launcher.topology import MeshOptions, build_topology, free_port
 from tests.engine.conftest import VOCAB, write_checkpoint
 
 BLOCK = 16
+
+T = TypeVar("T")
 
 
 def write_model(path: Path) -> Path:
@@ -68,3 +73,14 @@ def metrics(mesh: Mesh, process: str) -> dict[str, float]:
             key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
             out[key] = s.value
     return out
+
+
+def poll(read: Callable[[], T], done: Callable[[T], bool], polls: int = 100, interval_s: float = 0.1) -> T:
+    """``read()`` until ``done`` accepts its value, ``polls`` times at most; the last value read
+    (the caller asserts on it, so a timeout shows what was there)."""
+    for _ in range(polls):
+        value = read()
+        if done(value):
+            break
+        time.sleep(interval_s)
+    return value

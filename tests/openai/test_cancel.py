@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 
 import pytest
 
-from tests.e2e.mesh_helpers import metrics
+from tests.e2e.mesh_helpers import metrics, poll
 from tests.openai.conftest import MODEL, post_raw
 
 pytestmark = pytest.mark.timeout(300)
@@ -27,12 +26,7 @@ def _usage(mesh) -> tuple[float, float, float]:
 
 def _back_to(mesh, baseline: tuple[float, float, float]) -> tuple[float, float, float]:
     """The usage once it is back at ``baseline`` (or whatever it was after 10 s, for the assertion)."""
-    for _ in range(100):
-        now = _usage(mesh)
-        if now == baseline:
-            break
-        time.sleep(0.1)
-    return now
+    return poll(lambda: _usage(mesh), lambda now: now == baseline)
 
 
 def _decode_rpcs(mesh, code: str) -> float:
@@ -54,12 +48,10 @@ def _hang_up_after_three_events(mesh, base_url: str, baseline: tuple[float, floa
     finally:
         mesh.kill("decode-0", signal.SIGCONT)
     assert _back_to(mesh, baseline) == baseline
-    for _ in range(100):  # the RPC's status is counted as its handler unwinds, after the KV is freed
-        ended = [code for code, n in before.items() if _decode_rpcs(mesh, code) > n]
-        if ended:
-            return ended[0]
-        time.sleep(0.1)
-    raise AssertionError("decode's Decode RPC never ended")
+    # The RPC's status is counted as its handler unwinds, after the KV is freed.
+    ended = poll(lambda: [code for code, n in before.items() if _decode_rpcs(mesh, code) > n], bool)
+    assert ended, "decode's Decode RPC never ended"
+    return ended[0]
 
 
 def test_hanging_up_mid_stream(mesh, base_url) -> None:
@@ -80,10 +72,7 @@ def _gateway_inflight(mesh) -> float:
 
 def _wait_for_gateway_inflight(mesh, value: float) -> None:
     """Until the gateway has ``value`` requests in flight (10 s at most: the caller's assertions say what was)."""
-    for _ in range(100):
-        if _gateway_inflight(mesh) == value:
-            return
-        time.sleep(0.1)
+    poll(lambda: _gateway_inflight(mesh), lambda n: n == value)
 
 
 def test_hanging_up_before_a_whole_response(mesh, base_url) -> None:
@@ -102,12 +91,10 @@ def test_hanging_up_before_a_whole_response(mesh, base_url) -> None:
     mesh.kill("prefill-0", signal.SIGSTOP)
     try:
         with post_raw(base_url, body):
-            for _ in range(500):  # only the gateway and the router answer while prefill is stopped
-                inflight, n_routed = _gateway_inflight(mesh), metrics(mesh, "router").get(routed, 0.0)
-                if (inflight, n_routed) == (baseline[0] + 4, routed_before + 4):
-                    break
-                time.sleep(0.01)
-            assert (inflight, n_routed) == (baseline[0] + 4, routed_before + 4)
+            # Only the gateway and the router answer while prefill is stopped.
+            seen = poll(lambda: (_gateway_inflight(mesh), metrics(mesh, "router").get(routed, 0.0)),
+                        lambda seen: seen == (baseline[0] + 4, routed_before + 4), polls=500, interval_s=0.01)
+            assert seen == (baseline[0] + 4, routed_before + 4)
         # The connection is closed with the four choices routed and waiting on their prefill.
         _wait_for_gateway_inflight(mesh, baseline[0])
     finally:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 import urllib.error
 import urllib.request
 
@@ -16,7 +15,7 @@ from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from kvmesh.launcher.topology import free_port
 from kvmesh.runtime import common_flags, parse_flags, serve
 from services.gateway.main import FLAGS, build
-from tests.e2e.mesh_helpers import metrics
+from tests.e2e.mesh_helpers import metrics, poll
 from tests.openai.conftest import API_KEY, MODEL, post_raw
 
 pytestmark = pytest.mark.timeout(300)
@@ -103,11 +102,8 @@ def test_admission_control_sheds_load_with_429(mesh, guarded) -> None:
     mesh.kill("prefill-0", signal.SIGSTOP)
     try:
         with post_raw(guarded.url, body, b"Authorization: Bearer %s\r\n" % API_KEY.encode()):
-            for _ in range(500):
-                inflight = metrics(guarded.process, "gateway-guarded")["kvmesh_gateway_inflight_requests"]
-                if inflight == 1:
-                    break
-                time.sleep(0.01)
+            inflight = poll(lambda: metrics(guarded.process, "gateway-guarded")["kvmesh_gateway_inflight_requests"],
+                            lambda n: n == 1, polls=500, interval_s=0.01)
             assert inflight == 1  # admitted, and waiting on the stopped prefill
             with pytest.raises(openai.RateLimitError) as info:
                 guarded.client().chat.completions.create(model=MODEL, messages=HI, max_tokens=2)
