@@ -6,10 +6,12 @@ package kvmesh_test
 import (
 	"bufio"
 	"context"
+	"errors"
 	"net/http"
 	"os"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -91,6 +93,25 @@ func (m mesh) waitInflight(t *testing.T, want float64) {
 	t.Fatalf("kvmesh_gateway_inflight_requests = %v, want %v", got, want)
 }
 
+// holdDecode stops the mesh's decode worker (SIGSTOP) until the test ends, so a request sent
+// meanwhile stays in flight until the test cancels it: the test mesh's tiny model answers 400
+// tokens faster than a loaded machine schedules a cancel sent mid-stream.
+func (m mesh) holdDecode(t *testing.T) {
+	t.Helper()
+	pid, err := strconv.Atoi(os.Getenv("KVMESH_DECODE_PID"))
+	if err != nil {
+		t.Skip("no decode worker to hold: set KVMESH_DECODE_PID (tests/clients/test_go_client.py does)")
+	}
+	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+		t.Fatalf("stopping decode worker %d: %v", pid, err)
+	}
+	t.Cleanup(func() {
+		if err := syscall.Kill(pid, syscall.SIGCONT); err != nil {
+			t.Errorf("resuming decode worker %d: %v", pid, err)
+		}
+	})
+}
+
 func TestGenerateStreamsIncrementallyAndEndsWithUsage(t *testing.T) {
 	m := liveMesh(t)
 	c := m.client(t, m.apiKey)
@@ -131,35 +152,31 @@ func TestCancelledContextStopsTheStreamAndFreesTheRequest(t *testing.T) {
 	m := liveMesh(t)
 	c := m.client(t, m.apiKey)
 	m.waitInflight(t, 0)
+	m.holdDecode(t)
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	received, sawInflight := 0, false
-	var streamErr error
-	for chunk, err := range c.Generate(ctx, request(400)) {
-		if err != nil {
-			streamErr = err
-			break
-		}
-		received += len(chunk.GetTokenIds())
-		if chunk.GetFinal() != nil {
-			t.Fatal("the generation finished before it was cancelled")
-		}
-		if received >= 2 && !sawInflight {
-			// The request is running on the server: the gauge counts it.
-			if got := m.inflight(t); got != 1 {
-				t.Fatalf("kvmesh_gateway_inflight_requests = %v mid-stream, want 1", got)
+	ended := make(chan error, 1)
+	go func() {
+		for chunk, err := range c.Generate(ctx, request(400)) {
+			if err != nil {
+				ended <- err
+				return
 			}
-			sawInflight = true
-			cancel()
+			if chunk.GetFinal() != nil {
+				ended <- errors.New("the generation finished before it was cancelled")
+				return
+			}
 		}
+		ended <- errors.New("the stream ended without an error")
+	}()
+	// The request is running on the server (its decode is held): the gauge counts it.
+	m.waitInflight(t, 1)
+	cancel()
+	if err := <-ended; status.Code(err) != codes.Canceled {
+		t.Fatalf("stream ended with %v, want codes.Canceled", err)
 	}
-	if !sawInflight {
-		t.Fatal("the stream ended before it could be cancelled")
-	}
-	if status.Code(streamErr) != codes.Canceled {
-		t.Fatalf("stream ended with %v, want codes.Canceled", streamErr)
-	}
+	// The gateway frees the request without waiting for the held worker.
 	m.waitInflight(t, 0)
 }
 

@@ -8,10 +8,11 @@ import { Code, ConnectError, FinishReason, KvmeshClient, type GenerateRequestIni
 const address = process.env.KVMESH_GATEWAY_ADDRESS;
 const apiKey = process.env.KVMESH_API_KEY;
 const metricsUrl = process.env.KVMESH_METRICS_URL;
+const decodePid = Number(process.env.KVMESH_DECODE_PID);
 const skip =
-  address && apiKey && metricsUrl
+  address && apiKey && metricsUrl && decodePid
     ? false
-    : "no mesh: set KVMESH_GATEWAY_ADDRESS, KVMESH_API_KEY and KVMESH_METRICS_URL (tests/clients/test_ts_client.py does)";
+    : "no mesh: set KVMESH_GATEWAY_ADDRESS, KVMESH_API_KEY, KVMESH_METRICS_URL and KVMESH_DECODE_PID (tests/clients/test_ts_client.py does)";
 
 /** A greedy completion of exactly n tokens. */
 function request(n: number): GenerateRequestInit {
@@ -37,6 +38,16 @@ async function waitInflight(want: number): Promise<void> {
     if (got === want) return;
   }
   assert.fail(`kvmesh_gateway_inflight_requests = ${got}, want ${want}`);
+}
+
+/**
+ * Stops the mesh's decode worker (SIGSTOP) until the returned function resumes it, so a request sent
+ * meanwhile stays in flight until the test aborts it: the test mesh's tiny model answers 400 tokens
+ * faster than a loaded machine schedules an abort sent mid-stream.
+ */
+function holdDecode(): () => void {
+  process.kill(decodePid, "SIGSTOP");
+  return () => process.kill(decodePid, "SIGCONT");
 }
 
 describe("KvmeshClient against a mesh", { skip }, () => {
@@ -66,26 +77,26 @@ describe("KvmeshClient against a mesh", { skip }, () => {
 
   test("an aborted signal stops the stream and the gateway frees the request", async () => {
     await waitInflight(0);
-    const abort = new AbortController();
-    let received = 0;
-    let sawInflight = false;
-    await assert.rejects(
-      async () => {
-        for await (const chunk of client.generate(request(400), { signal: abort.signal })) {
-          assert.equal(chunk.final, undefined, "the generation finished before it was aborted");
-          received += chunk.tokenIds.length;
-          if (received >= 2 && !sawInflight) {
-            // The request is running on the server: the gauge counts it.
-            assert.equal(await inflight(), 1);
-            sawInflight = true;
-            abort.abort();
+    const resume = holdDecode();
+    try {
+      const abort = new AbortController();
+      const consumed = assert.rejects(
+        async () => {
+          for await (const chunk of client.generate(request(400), { signal: abort.signal })) {
+            assert.equal(chunk.final, undefined, "the generation finished before it was aborted");
           }
-        }
-      },
-      (err: unknown) => ConnectError.from(err).code === Code.Canceled,
-    );
-    assert.ok(sawInflight, "the stream ended before it could be aborted");
-    await waitInflight(0);
+        },
+        (err: unknown) => ConnectError.from(err).code === Code.Canceled,
+      );
+      // The request is running on the server (its decode is held): the gauge counts it.
+      await waitInflight(1);
+      abort.abort();
+      await consumed;
+      // The gateway frees the request without waiting for the held worker.
+      await waitInflight(0);
+    } finally {
+      resume();
+    }
   });
 
   test("a wrong API key is Unauthenticated", async () => {
