@@ -8,9 +8,9 @@ CPU-only use never imports Triton, and a Triton that fails to import leaves the
 references in place.
 
 Native CPU kernels (``kernels.cpu``, C++ built on first use) register themselves
-when loaded, and are then picked for CPU tensors. They are loaded only by the layers
-that need them (``kernels.quantized_linear``), so a build is never paid for by
-engines that do not use them.
+when loaded, and are then picked for CPU tensors. ``Ops`` for the CPU loads them (every
+CPU model runs their decode attention); where they cannot be built or run, the
+references stay, with a warning that says why.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ _TRITON: dict[str, Callable[..., Any]] = {}
 _triton_import_tried = False
 # op name -> native CPU implementation, filled by kernels.cpu.load().
 _CPU_NATIVE: dict[str, Callable[..., Any]] = {}
+_cpu_native_warned = False  # the reason they could not load is logged once per process
 _log = logging.getLogger(__name__)
 
 
@@ -90,5 +91,21 @@ class Ops:
     """The ops resolved once for one device, so the hot path does no lookups."""
 
     def __init__(self, device: torch.device) -> None:
+        if device.type == "cpu":
+            _load_cpu_native()
         for name in OPS:
             setattr(self, name, get_op(name, device))
+
+
+def _load_cpu_native() -> None:
+    """Load ``kernels.cpu`` once; where it cannot run, log why (once) and keep the references."""
+    global _cpu_native_warned
+    from kernels import cpu
+    from kvmesh.errors import FailedPrecondition
+
+    try:
+        cpu.load()
+    except FailedPrecondition as exc:
+        if not _cpu_native_warned:
+            _log.warning("%s; CPU models run the torch references", exc)
+            _cpu_native_warned = True

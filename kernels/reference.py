@@ -11,6 +11,8 @@ lives in block ``block_table[t // block_size]`` at offset ``t % block_size``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -127,13 +129,35 @@ def paged_extend_attention(
     row by row costs 1-5 ms a step here, so float32 keeps the one call. The others (prefill
     chunks) are padded to the longest and attend in one masked call.
     """
+    return extend_attention(_rows_as_decodes, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+
+
+# (out, q, k_cache, v_cache, block_tables, starts, counts, seq_lens, scale): writes into ``out``
+# the rows of the sequences whose new tokens start at ``starts`` and number ``counts``, each row
+# attending as the decode of its token.
+RowsAsDecodes = Callable[..., None]
+
+
+def extend_attention(
+    rows_as_decodes: RowsAsDecodes,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``paged_extend_attention`` with the rows that attend as decodes computed by
+    ``rows_as_decodes``: a native decode kernel plugs in its own, so that a verify row or a
+    decode sharing a prefill's step rounds exactly as that kernel's decode does."""
     starts, counts = query_start_loc[:-1], query_start_loc[1:] - query_start_loc[:-1]
     out = torch.empty_like(q)
     as_decodes = DECODE_ROWS_MAX if q.dtype != torch.float32 else 1
     short = (counts <= as_decodes).nonzero().flatten()
     if short.numel():
-        _rows_as_decodes(out, q, k_cache, v_cache, block_tables[short], starts[short], counts[short],
-                         seq_lens[short], scale)
+        rows_as_decodes(out, q, k_cache, v_cache, block_tables[short], starts[short], counts[short],
+                        seq_lens[short], scale)
     multi = (counts > as_decodes).nonzero().flatten()
     if multi.numel() == 0:
         return out

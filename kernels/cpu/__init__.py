@@ -10,6 +10,9 @@ the ops where a CPU engine is bound by something torch's own kernels do badly.
 - ``int8_scaled_mm`` (``int8_scaled_mm.cpp``): int8 weight-only products of a few rows
   (decode, verify). torch's ``_weight_int8pack_mm`` streamed 7 GB/s here, this 17 GB/s
   (the DRAM rate bf16 products reach), so int8 weights halve a decode step's weight time.
+- ``paged_decode_attention`` (``paged_decode_attention.cpp``): one query row per sequence over
+  the paged cache, read in place; and ``paged_extend_attention`` (``extend_attention.py``),
+  whose rows that attend as decodes go through it, so they round as decode steps do.
 """
 
 from __future__ import annotations
@@ -23,11 +26,10 @@ import torch
 from kernels.dispatch import register_cpu_native
 from kvmesh.errors import FailedPrecondition
 
-_SOURCES = [Path(__file__).with_name("int8_scaled_mm.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("int8_scaled_mm.cpp", "paged_decode_attention.cpp")]
 # -fopenmp: at::parallel_for is inlined from ATen's headers as an OpenMP loop; without it the
 # kernel would run on one thread.
 _CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"]
-_OPS = ("int8_scaled_mm",)
 
 _lock = threading.Lock()
 _failure: str | None = None
@@ -64,10 +66,13 @@ def _build() -> str | None:
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler or ninja, a failed build
         lines = str(exc).strip().splitlines()
         return f"{type(exc).__name__}: {lines[-1] if lines else 'no message'}"  # a build's last line says why
-    for name in _OPS:
-        op = getattr(torch.ops.kvmesh_cpu, name)
-        torch.library.register_fake(f"kvmesh_cpu::{name}")(_fake_scaled_mm)
-        register_cpu_native(name, op)
+    from kernels.cpu.extend_attention import paged_extend_attention
+
+    torch.library.register_fake("kvmesh_cpu::int8_scaled_mm")(_fake_scaled_mm)
+    torch.library.register_fake("kvmesh_cpu::paged_decode_attention")(_fake_decode_attention)
+    register_cpu_native("int8_scaled_mm", torch.ops.kvmesh_cpu.int8_scaled_mm)
+    register_cpu_native("paged_decode_attention", torch.ops.kvmesh_cpu.paged_decode_attention)
+    register_cpu_native("paged_extend_attention", paged_extend_attention)
     return None
 
 
@@ -76,3 +81,11 @@ def _fake_scaled_mm(
 ) -> torch.Tensor:
     """The output's shape and dtype, for torch.compile's tracing."""
     return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+def _fake_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """The output's shape and dtype, for torch.compile's tracing."""
+    return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -186,7 +186,7 @@ at::Tensor int8_scaled_mm(const at::Tensor& x, const at::Tensor& qweight, const 
 
 }  // namespace
 
-TORCH_LIBRARY(kvmesh_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(kvmesh_cpu, m) {
   m.def("int8_scaled_mm(Tensor x, Tensor qweight, Tensor scale, Tensor? bias=None) -> Tensor");
 }
 

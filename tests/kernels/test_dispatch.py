@@ -59,6 +59,8 @@ def test_a_failing_triton_import_leaves_the_references(
     monkeypatch.setitem(sys.modules, "kernels.triton", None)  # makes `import kernels.triton` raise
     monkeypatch.setattr(dispatch, "_TRITON", {})
     monkeypatch.setattr(dispatch, "_triton_import_tried", False)
+    monkeypatch.setattr(dispatch, "_CPU_NATIVE", {})  # what is left is the references
+    monkeypatch.setattr(dispatch, "_load_cpu_native", lambda: None)
     with caplog.at_level(logging.WARNING, logger="kernels.dispatch"):
         assert Ops(CPU).paged_extend_attention is reference.paged_extend_attention
     assert "Triton kernels unavailable" in caplog.text
