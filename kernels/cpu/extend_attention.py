@@ -10,6 +10,8 @@ Prefill chunks keep the reference's one masked call.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from kernels import reference
@@ -35,16 +37,5 @@ def rows_as_native_decodes(
     out[rows] = torch.ops.kvmesh_cpu.paged_decode_attention(q[rows], k_cache, v_cache, block_tables[which], lens, scale)
 
 
-def paged_extend_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """``kernels.reference.paged_extend_attention``, its decode rows on the native kernel."""
-    return reference.extend_attention(
-        rows_as_native_decodes, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale
-    )
+# ``kernels.reference.paged_extend_attention``, its decode rows on the native kernel.
+paged_extend_attention = partial(reference.extend_attention, rows_as_native_decodes)
