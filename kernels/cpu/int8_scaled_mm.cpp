@@ -16,12 +16,16 @@
 
 #include <immintrin.h>
 
+#include "float_types.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
 
 namespace {
+
+using kvmesh_cpu::with_float_type;
 
 constexpr int kWeightRows = 4;  // weight rows read together (4 * K bytes: well inside L1)
 // Rows of x per pass over those weight rows: 24 accumulators + 4 weight vectors + x in the 32
@@ -128,17 +132,6 @@ void streamed_mm(const float* X, int64_t M, int64_t K, const int8_t* W, int64_t 
   });
 }
 
-// Calls f with a value of x's element type: float, at::BFloat16 or at::Half.
-template <typename F>
-void with_type_of(const at::Tensor& x, F&& f) {
-  switch (x.scalar_type()) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(at::BFloat16{}); break;
-    case at::kHalf: f(at::Half{}); break;
-    default: TORCH_CHECK(false, "x must be float32, bfloat16 or float16, not ", x.scalar_type());
-  }
-}
-
 at::Tensor int8_scaled_mm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                           const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "x must be a 2-D CPU tensor");
@@ -153,7 +146,7 @@ at::Tensor int8_scaled_mm(const at::Tensor& x, const at::Tensor& qweight, const 
 
   if (M > kMaxStreamedRows) {
     at::Tensor w = at::empty({N, K}, x.options());
-    with_type_of(x, [&](auto tag) {
+    with_float_type(x, "x", [&](auto tag) {
       using T = decltype(tag);
       dequantize(qweight.data_ptr<int8_t>(), scale.data_ptr<float>(), N, K, w.data_ptr<T>());
     });
@@ -165,7 +158,7 @@ at::Tensor int8_scaled_mm(const at::Tensor& x, const at::Tensor& qweight, const 
   const at::Tensor xc = x.contiguous();
   std::vector<float> widened;
   const float* X = nullptr;
-  with_type_of(xc, [&](auto tag) {
+  with_float_type(xc, "x", [&](auto tag) {
     using T = decltype(tag);
     const T* src = xc.data_ptr<T>();
     if constexpr (std::is_same_v<T, float>) {
@@ -180,7 +173,7 @@ at::Tensor int8_scaled_mm(const at::Tensor& x, const at::Tensor& qweight, const 
   const float* S = scale.data_ptr<float>();
   const float* B = b.defined() ? b.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  with_type_of(x, [&](auto tag) { streamed_mm(X, M, K, W, N, S, B, out.data_ptr<decltype(tag)>()); });
+  with_float_type(x, "x", [&](auto tag) { streamed_mm(X, M, K, W, N, S, B, out.data_ptr<decltype(tag)>()); });
   return out;
 }
 

@@ -18,12 +18,16 @@
 
 #include <immintrin.h>
 
+#include "float_types.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
 namespace {
+
+using kvmesh_cpu::with_float_type;
 
 constexpr int kMaxVectors = 16;  // head_dim up to 256, in vectors of 16 floats
 
@@ -105,17 +109,6 @@ void attend_one(const Q* q, const T* k_cache, const T* v_cache, const Cache& c, 
   alignas(64) float o[kMaxVectors * 16];
   for (int v = 0; v < vectors; ++v) _mm512_store_ps(o + v * 16, _mm512_mul_ps(acc[v], inv));
   for (int64_t d = 0; d < head_dim; ++d) out[d] = static_cast<Q>(o[d]);
-}
-
-// Calls f with a value of the element type: float, at::BFloat16 or at::Half.
-template <typename F>
-void with_float_type(const at::Tensor& t, const char* what, F&& f) {
-  switch (t.scalar_type()) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(at::BFloat16{}); break;
-    case at::kHalf: f(at::Half{}); break;
-    default: TORCH_CHECK(false, what, " must be float32, bfloat16 or float16, not ", t.scalar_type());
-  }
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
