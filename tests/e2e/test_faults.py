@@ -28,7 +28,7 @@ from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from kvmesh.launcher import RestartPolicy
 from kvmesh.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.structured.spec import GrammarSpec
-from tests.e2e.mesh_helpers import metrics, start_mesh
+from tests.e2e.mesh_helpers import metrics, poll, start_mesh
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -38,6 +38,9 @@ MAX_TOKENS = 460  # all the tiny model's context allows: a stream long enough to
 STALL_TIMEOUT_S = 4  # the gateway's bound on a decode stream's silence once tokens flow (a hung worker)
 PREFILL_TIMEOUT_S = 3  # the gateway's deadline on a Prefill call (a hung prefill worker)
 ROUTER_FALLBACK_S = 5  # how long the gateway routes on its last known workers while the router is out
+STREAMED_BEFORE_STOP = 3  # messages the client has (the first token from prefill, then decode's) at the stop
+BREAK_ATTEMPTS = 5  # streams started until one is still running when its worker is stopped
+CUT_GRACE_S = 1.0  # a stream that had ended reaches the client within this; a cut one waits on its worker
 SCHEMA = {"type": "array", "items": {"type": "boolean"}, "minItems": 80, "maxItems": 100}
 
 
@@ -77,15 +80,14 @@ def _request(max_tokens: int, prompt: list[int] = PROMPT, **sampling) -> gateway
     )
 
 
-async def _read_all(call) -> list[gateway_pb2.GenerateResponse]:
-    out = []
+async def _read_into(call, received: list) -> list[gateway_pb2.GenerateResponse]:
     while (msg := await call.read()) != grpc.aio.EOF:
-        out.append(msg)
-    return out
+        received.append(msg)
+    return received
 
 
 async def _complete(gateway, request) -> list[gateway_pb2.GenerateResponse]:
-    return await _read_all(gateway.Generate(request))
+    return await _read_into(gateway.Generate(request), [])
 
 
 async def _tokens(gateway, n: int, prompt: list[int] = PROMPT) -> list[int]:
@@ -102,28 +104,47 @@ async def _live_decode_workers(router) -> set[str]:
     return {w.endpoint.worker_id for w in resp.workers}
 
 
-class _Watcher(threading.Thread):
-    """Polls the decode workers' active-request gauges from before a request starts, so even a short stream is seen."""
+def _streaming(mesh, worker: str) -> bool:
+    """Whether ``worker`` holds a request; a worker still restarting after an earlier kill holds none."""
+    try:
+        return metrics(mesh, worker)["kvmesh_decode_active_requests"] > 0
+    except OSError:
+        return False
 
-    def __init__(self, mesh) -> None:
+
+class _Freezer(threading.Thread):
+    """Freezes (SIGSTOP) the decode worker streaming a request once the client has its first few tokens.
+
+    The tiny model streams a request's hundreds of tokens in well under a second, so this thread acts itself
+    instead of handing the pid back to the event loop: it finds the worker from the active-request gauges
+    (the only request in flight), then stops it the moment ``received`` (the client's messages so far, which
+    the test's reader appends to) shows the stream under way, so the gateway has tokens to resume after."""
+
+    def __init__(self, mesh, received: list) -> None:
         super().__init__(daemon=True)
         self.mesh = mesh
-        self.found: str | None = None
+        self.received = received
+        self.victim: str | None = None
         self.done = threading.Event()
 
     def run(self) -> None:
-        deadline = time.monotonic() + 30
-        while self.found is None and time.monotonic() < deadline:
-            for w in DECODE:
-                if metrics(self.mesh, w)["kvmesh_decode_active_requests"] == 1:
-                    self.found = w
-                    break
-        self.done.set()
+        try:
+            deadline = time.monotonic() + 30
+            while self.victim is None and time.monotonic() < deadline:
+                for w in DECODE:
+                    if _streaming(self.mesh, w):
+                        while len(self.received) < STREAMED_BEFORE_STOP and time.monotonic() < deadline:
+                            time.sleep(0.001)
+                        os.killpg(self.mesh.process(w).pid, signal.SIGSTOP)
+                        self.victim = w
+                        break
+        finally:
+            self.done.set()  # even when the poll failed: the test waits on it
 
-    def worker(self) -> str:
-        self.done.wait()
-        assert self.found is not None, "no decode worker was seen streaming the request"
-        return self.found
+    def frozen(self) -> str:
+        assert self.done.wait(60), "the freezer thread did not finish"
+        assert self.victim is not None, "no decode worker was seen streaming the request"
+        return self.victim
 
 
 async def _healed(mesh, router, victim: str, restarts: int) -> None:
@@ -142,35 +163,54 @@ async def _healed(mesh, router, victim: str, restarts: int) -> None:
     raise AssertionError(f"{victim} did not come back: restarts {mesh.restarts(victim)}")
 
 
-async def _no_leaks(mesh) -> None:
-    for _ in range(100):
-        p = metrics(mesh, "prefill-0")
-        if p["kvmesh_prefill_active_leases"] == 0 and p["kvmesh_engine_kv_blocks_in_use"] == 0:
-            break
-        await asyncio.sleep(0.1)
-    assert p["kvmesh_prefill_active_leases"] == 0
-    assert p["kvmesh_engine_kv_blocks_in_use"] == 0
-    assert metrics(mesh, "gateway")["kvmesh_gateway_inflight_requests"] == 0
+def _held(mesh) -> dict[str, float]:
+    """What a finished request must have given back, per process: every value is 0 once all are done."""
+    prefill = metrics(mesh, "prefill-0")
+    held = {
+        "prefill-0 leases": prefill["kvmesh_prefill_active_leases"],
+        "prefill-0 blocks": prefill["kvmesh_engine_kv_blocks_in_use"],
+        "gateway in flight": metrics(mesh, "gateway")["kvmesh_gateway_inflight_requests"],
+    }
     for w in DECODE:
         m = metrics(mesh, w)
-        assert m["kvmesh_engine_kv_blocks_in_use"] == 0 and m["kvmesh_decode_active_requests"] == 0, w
+        held[f"{w} blocks"] = m["kvmesh_engine_kv_blocks_in_use"]
+        held[f"{w} requests"] = m["kvmesh_decode_active_requests"]
+    return held
+
+
+async def _no_leaks(mesh) -> None:
+    """Each process lets go a moment after the client has its last token: poll until all have, then assert."""
+    held = await asyncio.to_thread(poll, lambda: _held(mesh), lambda h: not any(h.values()))
+    assert not any(held.values()), held
 
 
 async def _break_mid_stream(mesh, gateway, request, how: str) -> tuple[list[gateway_pb2.GenerateResponse], str]:
-    """Start ``request``, then kill (SIGKILL) or hang (SIGSTOP) the decode worker streaming it."""
-    watcher = _Watcher(mesh)
-    watcher.start()
-    call = gateway.Generate(request)
-    first = await call.read()
-    victim = await asyncio.to_thread(watcher.worker)
-    pid = mesh.process(victim).pid
-    os.killpg(pid, signal.SIGSTOP)  # freeze it at once, so the stream is surely cut short
-    if how == "kill":
-        mesh.crash(victim)
-    rest = await asyncio.wait_for(_read_all(call), timeout=60)  # a bound against hanging, not a speed test
-    if how == "hang":
-        mesh.crash(victim)  # what an operator does with a hung worker; the supervisor brings it back
-    return [first, *rest], victim
+    """Start ``request``, then kill (SIGKILL) or hang (SIGSTOP) the decode worker streaming it. A stream can end
+    between the gauge's read and the stop landing; then the worker is thawed and the request sent again."""
+    for _ in range(BREAK_ATTEMPTS):
+        # The last request's worker lets go a moment after its client is done; until then it would look
+        # like the one streaming this request.
+        idle = await asyncio.to_thread(poll, lambda: [_streaming(mesh, w) for w in DECODE], lambda s: not any(s))
+        assert not any(idle), f"decode workers still streaming before the request: {idle}"
+        received: list[gateway_pb2.GenerateResponse] = []
+        freezer = _Freezer(mesh, received)
+        freezer.start()
+        reader = asyncio.ensure_future(_read_into(gateway.Generate(request), received))
+        victim = await asyncio.to_thread(freezer.frozen)
+        finished, _ = await asyncio.wait({reader}, timeout=CUT_GRACE_S)
+        if not finished:
+            break  # the client waits on the frozen worker: the stream is cut
+        os.killpg(mesh.process(victim).pid, signal.SIGCONT)  # it had finished first: go again
+        reader.result()  # unless it failed outright: that is this test's failure, not a retry
+    else:
+        raise AssertionError(f"every one of {BREAK_ATTEMPTS} streams ended before its worker was stopped")
+    try:
+        if how == "kill":
+            mesh.crash(victim)
+        return await asyncio.wait_for(reader, timeout=60), victim  # a bound against hanging, not a speed test
+    finally:
+        if how == "hang":
+            mesh.crash(victim)  # what an operator does with a hung worker; the supervisor brings it back
 
 
 @pytest.mark.parametrize("how", ["kill", "hang"])
