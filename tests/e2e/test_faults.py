@@ -125,24 +125,22 @@ class _Freezer(threading.Thread):
         self.mesh = mesh
         self.received = received
         self.victim: str | None = None
-        self.done = threading.Event()
 
     def run(self) -> None:
-        try:
-            deadline = time.monotonic() + 30
-            while self.victim is None and time.monotonic() < deadline:
-                for w in DECODE:
-                    if _streaming(self.mesh, w):
-                        while len(self.received) < STREAMED_BEFORE_STOP and time.monotonic() < deadline:
-                            time.sleep(0.001)
-                        os.killpg(self.mesh.process(w).pid, signal.SIGSTOP)
-                        self.victim = w
-                        break
-        finally:
-            self.done.set()  # even when the poll failed: the test waits on it
+        deadline = time.monotonic() + 30
+        while self.victim is None and time.monotonic() < deadline:
+            for w in DECODE:
+                if _streaming(self.mesh, w):
+                    while len(self.received) < STREAMED_BEFORE_STOP and time.monotonic() < deadline:
+                        time.sleep(0.001)
+                    os.killpg(self.mesh.process(w).pid, signal.SIGSTOP)
+                    self.victim = w
+                    break
 
     def frozen(self) -> str:
-        assert self.done.wait(60), "the freezer thread did not finish"
+        """The frozen worker, once the thread has ended (returned or raised; either way within its deadline)."""
+        self.join(60)
+        assert not self.is_alive(), "the freezer thread did not finish"
         assert self.victim is not None, "no decode worker was seen streaming the request"
         return self.victim
 
