@@ -23,6 +23,18 @@ So ``use_small_rows_linears`` times both paths on the model's own weights at 1 t
 once, at load, and moves the floor down where the reordered weight wins
 (``fewest_rows_that_pay``).
 
+Fewer rows still can run on neither library: kernels.cpu's ``streamed_mm`` streams the plain
+weight through float32 FMAs (AVX-512), which on a 2-core Xeon without AVX-512 BF16 or AMX
+read a bf16 weight at 13.9 GB/s where torch's products read 9.3 (plain) or 7.8 (reordered);
+SmolLM2 in bf16 decoded one sequence at 35.2 tok/s against 23.9 (medians of 4 alternating
+runs). On a 2-core Xeon with AMX it still won: bf16 39.5 against 33.2 tok/s eager, 59.9 against
+51.0 compiled; float32 tied (30.8 / 30.4 eager), both at memory speed on two threads, though
+one thread's 2-6-row products (a verify) streamed 10-20% faster. Where it wins depends on the
+processor again (AMX, MKL's kernels), so
+``calibrate_streamed_rows`` times it against each module's own path at 1 to
+``STREAMED_ROWS_TRIED`` rows at load, and products of up to the count where it kept winning
+stream (``SmallRowsLinear.streamed_rows``).
+
 Costs a second, reordered copy of every weight. A CPU engine swaps these in by default
 (``EngineConfig.small_rows_linears``): on that Zen 5 machine, SmolLM2 in float32 decoded
 18.9 -> 41.3 tok/s alone and 136 -> 359 tok/s 16 at once (bench/engine.py, one run each).
@@ -42,7 +54,9 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+import kernels.cpu as kernels_cpu
 from kernels.module_swap import swap_modules
 from kvmesh.errors import FailedPrecondition
 
@@ -55,6 +69,9 @@ MIN_ROWS = {torch.float32: 4, torch.bfloat16: 1}
 DEFAULT_MAX_ROWS = 64
 # Shape the reorder is tuned for: a verify of 4 drafts plus the bonus row.
 _REORDER_ROWS_HINT = 5
+# The most rows ``calibrate_streamed_rows`` tries streaming: a verify of 5 drafts and its bonus
+# row, one pass of streamed_mm's loop.
+STREAMED_ROWS_TRIED = 6
 
 
 def _reordered_product(rows: torch.Tensor, reordered: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -75,6 +92,9 @@ class SmallRowsLinear(nn.Linear):
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = bias
         self.min_rows, self.max_rows = MIN_ROWS[weight.dtype], max_rows
+        # Products of up to this many rows run kernels.cpu's streamed_mm (0: none), where
+        # ``calibrate_streamed_rows`` measured it faster.
+        self.streamed_rows = 0
         # A plain attribute, not a buffer: it is no part of the state dict.
         self._reordered = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _REORDER_ROWS_HINT)
 
@@ -84,24 +104,31 @@ class SmallRowsLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        n = rows.shape[0]
+        # A static row count (eager, or a graph traced for one row) can stream. A symbolic one
+        # (a graph for any batch) does not: testing it would add a guard, and a graph per side
+        # of it (an unbacked one cannot be tested at all).
+        if statically_known_true(n <= self.streamed_rows) and not torch.is_grad_enabled():
+            return torch.ops.kvmesh_cpu.streamed_mm(rows.contiguous(), self.weight, self.bias).view(
+                *x.shape[:-1], self.out_features)
         # A graph being traced takes the plain product: inductor packs the weights itself (module docstring).
-        if torch.compiler.is_compiling() or not self.min_rows <= rows.shape[0] <= self.max_rows \
-                or torch.is_grad_enabled():
+        if torch.compiler.is_compiling() or not self.min_rows <= n <= self.max_rows or torch.is_grad_enabled():
             return super().forward(x)
         return _reordered_product(rows.contiguous(), self._reordered, self.bias).view(*x.shape[:-1], self.out_features)
 
 
 def one_row_runs_reordered(model: nn.Module) -> bool:
     """Whether ``model`` runs a float32 product of one row on the reordered weights (its
-    small-row linears' calibrated floor is 1)."""
+    small-row linears' calibrated floor is 1, and one row does not stream)."""
     return any(isinstance(m, SmallRowsLinear) and m.weight.dtype == torch.float32 and m.min_rows <= 1
-               for m in model.modules())
+               and m.streamed_rows < 1 for m in model.modules())
 
 
 def use_small_rows_linears(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS, calibrate: bool = True) -> int:
     """Swap, in place, every float32 or bfloat16 CPU ``nn.Linear`` of ``model`` for a
     ``SmallRowsLinear`` (sharing its parameters); returns how many were swapped. With
-    ``calibrate``, the float32 ones get the row floor this processor pays at (``calibrate_min_rows``)."""
+    ``calibrate``, the float32 ones get the row floor this processor pays at (``calibrate_min_rows``),
+    and each dtype's the rows it streams (``calibrate_streamed_rows``)."""
     swapped = swap_modules(
         model,
         lambda _, m: type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype in MIN_ROWS,
@@ -110,6 +137,11 @@ def use_small_rows_linears(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS, c
     fp32 = [m for m in model.modules() if isinstance(m, SmallRowsLinear) and m.weight.dtype == torch.float32]
     if calibrate and fp32:
         calibrate_min_rows(fp32)
+    if calibrate:
+        for dtype in MIN_ROWS:
+            same_dtype = [m for m in model.modules() if isinstance(m, SmallRowsLinear) and m.weight.dtype == dtype]
+            if same_dtype:
+                calibrate_streamed_rows(same_dtype)
     return swapped
 
 
@@ -158,6 +190,57 @@ def calibrate_min_rows(modules: list[SmallRowsLinear], repeats: int = 6) -> int:
               "(ms per pass, plain vs reordered: %s)", floor, modules[0].max_rows,
               {r: (round(plain_s[r] * 1e3, 1), round(reordered_s[r] * 1e3, 1)) for r in plain_s})
     return floor
+
+
+def most_rows_that_stream(own_s: dict[int, float], streamed_s: dict[int, float]) -> int:
+    """The largest row count r such that the streamed product was faster at every measured
+    count from 1 to r (0 when it was not faster at one row)."""
+    most = 0
+    for rows in sorted(own_s):
+        if streamed_s[rows] >= own_s[rows]:
+            break
+        most = rows
+    return most
+
+
+def calibrate_streamed_rows(modules: list[SmallRowsLinear], repeats: int = 6) -> int:
+    """Time one pass of 1 to ``STREAMED_ROWS_TRIED`` rows through every module (all of one dtype),
+    on the path each would otherwise take and on kernels.cpu's ``streamed_mm``, and give all of
+    them the most rows ``most_rows_that_stream`` picks (0 where the native kernels cannot run).
+    Returns it. Timed as ``calibrate_min_rows`` times, for the same reasons: one thread, the
+    paths taking turns, the fastest of ``repeats`` each.
+
+    The path compared against is the eager one. It stands in for a compiled decode graph's
+    product too: inductor prepacks the weight for the same libraries (oneDNN for bf16, MKL for a
+    float32 graph of one row), and a graph traced with a row count that streams calls
+    ``streamed_mm`` itself."""
+    try:
+        kernels_cpu.load()
+    except FailedPrecondition as exc:
+        _log.info("small-row linears: no streamed products (%s)", exc)
+        return 0
+    for m in modules:
+        m.streamed_rows = 0  # each module's own path, while it is timed
+    own_s, streamed_s = {}, {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            for rows in range(1, STREAMED_ROWS_TRIED + 1):
+                xs = [torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in modules]
+                own_s[rows], streamed_s[rows] = fastest_alternating(repeats, (
+                    lambda: [m(x) for x, m in zip(xs, modules)],
+                    lambda: [torch.ops.kvmesh_cpu.streamed_mm(x, m.weight, m.bias) for x, m in zip(xs, modules)],
+                ))
+    finally:
+        torch.set_num_threads(threads)
+    most = most_rows_that_stream(own_s, streamed_s)
+    for m in modules:
+        m.streamed_rows = most
+    _log.info("small-row linears: %s products of up to %d rows stream (ms per pass, own path vs streamed: %s)",
+              modules[0].weight.dtype, most,
+              {r: (round(own_s[r] * 1e3, 1), round(streamed_s[r] * 1e3, 1)) for r in own_s})
+    return most
 
 
 def fastest_alternating(repeats: int, fns: tuple[Callable[[], object], ...]) -> tuple[float, ...]:

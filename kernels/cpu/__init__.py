@@ -7,9 +7,11 @@ raises ``FailedPrecondition`` saying why when they cannot run here (a CPU withou
 no compiler). Triton has no CPU backend in the wheels served here; these fill that role for
 the ops where a CPU engine is bound by something torch's own kernels do badly.
 
-- ``int8_scaled_mm`` (``int8_scaled_mm.cpp``): int8 weight-only products of a few rows
+- ``int8_scaled_mm`` (``streamed_mm.cpp``): int8 weight-only products of a few rows
   (decode, verify). torch's ``_weight_int8pack_mm`` streamed 7 GB/s here, this 17 GB/s
   (the DRAM rate bf16 products reach), so int8 weights halve a decode step's weight time.
+- ``streamed_mm`` (``streamed_mm.cpp``): the same loop over float weights, for the few-row
+  products where it outruns torch's (``kernels.small_rows_linear`` measures where).
 - ``paged_decode_attention`` (``paged_decode_attention.cpp``): one query row per sequence over
   the paged cache, read in place; and ``paged_extend_attention`` (``extend_attention.py``),
   whose rows that attend as decodes go through it, so they round as decode steps do.
@@ -26,7 +28,7 @@ import torch
 from kernels.dispatch import register_cpu_native
 from kvmesh.errors import FailedPrecondition
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("int8_scaled_mm.cpp", "paged_decode_attention.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("streamed_mm.cpp", "paged_decode_attention.cpp")]
 # -fopenmp: at::parallel_for is inlined from ATen's headers as an OpenMP loop; without it the
 # kernel would run on one thread.
 _CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"]
@@ -69,6 +71,7 @@ def _build() -> str | None:
     from kernels.cpu.extend_attention import paged_extend_attention
 
     torch.library.register_fake("kvmesh_cpu::int8_scaled_mm")(_fake_scaled_mm)
+    torch.library.register_fake("kvmesh_cpu::streamed_mm")(_fake_streamed_mm)
     torch.library.register_fake("kvmesh_cpu::paged_decode_attention")(_fake_decode_attention)
     register_cpu_native("int8_scaled_mm", torch.ops.kvmesh_cpu.int8_scaled_mm)
     register_cpu_native("paged_decode_attention", torch.ops.kvmesh_cpu.paged_decode_attention)
@@ -81,6 +84,11 @@ def _fake_scaled_mm(
 ) -> torch.Tensor:
     """The output's shape and dtype, for torch.compile's tracing."""
     return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+def _fake_streamed_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The output's shape and dtype, for torch.compile's tracing."""
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 def _fake_decode_attention(

@@ -94,24 +94,27 @@ def test_a_compiled_bfloat16_engine_alone_decodes_as_eager(checkpoints):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-@pytest.mark.parametrize("floor", [1, 4])
-def test_float32_one_sequence_graph_runs_on_onednn_where_one_row_wins_there(checkpoints, monkeypatch, floor):
+@pytest.mark.parametrize(("floor", "streamed"), [(1, 0), (4, 0), (1, 1), (4, 6)])
+def test_float32_one_sequence_graph_runs_the_one_row_product_calibration_chose(checkpoints, monkeypatch, floor, streamed):
     """Inductor packs a float32 weight for oneDNN only where a graph's row count is symbolic; a
-    static row goes to MKL. Where the small-row linears run one row on oneDNN (a floor of 1: the
-    calibration's verdict, fixed here), the one-sequence graph keeps its rows symbolic and every
-    product in it is oneDNN's; otherwise it keeps the plain products. Either way it decodes what
-    transformers does."""
+    static row goes to MKL. Where the small-row linears stream one row (kernels.cpu's
+    streamed_mm), the one-sequence graph keeps its row static and calls that; where they run it
+    on oneDNN (a floor of 1), the graph keeps its rows symbolic and every product in it is
+    oneDNN's; otherwise it keeps the plain products. (The calibrations' verdicts are fixed
+    here.) Every way it decodes what transformers does."""
     from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
 
     from kernels import small_rows_linear
 
     monkeypatch.setattr(small_rows_linear, "fewest_rows_that_pay", lambda *_, **__: floor)
+    monkeypatch.setattr(small_rows_linear, "most_rows_that_stream", lambda *_, **__: streamed)
     path = checkpoints["llama-gqa"]
     torch._dynamo.reset()  # so that this engine's graphs are compiled here, where their code is kept
     engine, codes = run_and_get_code(lambda: LLMEngine(path, EngineConfig(num_blocks=128, compile=True)))
     alone_code = codes[0]  # the warm-up compiles the one-sequence graph first
-    assert ("_linear_pointwise" in alone_code) == (floor == 1)
+    assert ("streamed_mm" in alone_code) == (streamed >= 1)
+    assert ("_linear_pointwise" in alone_code) == (floor == 1 and streamed == 0)
     assert "mkl_linear" not in alone_code
     graphs = counters["stats"]["unique_graphs"]
     alone = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=N_NEW, ignore_eos=True))[0].token_ids

@@ -10,12 +10,17 @@ from torch import nn
 from kernels.small_rows_linear import (
     DEFAULT_MAX_ROWS,
     MIN_ROWS,
+    STREAMED_ROWS_TRIED,
     SmallRowsLinear,
     calibrate_min_rows,
+    calibrate_streamed_rows,
     fastest_alternating,
     fewest_rows_that_pay,
+    most_rows_that_stream,
+    one_row_runs_reordered,
     use_small_rows_linears,
 )
+from kernels import cpu
 from kvmesh.errors import FailedPrecondition
 
 
@@ -118,3 +123,69 @@ def test_a_graph_being_traced_takes_the_plain_product_for_inductor_to_pack():
     targets = {node.target for node in graph.graph.nodes if node.op == "call_function"}
     assert torch._C._nn.linear in targets or F.linear in targets, targets
     assert not any("mkldnn" in str(t) for t in targets), targets
+
+
+@pytest.mark.parametrize(("own", "streamed", "most"), [
+    ({1: 20.0, 2: 29.0, 3: 29.0}, {1: 12.0, 2: 15.0, 3: 19.0}, 3),  # streams every tried count
+    ({1: 20.0, 2: 29.0, 3: 29.0}, {1: 12.0, 2: 30.0, 3: 19.0}, 1),  # a count it loses ends the run
+    ({1: 10.0, 2: 29.0, 3: 29.0}, {1: 12.0, 2: 15.0, 3: 19.0}, 0),  # one row is not faster: none stream
+])
+def test_rows_stream_up_to_the_first_count_where_the_native_product_loses(own, streamed, most):
+    assert most_rows_that_stream(own, streamed) == most
+
+
+def _graph_targets(module: nn.Module, x: torch.Tensor, dynamic: bool) -> set[object]:
+    graphs = []
+
+    def record(gm: torch.fx.GraphModule, _inputs) -> torch.fx.GraphModule:
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        torch.compile(module, backend=record, fullgraph=True, dynamic=dynamic)(x)
+    (graph,) = graphs
+    return {node.target for node in graph.graph.nodes if node.op == "call_function"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_calibration_gives_every_module_one_streamed_row_count_and_the_same_products(dtype):
+    cpu.load()
+    torch.manual_seed(0)
+    modules = [SmallRowsLinear.of(nn.Linear(64, 96, dtype=dtype)) for _ in range(3)]
+    most = calibrate_streamed_rows(modules, repeats=1)
+    assert 0 <= most <= STREAMED_ROWS_TRIED and {m.streamed_rows for m in modules} == {most}
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
+    with torch.inference_mode():
+        for rows in range(1, STREAMED_ROWS_TRIED + 2):
+            x = torch.randn(rows, 64, dtype=dtype)
+            for m in modules:
+                torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_up_to_the_streamed_count_run_the_native_product(dtype):
+    cpu.load()
+    torch.manual_seed(0)
+    plain = nn.Linear(64, 96, dtype=dtype)
+    linear = SmallRowsLinear.of(plain)
+    linear.streamed_rows = 2
+    with torch.inference_mode():
+        for rows in (1, 2):  # streamed: each row what it gets alone, the native op's guarantee
+            x = torch.randn(rows, 64, dtype=dtype)
+            assert torch.equal(linear(x), torch.ops.kvmesh_cpu.streamed_mm(x, plain.weight, plain.bias))
+    # A graph traced for a static row count streams it; a graph for any row count takes the plain product.
+    def streams(x: torch.Tensor, dynamic: bool) -> bool:
+        return any("streamed_mm" in str(t) for t in _graph_targets(linear, x, dynamic))
+
+    assert streams(torch.randn(1, 64, dtype=dtype), dynamic=False)
+    assert not streams(torch.randn(3, 64, dtype=dtype), dynamic=False)
+    assert not streams(torch.randn(2, 64, dtype=dtype), dynamic=True)
+
+
+def test_a_float32_row_that_streams_keeps_the_one_row_graph_static():
+    model = nn.Sequential(SmallRowsLinear.of(nn.Linear(8, 8)))
+    model[0].min_rows = 1  # the reordered weight wins one row (Zen 5) ...
+    assert one_row_runs_reordered(model)
+    model[0].streamed_rows = 1  # ... but the streamed product wins it over both
+    assert not one_row_runs_reordered(model)
