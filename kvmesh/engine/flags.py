@@ -23,8 +23,9 @@ ENGINE_FLAGS = [
          "measures what it costs)", default=False, type=bool),
     Flag("--compile", "torch.compile the decode step (inductor): faster steps, about 2 minutes more start-up on CPU",
          default=False, type=bool),
-    Flag("--small-rows-linears", "CPU: decode and verify products on a oneDNN-reordered second copy of the weights "
-         "(kernels/small_rows_linear.py; --no-small-rows-linears saves the memory)", default=True, type=bool),
+    Flag("--small-rows-linears", "CPU: decode and verify products on a oneDNN-reordered second copy of the weights, "
+         "or streamed by kernels/cpu where that is faster (kernels/small_rows_linear.py; "
+         "--no-small-rows-linears saves the memory)", default=True, type=bool),
     Flag("--num-speculative-tokens", "draft tokens verified per decode step (0: no speculation)", default=0, type=int),
     Flag("--draft-costs", "a verify of 1,2,... drafts in decode steps' time, comma-separated: sequences whose "
          "drafts miss get fewer ('free': always the full count; default: measured on CPU, free elsewhere)"),
