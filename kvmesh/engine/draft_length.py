@@ -13,10 +13,8 @@ the less of a step is the weights' streaming that extra rows get for free; so th
 kept per batch size (``verify_cost`` measures 1 and 8 on CPU).
 
 ``a`` is estimated per sequence from its own verifies (accepted drafts against misses),
-starting from the engine-wide rate so a new request begins where the traffic is. Where no
-length pays (tokens per unit of time below a plain decode's 1), the sequence is asked for
-none; but a sequence asked for none ``PROBE_EVERY`` steps running is asked for one, so that
-its estimate, which only its verifies move, can recover when its text turns repetitive.
+starting from the engine-wide rate so a new request begins where the traffic is. At
+least one draft is always asked for: with none, the estimate could never recover.
 """
 
 from __future__ import annotations
@@ -26,10 +24,6 @@ from dataclasses import dataclass
 
 # How many verifies the engine-wide rate counts as when a sequence has few of its own.
 PRIOR_WEIGHT = 4.0
-# Steps a sequence decodes without drafts before it is asked for one anyway (a probe). A probe
-# that misses costs one verify row in PROBE_EVERY steps: at a batch-8 price of 1.3 decodes for
-# one draft, 4% of that sequence's time.
-PROBE_EVERY = 8
 
 
 def tokens_per_step(a: float, k: int) -> float:
@@ -47,10 +41,9 @@ def step_cost(costs: Sequence[float], k: int) -> float:
     return costs[-1] + last * (k - len(costs))
 
 
-def best_length(a: float, max_k: int, costs: Sequence[float], least: int = 0) -> int:
-    """The k in least..max_k that yields the most tokens per unit of step time (the smaller on a
-    tie; k = 0, a plain decode, yields 1 token per step)."""
-    return max(range(least, max_k + 1), key=lambda k: (tokens_per_step(a, k) / step_cost(costs, k), -k))
+def best_length(a: float, max_k: int, costs: Sequence[float]) -> int:
+    """The k in 1..max_k that yields the most tokens per unit of step time (the smaller on a tie)."""
+    return max(range(1, max_k + 1), key=lambda k: (tokens_per_step(a, k) / step_cost(costs, k), -k))
 
 
 @dataclass
@@ -66,17 +59,17 @@ class DraftLengthPolicy:
     def costs_at(self, batch: int) -> tuple[float, ...]:
         return self.costs[max((b for b in self.costs if b <= batch), default=min(self.costs))]
 
-    def choose(self, accepted: int, missed: int, room: int, batch: int = 1, undrafted: int = 0) -> int:
+    def choose(self, accepted: int, missed: int, room: int, batch: int = 1) -> int:
         """Drafts to ask of a sequence that has had ``accepted`` drafts accepted and ``missed``
-        verifies end in a miss, and has been asked for none the last ``undrafted`` steps, with
-        ``room`` tokens left under its limits, in a step of ``batch`` decoding sequences."""
+        verifies end in a miss, with ``room`` tokens left under its limits, in a step of
+        ``batch`` decoding sequences."""
         k_max = min(self.max_k, room)
         costs = self.costs_at(batch)
         if k_max < 1 or not costs:
             return k_max
         prior = self.accepted / (self.accepted + self.missed)
         a = (accepted + PRIOR_WEIGHT * prior) / (accepted + missed + PRIOR_WEIGHT)
-        return best_length(a, k_max, costs, least=1 if undrafted + 1 >= PROBE_EVERY else 0)
+        return best_length(a, k_max, costs)
 
     def record(self, proposed: int, accepted: int) -> None:
         """A verify of ``proposed`` drafts accepted ``accepted`` of them."""

@@ -398,11 +398,8 @@ class LLMEngine:
             # Room left under max_tokens and the context: the bonus token needs a slot too.
             room = min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_tokens) - 1
             if room > 0:
-                k = self._draft_length.choose(seq.num_draft_accepted, seq.num_draft_missed, room, len(decoding),
-                                              seq.num_undrafted_steps)
-                seq.num_undrafted_steps = 0 if k else seq.num_undrafted_steps + 1
-                if k:
-                    want[seq.request_id] = (seq, k)
+                k = self._draft_length.choose(seq.num_draft_accepted, seq.num_draft_missed, room, len(decoding))
+                want[seq.request_id] = (seq, k)
         if not want:
             return
         for rid, drafts in self.proposer.propose([(s, k) for s, k in want.values()]).items():

@@ -60,8 +60,6 @@ class Sequence:
     num_draft_accepted: int = 0
     # Verifies that ended in a rejected draft (kvmesh.engine.draft_length estimates from these).
     num_draft_missed: int = 0
-    # Decode steps in a row the draft-length policy asked it for no drafts (it probes after a few).
-    num_undrafted_steps: int = 0
     # The target's final hidden state at the row that sampled the last token (set only for a
     # proposer that wants features: an EAGLE head drafts from it).
     feature: torch.Tensor | None = None

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
-from kvmesh.engine.draft_length import PROBE_EVERY
 from kvmesh.engine.verify_cost import costs_from_seconds
 
 from .conftest import PROMPTS
@@ -52,8 +51,8 @@ def test_a_cpu_engine_measures_its_verifies_and_prices_the_proposers_drafting(ch
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     plain = LLMEngine(path, EngineConfig(num_blocks=64)).generate(PROMPTS, params)
     assert [c.token_ids for c in engine.generate(PROMPTS, params)] == [c.token_ids for c in plain]
-    # So priced, no length pays: a sequence asks for no drafts but a probe of one every PROBE_EVERY steps.
-    assert engine.stats.draft_tokens_proposed <= len(PROMPTS) * (engine.stats.steps // PROBE_EVERY + 1)
+    # So priced, a sequence asks for one draft a step.
+    assert engine.stats.draft_tokens_proposed <= engine.stats.steps * len(PROMPTS)
 
 
 @pytest.mark.parametrize("costs", [(), (1.5, 2.0)])
