@@ -23,6 +23,8 @@ across repeats; the prompts are ~5% of the work); in-process nothing is cached.
 
 Order: per precision, every engine is started (and warmed up with one full round that is not counted), then the
 engines alternate A B C A B C ... for ``--repeats`` rounds; the table shows medians. Every engine uses 2 threads.
+Every measured call waits first until the CPUs are idle (bench/_idle_cpu.py): an engine still busy after its
+call returned would otherwise slow whichever engine runs next.
 Peers are installed on first use into their own venvs under ``--peers-dir`` (bench/_peers_install.py); their
 servers bind 127.0.0.1 on free ports and are stopped in any case (process groups; also on Ctrl-C / SIGTERM).
 
@@ -54,6 +56,7 @@ REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(REPO))
 import _peers_install as install  # noqa: E402
+from _idle_cpu import wait_for_idle_cpu  # noqa: E402
 from _peers_report import ENGINES, PRECISIONS, ROWS, Sample, agreement, medians, ratios, table_rows  # noqa: E402
 from _table import print_table  # noqa: E402
 from engine import chat_prompts  # noqa: E402
@@ -309,14 +312,16 @@ def run_precision(peers: Peers, precision: str, prompts: list[list[int]], args, 
             workers[e] = stack.enter_context(peers.inproc(e, precision))
         for r in range(args.repeats + 1):  # round 0: the warm-up
             for e in engines:
+                w16 = wait_for_idle_cpu()
                 s16, out16 = workers[e].run(prompts, n)
+                w1 = wait_for_idle_cpu()
                 s1, out1 = workers[e].run(prompts[:1], n)
                 if r == 0:
                     continue
                 samples += [Sample(e, precision, "inproc_16", len(prompts) * n / s16), Sample(e, precision, "inproc_1", n / s1)]
                 outputs.setdefault((e, precision), out16)
                 print(f"  round {r} {e:9s} {precision}: in-process 16 {len(prompts) * n / s16:7.1f} tok/s, "
-                      f"1 alone {n / s1:6.1f} tok/s", flush=True)
+                      f"1 alone {n / s1:6.1f} tok/s (waited {w16:.1f} / {w1:.1f} s for idle CPUs)", flush=True)
     with contextlib.ExitStack() as stack:
         urls = {}
         for e in engines:
@@ -325,7 +330,9 @@ def run_precision(peers: Peers, precision: str, prompts: list[list[int]], args, 
         ids = {e: model_id(u) for e, u in urls.items()}
         for r in range(args.repeats + 1):
             for e in engines:
+                w16 = wait_for_idle_cpu()
                 h16 = asyncio.run(http_round(urls[e], ids[e], prompts, n))
+                w1 = wait_for_idle_cpu()
                 h1 = asyncio.run(http_round(urls[e], ids[e], prompts[:1], n))
                 if any(t != n for t in h16["tokens"] + h1["tokens"]):
                     short.append(f"{e} {precision} round {r}: streamed {h16['tokens']} / {h1['tokens']} tokens, not {n}")
@@ -334,7 +341,8 @@ def run_precision(peers: Peers, precision: str, prompts: list[list[int]], args, 
                 samples += [Sample(e, precision, "http_16", h16["tokens_per_s"], h16["ttft_s"]),
                             Sample(e, precision, "http_1", h1["tokens_per_s"], h1["ttft_s"])]
                 print(f"  round {r} {e:9s} {precision}: HTTP 16 {h16['tokens_per_s']:7.1f} tok/s "
-                      f"(TTFT {h16['ttft_s']:.2f} s), 1 stream {h1['tokens_per_s']:6.1f} tok/s", flush=True)
+                      f"(TTFT {h16['ttft_s']:.2f} s), 1 stream {h1['tokens_per_s']:6.1f} tok/s (waited {w16:.1f} / {w1:.1f} s for idle CPUs)",
+                      flush=True)
 
 
 def main() -> int:
