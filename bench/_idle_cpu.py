@@ -36,4 +36,3 @@ def wait_for_idle_cpu(max_wait_s: float = MAX_WAIT_S) -> float:
             break
         busy, total = busy2, total2
     return time.perf_counter() - t0
-

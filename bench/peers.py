@@ -341,8 +341,8 @@ def run_precision(peers: Peers, precision: str, prompts: list[list[int]], args, 
                 samples += [Sample(e, precision, "http_16", h16["tokens_per_s"], h16["ttft_s"]),
                             Sample(e, precision, "http_1", h1["tokens_per_s"], h1["ttft_s"])]
                 print(f"  round {r} {e:9s} {precision}: HTTP 16 {h16['tokens_per_s']:7.1f} tok/s "
-                      f"(TTFT {h16['ttft_s']:.2f} s), 1 stream {h1['tokens_per_s']:6.1f} tok/s (waited {w16:.1f} / {w1:.1f} s for idle CPUs)",
-                      flush=True)
+                      f"(TTFT {h16['ttft_s']:.2f} s), 1 stream {h1['tokens_per_s']:6.1f} tok/s "
+                      f"(waited {w16:.1f} / {w1:.1f} s for idle CPUs)", flush=True)
 
 
 def main() -> int:
