@@ -17,8 +17,10 @@ import torch
 import torch.nn.functional as F
 
 
-# Below float32, sequences with at most this many new tokens in an extend step attend row by
-# row, as decodes (``paged_extend_attention``): a speculative verify has k + 1 of them.
+# Sequences with at most this many new tokens (a speculative verify has k + 1) attend row by
+# row, as decodes: a step made only of such sequences is laid out as decodes
+# (``kvmesh.engine.step_metadata``); in a step shared with a longer chunk, below float32, the
+# extend attention computes their rows so (``paged_extend_attention``).
 DECODE_ROWS_MAX = 16
 
 

@@ -25,12 +25,13 @@ from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.draft_length import DraftLengthPolicy
 from kvmesh.engine.grammar import GrammarCache, GrammarStats, Masks, MaskRows, allowed_prefix
 from kvmesh.engine.kv_cache import KV_LAYOUT, BlockPayload, KVCache
-from kvmesh.engine.model import AttentionMetadata, CausalLM
+from kvmesh.engine.model import CausalLM
 from kvmesh.engine.penalties import PenaltyState, adjust_row
 from kvmesh.engine.sampler import token_logprobs, verify
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import ScheduledBatch, Scheduler
 from kvmesh.engine.sequence import Sequence, TokenLogprob
+from kvmesh.engine.step_metadata import step_metadata
 from kvmesh.engine.stop import check_stop, releasable_text
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.engine.verify_cost import measure_draft_costs
@@ -440,13 +441,7 @@ class LLMEngine:
         max_blocks = max(2, max(len(s.block_table) for s in batch.seqs))
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.long, device=dev),
-            is_decode=all(n == 1 for n in batch.num_new),
-        )
+        meta = step_metadata(slots, tables, seq_lens, batch.num_new, dev)
         out = self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),

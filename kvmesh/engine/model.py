@@ -31,7 +31,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks]
     seq_lens: torch.Tensor  # [B] tokens in cache after this step (prefix + new)
     query_start_loc: torch.Tensor  # [B+1] offsets of each sequence's new tokens in the batch
-    is_decode: bool  # every sequence has exactly one new token
+    is_decode: bool  # every row attends as a decode: one row a sequence (kvmesh.engine.step_metadata)
 
 
 def write_layer_kv(

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from kvmesh.engine.model import AttentionMetadata, CausalLM
+from kvmesh.engine.model import CausalLM
+from kvmesh.engine.step_metadata import step_metadata
 
 
 def synthetic_step(model: CausalLM, kv_cache: torch.Tensor, batch: int, width: int, seq_len: int,
@@ -18,15 +19,11 @@ def synthetic_step(model: CausalLM, kv_cache: torch.Tensor, batch: int, width: i
     at least 2 as the engine pads block tables), whose last ``new_tokens`` are new (1: a decode
     step; k + 1: a verify of k drafts), every new row sampling."""
     dev, block_size = kv_cache.device, kv_cache.shape[3]
-    new = torch.arange(seq_len - new_tokens, seq_len, device=dev)
-    tables = torch.arange(batch * max(2, width), device=dev).view(batch, -1).clone()
-    meta = AttentionMetadata(
-        slot_mapping=(tables[:, new // block_size] * block_size + new % block_size).flatten().clone(),
-        block_tables=tables,
-        seq_lens=torch.full((batch,), seq_len, device=dev),
-        query_start_loc=torch.arange(batch + 1, device=dev) * new_tokens,
-        is_decode=new_tokens == 1,
-    )
+    w = max(2, width)
+    tables = [list(range(i * w, (i + 1) * w)) for i in range(batch)]
+    new = range(seq_len - new_tokens, seq_len)
+    slots = [t[p // block_size] * block_size + p % block_size for t in tables for p in new]
+    meta = step_metadata(slots, tables, [seq_len] * batch, [new_tokens] * batch, dev)
     rows = batch * new_tokens
-    model(torch.zeros(rows, dtype=torch.long, device=dev), new.repeat(batch), kv_cache, meta,
-          torch.arange(rows, device=dev))
+    model(torch.zeros(rows, dtype=torch.long, device=dev), torch.tensor(list(new) * batch, device=dev), kv_cache,
+          meta, torch.arange(rows, device=dev))
