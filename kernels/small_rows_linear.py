@@ -124,6 +124,12 @@ def one_row_runs_reordered(model: nn.Module) -> bool:
                and m.streamed_rows < 1 for m in model.modules())
 
 
+def streamed_rows(model: nn.Module) -> int:
+    """The most rows every small-row linear of ``model`` streams (0: one of them, or none, does not)."""
+    counts = [m.streamed_rows for m in model.modules() if isinstance(m, SmallRowsLinear)]
+    return min(counts, default=0)
+
+
 def use_small_rows_linears(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS, calibrate: bool = True) -> int:
     """Swap, in place, every float32 or bfloat16 CPU ``nn.Linear`` of ``model`` for a
     ``SmallRowsLinear`` (sharing its parameters); returns how many were swapped. With

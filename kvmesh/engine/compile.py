@@ -1,7 +1,8 @@
 """torch.compile (inductor) of the decode step, with shapes that do not recompile per step.
 
 What is compiled: the model's step (embedding, every layer, final norm, LM head) on the
-decode path only, as one graph per step. Decode is where a step is many small ops between
+decode path only (decodes, and verify steps laid out as decodes: ``step_metadata``), as one
+graph per step. Decode is where a step is many small ops between
 the matmuls (norms, RoPE, SiLU, residual adds, dtype casts) and per-op dispatch is a large
 share of it; inductor fuses those, and one graph per step pays dynamo's entry cost once, not
 per layer. Prefill/extend steps are matmul-bound and their batched attention branches on the
@@ -13,9 +14,10 @@ whole pool per layer.
 
 Why shapes stay dynamic: a decode step's sequence count and block-table width change every
 step. ``dynamic=True`` makes them symbolic, except that dynamo specializes size 1: the
-engine pads block tables to at least 2 columns, and the warm-up runs a decode forward for
-1 and for 2 sequences (3 blocks each) over free pool blocks (their KV is overwritten before anything reads
-it), so both graphs exist before the first request and no later step compiles.
+engine pads block tables to at least 2 columns, and the warm-up runs a forward of 1 row, of
+2 rows (the few-rows graph, where there is one) and of more, on one sequence's 3 free pool
+blocks (their KV is overwritten before anything reads it), so every graph exists before the
+first request and no later step compiles.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from torch.fx.experimental import _config as fx_config
 
 from kernels import Ops
-from kernels.small_rows_linear import one_row_runs_reordered
+from kernels.small_rows_linear import one_row_runs_reordered, streamed_rows
 from kvmesh.engine.model import AttentionMetadata, CausalLM
 from kvmesh.engine.synthetic_step import synthetic_step
 
@@ -54,7 +56,7 @@ def _traced_write(
 
 
 class CompiledDecode:
-    """A decode step through one of two compiled graphs of ``model.run``: one sequence, or many.
+    """A decode step through one of three compiled graphs of ``model.run``: one row, a few, or many.
 
     The batched graph is compiled with inductor's freezing: the weights become constants,
     prepacked for oneDNN/MKL (bf16 on AMX); at 16 sequences a step runs 1.1x (fp32) to 1.2x
@@ -71,7 +73,13 @@ class CompiledDecode:
     Elsewhere (floor above 1) the float32 one-sequence graph is not frozen: a packed MKL GEMV
     measured ~5% slower than the plain one.
 
-    Both graphs skip dynamo's guards on the model's modules (checking ~270 parameters took
+    A third graph takes steps of 2 to ``few_rows`` rows (a verify of a few drafts, a few
+    sequences' decodes), the most rows the small-row linears stream: its rows are symbolic with
+    that range, so each product in it calls ``streamed_mm`` as eager does. In the batched
+    graph a verify of 3-4 drafts had run on MKL (SmolLM2 fp32, one sequence: 2.09 / 2.23
+    decodes, against 1.21 / 1.33 for 1 / 2 drafts).
+
+    The graphs skip dynamo's guards on the model's modules (checking ~270 parameters took
     ~0.6 ms a step): nothing changes the model once compiled. That is only safe while a graph
     can never be looked up for another model, and dynamo keeps its graphs per code object, so
     each instance compiles functions with code objects of its own (``_own_code``).
@@ -80,19 +88,30 @@ class CompiledDecode:
     def __init__(self, model: CausalLM) -> None:
         skip = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         self.alone = torch.compile(_own_code(_run), dynamic=True, options=skip)
+        self.few = torch.compile(_own_code(_run), dynamic=True, options=skip)
         self.batched = torch.compile(_own_code(_run), dynamic=True, options=skip)
         self.model = model
+        # Steps of 2 to this many rows run the few-rows graph (0: none); set by compile_decode.
+        self.few_rows = 0
         # Set by compile_decode only while the one-sequence graph compiles: once built, an
         # unbacked graph takes one row unmarked, and marking cost ~0.13 ms a step.
         self.mark_rows_unbacked = False
+        # Likewise while the few-rows graph compiles: its rows get the range 2..few_rows.
+        self.mark_few_rows = False
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata, logits_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = (input_ids, positions, meta.slot_mapping, logits_idx)
+        if 1 < input_ids.shape[0] <= self.few_rows:
+            if self.mark_few_rows:
+                for t in rows:
+                    torch._dynamo.mark_dynamic(t, 0, min=2, max=self.few_rows)
+            return self.few(self.model, input_ids, positions, kv_cache, meta, logits_idx)
         if input_ids.shape[0] > 1:
             return self.batched(self.model, input_ids, positions, kv_cache, meta, logits_idx)
         if self.mark_rows_unbacked:
-            for rows in (input_ids, positions, meta.slot_mapping, logits_idx):
-                torch._dynamo.decorators.mark_unbacked(rows, 0)
+            for t in rows:
+                torch._dynamo.decorators.mark_unbacked(t, 0)
         return self.alone(self.model, input_ids, positions, kv_cache, meta, logits_idx)
 
 
@@ -125,5 +144,12 @@ def compile_decode(model: CausalLM, kv_cache: torch.Tensor) -> None:
             compiled.mark_rows_unbacked = reordered_alone
             synthetic_step(model, kv_cache, batch=1, width=3, seq_len=3 * kv_cache.shape[3])
             compiled.mark_rows_unbacked = False
+        compiled.few_rows = streamed_rows(model)
+        if compiled.few_rows >= 2:
+            with inductor_config.patch(freezing=kv_cache.dtype == torch.bfloat16 or reordered_alone):
+                compiled.mark_few_rows = True
+                synthetic_step(model, kv_cache, batch=1, width=3, seq_len=3 * kv_cache.shape[3], new_tokens=2)
+                compiled.mark_few_rows = False
         with inductor_config.patch(freezing=True):
-            synthetic_step(model, kv_cache, batch=2, width=3, seq_len=3 * kv_cache.shape[3])
+            synthetic_step(model, kv_cache, batch=1, width=3, seq_len=3 * kv_cache.shape[3],
+                           new_tokens=max(2, compiled.few_rows + 1))

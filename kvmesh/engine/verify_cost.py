@@ -60,9 +60,11 @@ def measure_draft_costs(
     seq_len = min(width * block_size, max_model_len)
     batches = [b for b in PROBE_BATCHES if b == 1 or b * max(2, width) <= num_blocks]
     shapes = [(b, k) for b in batches for k in range(max_k + 1)]
-    with torch.inference_mode():
-        seconds = fastest_alternating(repeats, tuple(
-            functools.partial(synthetic_step, model, kv_cache, b, width, seq_len, new_tokens=k + 1) for b, k in shapes))
+    # Not under inference_mode: tensors made there are inference tensors, which a compiled step's
+    # guards tell from the ones its warm-up and the engine make, so the probe would compile and
+    # time graphs of its own (model.forward enters inference mode itself).
+    seconds = fastest_alternating(repeats, tuple(
+        functools.partial(synthetic_step, model, kv_cache, b, width, seq_len, new_tokens=k + 1) for b, k in shapes))
     best = dict(zip(shapes, seconds))
     draft_s = [draft_seconds(k) if draft_seconds else 0.0 for k in range(1, max_k + 1)]
     tables = {b: costs_from_seconds(best[b, 0], [best[b, k] for k in range(1, max_k + 1)], draft_s) for b in batches}

@@ -35,9 +35,9 @@ def test_compiled_decode_matches_transformers_and_never_recompiles(checkpoints, 
 
 
 def test_compiled_decode_with_speculation_matches_transformers(checkpoints):
-    """Verify steps eager on the few-row linears (kernels.small_rows_linear), decode steps
-    through the compiled graphs: the first request's drafts (wrong ones) run out after 12
-    tokens, and from there both requests decode."""
+    """Verify steps (laid out as decodes) and decode steps through the compiled graphs: the
+    first request's drafts (wrong ones) run out after 12 tokens, and from there both requests
+    decode."""
     from .test_speculative import ScriptedProposer
 
     path = checkpoints["llama-gqa"]
@@ -120,3 +120,34 @@ def test_float32_one_sequence_graph_runs_the_one_row_product_calibration_chose(c
     alone = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=N_NEW, ignore_eos=True))[0].token_ids
     assert alone == hf_greedy(path, PROMPTS[0], N_NEW)[0]
     assert counters["stats"]["unique_graphs"] == graphs  # serving's unmarked rows run the warm-up's graph
+
+
+def test_verify_steps_run_a_graph_of_few_rows_on_streamed_products(checkpoints, monkeypatch):
+    """Where the small-row linears stream up to 6 rows, the warm-up builds a graph for 2 to 6
+    rows whose products call streamed_mm, between the one-row graph and the batched one (which
+    does not stream). The start-up draft-cost probe times those graphs, compiling none of its
+    own; verifies of up to 3 drafts run there, decode what transformers does, and compile
+    nothing more."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+
+    from kernels import small_rows_linear
+
+    from .test_speculative import ScriptedProposer
+
+    monkeypatch.setattr(small_rows_linear, "most_rows_that_stream", lambda *_, **__: 6)
+    path = checkpoints["llama-gqa"]
+    expected = hf_greedy(path, PROMPTS[0], N_NEW)[0]
+    drafts = ScriptedProposer({"req-0": expected})
+    torch._dynamo.reset()  # so that this engine's graphs are compiled here, where their code is kept
+    engine, codes = run_and_get_code(lambda: LLMEngine(
+        path, EngineConfig(num_blocks=128, compile=True, num_speculative_tokens=3), proposer=drafts))
+    assert engine.model.compiled_decode.few_rows == 6
+    assert len(codes) == 3
+    alone, few, batched = codes
+    assert "streamed_mm" in alone and "streamed_mm" in few and "streamed_mm" not in batched
+    graphs = counters["stats"]["unique_graphs"]
+    got = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=N_NEW, ignore_eos=True))[0]
+    assert got.token_ids == expected
+    assert engine.stats.draft_tokens_accepted == engine.stats.draft_tokens_proposed > 0
+    assert counters["stats"]["unique_graphs"] == graphs
