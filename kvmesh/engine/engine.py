@@ -441,7 +441,7 @@ class LLMEngine:
         max_blocks = max(2, max(len(s.block_table) for s in batch.seqs))
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
         dev = self.device
-        meta = step_metadata(slots, tables, seq_lens, batch.num_new, dev)
+        meta = step_metadata(slots, tables, seq_lens, batch.num_new, dev, every_row_samples=len(logits_idx) == len(ids))
         out = self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),

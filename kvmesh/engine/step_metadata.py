@@ -1,7 +1,7 @@
 """A step's ``AttentionMetadata``: where its new tokens go and what each attends to.
 
-A step whose sequences each bring few new tokens (decodes, a speculative verify's k + 1 rows,
-a short prompt) is laid out as decodes, one per row: row j of a sequence gets that sequence's
+A step of decodes and speculative verifies (every new row samples; a verify has k + 1 rows a
+sequence, at most ``DECODE_ROWS_MAX``) is laid out as decodes, one per row: row j of a sequence gets that sequence's
 block table and a length that ends at its own position. Every row's K/V is written before any
 layer attends, so the row sees its prefix and the new tokens before it, which is causal
 attention; and it goes through the decode kernel, so a verify row is bitwise the decode of its
@@ -14,8 +14,9 @@ decode, 31.3 ms after moving only its attention to the decode kernel, and the re
 per-layer index arithmetic this builds once. A compiled engine runs such steps through its
 compiled decode graph as well.
 
-Larger chunks (prefill) keep the extend layout: one masked call over a chunk's rows reads the
-K/V once, where rows as decodes would read it once per row.
+Prefill chunks, however short, keep the extend layout: one masked call over a chunk's rows
+reads the K/V once, where rows as decodes would read it once per row; and a compiled engine's
+decode graphs are built for steps whose every row samples (a chunk samples one row or none).
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from kvmesh.engine.model import AttentionMetadata
 
 
 def step_metadata(slots: list[int], tables: list[list[int]], seq_lens: list[int], num_new: list[int],
-                  device: torch.device) -> AttentionMetadata:
+                  device: torch.device, every_row_samples: bool) -> AttentionMetadata:
     """Metadata for sequences with block tables ``tables`` (padded to one width), holding
     ``seq_lens[i]`` tokens after this step of which the last ``num_new[i]`` are new, written to
-    flat cache ``slots`` (in order: sequence 0's new tokens, then sequence 1's, ...)."""
-    if max(num_new) <= DECODE_ROWS_MAX:
+    flat cache ``slots`` (in order: sequence 0's new tokens, then sequence 1's, ...);
+    ``every_row_samples``: each new token's logits are wanted (decodes and verifies)."""
+    if every_row_samples and max(num_new) <= DECODE_ROWS_MAX:
         tables = [t for t, n in zip(tables, num_new) for _ in range(n)]
         seq_lens = [length - n + j + 1 for length, n in zip(seq_lens, num_new) for j in range(n)]
         num_new = [1] * len(seq_lens)

@@ -23,7 +23,7 @@ def synthetic_step(model: CausalLM, kv_cache: torch.Tensor, batch: int, width: i
     tables = [list(range(i * w, (i + 1) * w)) for i in range(batch)]
     new = range(seq_len - new_tokens, seq_len)
     slots = [t[p // block_size] * block_size + p % block_size for t in tables for p in new]
-    meta = step_metadata(slots, tables, [seq_len] * batch, [new_tokens] * batch, dev)
+    meta = step_metadata(slots, tables, [seq_len] * batch, [new_tokens] * batch, dev, every_row_samples=True)
     rows = batch * new_tokens
     model(torch.zeros(rows, dtype=torch.long, device=dev), torch.tensor(list(new) * batch, device=dev), kv_cache,
           meta, torch.arange(rows, device=dev))

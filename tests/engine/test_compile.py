@@ -150,4 +150,7 @@ def test_verify_steps_run_a_graph_of_few_rows_on_streamed_products(checkpoints, 
     got = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=N_NEW, ignore_eos=True))[0]
     assert got.token_ids == expected
     assert engine.stats.draft_tokens_accepted == engine.stats.draft_tokens_proposed > 0
+    # A 3-token prompt alone: its prefill (one sampling row of three) stays eager, on the extend layout.
+    short = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert short.token_ids == hf_greedy(path, PROMPTS[1], 8)[0]
     assert counters["stats"]["unique_graphs"] == graphs

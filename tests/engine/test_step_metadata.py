@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kernels.reference import DECODE_ROWS_MAX
@@ -14,7 +15,7 @@ CPU = torch.device("cpu")
 
 def test_a_verify_step_is_laid_out_as_one_decode_per_row():
     # Sequence 0: a verify of 2 drafts (3 new tokens, 10 in cache after); sequence 1: a decode.
-    meta = step_metadata([20, 21, 22, 50], [[1, 2], [3, 0]], [10, 6], [3, 1], CPU)
+    meta = step_metadata([20, 21, 22, 50], [[1, 2], [3, 0]], [10, 6], [3, 1], CPU, every_row_samples=True)
     assert meta.is_decode
     assert meta.block_tables.tolist() == [[1, 2], [1, 2], [1, 2], [3, 0]]
     # Each row ends at its own position: it sees its prefix and the new tokens before it.
@@ -23,9 +24,10 @@ def test_a_verify_step_is_laid_out_as_one_decode_per_row():
     assert meta.slot_mapping.tolist() == [20, 21, 22, 50]
 
 
-def test_a_prefill_chunk_keeps_the_extend_layout():
-    n = DECODE_ROWS_MAX + 1
-    meta = step_metadata(list(range(n + 1)), [[0, 1], [2, 3]], [n, 7], [n, 1], CPU)
+@pytest.mark.parametrize(("n", "every_row_samples"), [(DECODE_ROWS_MAX + 1, True), (3, False)])
+def test_a_prefill_chunk_keeps_the_extend_layout(n, every_row_samples):
+    """Too many rows to attend one by one, or a short prompt's chunk (only its last row samples)."""
+    meta = step_metadata(list(range(n + 1)), [[0, 1], [2, 3]], [n, 7], [n, 1], CPU, every_row_samples)
     assert not meta.is_decode
     assert meta.block_tables.tolist() == [[0, 1], [2, 3]]
     assert meta.seq_lens.tolist() == [n, 7]
@@ -50,9 +52,9 @@ def test_rows_as_decodes_attend_as_the_extend_layout_does(checkpoints):
         return model(ids[positions.start:positions.stop], torch.tensor(list(positions)), pool, meta, rows)
 
     first = range(0, prefix)
-    step(step_metadata(slots(first), [table], [prefix], [prefix], CPU), first)
+    step(step_metadata(slots(first), [table], [prefix], [prefix], CPU, every_row_samples=False), first)
     last = range(prefix, prefix + new)
-    as_decodes = step_metadata(slots(last), [table], [prefix + new], [new], CPU)
+    as_decodes = step_metadata(slots(last), [table], [prefix + new], [new], CPU, every_row_samples=True)
     assert as_decodes.is_decode
     extend = AttentionMetadata(
         slot_mapping=as_decodes.slot_mapping, block_tables=torch.tensor([table]),
