@@ -22,6 +22,7 @@ first request and no later step compiles.
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable
 
@@ -139,17 +140,19 @@ def compile_decode(model: CausalLM, kv_cache: torch.Tensor) -> None:
     # warm-up (batch and width, or either and a model dimension) do not become one symbol.
     # cpp_wrapper: the graph's calls between kernels run in generated C++, not Python (~1 ms a
     # step at 30 layers: 1.10x at both 1 and 16 sequences, bf16).
+    # The graphs of one row and of a few: frozen in bf16 and where one float32 row runs reordered.
+    freeze_small = kv_cache.dtype == torch.bfloat16 or reordered_alone
+    # One sequence on 3 free pool blocks; new_tokens picks the graph (1, 2..few_rows, more rows).
+    warm_up = functools.partial(synthetic_step, model, kv_cache, batch=1, width=3, seq_len=3 * kv_cache.shape[3])
     with fx_config.patch(use_duck_shape=False), inductor_config.patch(cpp_wrapper=True):
-        with inductor_config.patch(freezing=kv_cache.dtype == torch.bfloat16 or reordered_alone):
+        with inductor_config.patch(freezing=freeze_small):
             compiled.mark_rows_unbacked = reordered_alone
-            synthetic_step(model, kv_cache, batch=1, width=3, seq_len=3 * kv_cache.shape[3])
+            warm_up(new_tokens=1)
             compiled.mark_rows_unbacked = False
-        compiled.few_rows = streamed_rows(model)
-        if compiled.few_rows >= 2:
-            with inductor_config.patch(freezing=kv_cache.dtype == torch.bfloat16 or reordered_alone):
+            compiled.few_rows = streamed_rows(model)
+            if compiled.few_rows >= 2:
                 compiled.mark_few_rows = True
-                synthetic_step(model, kv_cache, batch=1, width=3, seq_len=3 * kv_cache.shape[3], new_tokens=2)
+                warm_up(new_tokens=2)
                 compiled.mark_few_rows = False
         with inductor_config.patch(freezing=True):
-            synthetic_step(model, kv_cache, batch=1, width=3, seq_len=3 * kv_cache.shape[3],
-                           new_tokens=max(2, compiled.few_rows + 1))
+            warm_up(new_tokens=max(2, compiled.few_rows + 1))

@@ -1,11 +1,12 @@
 """A step's ``AttentionMetadata``: where its new tokens go and what each attends to.
 
 A step of decodes and speculative verifies (every new row samples; a verify has k + 1 rows a
-sequence, at most ``DECODE_ROWS_MAX``) is laid out as decodes, one per row: row j of a sequence gets that sequence's
-block table and a length that ends at its own position. Every row's K/V is written before any
-layer attends, so the row sees its prefix and the new tokens before it, which is causal
-attention; and it goes through the decode kernel, so a verify row is bitwise the decode of its
-token: greedy speculation decodes exactly as plain decoding does, in every dtype.
+sequence, at most ``DECODE_ROWS_MAX``) is laid out as decodes, one per row: row j of a sequence
+gets that sequence's block table and a length that ends at its own position. Every row's K/V is
+written before any layer attends, so the row sees its prefix and the new tokens before it,
+which is causal attention; and it goes through the decode kernel, so a verify row is bitwise
+the decode of its token: greedy speculation decodes exactly as plain decoding does, in every
+dtype.
 
 It is also the cheaper layout on CPU. A verify through the extend path paid for its rows'
 metadata in every layer and, in float32, for a gathered copy of the sequence's K/V and a
