@@ -16,7 +16,7 @@ up: install
 test: install gen-check lint-protos breaking
 	python3 -m pytest -q
 
-# Regenerate kvmesh/*/v1/ (Python), clients/go/gen/ and clients/typescript/src/gen/ from protos/.
+# Regenerate kvmesh/api/ (Python), clients/go/gen/ and clients/typescript/src/gen/ from protos/.
 gen: node_modules/.bin/buf
 	scripts/gen_protos.sh
 

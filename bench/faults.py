@@ -53,11 +53,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _table import print_table  # noqa: E402
 
-from kvmesh.common.v1 import sampling_pb2  # noqa: E402
-from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
+from kvmesh.api.common.v1 import sampling_pb2  # noqa: E402
+from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from kvmesh.launcher import Mesh, MeshOptions, RestartPolicy, build_topology  # noqa: E402
 from kvmesh.launcher.topology import REPO_ROOT  # noqa: E402
-from kvmesh.router.v1 import router_pb2, router_pb2_grpc  # noqa: E402
+from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc  # noqa: E402
 
 MODEL = REPO_ROOT / "models" / "pycode-small"
 PROMPTS = [

@@ -54,16 +54,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import write_json  # noqa: E402
 from _table import print_table  # noqa: E402
 
-from kvmesh.common.v1 import sampling_pb2  # noqa: E402
-from kvmesh.decode.v1 import decode_pb2, decode_pb2_grpc  # noqa: E402
+from kvmesh.api.common.v1 import sampling_pb2  # noqa: E402
+from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc  # noqa: E402
 from kvmesh.engine import EngineConfig, LLMEngine  # noqa: E402
 from kvmesh.engine.config import dtype_name  # noqa: E402
 from kvmesh.engine.kv_cache import BlockPayload  # noqa: E402
 from kvmesh.kv_wire import block_to_chunks  # noqa: E402
-from kvmesh.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc  # noqa: E402
+from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc  # noqa: E402
 from kvmesh.launcher.supervisor import Mesh  # noqa: E402
 from kvmesh.launcher.topology import REPO_ROOT, ProcessSpec, Topology, free_port  # noqa: E402
-from kvmesh.prefill.v1 import prefill_pb2, prefill_pb2_grpc  # noqa: E402
+from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc  # noqa: E402
 
 VOCAB = 2048
 TRANSPORTS = ("grpc", "nixl", "nixl_tcp")

@@ -33,11 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _table import print_table  # noqa: E402
 
-from kvmesh.common.v1 import sampling_pb2  # noqa: E402
+from kvmesh.api.common.v1 import sampling_pb2  # noqa: E402
 from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from kvmesh.engine.async_engine import AsyncEngine  # noqa: E402
 from kvmesh.models.bpe import train_tokenizer, write_tokenizer  # noqa: E402
-from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
+from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from kvmesh.launcher.supervisor import Mesh  # noqa: E402
 from kvmesh.launcher.topology import MeshOptions, build_topology  # noqa: E402
 

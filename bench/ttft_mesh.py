@@ -33,8 +33,8 @@ from _common import write_json  # noqa: E402
 from _table import print_table  # noqa: E402
 from kv_transfer import VOCAB, write_model  # noqa: E402
 
-from kvmesh.common.v1 import sampling_pb2  # noqa: E402
-from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
+from kvmesh.api.common.v1 import sampling_pb2  # noqa: E402
+from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from kvmesh.launcher.supervisor import Mesh  # noqa: E402
 from kvmesh.launcher.topology import MeshOptions, build_topology  # noqa: E402
 from kvmesh.models.bpe import train_tokenizer, write_tokenizer  # noqa: E402

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from kvmesh.common.v1 import accounting_pb2, sampling_pb2
+from kvmesh.api.common.v1 import accounting_pb2, sampling_pb2
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import TokenLogprob
 from kvmesh.structured.spec import GrammarSpec

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.blocks import BlockHash
-from kvmesh.common.v1 import kv_pb2
+from kvmesh.api.common.v1 import kv_pb2
 from kvmesh.engine.kv_cache import BlockPayload
 from kvmesh.errors import InvalidArgument
 from kvmesh.checksum import checksum

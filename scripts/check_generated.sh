@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/gen_protos.sh
 # Everything gen_protos.sh writes, including packages of protos since deleted.
-paths=(':(glob)kvmesh/*/v1/**' ':(glob)kvmesh/*/__init__.py' clients/go/gen clients/typescript/src/gen)
+paths=(kvmesh/api clients/go/gen clients/typescript/src/gen)
 status=0
 if ! git diff --exit-code --stat -- "${paths[@]}"; then
   status=1

@@ -30,10 +30,10 @@ def _proto_files() -> list[str]:
 
 @pytest.mark.parametrize("name", sorted(SERVICES))
 def test_generated_service_imports(name: str) -> None:
-    pb2 = importlib.import_module(f"kvmesh.{name}.v1.{name}_pb2")
-    pb2_grpc = importlib.import_module(f"kvmesh.{name}.v1.{name}_pb2_grpc")
+    pb2 = importlib.import_module(f"kvmesh.api.{name}.v1.{name}_pb2")
+    pb2_grpc = importlib.import_module(f"kvmesh.api.{name}.v1.{name}_pb2_grpc")
     service = pb2.DESCRIPTOR.services_by_name[SERVICES[name]]
-    assert service.full_name == f"kvmesh.{name}.v1.{SERVICES[name]}"
+    assert service.full_name == f"kvmesh.api.{name}.v1.{SERVICES[name]}"
     assert hasattr(pb2_grpc, f"{SERVICES[name]}Stub")
     assert hasattr(pb2_grpc, f"add_{SERVICES[name]}Servicer_to_server")
     # Each RPC has its own request and response messages.
@@ -43,7 +43,7 @@ def test_generated_service_imports(name: str) -> None:
 
 
 def test_common_types_round_trip() -> None:
-    from kvmesh.common.v1 import kv_pb2, sampling_pb2
+    from kvmesh.api.common.v1 import kv_pb2, sampling_pb2
 
     chunk = kv_pb2.KVBlockChunk(block_hash=b"\x01" * 16, chunk_index=1, num_chunks=3, data=b"xyz")
     assert kv_pb2.KVBlockChunk.FromString(chunk.SerializeToString()) == chunk
@@ -54,7 +54,7 @@ def test_common_types_round_trip() -> None:
 
 
 def test_generated_code_is_current(tmp_path: Path) -> None:
-    """What protoc makes from protos/ now is byte-identical to the checked-in kvmesh/*/v1 files."""
+    """What protoc makes from protos/ now is byte-identical to the checked-in kvmesh/api/*/v1 files."""
     wkt = Path(grpc_tools.__file__).parent / "_proto"
     subprocess.run(
         [sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTOS}", f"-I{wkt}",
@@ -63,7 +63,7 @@ def test_generated_code_is_current(tmp_path: Path) -> None:
         cwd=PROTOS,
     )
     fresh = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*_pb2*.py*"))
-    checked_in = sorted(p.relative_to(REPO) for p in (REPO / "kvmesh").glob("*/v1/*_pb2*.py*"))
+    checked_in = sorted(p.relative_to(REPO) for p in (REPO / "kvmesh" / "api").glob("*/v1/*_pb2*.py*"))
     assert fresh == checked_in, "generated files differ from protos/: run `make gen`"
     stale = [str(p) for p in fresh if not filecmp.cmp(tmp_path / p, REPO / p, shallow=False)]
     assert not stale, f"stale generated code {stale}: run `make gen`"

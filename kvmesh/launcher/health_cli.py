@@ -24,7 +24,7 @@ _WILDCARDS = {"", "0.0.0.0", "::", "[::]"}
 def add_health_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("health", help="exit 0 when a service's gRPC health says SERVING (the container health check)")
     p.add_argument("--address", help="host:port (default: this host's own service, KVMESH_HOST or 127.0.0.1 : KVMESH_PORT)")
-    p.add_argument("--service", default="", help="a gRPC service name, e.g. kvmesh.router.v1.RouterService (default: the whole server)")
+    p.add_argument("--service", default="", help="a gRPC service name, e.g. kvmesh.api.router.v1.RouterService (default: the whole server)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     p.set_defaults(func=run_health)
     return p

@@ -14,7 +14,7 @@ from types import ModuleType
 
 @dataclass(frozen=True)
 class GpuStats:
-    """One GPU. Field names match ``kvmesh.common.v1.GpuStats`` so ``GpuStats(**asdict(s))`` converts."""
+    """One GPU. Field names match ``kvmesh.api.common.v1.GpuStats`` so ``GpuStats(**asdict(s))`` converts."""
 
     index: int
     name: str

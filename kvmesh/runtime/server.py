@@ -134,7 +134,7 @@ class Runtime:
         log.info("serving", service=self.name, port=self.port)
 
     def servicer_of(self, full_name: str) -> object:
-        """The servicer registered for ``full_name`` (e.g. "kvmesh.decode.v1.DecodeService"),
+        """The servicer registered for ``full_name`` (e.g. "kvmesh.api.decode.v1.DecodeService"),
         so in-process tests can look at a service's state."""
         for svc in self._service.services:
             if svc.descriptor.full_name == full_name:

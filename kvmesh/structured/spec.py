@@ -15,7 +15,7 @@ from typing import Literal
 
 import xgrammar as xgr
 
-from kvmesh.common.v1 import sampling_pb2
+from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.errors import InvalidArgument
 from kvmesh.structured.json_schema import check_schema
 

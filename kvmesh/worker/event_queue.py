@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvmesh.router.v1 import router_pb2
+from kvmesh.api.router.v1 import router_pb2
 
 
 @dataclass(slots=True)

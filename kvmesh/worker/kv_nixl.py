@@ -38,7 +38,7 @@ import numpy
 import structlog
 
 from kvmesh.checksum import CHECKSUM_BYTES
-from kvmesh.common.v1 import kv_pb2
+from kvmesh.api.common.v1 import kv_pb2
 from kvmesh.errors import DeadlineExceeded, Unavailable
 from kvmesh.worker.kv_transport import DEFAULT_PROGRESS_PAUSE_US
 

@@ -20,12 +20,12 @@ import grpc
 import structlog
 
 from kvmesh.blocks import BlockHash
-from kvmesh.common.v1 import kv_pb2
+from kvmesh.api.common.v1 import kv_pb2
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.kv_cache import BlockPayload
 from kvmesh.errors import KvmeshError
 from kvmesh.kv_wire import BlockAssembler, block_to_chunks
-from kvmesh.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.runtime import create_channel
 from kvmesh.runtime.client_errors import from_rpc_error
 from kvmesh.worker.kv_nixl import NixlEndpoint

@@ -26,10 +26,10 @@ import structlog
 
 from kvmesh.blocks import BlockHash
 from kvmesh.checksum import CHECKSUM_BYTES
-from kvmesh.common.v1 import kv_pb2
+from kvmesh.api.common.v1 import kv_pb2
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.errors import InvalidArgument
-from kvmesh.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.runtime.client_errors import from_rpc_error
 from kvmesh.worker.kv_nixl import NixlEndpoint, block_checksums, layout_mismatch
 

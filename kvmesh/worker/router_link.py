@@ -40,8 +40,8 @@ import grpc
 import structlog
 
 from kvmesh.blocks import HASH_BYTES, BlockHash
-from kvmesh.common.v1 import kv_pb2, worker_pb2
-from kvmesh.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.api.common.v1 import kv_pb2, worker_pb2
+from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.runtime import create_channel
 from kvmesh.worker.backoff import Backoff
 from kvmesh.worker.event_queue import EventQueue, PendingEvent

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from kvmesh.common.v1 import kv_pb2, worker_pb2
-from kvmesh.decode.v1 import decode_pb2, decode_pb2_grpc
+from kvmesh.api.common.v1 import kv_pb2, worker_pb2
+from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc
 from kvmesh.engine import LLMEngine
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.flags import ENGINE_FLAGS, engine_config, model_path

@@ -21,10 +21,10 @@ import grpc
 import structlog
 
 from kvmesh.blocks import BlockHash
-from kvmesh.common.v1 import kv_pb2
+from kvmesh.api.common.v1 import kv_pb2
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.errors import FailedPrecondition, InvalidArgument, Unavailable
-from kvmesh.prefill.v1 import prefill_pb2
+from kvmesh.api.prefill.v1 import prefill_pb2
 from kvmesh.runtime.client_errors import from_rpc_error
 from kvmesh.worker.kv_nixl import BlockRead, NixlEndpoint, PoolRegion, layout_mismatch
 from kvmesh.worker.kv_transport import read_timeout_s

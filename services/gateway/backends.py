@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Protocol
 
-from kvmesh.decode.v1 import decode_pb2
+from kvmesh.api.decode.v1 import decode_pb2
 from kvmesh.errors import Unavailable
-from kvmesh.prefill.v1 import prefill_pb2
-from kvmesh.router.v1 import router_pb2
+from kvmesh.api.prefill.v1 import prefill_pb2
+from kvmesh.api.router.v1 import router_pb2
 
 
 class RouterUnreachable(Unavailable):

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvmesh.errors import InvalidArgument
-from kvmesh.gateway.v1 import gateway_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2
 from services.gateway.validation import InvalidField
 
 

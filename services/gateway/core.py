@@ -37,13 +37,13 @@ from typing import Any
 
 import structlog
 
-from kvmesh.common.v1 import accounting_pb2, kv_pb2, sampling_pb2, worker_pb2
-from kvmesh.decode.v1 import decode_pb2
+from kvmesh.api.common.v1 import accounting_pb2, kv_pb2, sampling_pb2, worker_pb2
+from kvmesh.api.decode.v1 import decode_pb2
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.errors import InvalidArgument, KvmeshError, ResourceExhausted, Unavailable
-from kvmesh.gateway.v1 import gateway_pb2
-from kvmesh.prefill.v1 import prefill_pb2
-from kvmesh.router.v1 import router_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.api.prefill.v1 import prefill_pb2
+from kvmesh.api.router.v1 import router_pb2
 from services.gateway.auth import ANONYMOUS, tenant_cache_salt
 from services.gateway.backends import Backends, RouterUnreachable
 from services.gateway.chat_messages import template_messages

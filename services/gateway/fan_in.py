@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 
-from kvmesh.gateway.v1 import gateway_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.runtime import request_id_scope
 
 Chunk = gateway_pb2.GenerateResponse | gateway_pb2.ChatResponse

@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvmesh.common.v1 import sampling_pb2
+from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import ModelLoadError
 

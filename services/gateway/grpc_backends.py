@@ -13,9 +13,9 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvmesh.decode.v1 import decode_pb2, decode_pb2_grpc
-from kvmesh.prefill.v1 import prefill_pb2, prefill_pb2_grpc
-from kvmesh.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc
+from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.runtime import create_channel
 from kvmesh.runtime.client_errors import from_rpc_error
 from services.gateway.backends import RouterUnreachable

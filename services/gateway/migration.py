@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvmesh.decode.v1 import decode_pb2
+from kvmesh.api.decode.v1 import decode_pb2
 
 DEFAULT_MAX_MIGRATIONS = 2
 

@@ -23,7 +23,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from kvmesh.errors import KvmeshError
-from kvmesh.gateway.v1 import gateway_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2
 from services.gateway.core import Gateway
 from services.gateway.fan_in import FanIn, Stream
 from services.gateway.http_context import REQUEST_ID, TENANT

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import json
 
-from kvmesh.common.v1 import sampling_pb2
-from kvmesh.gateway.v1 import gateway_pb2
+from kvmesh.api.common.v1 import sampling_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.structured.spec import GrammarSpec
 from services.gateway.openai_errors import ParamError
 from services.gateway.openai_requests import (

@@ -22,9 +22,9 @@ import itertools
 import time
 from collections.abc import Callable
 
-from kvmesh.common.v1 import worker_pb2
+from kvmesh.api.common.v1 import worker_pb2
 from kvmesh.errors import Unavailable
-from kvmesh.router.v1 import router_pb2
+from kvmesh.api.router.v1 import router_pb2
 from services.gateway.backends import RouterUnreachable
 
 DEFAULT_HOLD_S = 30.0

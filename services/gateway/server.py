@@ -1,4 +1,4 @@
-"""The public ``kvmesh.gateway.v1.GatewayService``: protobuf in, gateway core calls, protobuf out.
+"""The public ``kvmesh.api.gateway.v1.GatewayService``: protobuf in, gateway core calls, protobuf out.
 
 Every call first checks the caller's API key (``authorization: Bearer <key>``
 metadata) with the same ``ApiKeys`` the HTTP API uses.
@@ -11,7 +11,7 @@ from contextlib import aclosing
 
 import grpc
 
-from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from kvmesh.runtime import GrpcService, current_request_id, new_request_id
 from services.gateway.auth import ApiKeys
 from services.gateway.core import Gateway

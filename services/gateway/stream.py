@@ -6,8 +6,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvmesh.common.v1 import accounting_pb2, sampling_pb2
-from kvmesh.gateway.v1 import gateway_pb2
+from kvmesh.api.common.v1 import accounting_pb2, sampling_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2
 from services.gateway.metrics import GatewayMetrics
 
 

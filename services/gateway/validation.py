@@ -10,7 +10,7 @@ import functools
 import math
 from collections.abc import Sequence
 
-from kvmesh.common.v1 import sampling_pb2
+from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.engine.sampling_params import LOGIT_BIAS_LIMIT, PENALTY_LIMIT, REPETITION_PENALTY_MAX
 from kvmesh.errors import InvalidArgument
 from kvmesh.structured.spec import GrammarSpec

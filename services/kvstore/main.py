@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvmesh.common.v1 import kv_pb2, worker_pb2
-from kvmesh.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from kvmesh.api.common.v1 import kv_pb2, worker_pb2
+from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
 from kvmesh.worker import RouterLink, register_link_metrics
 from kvmesh.chunking import DEFAULT_CHUNK_BYTES

@@ -33,7 +33,7 @@ import torch
 
 from kvmesh.blocks import BlockHash
 from kvmesh.checksum import checksum
-from kvmesh.common.v1 import kv_pb2
+from kvmesh.api.common.v1 import kv_pb2
 from kvmesh.engine.config import parse_dtype
 from kvmesh.engine.kv_cache import host_zeros_on_huge_pages
 from kvmesh.errors import FailedPrecondition, InvalidArgument

@@ -22,10 +22,10 @@ from collections.abc import AsyncIterator
 import grpc
 
 from kvmesh.blocks import HASH_BYTES
-from kvmesh.common.v1 import accounting_pb2, kv_pb2
+from kvmesh.api.common.v1 import accounting_pb2, kv_pb2
 from kvmesh.checksum import CHECKSUM_BYTES
 from kvmesh.errors import InvalidArgument, Unavailable
-from kvmesh.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.kvstore.block import Block
 from kvmesh.chunking import DEFAULT_CHUNK_BYTES, Chunk, Reassembler, split
 from services.kvstore.core import KvStore

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from kvmesh.common.v1 import kv_pb2, worker_pb2
+from kvmesh.api.common.v1 import kv_pb2, worker_pb2
 from kvmesh.engine import LLMEngine
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.flags import ENGINE_FLAGS, engine_config, model_path
 from kvmesh.engine.metrics import EngineCollector
-from kvmesh.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
 from kvmesh.runtime.counters import CountersCollector
 from kvmesh.worker.kvstore_client import KVStoreClient

@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.blocks import HASH_BYTES, BlockHash
-from kvmesh.common.v1 import accounting_pb2, kv_pb2, worker_pb2
+from kvmesh.api.common.v1 import accounting_pb2, kv_pb2, worker_pb2
 from kvmesh.errors import InvalidArgument
-from kvmesh.router.v1 import router_pb2
+from kvmesh.api.router.v1 import router_pb2
 
 from .core import Registration, WorkerStatus
 from .events import EventKind, KVEvent, PublishResult

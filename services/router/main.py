@@ -27,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvmesh.blocks import DEFAULT_BLOCK_SIZE
-from kvmesh.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
 from services.router.core import Router
 from services.router.index import PrefixIndex, RedisPrefixIndex

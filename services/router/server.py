@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from kvmesh.errors import InvalidArgument, NotFound, Unavailable
-from kvmesh.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.runtime import current_request_id
 
 from . import convert

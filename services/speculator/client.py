@@ -30,7 +30,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvmesh.runtime import create_channel
-from kvmesh.speculator.v1 import speculator_pb2, speculator_pb2_grpc
+from kvmesh.api.speculator.v1 import speculator_pb2, speculator_pb2_grpc
 from services.speculator.tracking import ContextTracker
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
-from kvmesh.speculator.v1 import speculator_pb2, speculator_pb2_grpc
+from kvmesh.api.speculator.v1 import speculator_pb2, speculator_pb2_grpc
 from services.speculator.core import DRAFT_MODEL_MATCH_TOKENS, Speculator, SpeculatorConfig
 from services.speculator.maintenance import IndexMaintainer
 from services.speculator.metrics import SpeculatorCollector

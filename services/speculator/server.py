@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from kvmesh.common.v1 import accounting_pb2
+from kvmesh.api.common.v1 import accounting_pb2
 from kvmesh.errors import InvalidArgument
-from kvmesh.speculator.v1 import speculator_pb2, speculator_pb2_grpc
+from kvmesh.api.speculator.v1 import speculator_pb2, speculator_pb2_grpc
 from services.speculator.core import Session, Speculator
 from services.speculator.maintenance import IndexMaintainer
 

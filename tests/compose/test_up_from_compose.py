@@ -20,12 +20,12 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh.common.v1 import sampling_pb2, worker_pb2
-from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from kvmesh.api.common.v1 import sampling_pb2, worker_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from kvmesh.launcher import free_port
 from kvmesh.launcher.health_cli import check_health
 from kvmesh.launcher.topology import REPO_ROOT
-from kvmesh.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
 from tests.e2e.mesh_helpers import write_model
 
 pytestmark = pytest.mark.timeout(300)

@@ -8,10 +8,10 @@ import grpc
 import pytest
 import torch
 
-from kvmesh.common.v1 import kv_pb2, sampling_pb2
-from kvmesh.decode.v1 import decode_pb2, decode_pb2_grpc
+from kvmesh.api.common.v1 import kv_pb2, sampling_pb2
+from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc
 from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
-from kvmesh.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from services.decode import main as decode_main
 from services.prefill import main as prefill_main
 from kvmesh.worker.kv_nixl import load_nixl
@@ -67,7 +67,7 @@ async def test_remote_prefill_then_decode_matches_colocated_engine(services, exp
     pre = await prefill.Prefill(prefill_pb2.PrefillRequest(request_id="r1", token_ids=PROMPT, sampling=greedy()))
     assert pre.first_token_id == expected[0]
     assert pre.handoff.mode == kv_pb2.HANDOFF_MODE_PULL and len(pre.handoff.block_hashes) == 3
-    on_nixl = p.servicer_of("kvmesh.prefill.v1.PrefillService").worker.nixl is not None
+    on_nixl = p.servicer_of("kvmesh.api.prefill.v1.PrefillService").worker.nixl is not None
     assert pre.handoff.HasField("nixl") == on_nixl
     assert pre.computed_tokens == len(PROMPT)
     remote = decode_pb2.RemotePrefill(first_token_id=pre.first_token_id, handoff=pre.handoff)
@@ -78,11 +78,11 @@ async def test_remote_prefill_then_decode_matches_colocated_engine(services, exp
     assert final.usage.completion_tokens == N_NEW and final.usage.cached_tokens == 3 * BS
     assert final.timings.transfer_ns > 0
     # Decode computed only the partial block + first token, then one per step.
-    dec_engine = d.servicer_of("kvmesh.decode.v1.DecodeService").worker.engine.engine
+    dec_engine = d.servicer_of("kvmesh.api.decode.v1.DecodeService").worker.engine.engine
     assert dec_engine.stats.imported_blocks == 3
     assert dec_engine.stats.computed_tokens == (len(PROMPT) - 3 * BS + 1) + (N_NEW - 2)
     # The lease was acknowledged and nothing stays pinned on prefill.
-    pre_worker = p.servicer_of("kvmesh.prefill.v1.PrefillService").worker
+    pre_worker = p.servicer_of("kvmesh.api.prefill.v1.PrefillService").worker
     assert len(pre_worker.leases) == 0 and pre_worker.counters.leases_acked == 1
     # On NIXL the bytes never went through PullKV.
     assert pre_worker.counters.blocks_sent == (0 if on_nixl else 3)
@@ -101,14 +101,14 @@ async def test_a_block_that_fails_its_checksum_after_a_nixl_read_is_refused(serv
     p, d, prefill, decode = services
     pre = await prefill.Prefill(prefill_pb2.PrefillRequest(request_id="r", token_ids=PROMPT, sampling=greedy()))
     # One bit of the second block flipped in prefill's pool after its checksum went out.
-    pool = p.servicer_of("kvmesh.prefill.v1.PrefillService").worker.engine.engine.kv.tensor
+    pool = p.servicer_of("kvmesh.api.prefill.v1.PrefillService").worker.engine.engine.kv.tensor
     pool[0, 0, pre.handoff.nixl.block_ids[1]].view(torch.uint8)[0, 0, 0] ^= 1
     remote = decode_pb2.RemotePrefill(first_token_id=pre.first_token_id, handoff=pre.handoff)
     tokens, _ = await _decode(
         decode, decode_pb2.DecodeRequest(request_id="r", prompt_token_ids=PROMPT, sampling=greedy(), remote=remote)
     )
     assert tokens == expected  # recomputed on decode
-    worker = d.servicer_of("kvmesh.decode.v1.DecodeService").worker
+    worker = d.servicer_of("kvmesh.api.decode.v1.DecodeService").worker
     assert worker.counters.transfer_failures == 1
     # None of the READ's blocks was adopted, and every reserved one went back to the pool.
     assert await worker.engine.call(lambda e: (e.stats.imported_blocks, e.blocks.num_free)) == (0, 64)
@@ -117,7 +117,7 @@ async def test_a_block_that_fails_its_checksum_after_a_nixl_read_is_refused(serv
 async def test_unreleased_lease_expires_and_unpins(services):
     p, _, prefill, _ = services
     pre = await prefill.Prefill(prefill_pb2.PrefillRequest(request_id="r", token_ids=PROMPT, sampling=greedy()))
-    worker = p.servicer_of("kvmesh.prefill.v1.PrefillService").worker
+    worker = p.servicer_of("kvmesh.api.prefill.v1.PrefillService").worker
     assert len(worker.leases) == 1 and worker.engine.engine.blocks.num_free < 64
     for _ in range(60):
         if len(worker.leases) == 0:
@@ -141,7 +141,7 @@ async def test_dead_prefill_peer_falls_back_to_local_compute(services, expected)
         decode, decode_pb2.DecodeRequest(request_id="r", prompt_token_ids=PROMPT, sampling=greedy(), remote=remote)
     )
     assert tokens == expected
-    assert d.servicer_of("kvmesh.decode.v1.DecodeService").worker.counters.transfer_failures == 1
+    assert d.servicer_of("kvmesh.api.decode.v1.DecodeService").worker.counters.transfer_failures == 1
 
 
 async def test_local_prefill_on_decode_and_first_token_finish(services, expected):
@@ -160,7 +160,7 @@ async def test_cancelled_decode_frees_its_blocks(services):
         decode_pb2.DecodeRequest(request_id="c", prompt_token_ids=PROMPT, sampling=greedy(400), local={})
     )
     await call.read()
-    engine = d.servicer_of("kvmesh.decode.v1.DecodeService").worker.engine
+    engine = d.servicer_of("kvmesh.api.decode.v1.DecodeService").worker.engine
     assert await engine.call(lambda e: e.num_running) == 1
     call.cancel()
     for _ in range(50):

@@ -3,7 +3,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvmesh.gateway.v1 import gateway_pb2_grpc
+from kvmesh.api.gateway.v1 import gateway_pb2_grpc
 from tests.e2e.mesh_helpers import start_mesh, write_model
 
 

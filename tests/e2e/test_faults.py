@@ -23,10 +23,10 @@ import pytest
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.common.v1 import sampling_pb2, worker_pb2
-from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from kvmesh.api.common.v1 import sampling_pb2, worker_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from kvmesh.launcher import RestartPolicy
-from kvmesh.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.structured.spec import GrammarSpec
 from tests.e2e.mesh_helpers import metrics, poll, start_mesh
 

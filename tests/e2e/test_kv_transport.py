@@ -17,12 +17,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvmesh.common.v1 import sampling_pb2
-from kvmesh.decode.v1 import decode_pb2, decode_pb2_grpc
+from kvmesh.api.common.v1 import sampling_pb2
+from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc
 from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
 from kvmesh.launcher.supervisor import Mesh
 from kvmesh.launcher.topology import REPO_ROOT, ProcessSpec, Topology, free_port
-from kvmesh.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from kvmesh.worker.kv_nixl import load_nixl
 from tests.e2e.mesh_helpers import metrics
 

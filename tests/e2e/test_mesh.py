@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from kvmesh.common.v1 import sampling_pb2
+from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
-from kvmesh.gateway.v1 import gateway_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2
 from tests.e2e.mesh_helpers import BLOCK, metrics
 
 pytestmark = pytest.mark.timeout(300)

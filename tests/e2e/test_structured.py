@@ -11,9 +11,9 @@ import grpc
 import jsonschema
 import pytest
 
-from kvmesh.common.v1 import sampling_pb2
+from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
-from kvmesh.gateway.v1 import gateway_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.structured.spec import GrammarSpec
 from tests.e2e.mesh_helpers import metrics
 from tests.structured.schemas import SCHEMAS

@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Callable
 
-from kvmesh.common.v1 import accounting_pb2, kv_pb2, sampling_pb2, worker_pb2
-from kvmesh.decode.v1 import decode_pb2
+from kvmesh.api.common.v1 import accounting_pb2, kv_pb2, sampling_pb2, worker_pb2
+from kvmesh.api.decode.v1 import decode_pb2
 from kvmesh.errors import Unavailable
-from kvmesh.prefill.v1 import prefill_pb2
-from kvmesh.router.v1 import router_pb2
+from kvmesh.api.prefill.v1 import prefill_pb2
+from kvmesh.api.router.v1 import router_pb2
 from services.gateway.backends import RouterUnreachable
 
 FIRST_TOKEN = 7

@@ -12,11 +12,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from kvmesh.common.v1 import accounting_pb2, kv_pb2, sampling_pb2, worker_pb2
-from kvmesh.decode.v1 import decode_pb2, decode_pb2_grpc
+from kvmesh.api.common.v1 import accounting_pb2, kv_pb2, sampling_pb2, worker_pb2
+from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc
 from kvmesh.errors import Unavailable
-from kvmesh.prefill.v1 import prefill_pb2, prefill_pb2_grpc
-from kvmesh.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.runtime import GrpcService, ServiceContext, ServiceDef, current_request_id
 
 TOKENS = [7, 11, 12, 13]

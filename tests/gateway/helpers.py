@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from kvmesh.common.v1 import sampling_pb2
-from kvmesh.gateway.v1 import gateway_pb2
+from kvmesh.api.common.v1 import sampling_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2
 from services.gateway.core import Gateway
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model import ServedModel

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.errors import InvalidArgument, Unavailable
-from kvmesh.prefill.v1 import prefill_pb2
+from kvmesh.api.prefill.v1 import prefill_pb2
 from tests.gateway.fakes import DECODE_TOKENS, FIRST_TOKEN, FakeMesh
 from services.gateway.migration import MigrationPolicy
 from tests.gateway.helpers import PROMPT, collect, make_gateway, request, sample

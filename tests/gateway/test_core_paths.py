@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvmesh.common.v1 import kv_pb2, sampling_pb2
-from kvmesh.prefill.v1 import prefill_pb2
+from kvmesh.api.common.v1 import kv_pb2, sampling_pb2
+from kvmesh.api.prefill.v1 import prefill_pb2
 from tests.gateway.fakes import DECODE_TOKENS, FIRST_TOKEN, FakeMesh
 from tests.gateway.helpers import PROMPT, collect, make_gateway, request, sample
 

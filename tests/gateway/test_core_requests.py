@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from kvmesh.common.v1 import sampling_pb2
+from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.errors import InvalidArgument, NotFound
-from kvmesh.gateway.v1 import gateway_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2
 from services.gateway.core import _cut_at_stop
 from tests.gateway.conftest import CONTEXT, LABEL
 from tests.gateway.fakes import FakeMesh

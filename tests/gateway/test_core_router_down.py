@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.errors import Unavailable
-from kvmesh.router.v1 import router_pb2
+from kvmesh.api.router.v1 import router_pb2
 from services.gateway.backends import RouterUnreachable
 from services.gateway.route_fallback import LastKnownWorkers
 from tests.gateway.fakes import DECODE_TOKENS, FIRST_TOKEN, FakeMesh, endpoint

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from kvmesh.common.v1 import sampling_pb2
+from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.errors import InvalidArgument
-from kvmesh.gateway.v1 import gateway_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.structured.spec import GrammarSpec
 from services.gateway.model import ServedModel
 from services.gateway.tool_calls import FORMATS

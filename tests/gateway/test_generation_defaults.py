@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from kvmesh.common.v1 import sampling_pb2
+from kvmesh.api.common.v1 import sampling_pb2
 from services.gateway.generation_defaults import GenerationDefaults, formatting_tokens
 from services.gateway.model import ServedModel
 from tests.gateway.fakes import FakeMesh

@@ -16,7 +16,7 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvmesh.common.v1 import sampling_pb2
+from kvmesh.api.common.v1 import sampling_pb2
 from services.gateway.auth import ApiKeys
 from services.gateway.core import Gateway
 from services.gateway.http_app import HttpApi

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from kvmesh.errors import Unauthenticated
-from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from kvmesh.runtime import parse_flags, serve
 from services.gateway.auth import ApiKeys, tenant_cache_salt
 from services.gateway.main import FLAGS, build

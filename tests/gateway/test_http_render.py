@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.common.v1 import accounting_pb2, sampling_pb2
+from kvmesh.api.common.v1 import accounting_pb2, sampling_pb2
 from kvmesh.errors import KvmeshError, Unavailable
-from kvmesh.gateway.v1 import gateway_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2
 from services.gateway.openai_render import ChatRenderer, CompletionRenderer, TokenTexts, finish_reason
 
 

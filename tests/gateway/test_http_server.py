@@ -9,7 +9,7 @@ import aiohttp
 import grpc
 import pytest
 
-from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from kvmesh.runtime import common_flags, parse_flags, serve
 from services.gateway.main import FLAGS, build
 from tests.gateway.grpc_fakes import Mesh, build_mesh
@@ -51,7 +51,7 @@ async def test_both_apis_share_the_core_and_its_metrics(mesh, model_dir) -> None
 
     for text in (over_http, on_metrics_port):
         assert 'kvmesh_gateway_requests_total{method="generate",outcome="ok"} 2.0' in text
-        assert 'kvmesh_rpc_requests_total{code="OK",method="Generate",service="kvmesh.gateway.v1.GatewayService"}' in text
+        assert 'kvmesh_rpc_requests_total{code="OK",method="Generate",service="kvmesh.api.gateway.v1.GatewayService"}' in text
         assert 'kvmesh_http_requests_total{route="/v1/completions",status="200"} 1.0' in text
 
 

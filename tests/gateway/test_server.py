@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from kvmesh.runtime import Runtime, parse_flags, serve
 from services.gateway.main import FLAGS, build
 from tests.gateway.conftest import LABEL

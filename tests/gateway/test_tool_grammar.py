@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 import xgrammar as xgr
 
-from kvmesh.gateway.v1 import gateway_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.structured.spec import GrammarSpec
 from services.gateway.tool_calls import FORMATS
 from services.gateway.tool_calls.hermes import CALL_SUFFIX, HermesParser, call_prefix

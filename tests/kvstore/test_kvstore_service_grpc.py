@@ -21,8 +21,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.blocks import block_hashes
-from kvmesh.common.v1 import kv_pb2
-from kvmesh.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from kvmesh.api.common.v1 import kv_pb2
+from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.runtime import Runtime, common_flags, parse_flags, serve
 from kvmesh.checksum import checksum
 from kvmesh.chunking import split

@@ -13,9 +13,9 @@ import asyncio
 import urllib.request
 from pathlib import Path
 
-from kvmesh.common.v1 import kv_pb2, worker_pb2
-from kvmesh.kvstore.v1 import kvstore_pb2
-from kvmesh.router.v1 import router_pb2
+from kvmesh.api.common.v1 import kv_pb2, worker_pb2
+from kvmesh.api.kvstore.v1 import kvstore_pb2
+from kvmesh.api.router.v1 import router_pb2
 from kvmesh.runtime import serve
 from tests.kvstore.test_kvstore_service_grpc import blobs, kvstore, put_stream
 from tests.router.test_router_service_grpc import LAYOUT, router_service, stub_for

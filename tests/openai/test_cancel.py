@@ -31,7 +31,7 @@ def _back_to(mesh, baseline: tuple[float, float, float]) -> tuple[float, float, 
 
 def _decode_rpcs(mesh, code: str) -> float:
     return metrics(mesh, "decode-0").get(
-        f"kvmesh_rpc_requests_total{{code={code},method=Decode,service=kvmesh.decode.v1.DecodeService}}", 0.0)
+        f"kvmesh_rpc_requests_total{{code={code},method=Decode,service=kvmesh.api.decode.v1.DecodeService}}", 0.0)
 
 
 def _hang_up_after_three_events(mesh, base_url: str, baseline: tuple[float, float, float]) -> str:

@@ -11,7 +11,7 @@ import grpc
 import openai
 import pytest
 
-from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from kvmesh.launcher.topology import free_port
 from kvmesh.runtime import common_flags, parse_flags, serve
 from services.gateway.main import FLAGS, build

@@ -17,8 +17,8 @@ import grpc
 import pytest
 
 from kvmesh.blocks import block_hashes
-from kvmesh.common.v1 import kv_pb2, worker_pb2
-from kvmesh.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.api.common.v1 import kv_pb2, worker_pb2
+from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.runtime import Runtime, common_flags, parse_flags, serve
 from services.router.main import FLAGS, build
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.common.v1 import kv_pb2, worker_pb2
-from kvmesh.router.v1 import router_pb2
+from kvmesh.api.common.v1 import kv_pb2, worker_pb2
+from kvmesh.api.router.v1 import router_pb2
 from kvmesh.worker import RouterLink
 from services.router.server import RouterServicer
 from tests.router.test_router_service_grpc import (
@@ -80,7 +80,7 @@ async def indexed(stub, worker_id: str) -> int:
 
 async def test_a_decode_link_registers_publishes_and_recovers_from_a_gap(redis_server) -> None:
     async with router_service(redis_server.url) as rt, stub_for(rt) as stub:
-        router = rt.servicer_of("kvmesh.router.v1.RouterService")
+        router = rt.servicer_of("kvmesh.api.router.v1.RouterService")
         assert isinstance(router, RouterServicer)
         tokens = prompt(64)
         chain = names(tokens)

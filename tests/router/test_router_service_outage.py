@@ -10,7 +10,7 @@ import asyncio
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.router.v1 import router_pb2
+from kvmesh.api.router.v1 import router_pb2
 from tests.router.test_router_service_grpc import (
     GPU,
     PREFILL,

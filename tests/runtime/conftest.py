@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import grpc
 import pytest
 
-from kvmesh.kvstore.v1 import kvstore_pb2_grpc
+from kvmesh.api.kvstore.v1 import kvstore_pb2_grpc
 from kvmesh.runtime import Runtime, configure_logging, serve
 from tests.runtime.fakes import build_kvstore
 

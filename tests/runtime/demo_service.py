@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import structlog
 
-from kvmesh.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
 from tests.runtime.fakes import FakeKVStore
 

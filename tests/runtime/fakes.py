@@ -14,10 +14,10 @@ import grpc
 import structlog
 
 from kvmesh.errors import InvalidArgument, NotFound
-from kvmesh.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
-from kvmesh.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.runtime import GrpcService, ServiceContext, ServiceDef, create_channel
-from kvmesh.speculator.v1 import speculator_pb2, speculator_pb2_grpc
+from kvmesh.api.speculator.v1 import speculator_pb2, speculator_pb2_grpc
 
 log = structlog.get_logger("tests.fakes")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvmesh.common.v1 import kv_pb2
-from kvmesh.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from kvmesh.api.common.v1 import kv_pb2
+from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.runtime import Runtime
-from kvmesh.speculator.v1 import speculator_pb2, speculator_pb2_grpc
+from kvmesh.api.speculator.v1 import speculator_pb2, speculator_pb2_grpc
 from tests.runtime.fakes import SECRET
 
 

@@ -8,7 +8,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvmesh.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.runtime import Runtime, ServiceContext, ServiceDef
 from tests.runtime.fakes import build_kvstore
 
@@ -47,7 +47,7 @@ async def test_health_life_cycle_and_readiness_gate() -> None:
     while not seen:
         await asyncio.sleep(0.01)
     assert seen == [("start", NOT_SERVING)]
-    assert await _health(runtime.port, "kvmesh.kvstore.v1.KVStoreService") == NOT_SERVING
+    assert await _health(runtime.port, "kvmesh.api.kvstore.v1.KVStoreService") == NOT_SERVING
 
     # Not ready yet: the service's own RPCs are refused with UNAVAILABLE.
     async with grpc.aio.insecure_channel(f"127.0.0.1:{runtime.port}") as channel:
@@ -62,7 +62,7 @@ async def test_health_life_cycle_and_readiness_gate() -> None:
         may_finish_start.set()
         await starting
         assert await _health(runtime.port) == SERVING
-        assert await _health(runtime.port, "kvmesh.kvstore.v1.KVStoreService") == SERVING
+        assert await _health(runtime.port, "kvmesh.api.kvstore.v1.KVStoreService") == SERVING
         assert (await stub.Stats(kvstore_pb2.StatsRequest())).ram_blocks == 7
 
     await runtime.stop()
@@ -78,13 +78,13 @@ async def test_reflection_lists_services(kvstore: Runtime) -> None:
         async for resp in stub.ServerReflectionInfo(iter([request])):
             names |= {s.name for s in resp.list_services_response.service}
         assert {
-            "kvmesh.kvstore.v1.KVStoreService",
-            "kvmesh.speculator.v1.SpeculatorService",
+            "kvmesh.api.kvstore.v1.KVStoreService",
+            "kvmesh.api.speculator.v1.SpeculatorService",
             "grpc.health.v1.Health",
         } <= names
 
         # Descriptors resolve too, so grpcurl can call the service by name.
-        request = reflection_pb2.ServerReflectionRequest(file_containing_symbol="kvmesh.kvstore.v1.KVStoreService")
+        request = reflection_pb2.ServerReflectionRequest(file_containing_symbol="kvmesh.api.kvstore.v1.KVStoreService")
         async for resp in stub.ServerReflectionInfo(iter([request])):
             assert resp.file_descriptor_response.file_descriptor_proto
 

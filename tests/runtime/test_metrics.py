@@ -10,7 +10,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.runtime import GpuStats, Runtime, gpu, gpu_stats, serve
 from kvmesh.runtime.gpu import _visible
 from tests.runtime.fakes import build_kvstore
@@ -29,7 +29,7 @@ def _value(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
-SVC = "kvmesh.kvstore.v1.KVStoreService"
+SVC = "kvmesh.api.kvstore.v1.KVStoreService"
 
 
 async def test_metrics_count_rpcs_by_code(kvstore: Runtime, kvstore_stub: kvstore_pb2_grpc.KVStoreServiceStub) -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvmesh.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
-from kvmesh.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.runtime import METADATA_KEY, Runtime, create_channel, current_request_id, request_id_scope, serve
-from kvmesh.speculator.v1 import speculator_pb2, speculator_pb2_grpc
+from kvmesh.api.speculator.v1 import speculator_pb2, speculator_pb2_grpc
 from tests.runtime.fakes import build_router
 
 
@@ -16,7 +16,7 @@ async def test_request_id_from_metadata_is_in_the_logs(kvstore_stub: kvstore_pb2
     await kvstore_stub.Stats(kvstore_pb2.StatsRequest(), metadata=((METADATA_KEY, "req-123"),))
     called = [e for e in logs() if e["event"] == "stats called"]
     assert called and called[0]["request_id"] == "req-123"
-    assert called[0]["rpc"] == "/kvmesh.kvstore.v1.KVStoreService/Stats"
+    assert called[0]["rpc"] == "/kvmesh.api.kvstore.v1.KVStoreService/Stats"
     done = [e for e in logs() if e["event"] == "rpc done"]
     assert done and done[0]["request_id"] == "req-123" and done[0]["code"] == "OK"
 

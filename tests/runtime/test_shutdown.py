@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvmesh.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.runtime import Runtime, serve
 from tests.runtime.fakes import build_kvstore
 

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvmesh.runtime import Runtime, common_flags, create_channel, parse_flags, serve
-from kvmesh.speculator.v1 import speculator_pb2, speculator_pb2_grpc
+from kvmesh.api.speculator.v1 import speculator_pb2, speculator_pb2_grpc
 from services.speculator import main
 from services.speculator.client import SpeculatorProposer
 from tests.service_helpers import serve_main

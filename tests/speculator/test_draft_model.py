@@ -18,7 +18,7 @@ import pytest
 from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.runtime import common_flags, parse_flags
-from kvmesh.speculator.v1 import speculator_pb2_grpc
+from kvmesh.api.speculator.v1 import speculator_pb2_grpc
 from services.speculator import main
 from services.speculator.candidate import Source
 from services.speculator.core import DRAFT_MODEL_MATCH_TOKENS, Speculator, SpeculatorConfig

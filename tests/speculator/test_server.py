@@ -7,7 +7,7 @@ import urllib.request
 import grpc
 import pytest
 
-from kvmesh.speculator.v1 import speculator_pb2, speculator_pb2_grpc
+from kvmesh.api.speculator.v1 import speculator_pb2, speculator_pb2_grpc
 from services.speculator import main
 from tests.service_helpers import serve_main
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvmesh.errors import InvalidArgument, NotFound
-from kvmesh.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.runtime import GrpcService, ServiceContext, ServiceDef
 
 HEARTBEAT_INTERVAL_MS = 20

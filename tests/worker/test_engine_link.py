@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.common.v1 import kv_pb2, worker_pb2
+from kvmesh.api.common.v1 import kv_pb2, worker_pb2
 from kvmesh.engine import LLMEngine
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.sampling_params import SamplingParams

@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from kvmesh.blocks import block_hashes
-from kvmesh.common.v1 import kv_pb2, worker_pb2
-from kvmesh.router.v1 import router_pb2
+from kvmesh.api.common.v1 import kv_pb2, worker_pb2
+from kvmesh.api.router.v1 import router_pb2
 from kvmesh.runtime import Runtime, serve
 from kvmesh.worker import RouterLink, SnapshotFn
 from tests.worker.fake_router import RouterState, build_fake_router

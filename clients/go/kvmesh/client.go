@@ -6,7 +6,7 @@ import (
 
 	"google.golang.org/grpc"
 
-	gatewayv1 "github.com/kvmesh/kvmesh/clients/go/gen/kvmesh/gateway/v1"
+	gatewayv1 "github.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/gateway/v1"
 )
 
 // Client calls one kvmesh gateway. It is safe for concurrent use; Close it

@@ -1,5 +1,5 @@
 // Package kvmesh is a small client for kvmesh's public gRPC API
-// (kvmesh.gateway.v1.GatewayService), on top of the code generated from
+// (kvmesh.api.gateway.v1.GatewayService), on top of the code generated from
 // protos/ into github.com/kvmesh/kvmesh/clients/go/gen.
 //
 // Streams are Go iterators: ranging over Generate or Chat yields chunks as the

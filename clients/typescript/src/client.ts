@@ -10,7 +10,7 @@ import {
   GenerateRequestSchema,
   type ModelInfo,
   TokenizeRequestSchema,
-} from "./gen/kvmesh/gateway/v1/gateway_pb.js";
+} from "./gen/kvmesh/api/gateway/v1/gateway_pb.js";
 
 /** A GenerateRequest as a plain object (or a message made with `create`). */
 export type GenerateRequestInit = MessageInitShape<typeof GenerateRequestSchema>;
@@ -32,7 +32,7 @@ export interface CallOptions {
 }
 
 /**
- * A client for kvmesh's public gRPC API (kvmesh.gateway.v1.GatewayService),
+ * A client for kvmesh's public gRPC API (kvmesh.api.gateway.v1.GatewayService),
  * over @connectrpc/connect-node's gRPC (HTTP/2) transport.
  *
  * Errors are ConnectErrors whose `code` is the gRPC status code

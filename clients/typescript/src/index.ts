@@ -1,5 +1,5 @@
 export { KvmeshClient, type CallOptions, type ChatRequestInit, type GenerateRequestInit, type KvmeshClientOptions } from "./client.js";
 export { Code, ConnectError } from "@connectrpc/connect";
-export * from "./gen/kvmesh/gateway/v1/gateway_pb.js";
-export * from "./gen/kvmesh/common/v1/accounting_pb.js";
-export * from "./gen/kvmesh/common/v1/sampling_pb.js";
+export * from "./gen/kvmesh/api/gateway/v1/gateway_pb.js";
+export * from "./gen/kvmesh/api/common/v1/accounting_pb.js";
+export * from "./gen/kvmesh/api/common/v1/sampling_pb.js";

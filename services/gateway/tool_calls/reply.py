@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import secrets
 
-from kvmesh.common.v1 import sampling_pb2
-from kvmesh.gateway.v1 import gateway_pb2
+from kvmesh.api.common.v1 import sampling_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2
 from services.gateway.tool_calls.format import ParsedCall, ToolCallParser
 
 # How a reply that made calls may have ended; aborts and errors stay what they are.

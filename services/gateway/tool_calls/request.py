@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.errors import InvalidArgument
-from kvmesh.gateway.v1 import gateway_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.structured.spec import GrammarSpec
 from services.gateway.tool_calls.format import CallPolicy, Tool, ToolCallFormat
 from services.gateway.validation import InvalidField, check_grammar

@@ -13,8 +13,8 @@ import (
 
 	"google.golang.org/protobuf/proto"
 
-	commonv1 "github.com/kvmesh/kvmesh/clients/go/gen/kvmesh/common/v1"
-	gatewayv1 "github.com/kvmesh/kvmesh/clients/go/gen/kvmesh/gateway/v1"
+	commonv1 "github.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/common/v1"
+	gatewayv1 "github.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/gateway/v1"
 	"github.com/kvmesh/kvmesh/clients/go/kvmesh"
 )
 
