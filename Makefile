@@ -2,7 +2,7 @@
 # installed into node_modules/ on first use.
 BUF := npx --no-install buf
 
-.PHONY: install up test gen gen-check lint-protos breaking
+.PHONY: install up test lint gen gen-check lint-protos breaking
 
 # Everything the mesh and its tests need on a fresh Debian machine (idempotent).
 install:
@@ -12,9 +12,14 @@ install:
 up: install
 	kvmesh up
 
-# The test suite: installs, checks generated code and the contracts, runs pytest.
-test: install gen-check lint-protos breaking
+# The test suite: installs, checks generated code, the contracts and the Python style, runs pytest.
+test: install lint gen-check lint-protos breaking
 	python3 -m pytest -q
+
+# ruff: lint and format check (configuration in pyproject.toml; `ruff format .` and `ruff check --fix .` mend).
+lint:
+	python3 -m ruff check .
+	python3 -m ruff format --check .
 
 # Regenerate kvmesh/api/ (Python), clients/go/gen/ and clients/typescript/src/gen/ from protos/.
 gen: node_modules/.bin/buf

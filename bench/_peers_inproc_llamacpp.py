@@ -11,7 +11,6 @@ bench/_peers_install.py). Run: ``python bench/_peers_inproc_llamacpp.py MODEL.gg
 
 from __future__ import annotations
 
-import ctypes
 import sys
 import time
 from pathlib import Path

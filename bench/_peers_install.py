@@ -39,12 +39,29 @@ LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 LLAMA_SDIST_DIR = "llama_cpp_python-0.3.36"
 # The converter's requirements (requirements-convert_hf_to_gguf.txt in the sdist) and the binding's
 # (its pyproject), pinned; torch as above.
-LLAMA_VENV_PINS = (TORCH, "numpy==2.2.6", "sentencepiece==0.2.1", "transformers==4.57.6", "protobuf==4.25.8",
-                   "typing-extensions==4.15.0", "diskcache==5.6.3", "jinja2==3.1.6")
+LLAMA_VENV_PINS = (
+    TORCH,
+    "numpy==2.2.6",
+    "sentencepiece==0.2.1",
+    "transformers==4.57.6",
+    "protobuf==4.25.8",
+    "typing-extensions==4.15.0",
+    "diskcache==5.6.3",
+    "jinja2==3.1.6",
+)
 GGUF_PY_PINS = ("tqdm==4.67.1", "pyyaml==6.0.3", "requests==2.33.1")  # the vendored gguf-py's requirements
-CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_BUILD_TESTS=OFF",
-               "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF",
-               "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF")
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DBUILD_SHARED_LIBS=ON",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=ON",
+    "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+)
 CMAKE_TARGETS = ("llama-server", "llama-quantize", "llama")
 BUILD_JOBS = 2
 GGUF_TYPES = {"F32": "f32", "BF16": "bf16"}  # the converter's --outtype per row
@@ -151,7 +168,10 @@ def install_llamacpp(inst: Installer, model: Path) -> LlamaCppInstall:
     sdists = base / "sdist"
     if not any(sdists.glob("llama_cpp_python-*.tar.gz")):
         # --no-binary for this package only: with :all: pip would also build its build backend from source.
-        inst.sh("llamacpp", [*pip, "download", "--no-binary", "llama-cpp-python", "--no-deps", LLAMA_CPP_PYTHON, "-d", sdists])
+        inst.sh(
+            "llamacpp",
+            [*pip, "download", "--no-binary", "llama-cpp-python", "--no-deps", LLAMA_CPP_PYTHON, "-d", sdists],
+        )
     if not src.exists():
         with tarfile.open(next(sdists.glob("llama_cpp_python-*.tar.gz"))) as t:
             t.extractall(base, filter="data")
@@ -174,10 +194,16 @@ def install_llamacpp(inst: Installer, model: Path) -> LlamaCppInstall:
 def _quantize_ggufs(inst: Installer, install: LlamaCppInstall) -> None:
     for name in QUANTIZED_GGUFS:
         if not install.ggufs[name].exists():
-            inst.sh("llamacpp", [install.bin_dir / "llama-quantize", install.ggufs["BF16"], install.ggufs[name], name, "2"])
+            inst.sh(
+                "llamacpp", [install.bin_dir / "llama-quantize", install.ggufs["BF16"], install.ggufs[name], name, "2"]
+            )
 
 
 def llamacpp_env(install: LlamaCppInstall) -> dict[str, str]:
     """Environment for the binding: the build's libraries, the sdist's package on the path."""
-    return {**os.environ, "LLAMA_CPP_LIB_PATH": str(install.bin_dir), "PYTHONPATH": str(install.package_dir),
-            "LD_LIBRARY_PATH": str(install.bin_dir)}
+    return {
+        **os.environ,
+        "LLAMA_CPP_LIB_PATH": str(install.bin_dir),
+        "PYTHONPATH": str(install.package_dir),
+        "LD_LIBRARY_PATH": str(install.bin_dir),
+    }

@@ -61,21 +61,29 @@ def _best(table: dict, engine: str, column: str, precisions: Sequence[str] = SAM
 
 
 def ratios(table: dict) -> dict[str, float | None]:
-    """The issue's ratios (>= 1.0 is its bar for the first two kinds, >= 0.8 for the last); None where a row is missing."""
+    """The issue's ratios (>= 1.0 is its bar for the first two kinds, >= 0.8 for the last); None where a row
+    is missing."""
     out: dict[str, float | None] = {}
     for column, label in (("inproc_16", "in-process 16"), ("http_16", "HTTP 16")):
         for p in SAME_PRECISION:
             out[f"kvmesh/vllm {label} {p}"] = _ratio(_rate(table, "kvmesh", p, column), _rate(table, "vllm", p, column))
         out[f"kvmesh/vllm {label} best"] = _ratio(_best(table, "kvmesh", column), _best(table, "vllm", column))
     for p in LLAMACPP_SAME_PRECISION:
-        out[f"kvmesh/llamacpp in-process 1 {p}"] = _ratio(_rate(table, "kvmesh", p, "inproc_1"), _rate(table, "llamacpp", p, "inproc_1"))
-    out["kvmesh/llamacpp in-process 1 best"] = _ratio(_best(table, "kvmesh", "inproc_1"), _best(table, "llamacpp", "inproc_1"))
+        out[f"kvmesh/llamacpp in-process 1 {p}"] = _ratio(
+            _rate(table, "kvmesh", p, "inproc_1"), _rate(table, "llamacpp", p, "inproc_1")
+        )
+    out["kvmesh/llamacpp in-process 1 best"] = _ratio(
+        _best(table, "kvmesh", "inproc_1"), _best(table, "llamacpp", "inproc_1")
+    )
     kvmesh_any = _best(table, "kvmesh", "inproc_1", ROWS["kvmesh"])
     out["kvmesh best/llamacpp q4_1 in-process 1"] = _ratio(kvmesh_any, _rate(table, "llamacpp", "q4_1", "inproc_1"))
     out["kvmesh best/llamacpp best, any precision, in-process 1"] = _ratio(
-        kvmesh_any, _best(table, "llamacpp", "inproc_1", ROWS["llamacpp"]))
+        kvmesh_any, _best(table, "llamacpp", "inproc_1", ROWS["llamacpp"])
+    )
     for p in ROWS["kvmesh"]:
-        out[f"kvmesh HTTP 1 / in-process 1 {p}"] = _ratio(_rate(table, "kvmesh", p, "http_1"), _rate(table, "kvmesh", p, "inproc_1"))
+        out[f"kvmesh HTTP 1 / in-process 1 {p}"] = _ratio(
+            _rate(table, "kvmesh", p, "http_1"), _rate(table, "kvmesh", p, "inproc_1")
+        )
     return out
 
 

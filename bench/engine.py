@@ -50,14 +50,22 @@ def write_model(path: Path) -> int:
 
 # Real chat questions for the real model (the same kind of workload bench/peers.py runs).
 QUESTIONS = [
-    "What is the capital of France?", "Explain what a Python list comprehension is.",
-    "Write a haiku about autumn leaves.", "How do vaccines train the immune system?",
-    "Give three tips for writing clear emails.", "What causes the seasons on Earth?",
-    "Summarize the plot of Romeo and Juliet.", "How does a hash table work?",
-    "Why is the sky blue?", "Suggest a name for a bakery that sells bread and books.",
-    "What is the difference between a list and a tuple in Python?", "Describe how photosynthesis works.",
-    "Write a short story opening about a lighthouse keeper.", "What are prime numbers? Give examples.",
-    "How can I make my code easier to test?", "Explain recursion to a ten-year-old.",
+    "What is the capital of France?",
+    "Explain what a Python list comprehension is.",
+    "Write a haiku about autumn leaves.",
+    "How do vaccines train the immune system?",
+    "Give three tips for writing clear emails.",
+    "What causes the seasons on Earth?",
+    "Summarize the plot of Romeo and Juliet.",
+    "How does a hash table work?",
+    "Why is the sky blue?",
+    "Suggest a name for a bakery that sells bread and books.",
+    "What is the difference between a list and a tuple in Python?",
+    "Describe how photosynthesis works.",
+    "Write a short story opening about a lighthouse keeper.",
+    "What are prime numbers? Give examples.",
+    "How can I make my code easier to test?",
+    "Explain recursion to a ten-year-old.",
 ]
 
 
@@ -65,18 +73,31 @@ def chat_prompts(path: Path, n: int) -> list[list[int]]:
     from kvmesh.engine.tokenizer import Tokenizer
 
     tok = Tokenizer(path)
-    texts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in (QUESTIONS * (n // len(QUESTIONS) + 1))[:n]]
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": q}]) for q in (QUESTIONS * (n // len(QUESTIONS) + 1))[:n]
+    ]
     return [tok.encode(t, add_special_tokens=False) for t in texts]
 
 
-def make_engine(path: Path, dtype: str, compile: bool = False, quantization: str | None = None,
-                quantize_lm_head: bool = False):
+def make_engine(
+    path: Path, dtype: str, compile: bool = False, quantization: str | None = None, quantize_lm_head: bool = False
+):
     from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
 
     # No prefix cache: every run computes its whole prompt, as the anchor does.
-    engine = LLMEngine(path, EngineConfig(dtype=dtype, num_blocks=512, max_num_seqs=32, max_num_batched_tokens=1024,
-                                          enable_prefix_cache=False, compile=compile, quantization=quantization,
-                                          quantize_lm_head=quantize_lm_head))
+    engine = LLMEngine(
+        path,
+        EngineConfig(
+            dtype=dtype,
+            num_blocks=512,
+            max_num_seqs=32,
+            max_num_batched_tokens=1024,
+            enable_prefix_cache=False,
+            compile=compile,
+            quantization=quantization,
+            quantize_lm_head=quantize_lm_head,
+        ),
+    )
     engine.generate([[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     return engine
 
@@ -90,7 +111,9 @@ def run_kvmesh(engine, prompts: list[list[int]], new_tokens: int) -> tuple[float
     return time.perf_counter() - t0, [r.token_ids for r in results]
 
 
-def run_transformers(path: Path, prompts: list[list[int]], new_tokens: int, dtype: str) -> tuple[float, list[list[int]]]:
+def run_transformers(
+    path: Path, prompts: list[list[int]], new_tokens: int, dtype: str
+) -> tuple[float, list[list[int]]]:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
@@ -115,8 +138,12 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=64, help="random model only: prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step (EngineConfig.compile)")
-    ap.add_argument("--quantization", choices=("int8",), help="8-bit weights (EngineConfig.quantization); "
-                    "transformers runs the unquantized model, so outputs are not compared then")
+    ap.add_argument(
+        "--quantization",
+        choices=("int8",),
+        help="8-bit weights (EngineConfig.quantization); "
+        "transformers runs the unquantized model, so outputs are not compared then",
+    )
     ap.add_argument("--quantize-lm-head", action="store_true", help="with --quantization: the LM head's too")
     ap.add_argument("--json", default="bench/results/engine.json")
     args = ap.parse_args()
@@ -135,7 +162,8 @@ def main() -> int:
         engine = make_engine(path, args.dtype, args.compile, args.quantization, args.quantize_lm_head)
         model = engine.model  # 8-bit weights are buffers; a tied head's 8-bit copy is no extra weight
         n_params = sum(p.numel() for p in model.parameters()) + sum(
-            m.qweight.numel() for m in model.modules() if hasattr(m, "qweight") and m is not model.head_proj)
+            m.qweight.numel() for m in model.modules() if hasattr(m, "qweight") and m is not model.head_proj
+        )
         kv_s, kv_out = run_kvmesh(engine, prompts, args.new_tokens)
         one_s, one_out = run_kvmesh(engine, prompts[:1], args.new_tokens)
         roof = ceilings(engine.model, args.requests, engine.dtype)
@@ -167,9 +195,12 @@ def main() -> int:
             "one_alone": (args.new_tokens / one_s) / roof["batch1_tokens_per_s"],
         },
     }
-    print(f"engine benchmark: {args.model} ({n_params / 1e6:.1f}M params), {args.requests} requests x "
-          f"{result['prompt_lens'][0]}-{result['prompt_lens'][1]} prompt + {args.new_tokens} new tokens, greedy, CPU {args.dtype}"
-          f"{', compiled decode' if args.compile else ''}{f', {args.quantization} weights' if args.quantization else ''}")
+    print(
+        f"engine benchmark: {args.model} ({n_params / 1e6:.1f}M params), {args.requests} requests x "
+        f"{result['prompt_lens'][0]}-{result['prompt_lens'][1]} prompt + {args.new_tokens} new tokens, "
+        f"greedy, CPU {args.dtype}"
+        f"{', compiled decode' if args.compile else ''}{f', {args.quantization} weights' if args.quantization else ''}"
+    )
     print_table(
         ["run", "seconds", "tokens/s"],
         [
@@ -180,10 +211,16 @@ def main() -> int:
     )
     print(f"ratio kvmesh / transformers: {result['ratio']:.2f}x   identical outputs: {result['identical_outputs']}")
     frac = result["fraction_of_roofline"]
-    print(f"roofline: batch {args.requests} = {roof[f'batch{args.requests}_tokens_per_s']:.0f} tok/s (the step's matmuls alone, "
-          f"{roof[f'batch{args.requests}_matmul_gflop_s']:.0f} GFLOP/s), batch 1 = {roof['batch1_tokens_per_s']:.0f} tok/s "
-          f"(weights {roof['weight_bytes'] / 1e6:.0f} MB at {roof['copy_bandwidth_gb_s']:.1f} GB/s copy bandwidth)")
-    print(f"kvmesh at {frac['batch']:.0%} of the batch-{args.requests} roofline, {frac['one_alone']:.0%} of the batch-1 roofline")
+    print(
+        f"roofline: batch {args.requests} = {roof[f'batch{args.requests}_tokens_per_s']:.0f} tok/s "
+        f"(the step's matmuls alone, {roof[f'batch{args.requests}_matmul_gflop_s']:.0f} GFLOP/s), "
+        f"batch 1 = {roof['batch1_tokens_per_s']:.0f} tok/s "
+        f"(weights {roof['weight_bytes'] / 1e6:.0f} MB at {roof['copy_bandwidth_gb_s']:.1f} GB/s copy bandwidth)"
+    )
+    print(
+        f"kvmesh at {frac['batch']:.0%} of the batch-{args.requests} roofline, "
+        f"{frac['one_alone']:.0%} of the batch-1 roofline"
+    )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.json}")

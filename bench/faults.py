@@ -55,9 +55,9 @@ from _table import print_table  # noqa: E402
 
 from kvmesh.api.common.v1 import sampling_pb2  # noqa: E402
 from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
+from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc  # noqa: E402
 from kvmesh.launcher import Mesh, MeshOptions, RestartPolicy, build_topology  # noqa: E402
 from kvmesh.launcher.topology import REPO_ROOT  # noqa: E402
-from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc  # noqa: E402
 
 MODEL = REPO_ROOT / "models" / "pycode-small"
 PROMPTS = [
@@ -146,7 +146,9 @@ class Bench:
     async def registered(self) -> set[str]:
         try:
             async with grpc.aio.insecure_channel(self.mesh.address("router")) as ch:
-                resp = await router_pb2_grpc.RouterServiceStub(ch).ListWorkers(router_pb2.ListWorkersRequest(), timeout=2)
+                resp = await router_pb2_grpc.RouterServiceStub(ch).ListWorkers(
+                    router_pb2.ListWorkersRequest(), timeout=2
+                )
             return {w.endpoint.worker_id for w in resp.workers}
         except grpc.aio.AioRpcError:
             return set()
@@ -222,8 +224,11 @@ class Bench:
         if victim == "none":
             return None
         if victim == "decode":
-            busy = {w: metrics(self.mesh, w).get("kvmesh_engine_kv_blocks_in_use", 0) for w in self.workers
-                    if w.startswith(victim)}
+            busy = {
+                w: metrics(self.mesh, w).get("kvmesh_engine_kv_blocks_in_use", 0)
+                for w in self.workers
+                if w.startswith(victim)
+            }
             return max(busy, key=busy.get)
         return victim
 
@@ -241,8 +246,11 @@ class Bench:
         """The gateway's migrations and retries so far, and the decode workers' failed KV pulls."""
         m = metrics(self.mesh, "gateway")
         retries = sum(v for k, v in m.items() if k.startswith("kvmesh_gateway_retries_total"))
-        lost = sum(metrics(self.mesh, w).get("kvmesh_decode_transfer_failures_total", 0.0)
-                   for w in self.workers if w.startswith("decode"))
+        lost = sum(
+            metrics(self.mesh, w).get("kvmesh_decode_transfer_failures_total", 0.0)
+            for w in self.workers
+            if w.startswith("decode")
+        )
         return m.get("kvmesh_gateway_migrations_total{outcome=resumed}", 0.0), retries, lost
 
     def count_moves(self, tally: Tally, before: tuple[float, float, float]) -> None:
@@ -285,8 +293,14 @@ class Bench:
         recovery_s = await probes
         if victim != "gateway":  # a restarted gateway counts from zero
             self.count_moves(tally, moves_before)
-        return {"victim": victim, "process": name, **asdict(tally), "recovery_s": recovery_s, "back_s": back_s,
-                "leaks": await self.leaks()}
+        return {
+            "victim": victim,
+            "process": name,
+            **asdict(tally),
+            "recovery_s": recovery_s,
+            "back_s": back_s,
+            "leaks": await self.leaks(),
+        }
 
     async def soak(self, minutes: float) -> dict:
         args, tally, kills = self.args, Tally(), []
@@ -317,16 +331,29 @@ class Bench:
 async def run(args: argparse.Namespace, run_dir: Path) -> dict:
     env = {
         # Never prefill on decode (unless the router says no prefill worker is left), so prefill matters.
-        "router": {"KVMESH_LOCAL_PREFILL_MAX_UNCACHED_TOKENS": "0", "KVMESH_LOCAL_PREFILL_MIN_HIT_FRACTION": "2",
-                   "KVMESH_LEASE_TTL_MS": "3000"},
+        "router": {
+            "KVMESH_LOCAL_PREFILL_MAX_UNCACHED_TOKENS": "0",
+            "KVMESH_LOCAL_PREFILL_MIN_HIT_FRACTION": "2",
+            "KVMESH_LEASE_TTL_MS": "3000",
+        },
         "prefill": {"KVMESH_NUM_BLOCKS": "512"},
         "decode": {"KVMESH_NUM_BLOCKS": "512", "KVMESH_NUM_SPECULATIVE_TOKENS": "4"},
-        "gateway": {"KVMESH_STREAM_IDLE_TIMEOUT_SECONDS": "10", "KVMESH_TOKEN_STALL_TIMEOUT_SECONDS": "5",
-                    "KVMESH_RPC_TIMEOUT_SECONDS": "2",
-                    "KVMESH_PREFILL_TIMEOUT_SECONDS": "10"},
+        "gateway": {
+            "KVMESH_STREAM_IDLE_TIMEOUT_SECONDS": "10",
+            "KVMESH_TOKEN_STALL_TIMEOUT_SECONDS": "5",
+            "KVMESH_RPC_TIMEOUT_SECONDS": "2",
+            "KVMESH_PREFILL_TIMEOUT_SECONDS": "10",
+        },
     }
-    options = MeshOptions(model=MODEL, prefill=args.prefill, decode=args.decode, publish=False, gateway_port=0,
-                          grace_seconds=3.0, role_env=env)
+    options = MeshOptions(
+        model=MODEL,
+        prefill=args.prefill,
+        decode=args.decode,
+        publish=False,
+        gateway_port=0,
+        grace_seconds=3.0,
+        role_env=env,
+    )
     policy = RestartPolicy(initial_backoff_s=0.5, max_restarts=20)
     mesh = Mesh(build_topology(options, run_dir), run_dir, restart=policy, on_progress=lambda m: None)
     mesh.start()
@@ -358,19 +385,41 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvmesh-faults-") as tmp:
         result = asyncio.run(run(args, Path(tmp)))
 
-    headers = ["victim", "completed", "migrated", "retried", "kv lost", "errors", "hangs", "wrong", "recovery s", "back s",
-               "leaked blocks", "leases", "in flight"]
+    headers = [
+        "victim",
+        "completed",
+        "migrated",
+        "retried",
+        "kv lost",
+        "errors",
+        "hangs",
+        "wrong",
+        "recovery s",
+        "back s",
+        "leaked blocks",
+        "leases",
+        "in flight",
+    ]
     if args.soak:
         s = result["soak"]
         print(f"soak: {s['minutes']:g} min, {args.streams} streams, {len(s['kills'])} kills: {', '.join(s['kills'])}")
         rows = [["(all)", *(s[k] for k in COUNTS), "", "", *s["leaks"].values()]]
         samples = s["error_samples"]
     else:
-        print(f"fault matrix: {args.decode} decode + {args.prefill} prefill workers, {args.streams} concurrent "
-              f"greedy streams of {args.max_tokens} tokens; the victim SIGKILLed mid-stream and restarted")
-        rows = [[r["victim"] + (f" ({r['process']})" if r["process"] and r["process"] != r["victim"] else ""),
-                 *(r[k] for k in COUNTS), f"{r['recovery_s']:.1f}", f"{r['back_s']:.1f}", *r["leaks"].values()]
-                for r in result["rounds"]]
+        print(
+            f"fault matrix: {args.decode} decode + {args.prefill} prefill workers, {args.streams} concurrent "
+            f"greedy streams of {args.max_tokens} tokens; the victim SIGKILLed mid-stream and restarted"
+        )
+        rows = [
+            [
+                r["victim"] + (f" ({r['process']})" if r["process"] and r["process"] != r["victim"] else ""),
+                *(r[k] for k in COUNTS),
+                f"{r['recovery_s']:.1f}",
+                f"{r['back_s']:.1f}",
+                *r["leaks"].values(),
+            ]
+            for r in result["rounds"]
+        ]
         samples = [f"{r['victim']}: {e}" for r in result["rounds"] for e in r["error_samples"][:2]]
     print_table(headers, [[f"{c:g}" if isinstance(c, float) else str(c) for c in row] for row in rows])
     if samples:

@@ -41,9 +41,9 @@ from engine import chat_prompts  # noqa: E402
 
 from kvmesh.api.common.v1 import sampling_pb2  # noqa: E402
 from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc  # noqa: E402
+from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from kvmesh.engine.async_engine import AsyncEngine  # noqa: E402
-from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from kvmesh.launcher.supervisor import Mesh  # noqa: E402
 from kvmesh.launcher.topology import MeshOptions, build_topology, free_port  # noqa: E402
 
@@ -101,7 +101,10 @@ class Depths:
 
     def _sampling(self) -> sampling_pb2.SamplingParams:
         return sampling_pb2.SamplingParams(
-            temperature=0.0, max_tokens=self.n, ignore_eos=True, repetition_penalty=1.0,
+            temperature=0.0,
+            max_tokens=self.n,
+            ignore_eos=True,
+            repetition_penalty=1.0,
             repetition_guard=sampling_pb2.RepetitionGuard(max_repeats=0),
         )
 
@@ -110,8 +113,9 @@ class Depths:
         return await arrivals(outs, t0, lambda out: len(out.new_token_ids))
 
     async def decode_stream(self, prompt: list[int], t0: float) -> list[float]:
-        req = decode_pb2.DecodeRequest(request_id=self._rid(), prompt_token_ids=prompt, sampling=self._sampling(),
-                                       local=decode_pb2.LocalPrefill())
+        req = decode_pb2.DecodeRequest(
+            request_id=self._rid(), prompt_token_ids=prompt, sampling=self._sampling(), local=decode_pb2.LocalPrefill()
+        )
         async with grpc.aio.insecure_channel(self.mesh.address("decode-0")) as ch:
             return await arrivals(decode_pb2_grpc.DecodeServiceStub(ch).Decode(req), t0, lambda m: len(m.token_ids))
 
@@ -125,8 +129,16 @@ class Depths:
         chunks: list[float] = []
         tokens = 0
         async with aiohttp.ClientSession() as s:
-            body = {"model": self.model_id, "prompt": prompt, "max_tokens": self.n, "temperature": 0.0, "stream": True,
-                    "ignore_eos": True, "repetition_penalty": 1.0, "stream_options": {"include_usage": True}}
+            body = {
+                "model": self.model_id,
+                "prompt": prompt,
+                "max_tokens": self.n,
+                "temperature": 0.0,
+                "stream": True,
+                "ignore_eos": True,
+                "repetition_penalty": 1.0,
+                "stream_options": {"include_usage": True},
+            }
             resp = await s.post(self.http_url, json=body)
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
@@ -163,8 +175,16 @@ def start_mesh(model: Path, run_dir: Path, args: argparse.Namespace, http_port: 
     worker = {"KVMESH_DTYPE": args.dtype, "KVMESH_COMPILE": str(int(args.compile))}
     env = {"prefill": worker, "decode": worker, "gateway": {"KVMESH_HTTP_PORT": str(http_port)}}
     prefill = 0 if args.topology == "colocated" else None
-    opts = MeshOptions(model=model, prefill=prefill, decode=1, speculator=False, gateway_port=0, publish=False,
-                       role_env=env, log_level="warning")
+    opts = MeshOptions(
+        model=model,
+        prefill=prefill,
+        decode=1,
+        speculator=False,
+        gateway_port=0,
+        publish=False,
+        role_env=env,
+        log_level="warning",
+    )
     return Mesh(build_topology(opts, run_dir), run_dir).start()
 
 
@@ -218,8 +238,12 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--streams", type=int, default=1, help="concurrent requests per round")
-    ap.add_argument("--topology", choices=("colocated", "compose"), default="colocated",
-                    help="colocated: decode prefills itself; compose: the compose file's mesh (prefill workers, kvstore)")
+    ap.add_argument(
+        "--topology",
+        choices=("colocated", "compose"),
+        default="colocated",
+        help="colocated: decode prefills itself; compose: the compose file's mesh (prefill workers, kvstore)",
+    )
     ap.add_argument("--compile", action="store_true", help="compiled decode step, in the anchor and in decode")
     ap.add_argument("--json", default="bench/results/hops.json")
     args = ap.parse_args()
@@ -229,24 +253,43 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         result = asyncio.run(measure(args, model, Path(tmp)))
     procs = list(result["engine"]["cpu_ms_per_token"])
-    print(f"{args.streams} stream(s) at once, {args.new_tokens} greedy tokens each, {args.dtype}{' compiled' if args.compile else ''}, "
-          f"{args.topology} mesh, "
-          f"median of {args.repeats}; "
-          "CPU ms/token per process (the engine depth runs in 'bench')")
+    print(
+        f"{args.streams} stream(s) at once, {args.new_tokens} greedy tokens each, "
+        f"{args.dtype}{' compiled' if args.compile else ''}, "
+        f"{args.topology} mesh, "
+        f"median of {args.repeats}; "
+        "CPU ms/token per process (the engine depth runs in 'bench')"
+    )
     rows = []
     for depth in DEPTHS:
         r = result[depth]
         added = "" if r["added_ms_per_token"] is None else f"{r['added_ms_per_token']:+.2f}"
-        rows.append([depth, f"{r['tpot_ms']:.2f}", added, f"{r['tokens_per_s']:.1f}",
-                     f"{r['total_tokens_per_s']:.1f}", f"{r['ttft_ms']:.0f}",
-                     *(f"{r['cpu_ms_per_token'][p]:.2f}" for p in procs)])
-    print_table(["depth", "ms/token", "added", "tok/s a stream", "tok/s all", "TTFT ms",
-                 *(f"cpu {p}" for p in procs)], rows)
-    print(f"HTTP / in-process engine: {result['http_over_engine']:.2f}x a stream, "
-          f"{result['http_over_engine_total']:.2f}x all streams")
+        rows.append(
+            [
+                depth,
+                f"{r['tpot_ms']:.2f}",
+                added,
+                f"{r['tokens_per_s']:.1f}",
+                f"{r['total_tokens_per_s']:.1f}",
+                f"{r['ttft_ms']:.0f}",
+                *(f"{r['cpu_ms_per_token'][p]:.2f}" for p in procs),
+            ]
+        )
+    print_table(
+        ["depth", "ms/token", "added", "tok/s a stream", "tok/s all", "TTFT ms", *(f"cpu {p}" for p in procs)], rows
+    )
+    print(
+        f"HTTP / in-process engine: {result['http_over_engine']:.2f}x a stream, "
+        f"{result['http_over_engine_total']:.2f}x all streams"
+    )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    meta = {"dtype": args.dtype, "compile": args.compile, "topology": args.topology, "new_tokens": args.new_tokens,
-            "streams": args.streams}
+    meta = {
+        "dtype": args.dtype,
+        "compile": args.compile,
+        "topology": args.topology,
+        "new_tokens": args.new_tokens,
+        "streams": args.streams,
+    }
     Path(args.json).write_text(json.dumps({**meta, **result}, indent=2))
     print(f"wrote {args.json}")
     return 0

@@ -42,7 +42,6 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import torch  # noqa: E402
-
 from _table import print_table  # noqa: E402
 
 DEVICE = "cuda"
@@ -51,8 +50,12 @@ HQ, HK, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 HIDDEN, INTERMEDIATE = 4096, 14336
 DECODE_CASES = [(64, 4096), (8, 32768)]  # (batch, context)
 PREFILL_CASES = [(4, 0, 8192), (8, 7168, 1024)]  # (batch, cached prefix, new tokens)
-FP8_CASES = [(16, 2 * INTERMEDIATE, HIDDEN), (4096, 2 * INTERMEDIATE, HIDDEN), (16, HIDDEN, INTERMEDIATE),
-             (4096, HIDDEN, INTERMEDIATE)]  # fmt: skip  (M, N, K): gate_up and down projections
+FP8_CASES = [
+    (16, 2 * INTERMEDIATE, HIDDEN),
+    (4096, 2 * INTERMEDIATE, HIDDEN),
+    (16, HIDDEN, INTERMEDIATE),
+    (4096, HIDDEN, INTERMEDIATE),
+]  # fmt: skip  (M, N, K): gate_up and down projections
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 2e-3}  # bf16 operands; tf32 dots
 UNOWNED = 1.0e4  # cache slots past a sequence's end: a kernel that reads them is far off
 
@@ -336,7 +339,11 @@ def check_8bit_weights(report: Report, k: Any) -> None:
         x = torch.randn(m, 4000, device=dev).to(torch.bfloat16)
         with poisoned_allocations():
             out = k.int8_scaled_mm(x, iq, iscale, None)
-        report.check(f"int8_scaled_mm bf16 x int8 M={m}", relative_error(out, reference.int8_scaled_mm(x.float(), iq, iscale)), 1e-2)
+        report.check(
+            f"int8_scaled_mm bf16 x int8 M={m}",
+            relative_error(out, reference.int8_scaled_mm(x.float(), iq, iscale)),
+            1e-2,
+        )
 
 
 def time_decode(report: Report, k: Any) -> None:
@@ -519,7 +526,13 @@ def sweep_attention(report: Report, k: Any, deadline: float) -> None:
                                   "TFLOPs": tflops})  # fmt: skip
         del kv
     fp8_variants = {  # decode-sized or not: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
-        True: [(16, 64, 128, 4, 4), (16, 32, 256, 4, 4), (16, 64, 256, 4, 3), (16, 32, 128, 4, 6), (16, 128, 128, 4, 4)],
+        True: [
+            (16, 64, 128, 4, 4),
+            (16, 32, 256, 4, 4),
+            (16, 64, 256, 4, 3),
+            (16, 32, 128, 4, 6),
+            (16, 128, 128, 4, 4),
+        ],
         False: [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (64, 128, 64, 4, 4)],
     }
     for m, n, kd in FP8_CASES:
@@ -598,8 +611,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--json", type=Path, help="where to write the results (default: $OUT, else bench/results)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile-configuration sweep")
-    parser.add_argument("--budget-s", type=float, default=420.0,
-                        help="stop starting sweep variants after this many seconds (default 420: one 8-minute run)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=420.0,
+        help="stop starting sweep variants after this many seconds (default 420: one 8-minute run)",
+    )
     parser.add_argument("--checks-only", action="store_true", help="correctness only, no timings")
     return parser.parse_args(argv)
 
@@ -611,8 +628,11 @@ def main(argv: list[str] | None = None) -> int:
         print("kernels_gpu: TRITON_INTERPRET=1 would interpret the kernels on the CPU; unset it", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        print("kernels_gpu: no CUDA device here. This script checks and times the Triton kernels on a GPU: run "
-              "bench/kernels_gpu.sh on a CUDA machine (the CPU checks are pytest tests/kernels).", file=sys.stderr)
+        print(
+            "kernels_gpu: no CUDA device here. This script checks and times the Triton kernels on a GPU: run "
+            "bench/kernels_gpu.sh on a CUDA machine (the CPU checks are pytest tests/kernels).",
+            file=sys.stderr,
+        )
         return 2
     import triton
 

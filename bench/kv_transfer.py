@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import os
 import socket
 import statistics
 import sys
@@ -56,14 +55,14 @@ from _table import print_table  # noqa: E402
 
 from kvmesh.api.common.v1 import sampling_pb2  # noqa: E402
 from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc  # noqa: E402
+from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc  # noqa: E402
+from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc  # noqa: E402
 from kvmesh.engine import EngineConfig, LLMEngine  # noqa: E402
 from kvmesh.engine.config import dtype_name  # noqa: E402
 from kvmesh.engine.kv_cache import BlockPayload  # noqa: E402
 from kvmesh.kv_wire import block_to_chunks  # noqa: E402
-from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc  # noqa: E402
 from kvmesh.launcher.supervisor import Mesh  # noqa: E402
 from kvmesh.launcher.topology import REPO_ROOT, ProcessSpec, Topology, free_port  # noqa: E402
-from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc  # noqa: E402
 
 VOCAB = 2048
 TRANSPORTS = ("grpc", "nixl", "nixl_tcp")
@@ -76,9 +75,15 @@ def write_model(path: Path, max_tokens: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=704, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=max_tokens,
-        initializer_range=0.1, eos_token_id=0,
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=max_tokens,
+        initializer_range=0.1,
+        eos_token_id=0,
     )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(path)
@@ -86,8 +91,14 @@ def write_model(path: Path, max_tokens: int) -> None:
 
 def kvstore(name: str, budget_bytes: int) -> ProcessSpec:
     port, metrics_port = free_port(), free_port()
-    env = {"KVMESH_HOST": "127.0.0.1", "KVMESH_PORT": str(port), "KVMESH_METRICS_PORT": str(metrics_port),
-           "KVMESH_RAM_BUDGET_BYTES": str(budget_bytes), "KVMESH_LOG_LEVEL": "warning", "PYTHONUNBUFFERED": "1"}
+    env = {
+        "KVMESH_HOST": "127.0.0.1",
+        "KVMESH_PORT": str(port),
+        "KVMESH_METRICS_PORT": str(metrics_port),
+        "KVMESH_RAM_BUDGET_BYTES": str(budget_bytes),
+        "KVMESH_LOG_LEVEL": "warning",
+        "PYTHONUNBUFFERED": "1",
+    }
     argv = (sys.executable, "-m", "services.kvstore.main")
     return ProcessSpec(name, "kvstore", argv, env, "127.0.0.1", port, metrics_port, "cpu", workdir=REPO_ROOT)
 
@@ -95,10 +106,18 @@ def kvstore(name: str, budget_bytes: int) -> ProcessSpec:
 def worker(name: str, role: str, model: Path, num_blocks: int, block_size: int, env: dict[str, str]) -> ProcessSpec:
     port, metrics_port = free_port(), free_port()
     env = {
-        "KVMESH_HOST": "127.0.0.1", "KVMESH_PORT": str(port), "KVMESH_METRICS_PORT": str(metrics_port),
-        "KVMESH_MODEL": str(model), "KVMESH_NUM_BLOCKS": str(num_blocks), "KVMESH_BLOCK_SIZE": str(block_size),
-        "KVMESH_WORKER_ID": name, "KVMESH_LOG_LEVEL": "warning", "PYTHONUNBUFFERED": "1",
-        "OMP_WAIT_POLICY": "PASSIVE", "KVMESH_MAX_NUM_BATCHED_TOKENS": "2048", **env,
+        "KVMESH_HOST": "127.0.0.1",
+        "KVMESH_PORT": str(port),
+        "KVMESH_METRICS_PORT": str(metrics_port),
+        "KVMESH_MODEL": str(model),
+        "KVMESH_NUM_BLOCKS": str(num_blocks),
+        "KVMESH_BLOCK_SIZE": str(block_size),
+        "KVMESH_WORKER_ID": name,
+        "KVMESH_LOG_LEVEL": "warning",
+        "PYTHONUNBUFFERED": "1",
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "KVMESH_MAX_NUM_BATCHED_TOKENS": "2048",
+        **env,
     }
     argv = (sys.executable, "-m", f"services.{role}.main")
     return ProcessSpec(name, role, argv, env, "127.0.0.1", port, metrics_port, "cpu", workdir=REPO_ROOT)
@@ -172,8 +191,10 @@ async def seed(store: kvstore_pb2_grpc.KVStoreServiceStub, engine: LLMEngine, pr
     """Random KV (normal floats: no NaN reaches the sampler) under each of ``prompt``'s block hashes."""
     g = torch.Generator().manual_seed(len(prompt))
     samples = [torch.randn(engine.kv.block_shape, generator=g).to(engine.kv.dtype) for _ in range(4)]
-    payloads = [BlockPayload(engine.kv.block_shape, dtype_name(engine.kv.dtype), t.view(torch.uint8).numpy().tobytes())
-                for t in samples]
+    payloads = [
+        BlockPayload(engine.kv.block_shape, dtype_name(engine.kv.dtype), t.view(torch.uint8).numpy().tobytes())
+        for t in samples
+    ]
 
     def chunks():
         for i, h in enumerate(engine.prompt_block_hashes(prompt)):
@@ -208,8 +229,9 @@ def checksum_gbps(block_size: int, model: Path) -> float:
     return 256 * engine.kv.block_nbytes / (time.perf_counter() - t0) / 1e9
 
 
-async def measure_block_size(mesh: Mesh, args: argparse.Namespace, engine: LLMEngine,
-                             decode_pool: int) -> tuple[list[dict], dict]:
+async def measure_block_size(
+    mesh: Mesh, args: argparse.Namespace, engine: LLMEngine, decode_pool: int
+) -> tuple[list[dict], dict]:
     block_size, block_nbytes = engine.config.block_size, engine.kv.block_nbytes
     channels = []
 
@@ -218,8 +240,11 @@ async def measure_block_size(mesh: Mesh, args: argparse.Namespace, engine: LLMEn
         return kind(channels[-1])
 
     pairs = [
-        Pair(t, stub(prefill_pb2_grpc.PrefillServiceStub, "prefill-tcp" if t == "nixl_tcp" else "prefill"),
-             stub(decode_pb2_grpc.DecodeServiceStub, f"decode-{t}"))
+        Pair(
+            t,
+            stub(prefill_pb2_grpc.PrefillServiceStub, "prefill-tcp" if t == "nixl_tcp" else "prefill"),
+            stub(decode_pb2_grpc.DecodeServiceStub, f"decode-{t}"),
+        )
         for t in TRANSPORTS
     ]
     store = stub(kvstore_pb2_grpc.KVStoreServiceStub, "kvstore")
@@ -246,8 +271,14 @@ async def measure_block_size(mesh: Mesh, args: argparse.Namespace, engine: LLMEn
                     gbps[pair.transport].append(blocks * block_nbytes / h.transfer_ns)
                 raw.append(blocks * block_nbytes / raw_tcp_s(blocks * block_nbytes) / 1e9)
             raw_p50 = statistics.median(raw)
-            cell = {"block_size": block_size, "blocks": blocks, "block_bytes": block_nbytes,
-                    "bytes": blocks * block_nbytes, "raw_tcp_gbps": raw_p50, "raw_tcp_samples": raw}
+            cell = {
+                "block_size": block_size,
+                "blocks": blocks,
+                "block_bytes": block_nbytes,
+                "bytes": blocks * block_nbytes,
+                "raw_tcp_gbps": raw_p50,
+                "raw_tcp_samples": raw,
+            }
             for transport, values in gbps.items():
                 p50 = statistics.median(values)
                 cell[transport] = {"gbps": p50, "ratio": p50 / raw_p50, "samples": values}
@@ -258,9 +289,13 @@ async def measure_block_size(mesh: Mesh, args: argparse.Namespace, engine: LLMEn
             for pair in pairs:
                 prompt = torch.randint(1, VOCAB, (args.ttft_tokens,), generator=g).tolist()
                 h = await hand_off(pair, f"ttft-{pair.transport}", prompt)
-                ttft[pair.transport] = {"tokens": args.ttft_tokens, "blocks": h.blocks,
-                                        "prefill_ms": h.prefill_ns / 1e6, "transfer_ms": h.transfer_ns / 1e6,
-                                        "ttft_ms": h.ttft_ns / 1e6}
+                ttft[pair.transport] = {
+                    "tokens": args.ttft_tokens,
+                    "blocks": h.blocks,
+                    "prefill_ms": h.prefill_ns / 1e6,
+                    "transfer_ms": h.transfer_ns / 1e6,
+                    "ttft_ms": h.ttft_ns / 1e6,
+                }
         return cells, ttft
     finally:
         for ch in channels:
@@ -270,8 +305,13 @@ async def measure_block_size(mesh: Mesh, args: argparse.Namespace, engine: LLMEn
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, nargs="+", default=[64, 512], help="blocks per hand-off, one cell each")
-    ap.add_argument("--block-sizes", type=int, nargs="+", default=[16, 8, 64],
-                    help="tokens per KV block (16: 192 KiB blocks, 8: 96 KiB, 64: 768 KiB); the first also runs the TTFT")
+    ap.add_argument(
+        "--block-sizes",
+        type=int,
+        nargs="+",
+        default=[16, 8, 64],
+        help="tokens per KV block (16: 192 KiB blocks, 8: 96 KiB, 64: 768 KiB); the first also runs the TTFT",
+    )
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--ttft-tokens", type=int, default=8000, help="prompt of the TTFT run (0: skip it)")
     ap.add_argument("--json", default="bench/results/kv_transfer.json")
@@ -296,32 +336,64 @@ def main() -> int:
             specs = [
                 store,
                 worker("prefill", "prefill", model, prefill_pool, bs, {"KVMESH_KV_TRANSPORT": "nixl", **via_store}),
-                worker("prefill-tcp", "prefill", model, prefill_pool, bs,
-                       {"KVMESH_KV_TRANSPORT": "nixl", **TCP_ONLY, **via_store}),
+                worker(
+                    "prefill-tcp",
+                    "prefill",
+                    model,
+                    prefill_pool,
+                    bs,
+                    {"KVMESH_KV_TRANSPORT": "nixl", **TCP_ONLY, **via_store},
+                ),
                 worker("decode-grpc", "decode", model, decode_pool, bs, {"KVMESH_KV_TRANSPORT": "grpc"}),
                 worker("decode-nixl", "decode", model, decode_pool, bs, {"KVMESH_KV_TRANSPORT": "nixl"}),
-                worker("decode-nixl_tcp", "decode", model, decode_pool, bs, {"KVMESH_KV_TRANSPORT": "nixl", **TCP_ONLY}),
+                worker(
+                    "decode-nixl_tcp", "decode", model, decode_pool, bs, {"KVMESH_KV_TRANSPORT": "nixl", **TCP_ONLY}
+                ),
             ]
             with Mesh(Topology(tuple(specs)), Path(tmp) / f"run-{bs}") as mesh:
                 c, t = asyncio.run(measure_block_size(mesh, args, engine, decode_pool))
             cells += c
             ttft.update(t)
-    print(f"KV transfer prefill -> decode vs raw loopback TCP (same bytes, same run), median of {args.trials} trials;\n"
-          "grpc/nixl/nixl_tcp verify every block's CRC-32 inside their time, raw TCP is the bare copy (no checksum)")
-    headers = ["block tokens", "blocks", "MiB", "raw TCP GB/s",
-               *(f"{t} GB/s" for t in TRANSPORTS), *(f"{t} ratio" for t in TRANSPORTS)]
-    rows = [[c["block_size"], c["blocks"], f"{c['bytes'] / 2**20:.0f}", f"{c['raw_tcp_gbps']:.2f}",
-             *(f"{c[t]['gbps']:.2f}" for t in TRANSPORTS), *(f"{c[t]['ratio']:.2f}" for t in TRANSPORTS)]
-            for c in cells]
+    print(
+        f"KV transfer prefill -> decode vs raw loopback TCP (same bytes, same run), median of {args.trials} trials;\n"
+        "grpc/nixl/nixl_tcp verify every block's CRC-32 inside their time, raw TCP is the bare copy (no checksum)"
+    )
+    headers = [
+        "block tokens",
+        "blocks",
+        "MiB",
+        "raw TCP GB/s",
+        *(f"{t} GB/s" for t in TRANSPORTS),
+        *(f"{t} ratio" for t in TRANSPORTS),
+    ]
+    rows = [
+        [
+            c["block_size"],
+            c["blocks"],
+            f"{c['bytes'] / 2**20:.0f}",
+            f"{c['raw_tcp_gbps']:.2f}",
+            *(f"{c[t]['gbps']:.2f}" for t in TRANSPORTS),
+            *(f"{c[t]['ratio']:.2f}" for t in TRANSPORTS),
+        ]
+        for c in cells
+    ]
     print_table(headers, rows)
     if ttft:
         print(f"\nTTFT of one {args.ttft_tokens}-token prompt (Prefill call + decode's first token; transfer inside)")
-        print_table(["transport", "blocks", "prefill ms", "transfer ms", "TTFT ms"],
-                    [[t, v["blocks"], f"{v['prefill_ms']:.0f}", f"{v['transfer_ms']:.1f}", f"{v['ttft_ms']:.0f}"]
-                     for t, v in ttft.items()])
-    print("\nblock checksum (CRC-32, each end once per block): "
-          + ", ".join(f"{bs}-token blocks {g:.2f} GB/s" for bs, g in checksums.items()))
-    for c in cells:  # what verification adds to each transfer at that rate (decode's end; prefill's is before its answer)
+        print_table(
+            ["transport", "blocks", "prefill ms", "transfer ms", "TTFT ms"],
+            [
+                [t, v["blocks"], f"{v['prefill_ms']:.0f}", f"{v['transfer_ms']:.1f}", f"{v['ttft_ms']:.0f}"]
+                for t, v in ttft.items()
+            ],
+        )
+    print(
+        "\nblock checksum (CRC-32, each end once per block): "
+        + ", ".join(f"{bs}-token blocks {g:.2f} GB/s" for bs, g in checksums.items())
+    )
+    for (
+        c
+    ) in cells:  # what verification adds to each transfer at that rate (decode's end; prefill's is before its answer)
         ms = c["bytes"] / checksums[c["block_size"]] / 1e6
         c["checksum_ms"] = ms
         print(f"  {c['blocks']} blocks of {c['block_size']} tokens: {ms:.1f} ms per end")

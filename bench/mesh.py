@@ -34,12 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _table import print_table  # noqa: E402
 
 from kvmesh.api.common.v1 import sampling_pb2  # noqa: E402
+from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from kvmesh.engine.async_engine import AsyncEngine  # noqa: E402
-from kvmesh.models.bpe import train_tokenizer, write_tokenizer  # noqa: E402
-from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from kvmesh.launcher.supervisor import Mesh  # noqa: E402
 from kvmesh.launcher.topology import MeshOptions, build_topology  # noqa: E402
+from kvmesh.models.bpe import train_tokenizer, write_tokenizer  # noqa: E402
 
 NUM_BLOCKS = 512
 
@@ -48,9 +48,15 @@ def write_model(path: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096,
-        initializer_range=0.1, eos_token_id=0,
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+        initializer_range=0.1,
+        eos_token_id=0,
     )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(path)
@@ -81,6 +87,7 @@ def _stats(streams: list[list[float]]) -> dict:
 async def engine_streams(model: Path, batch: list[list[int]], n: int) -> list[list[float]]:
     engine = await AsyncEngine.started(lambda: LLMEngine(model, EngineConfig(num_blocks=NUM_BLOCKS)))
     try:
+
         async def one(i: int, p: list[int]) -> list[float]:
             t0, times = time.perf_counter(), []
             async for out in engine.generate(p, SamplingParams(max_tokens=n, ignore_eos=True), f"r{i}"):
@@ -165,7 +172,8 @@ async def run(args: argparse.Namespace, model: Path, tmp: Path) -> dict:
                 eng = _stats(await engine_streams(model, batch, args.new_tokens))
                 msh = _stats((await mesh_streams(gw, batch, args.new_tokens))[0])
                 result["latency"][conc] = {
-                    "engine": eng, "mesh": msh,
+                    "engine": eng,
+                    "mesh": msh,
                     "overhead_per_token_ms": msh["itl_p50_ms"] - eng["itl_p50_ms"],
                     "ttft_overhead_ms": msh["ttft_p50_ms"] - eng["ttft_p50_ms"],
                 }
@@ -187,7 +195,9 @@ async def run(args: argparse.Namespace, model: Path, tmp: Path) -> dict:
     finally:
         mesh.stop()
     result["speculation"] = {
-        "off": off, "on": on, "identical": off["tokens"] == on["tokens"],
+        "off": off,
+        "on": on,
+        "identical": off["tokens"] == on["tokens"],
         "speedup": off["decode_s"] / on["decode_s"],
     }
     for r in (off, on):
@@ -223,19 +233,41 @@ def main() -> int:
 
     print("(a) latency: in-process engine vs full mesh, greedy, 64-token prompts")
     print_table(
-        ["streams", "engine TTFT p50 ms", "mesh TTFT p50 ms", "engine ms/token p50", "mesh ms/token p50", "overhead/token ms"],
-        [[c, f"{r['engine']['ttft_p50_ms']:.1f}", f"{r['mesh']['ttft_p50_ms']:.1f}", f"{r['engine']['itl_p50_ms']:.2f}",
-          f"{r['mesh']['itl_p50_ms']:.2f}", f"{r['overhead_per_token_ms']:.2f}"] for c, r in result["latency"].items()],
+        [
+            "streams",
+            "engine TTFT p50 ms",
+            "mesh TTFT p50 ms",
+            "engine ms/token p50",
+            "mesh ms/token p50",
+            "overhead/token ms",
+        ],
+        [
+            [
+                c,
+                f"{r['engine']['ttft_p50_ms']:.1f}",
+                f"{r['mesh']['ttft_p50_ms']:.1f}",
+                f"{r['engine']['itl_p50_ms']:.2f}",
+                f"{r['mesh']['itl_p50_ms']:.2f}",
+                f"{r['overhead_per_token_ms']:.2f}",
+            ]
+            for c, r in result["latency"].items()
+        ],
     )
     t = result["transfer"]
     print("\n(b) KV transfer prefill -> decode vs raw loopback TCP, same bytes")
-    print_table(["bytes", "mesh GB/s", "raw TCP GB/s", "ratio"],
-                [[t["bytes"], f"{t['mesh_gbps']:.3f}", f"{t['raw_tcp_gbps']:.3f}", f"{t['ratio']:.2f}"]])
+    print_table(
+        ["bytes", "mesh GB/s", "raw TCP GB/s", "ratio"],
+        [[t["bytes"], f"{t['mesh_gbps']:.3f}", f"{t['raw_tcp_gbps']:.3f}", f"{t['ratio']:.2f}"]],
+    )
     s = result["speculation"]
     print("\n(c) speculation through the mesh on repeated traffic")
-    print_table(["run", "decode s", "tokens/step", "accepted/step"],
-                [[k, f"{s[k]['decode_s']:.3f}", f"{s[k]['tokens_per_step']:.2f}", f"{s[k]['accepted_per_step']:.2f}"]
-                 for k in ("off", "on")])
+    print_table(
+        ["run", "decode s", "tokens/step", "accepted/step"],
+        [
+            [k, f"{s[k]['decode_s']:.3f}", f"{s[k]['tokens_per_step']:.2f}", f"{s[k]['accepted_per_step']:.2f}"]
+            for k in ("off", "on")
+        ],
+    )
     print(f"speed-up: {s['speedup']:.2f}x   identical output: {s['identical']}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2, default=str))

@@ -111,9 +111,16 @@ class Worker:
         self.name = name
         self.log = log
         with log.open("a") as f:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=f, stderr=subprocess.STDOUT, text=True,
-                                         env={**env, "PEERS_RESULT_FD": str(write_fd)}, pass_fds=(write_fd,),
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env={**env, "PEERS_RESULT_FD": str(write_fd)},
+                pass_fds=(write_fd,),
+                start_new_session=True,
+            )
         os.close(write_fd)
         self.results = os.fdopen(read_fd)
         if json.loads(self._line()) != {"ready": True}:
@@ -157,8 +164,14 @@ class Peers:
     def inproc(self, engine: str, precision: str) -> Iterator[Worker]:
         name = f"{engine}-{precision}-inproc"
         if engine == "kvmesh":
-            argv = [sys.executable, str(BENCH / "_peers_inproc_kvmesh.py"), str(self.model), KVMESH_DTYPE[precision],
-                    str(int(self.args.kvmesh_compile)), KVMESH_QUANTIZATION.get(precision, "none")]
+            argv = [
+                sys.executable,
+                str(BENCH / "_peers_inproc_kvmesh.py"),
+                str(self.model),
+                KVMESH_DTYPE[precision],
+                str(int(self.args.kvmesh_compile)),
+                KVMESH_QUANTIZATION.get(precision, "none"),
+            ]
             env = {**os.environ, "PYTHONPATH": str(REPO)}
         elif engine == "vllm":
             argv = [str(self.vllm.python), str(BENCH / "_peers_inproc_vllm.py"), str(self.model), VLLM_DTYPE[precision]]
@@ -166,8 +179,14 @@ class Peers:
             env.pop("PYTHONPATH", None)
         else:
             gguf = self.llamacpp.ggufs[GGUF[precision]]
-            argv = [str(self.llamacpp.python), str(BENCH / "_peers_inproc_llamacpp.py"), str(gguf), str(THREADS),
-                    str(self.ctx_size()), "0" if precision in LLAMACPP_NO_REPACK else "1"]
+            argv = [
+                str(self.llamacpp.python),
+                str(BENCH / "_peers_inproc_llamacpp.py"),
+                str(gguf),
+                str(THREADS),
+                str(self.ctx_size()),
+                "0" if precision in LLAMACPP_NO_REPACK else "1",
+            ]
             env = install.llamacpp_env(self.llamacpp)
         worker = Worker(name, argv, env, self.log(name))
         try:
@@ -190,14 +209,41 @@ class Peers:
         port = free_port()
         name = f"{engine}-{precision}-http"
         if engine == "vllm":
-            argv = [str(self.vllm.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
-                    "--dtype", VLLM_DTYPE[precision], "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
+            argv = [
+                str(self.vllm.python),
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(self.model),
+                "--dtype",
+                VLLM_DTYPE[precision],
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--seed",
+                "0",
+            ]
             env = {**os.environ, **VLLM_ENV}
             env.pop("PYTHONPATH", None)
         else:
-            argv = [str(self.llamacpp.bin_dir / "llama-server"), "-m", str(self.llamacpp.ggufs[GGUF[precision]]),
-                    "--host", "127.0.0.1", "--port", str(port), "-np", str(self.args.requests), "-t", str(THREADS),
-                    "-tb", str(THREADS), "-c", str(self.ctx_size())]
+            argv = [
+                str(self.llamacpp.bin_dir / "llama-server"),
+                "-m",
+                str(self.llamacpp.ggufs[GGUF[precision]]),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "-np",
+                str(self.args.requests),
+                "-t",
+                str(THREADS),
+                "-tb",
+                str(THREADS),
+                "-c",
+                str(self.ctx_size()),
+            ]
             if precision in LLAMACPP_NO_REPACK:
                 argv.append("--no-repack")
             env = {**os.environ, "LD_LIBRARY_PATH": str(self.llamacpp.bin_dir)}
@@ -221,8 +267,15 @@ class Peers:
         # Only decode runs decode steps: a compiling prefill worker would only start slower.
         decode = {**dtype, "KVMESH_COMPILE": str(int(self.args.kvmesh_compile))}
         # As `kvmesh up --no-speculator --no-publish` starts it: the compose file's mesh, free ports, this dtype.
-        opts = MeshOptions(model=self.model, speculator=False, publish=False, gateway_port=0, log_level="warning",
-                           role_env={"prefill": dtype, "decode": decode}, python=sys.executable)
+        opts = MeshOptions(
+            model=self.model,
+            speculator=False,
+            publish=False,
+            gateway_port=0,
+            log_level="warning",
+            role_env={"prefill": dtype, "decode": decode},
+            python=sys.executable,
+        )
         run_dir = Path(tempfile.mkdtemp(prefix=f"peers-mesh-{precision}-", dir=self.logs))
         topology = build_topology(opts, run_dir)
         gateway = topology.get("gateway")
@@ -261,8 +314,15 @@ def model_id(url: str) -> str:
 
 async def stream_one(session, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
     """One streaming /v1/completions request: time to first token, total time, tokens streamed."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     ttft, chunks, usage = None, 0, None
     async with session.post(url + "/v1/completions", json=body) as resp:
@@ -294,15 +354,19 @@ async def http_round(url: str, model: str, prompts: list[list[int]], max_tokens:
         wall = time.perf_counter() - t0
     tokens = sum(s["tokens"] for s in streams)
     ttfts = [s["ttft_s"] for s in streams if s["ttft_s"] is not None]
-    return {"tokens_per_s": tokens / wall, "ttft_s": sum(ttfts) / len(ttfts) if ttfts else None,
-            "tokens": [s["tokens"] for s in streams]}
+    return {
+        "tokens_per_s": tokens / wall,
+        "ttft_s": sum(ttfts) / len(ttfts) if ttfts else None,
+        "tokens": [s["tokens"] for s in streams],
+    }
 
 
 # -- the rounds -------------------------------------------------------------------------------------------
 
 
-def run_precision(peers: Peers, precision: str, prompts: list[list[int]], args, samples: list[Sample], outputs: dict,
-                  short: list[str]) -> None:
+def run_precision(
+    peers: Peers, precision: str, prompts: list[list[int]], args, samples: list[Sample], outputs: dict, short: list[str]
+) -> None:
     engines = [e for e in args.engines if precision in ROWS[e]]
     n = args.new_tokens
     with contextlib.ExitStack() as stack:
@@ -318,10 +382,16 @@ def run_precision(peers: Peers, precision: str, prompts: list[list[int]], args, 
                 s1, out1 = workers[e].run(prompts[:1], n)
                 if r == 0:
                     continue
-                samples += [Sample(e, precision, "inproc_16", len(prompts) * n / s16), Sample(e, precision, "inproc_1", n / s1)]
+                samples += [
+                    Sample(e, precision, "inproc_16", len(prompts) * n / s16),
+                    Sample(e, precision, "inproc_1", n / s1),
+                ]
                 outputs.setdefault((e, precision), out16)
-                print(f"  round {r} {e:9s} {precision}: in-process 16 {len(prompts) * n / s16:7.1f} tok/s, "
-                      f"1 alone {n / s1:6.1f} tok/s (waited {w16:.1f} / {w1:.1f} s for idle CPUs)", flush=True)
+                print(
+                    f"  round {r} {e:9s} {precision}: in-process 16 {len(prompts) * n / s16:7.1f} tok/s, "
+                    f"1 alone {n / s1:6.1f} tok/s (waited {w16:.1f} / {w1:.1f} s for idle CPUs)",
+                    flush=True,
+                )
     with contextlib.ExitStack() as stack:
         urls = {}
         for e in engines:
@@ -335,27 +405,40 @@ def run_precision(peers: Peers, precision: str, prompts: list[list[int]], args, 
                 w1 = wait_for_idle_cpu()
                 h1 = asyncio.run(http_round(urls[e], ids[e], prompts[:1], n))
                 if any(t != n for t in h16["tokens"] + h1["tokens"]):
-                    short.append(f"{e} {precision} round {r}: streamed {h16['tokens']} / {h1['tokens']} tokens, not {n}")
+                    short.append(
+                        f"{e} {precision} round {r}: streamed {h16['tokens']} / {h1['tokens']} tokens, not {n}"
+                    )
                 if r == 0:
                     continue
-                samples += [Sample(e, precision, "http_16", h16["tokens_per_s"], h16["ttft_s"]),
-                            Sample(e, precision, "http_1", h1["tokens_per_s"], h1["ttft_s"])]
-                print(f"  round {r} {e:9s} {precision}: HTTP 16 {h16['tokens_per_s']:7.1f} tok/s "
-                      f"(TTFT {h16['ttft_s']:.2f} s), 1 stream {h1['tokens_per_s']:6.1f} tok/s "
-                      f"(waited {w16:.1f} / {w1:.1f} s for idle CPUs)", flush=True)
+                samples += [
+                    Sample(e, precision, "http_16", h16["tokens_per_s"], h16["ttft_s"]),
+                    Sample(e, precision, "http_1", h1["tokens_per_s"], h1["ttft_s"]),
+                ]
+                print(
+                    f"  round {r} {e:9s} {precision}: HTTP 16 {h16['tokens_per_s']:7.1f} tok/s "
+                    f"(TTFT {h16['ttft_s']:.2f} s), 1 stream {h1['tokens_per_s']:6.1f} tok/s "
+                    f"(waited {w16:.1f} / {w1:.1f} s for idle CPUs)",
+                    flush=True,
+                )
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--peers-dir", default=str(install.default_peers_dir()), help="where the peers' venvs, builds and GGUFs go")
+    ap.add_argument(
+        "--peers-dir", default=str(install.default_peers_dir()), help="where the peers' venvs, builds and GGUFs go"
+    )
     ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of %(default)s")
     ap.add_argument("--precisions", default=",".join(PRECISIONS), help="comma-separated subset of %(default)s")
     ap.add_argument("--repeats", type=int, default=3, help="measured rounds (medians); one warm-up round more")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="a trial: 16 new tokens, 1 repeat")
-    ap.add_argument("--kvmesh-compile", action=argparse.BooleanOptionalAction, default=True,
-                    help="kvmesh with its compiled decode step (--compile), in-process and in the mesh's workers")
+    ap.add_argument(
+        "--kvmesh-compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="kvmesh with its compiled decode step (--compile), in-process and in the mesh's workers",
+    )
     ap.add_argument("--json", default="bench/results/peers.json")
     args = ap.parse_args()
     args.engines = [e for e in args.engines.split(",") if e]
@@ -377,8 +460,11 @@ def main() -> int:
     peers = Peers(args, model, logs, max(map(len, prompts)))
     install_s = time.perf_counter() - t_install
     print(f"peers ready in {install_s:.0f} s; logs in {logs}")
-    print(f"workload: {model.name}, {len(prompts)} chat prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens "
-          f"x {args.new_tokens} greedy tokens (EOS ignored), {THREADS} threads, {args.repeats} repeats (medians)")
+    print(
+        f"workload: {model.name}, {len(prompts)} chat prompts of "
+        f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens "
+        f"x {args.new_tokens} greedy tokens (EOS ignored), {THREADS} threads, {args.repeats} repeats (medians)"
+    )
     samples: list[Sample] = []
     outputs: dict = {}
     short: list[str] = []
@@ -389,22 +475,42 @@ def main() -> int:
 
     table = medians(samples)
     rat = ratios(table)
-    agree = {f"{e} {p} vs kvmesh {p}": agreement(outputs[("kvmesh", p)], outputs[(e, p)])
-             for (e, p) in outputs if e != "kvmesh" and ("kvmesh", p) in outputs}
+    agree = {
+        f"{e} {p} vs kvmesh {p}": agreement(outputs[("kvmesh", p)], outputs[(e, p)])
+        for (e, p) in outputs
+        if e != "kvmesh" and ("kvmesh", p) in outputs
+    }
     print()
-    print_table(["engine", "precision", "in-process 16 tok/s", "in-process 1 tok/s", "HTTP 16 tok/s (mean TTFT)",
-                 "HTTP 1 tok/s"], table_rows(table))
+    print_table(
+        [
+            "engine",
+            "precision",
+            "in-process 16 tok/s",
+            "in-process 1 tok/s",
+            "HTTP 16 tok/s (mean TTFT)",
+            "HTTP 1 tok/s",
+        ],
+        table_rows(table),
+    )
     print()
     print_table(["ratio", "value"], [[k, "-" if v is None else f"{v:.2f}x"] for k, v in rat.items()])
-    print("\ngreedy output identical to kvmesh's (in-process, 16 sequences): "
-          + ", ".join(f"{k}: {v}" for k, v in agree.items()))
+    print(
+        "\ngreedy output identical to kvmesh's (in-process, 16 sequences): "
+        + ", ".join(f"{k}: {v}" for k, v in agree.items())
+    )
     for line in short:
         print(f"warning: {line}")
     print(f"install/check {install_s:.0f} s, measured run {run_s:.0f} s")
     payload = {
-        "workload": {"model": str(model), "requests": len(prompts), "prompt_lens": [min(map(len, prompts)), max(map(len, prompts))],
-                     "new_tokens": args.new_tokens, "threads": THREADS, "repeats": args.repeats,
-                     "kvmesh_compile": args.kvmesh_compile},
+        "workload": {
+            "model": str(model),
+            "requests": len(prompts),
+            "prompt_lens": [min(map(len, prompts)), max(map(len, prompts))],
+            "new_tokens": args.new_tokens,
+            "threads": THREADS,
+            "repeats": args.repeats,
+            "kvmesh_compile": args.kvmesh_compile,
+        },
         "versions": {"vllm": install.VLLM, "torch (vLLM venv)": install.TORCH, "llama.cpp": install.LLAMA_CPP_PYTHON},
         "medians": [{"engine": e, "precision": p, "column": c, **v} for (e, p, c), v in table.items()],
         "samples": [asdict(s) for s in samples],

@@ -25,8 +25,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path)
     ap.add_argument("--eval-tokens", type=int, default=20000)
-    ap.add_argument("--uniform", default="fp8-channel,nvfp4,int8-channel,fp8-tensor",
-                    help="formats to report applied to every projection ('' for none)")
+    ap.add_argument(
+        "--uniform",
+        default="fp8-channel,nvfp4,int8-channel,fp8-tensor",
+        help="formats to report applied to every projection ('' for none)",
+    )
     ap.add_argument("--budgets", default="6.0,5.0", help="average bits per projection weight")
     ap.add_argument("--search-formats", default="fp8-channel,nvfp4")
     ap.add_argument("--layers-per-group", type=int, default=5)

@@ -36,7 +36,9 @@ def _timed(fn) -> float:
 
 def linear_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
     """(in, out) of every matmul in one forward step: each linear (8-bit ones too) and the (tied) LM head."""
-    shapes = [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, (torch.nn.Linear, QuantizedLinear))]
+    shapes = [
+        (m.in_features, m.out_features) for m in model.modules() if isinstance(m, (torch.nn.Linear, QuantizedLinear))
+    ]
     if getattr(model, "head_proj", None) is None:  # else the head's product is one of the modules above
         head = model.lm_head if getattr(model, "lm_head", None) is not None else model.embed_tokens
         if not isinstance(head, torch.nn.Linear):

@@ -43,9 +43,7 @@ from services.router.worker import KVLayout, Role, WorkerCapacity, WorkerInfo, W
 
 BLOCK_SIZE = 16
 WORKERS = 8
-LAYOUT = KVLayout(
-    BLOCK_SIZE, "bfloat16", "layers,kv,block_tokens,kv_heads,head_dim", 32, 8, 128, b"\x07" * 16
-)
+LAYOUT = KVLayout(BLOCK_SIZE, "bfloat16", "layers,kv,block_tokens,kv_heads,head_dim", 32, 8, 128, b"\x07" * 16)
 # How much of the measured prompt each worker holds (fractions of its blocks).
 PREFIX_SHARE = {"w0": 1.0, "w1": 0.7, "w2": 0.3, "w3": 0.05}
 KVSTORE_SHARE = 0.9
@@ -101,11 +99,7 @@ async def fill_cluster(router: Router, prompts: dict[int, list[bytes]], backgrou
             held = int(len(chain) * PREFIX_SHARE.get(wid, 0.002))
             events.append(KVEvent(EventKind.STORED, Tier.GPU, chain[:held]))
             if i == 0:
-                events.append(
-                    KVEvent(
-                        EventKind.STORED, Tier.KVSTORE, chain[: int(len(chain) * KVSTORE_SHARE)]
-                    )
-                )
+                events.append(KVEvent(EventKind.STORED, Tier.KVSTORE, chain[: int(len(chain) * KVSTORE_SHARE)]))
         await router.publish_kv_events(wid, reg.lease.lease_id, reg.expected_seq, events)
         load = WorkerLoad(
             queued_requests=i % 3,
@@ -138,16 +132,12 @@ async def measure(args: argparse.Namespace, port: int) -> dict:
         keys = [b"kvmesh:blk:" + h for h in chain]
         plan = await router.route_chain(chain, num_tokens=n * BLOCK_SIZE, block_size=BLOCK_SIZE)
         decide = await timed(
-            lambda chain=chain, n=n: router.route_chain(
-                chain, num_tokens=n * BLOCK_SIZE, block_size=BLOCK_SIZE
-            ),
+            lambda chain=chain, n=n: router.route_chain(chain, num_tokens=n * BLOCK_SIZE, block_size=BLOCK_SIZE),
             args.iters,
         )
         anchor = await timed(lambda keys=keys: client.exists(*keys), args.iters)
         hashing = await timed(
-            lambda t=tokens[n]: asyncio.to_thread(
-                block_hashes, t, BLOCK_SIZE, LAYOUT.model_fingerprint
-            ),
+            lambda t=tokens[n]: asyncio.to_thread(block_hashes, t, BLOCK_SIZE, LAYOUT.model_fingerprint),
             max(3, args.iters // 10),
         )
         results[str(n)] = {
@@ -173,9 +163,7 @@ def main() -> None:
         help="prompt sizes, in 16-token blocks",
     )
     ap.add_argument("--iters", type=int, default=200)
-    ap.add_argument(
-        "--background-blocks", type=int, default=20_000, help="unrelated blocks per worker"
-    )
+    ap.add_argument("--background-blocks", type=int, default=20_000, help="unrelated blocks per worker")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     # As a deployed router would: per-request debug lines off.

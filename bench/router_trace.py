@@ -118,10 +118,7 @@ class TimeModel:
 
     def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
         pairs = new_tokens * (cached_tokens + new_tokens / 2)
-        return (
-            self.prefill_fixed_s
-            + (new_tokens + pairs * self.attn_pair_per_token) / self.prefill_tokens_per_s
-        )
+        return self.prefill_fixed_s + (new_tokens + pairs * self.attn_pair_per_token) / self.prefill_tokens_per_s
 
 
 @dataclass(frozen=True)
@@ -303,9 +300,7 @@ class Simulation:
         self.tm = tm
         blocks = capacity_tokens // TRACE_BLOCK_SIZE
         # Every worker a full engine (a decode worker): it prefills what it decodes.
-        self.workers = {
-            f"w{i}": SimWorker(f"w{i}", Role.DECODE, LRUKVCache(blocks)) for i in range(workers)
-        }
+        self.workers = {f"w{i}": SimWorker(f"w{i}", Role.DECODE, LRUKVCache(blocks)) for i in range(workers)}
         kv_blocks = kvstore_capacity_tokens // TRACE_BLOCK_SIZE
         self.kvstore = KVStoreTier(kv_blocks) if kv_blocks > 0 else None
         self.kvstore_seq = 0
@@ -374,9 +369,7 @@ class Simulation:
             await self._advance(now)
             hits = await self.index.longest_prefix(r.hash_ids)
             req = RouteInput(r.input_length, TRACE_BLOCK_SIZE, len(r.hash_ids), hits)
-            cands = [
-                Candidate(w.worker_id, w.role, w.load(now, self.tm)) for w in self.workers.values()
-            ]
+            cands = [Candidate(w.worker_id, w.role, w.load(now, self.tm)) for w in self.workers.values()]
             plan = self.policy.choose(req, cands)
             # Every worker is a decode worker, so each plan prefills locally.
             p = self.workers[plan.decode_worker]
@@ -429,15 +422,11 @@ def shared_lru_hit_rate(trace: list[TraceRequest], capacity_blocks: int) -> floa
     return hit / total if total else 0.0
 
 
-async def run_policies(
-    args: argparse.Namespace, trace: list[TraceRequest], kvstore_capacity_tokens: int
-) -> dict:
+async def run_policies(args: argparse.Namespace, trace: list[TraceRequest], kvstore_capacity_tokens: int) -> dict:
     tm = TimeModel(prefill_tokens_per_s=args.prefill_tokens_per_s)
     results: dict = {}
     for name, make in POLICIES.items():
-        sim = Simulation(
-            trace, make(), args.workers, args.capacity_tokens, tm, kvstore_capacity_tokens
-        )
+        sim = Simulation(trace, make(), args.workers, args.capacity_tokens, tm, kvstore_capacity_tokens)
         results[name] = await sim.run()
     return results
 

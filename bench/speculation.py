@@ -98,13 +98,20 @@ def prompts_of(model: Path) -> dict[str, list[list[int]]]:
     }
 
 
-def run(model: Path, prompts: list[list[int]], batch: int, max_tokens: int, k: int,
-        proposer: DraftProposer | None, draft_costs: tuple[float, ...] | None, dtype: str) -> dict:
+def run(
+    model: Path,
+    prompts: list[list[int]],
+    batch: int,
+    max_tokens: int,
+    k: int,
+    proposer: DraftProposer | None,
+    draft_costs: tuple[float, ...] | None,
+    dtype: str,
+) -> dict:
     """One timed pass over the prompts, ``batch`` at a time, on a fresh engine and proposer."""
     engine = LLMEngine(
         model,
-        EngineConfig(dtype=dtype, num_blocks=512, num_speculative_tokens=k if proposer else 0,
-                     draft_costs=draft_costs),
+        EngineConfig(dtype=dtype, num_blocks=512, num_speculative_tokens=k if proposer else 0, draft_costs=draft_costs),
         proposer=proposer,
     )
     params = SamplingParams(max_tokens=max_tokens)
@@ -157,8 +164,11 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--batch1-prompts", type=int, default=4, help="prompts per kind at batch 1 (batch 8: all eight)")
     p.add_argument("--eagle-match-tokens", type=int, default=EAGLE_MATCH_TOKENS)
-    p.add_argument("--draft-costs", default=None,
-                   help="EngineConfig.draft_costs, e.g. 1.2,1.3 (default: measured by each engine; 'free': always k drafts)")
+    p.add_argument(
+        "--draft-costs",
+        default=None,
+        help="EngineConfig.draft_costs, e.g. 1.2,1.3 (default: measured by each engine; 'free': always k drafts)",
+    )
     p.add_argument("--repeats", type=int, default=1, help="passes per configuration, interleaved; the fastest counts")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the target's (every engine's)")
@@ -180,11 +190,17 @@ def main() -> None:
         "ngram": only(Source.PROMPT),
         "suffix": only(Source.SUFFIX),
         "eagle": lambda: EagleProposer(args.head),
-        "merged": lambda: LocalProposer(SpeculatorConfig(draft_model_match_tokens=args.eagle_match_tokens),
-                                        head=EagleProposer(args.head)),
+        "merged": lambda: LocalProposer(
+            SpeculatorConfig(draft_model_match_tokens=args.eagle_match_tokens), head=EagleProposer(args.head)
+        ),
     }
-    configs = [(kind, batch, src, k) for kind in kinds for batch in batches for src in SOURCES
-               for k in ([0] if src == "none" else ks)]
+    configs = [
+        (kind, batch, src, k)
+        for kind in kinds
+        for batch in batches
+        for src in SOURCES
+        for k in ([0] if src == "none" else ks)
+    ]
     best: dict[tuple, dict] = {}
     for rep in range(args.repeats):
         for cfg in configs:
@@ -194,15 +210,28 @@ def main() -> None:
             if cfg not in best or r["seconds"] < best[cfg]["seconds"]:
                 best[cfg] = r
             s = summary(r)
-            print(f"pass {rep + 1}: {kind} batch {batch} {src} k={k}: {s['tokens_per_s']:.1f} tok/s, "
-                  f"{s['mean_accepted_length']:.2f} tok/step", file=sys.stderr, flush=True)
+            print(
+                f"pass {rep + 1}: {kind} batch {batch} {src} k={k}: {s['tokens_per_s']:.1f} tok/s, "
+                f"{s['mean_accepted_length']:.2f} tok/step",
+                file=sys.stderr,
+                flush=True,
+            )
 
     # "all": the kinds pooled (tokens, steps and seconds summed).
     def pooled(batch: int, src: str, k: int) -> dict:
         rs = [best[kind, batch, src, k] for kind in kinds]
-        return {key: sum(r[key] for r in rs) for key in
-                ("seconds", "generated_tokens", "sequence_steps", "requests", "proposed", "accepted",
-                 "target_forward_passes")}
+        return {
+            key: sum(r[key] for r in rs)
+            for key in (
+                "seconds",
+                "generated_tokens",
+                "sequence_steps",
+                "requests",
+                "proposed",
+                "accepted",
+                "target_forward_passes",
+            )
+        }
 
     results: dict[str, list[dict]] = {src: [] for src in SOURCES}
     rows = []
@@ -211,30 +240,73 @@ def main() -> None:
         for batch in batches:
             anchor = summary(best[kind, batch, "none", 0] if kind != "all" else pooled(batch, "none", 0))
             for src in SOURCES:
-                for k in ([0] if src == "none" else ks):
+                for k in [0] if src == "none" else ks:
                     r = best[kind, batch, src, k] if kind != "all" else pooled(batch, src, k)
                     same = kind == "all" or r["tokens"] == best[kind, batch, "none", 0]["tokens"]
                     identical &= same
                     s = summary(r) | {"speedup": summary(r)["tokens_per_s"] / anchor["tokens_per_s"]}
-                    entry = {"kind": kind, "batch": batch, "k": k, **s,
-                             "target_forward_passes": r["target_forward_passes"],
-                             "proposed": r["proposed"], "accepted": r["accepted"], "identical_to_none": same,
-                             **({} if kind == "all" else {"draft_costs": r["draft_costs"]})}
+                    entry = {
+                        "kind": kind,
+                        "batch": batch,
+                        "k": k,
+                        **s,
+                        "target_forward_passes": r["target_forward_passes"],
+                        "proposed": r["proposed"],
+                        "accepted": r["accepted"],
+                        "identical_to_none": same,
+                        **({} if kind == "all" else {"draft_costs": r["draft_costs"]}),
+                    }
                     results[src].append(entry)
-                    rows.append(cells([kind, batch, src, k or "-", s["mean_accepted_length"],
-                                       s["decode_accepted_length"],
-                                       "-" if s["acceptance_rate"] is None else s["acceptance_rate"],
-                                       s["tokens_per_s"], s["speedup"], r["target_forward_passes"], same]))
-    print_table(["kind", "batch", "source", "k", "tok/step", "tok/decode step", "acceptance", "tok/s", "speedup",
-                 "target passes", "same output"], rows)
-    write_json(args.json, {
-        "model": str(model), "head": str(args.head.relative_to(REPO) if args.head.is_relative_to(REPO) else args.head),
-        "ks": ks, "batches": batches, "kinds": kinds, "max_tokens": args.max_tokens,
-        "batch1_prompts": args.batch1_prompts,
-        "eagle_match_tokens": args.eagle_match_tokens, "repeats": args.repeats, "threads": args.threads,
-        "dtype": args.dtype,
-        **results,
-    })
+                    rows.append(
+                        cells(
+                            [
+                                kind,
+                                batch,
+                                src,
+                                k or "-",
+                                s["mean_accepted_length"],
+                                s["decode_accepted_length"],
+                                "-" if s["acceptance_rate"] is None else s["acceptance_rate"],
+                                s["tokens_per_s"],
+                                s["speedup"],
+                                r["target_forward_passes"],
+                                same,
+                            ]
+                        )
+                    )
+    print_table(
+        [
+            "kind",
+            "batch",
+            "source",
+            "k",
+            "tok/step",
+            "tok/decode step",
+            "acceptance",
+            "tok/s",
+            "speedup",
+            "target passes",
+            "same output",
+        ],
+        rows,
+    )
+    write_json(
+        args.json,
+        {
+            "model": str(model),
+            "head": str(args.head.relative_to(REPO) if args.head.is_relative_to(REPO) else args.head),
+            "ks": ks,
+            "batches": batches,
+            "kinds": kinds,
+            "max_tokens": args.max_tokens,
+            "batch1_prompts": args.batch1_prompts,
+            "eagle_match_tokens": args.eagle_match_tokens,
+            "repeats": args.repeats,
+            "threads": args.threads,
+            "dtype": args.dtype,
+            **results,
+        },
+    )
     if not identical:
         sys.exit("speculation changed the greedy output")
 

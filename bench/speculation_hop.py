@@ -45,8 +45,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 async def stream_round_trips(batch: int, steps: int, k: int) -> list[float]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services.speculator.main", "--port", str(port),
-                             "--metrics-port", "0", "--log-level", "warning"])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.speculator.main",
+            "--port",
+            str(port),
+            "--metrics-port",
+            "0",
+            "--log-level",
+            "warning",
+        ]
+    )
     proposer = SpeculatorProposer(f"127.0.0.1:{port}", budget_ms=1000.0, registry=CollectorRegistry())
     try:
         await proposer.start()
@@ -112,10 +123,15 @@ def main() -> None:
             "feature_bytes_per_step": batch * feature_size * 2,
         }
         results.append(r)
-        rows.append(cells([batch, r["target_step_ms"], r["head_draft_ms"], r["stream_round_trip_ms"],
-                           r["feature_bytes_per_step"]]))
-    print_table(["batch", "target step ms", f"head k={args.k} ms (a)", "stream round trip ms (b floor)",
-                 "feature bytes/step"], rows)
+        rows.append(
+            cells(
+                [batch, r["target_step_ms"], r["head_draft_ms"], r["stream_round_trip_ms"], r["feature_bytes_per_step"]]
+            )
+        )
+    print_table(
+        ["batch", "target step ms", f"head k={args.k} ms (a)", "stream round trip ms (b floor)", "feature bytes/step"],
+        rows,
+    )
     write_json(args.json, {"model": str(model), "k": args.k, "steps": args.steps, "results": results})
 
 

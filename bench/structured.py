@@ -121,8 +121,12 @@ def main() -> None:
             for mode in r:
                 if (batch, mode) not in best or r[mode]["seconds"] < best[batch, mode]["seconds"]:
                     best[batch, mode] = r[mode]
-            print(f"pass {rep + 1}: batch {batch}: constrained {r['constrained']['tokens_per_s']:.1f} tok/s, "
-                  f"free {r['free']['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+            print(
+                f"pass {rep + 1}: batch {batch}: constrained {r['constrained']['tokens_per_s']:.1f} tok/s, "
+                f"free {r['free']['tokens_per_s']:.1f} tok/s",
+                file=sys.stderr,
+                flush=True,
+            )
 
     results, rows = [], []
     for batch in (1, 16):
@@ -132,21 +136,59 @@ def main() -> None:
         ratio = c["tokens_per_s"] / f["tokens_per_s"]
         paired = statistics.median(ratios[batch])
         mask_share = c["mask_seconds"] / c["seconds"]
-        results.append({"batch": batch, "constrained": _summary(c), "free": _summary(f), "ratio_fastest": ratio,
-                        "ratio_paired_median": paired, "paired_ratios": ratios[batch], "mask_share": mask_share,
-                        "all_valid": True})
-        rows.append(cells([batch, f["generated_tokens"], f["tokens_per_s"], c["tokens_per_s"], ratio, paired,
-                           c["mask_seconds"] * 1e6 / c["steps"], mask_share, "yes"]))
-    print_table(["batch", "tokens", "free tok/s", "constrained tok/s", "ratio (fastest)", "ratio (paired median)",
-                 "mask us/step", "mask share", "all valid"], rows)
+        results.append(
+            {
+                "batch": batch,
+                "constrained": _summary(c),
+                "free": _summary(f),
+                "ratio_fastest": ratio,
+                "ratio_paired_median": paired,
+                "paired_ratios": ratios[batch],
+                "mask_share": mask_share,
+                "all_valid": True,
+            }
+        )
+        rows.append(
+            cells(
+                [
+                    batch,
+                    f["generated_tokens"],
+                    f["tokens_per_s"],
+                    c["tokens_per_s"],
+                    ratio,
+                    paired,
+                    c["mask_seconds"] * 1e6 / c["steps"],
+                    mask_share,
+                    "yes",
+                ]
+            )
+        )
+    print_table(
+        [
+            "batch",
+            "tokens",
+            "free tok/s",
+            "constrained tok/s",
+            "ratio (fastest)",
+            "ratio (paired median)",
+            "mask us/step",
+            "mask share",
+            "all valid",
+        ],
+        rows,
+    )
 
     compiles = compile_times(engine)
     print()
-    print_table(["schema", "compile ms (cold)", "cached ms"],
-                [cells([c["schema"], c["cold_ms"], c["cached_ms"]]) for c in compiles])
+    print_table(
+        ["schema", "compile ms (cold)", "cached ms"],
+        [cells([c["schema"], c["cold_ms"], c["cached_ms"]]) for c in compiles],
+    )
     cold = [c["cold_ms"] for c in compiles]
-    print(f"\ncompile per schema: mean {statistics.mean(cold):.1f} ms, max {max(cold):.1f} ms "
-          f"({len(cold)} schemas, vocabulary {engine.model_config.vocab_size})")
+    print(
+        f"\ncompile per schema: mean {statistics.mean(cold):.1f} ms, max {max(cold):.1f} ms "
+        f"({len(cold)} schemas, vocabulary {engine.model_config.vocab_size})"
+    )
     write_json(args.json, {
         "model": str(args.model), "vocab_size": engine.model_config.vocab_size, "runs": results,
         "compile": compiles, "compile_mean_ms": statistics.mean(cold), "compile_max_ms": max(cold),

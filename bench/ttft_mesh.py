@@ -39,8 +39,11 @@ from kvmesh.launcher.supervisor import Mesh  # noqa: E402
 from kvmesh.launcher.topology import MeshOptions, build_topology  # noqa: E402
 from kvmesh.models.bpe import train_tokenizer, write_tokenizer  # noqa: E402
 
-TRANSPORTS = {"grpc": {"KVMESH_KV_TRANSPORT": "grpc"}, "nixl": {"KVMESH_KV_TRANSPORT": "nixl"},
-              "nixl_tcp": {"KVMESH_KV_TRANSPORT": "nixl", "UCX_TLS": "tcp,self"}}
+TRANSPORTS = {
+    "grpc": {"KVMESH_KV_TRANSPORT": "grpc"},
+    "nixl": {"KVMESH_KV_TRANSPORT": "nixl"},
+    "nixl_tcp": {"KVMESH_KV_TRANSPORT": "nixl", "UCX_TLS": "tcp,self"},
+}
 NEW_TOKENS = 4
 
 
@@ -48,7 +51,9 @@ def start(model: Path, run_dir: Path, transport_env: dict[str, str], num_blocks:
     worker = {"KVMESH_NUM_BLOCKS": str(num_blocks), "KVMESH_MAX_NUM_BATCHED_TOKENS": "2048", **transport_env}
     env = {
         "router": {"KVMESH_LOCAL_PREFILL_MAX_UNCACHED_TOKENS": "0", "KVMESH_LOCAL_PREFILL_MIN_HIT_FRACTION": "2"},
-        "prefill": worker, "decode": worker, "kvstore": transport_env,
+        "prefill": worker,
+        "decode": worker,
+        "kvstore": transport_env,
     }
     opts = MeshOptions(model=model, gateway_port=0, publish=False, role_env=env, log_level="warning", speculator=False)
     return Mesh(build_topology(opts, run_dir), run_dir)
@@ -76,8 +81,11 @@ async def one(gateway: gateway_pb2_grpc.GatewayServiceStub, prompt: list[int]) -
             ttft = time.perf_counter() - t0
         if msg.HasField("final"):
             final = msg.final
-    return {"ttft_ms": ttft * 1e3, "prefill_ms": final.prefill_timings.total_ns / 1e6,
-            "transfer_ms": final.decode_timings.transfer_ns / 1e6}
+    return {
+        "ttft_ms": ttft * 1e3,
+        "prefill_ms": final.prefill_timings.total_ns / 1e6,
+        "transfer_ms": final.decode_timings.transfer_ns / 1e6,
+    }
 
 
 async def measure(mesh: Mesh, prompts: list[list[int]]) -> list[dict]:
@@ -91,8 +99,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8000)
     ap.add_argument("--prompts", type=int, default=2, help="fresh prompts per transport and round")
-    ap.add_argument("--rounds", type=int, default=2, help="a mesh per transport per round, the order reversed "
-                    "every other round (so none always runs first); the median is over all prompts")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="a mesh per transport per round, the order reversed "
+        "every other round (so none always runs first); the median is over all prompts",
+    )
     ap.add_argument("--json", default="bench/results/ttft_mesh.json")
     args = ap.parse_args()
     g = torch.Generator().manual_seed(11)
@@ -106,17 +119,33 @@ def main() -> int:
             for name in list(TRANSPORTS)[:: -1 if rnd % 2 else 1]:
                 with start(model, Path(tmp) / f"{name}-{rnd}", TRANSPORTS[name], num_blocks) as mesh:
                     samples[name] += asyncio.run(measure(mesh, prompts))
-    results = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} | {"samples": runs}
-               for name, runs in samples.items()}
+    results = {
+        name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} | {"samples": runs}
+        for name, runs in samples.items()
+    }
     anchor = results["grpc"]["ttft_ms"]
     for r in results.values():
         r["ttft_ratio_to_grpc"] = r["ttft_ms"] / anchor
-    print(f"TTFT of a fresh {args.tokens}-token prompt through the gateway (real mesh), "
-          f"median of {args.rounds * args.prompts}")
-    print_table(["transport", "prefill ms", "transfer ms", "TTFT ms", "TTFT / grpc"],
-                [[t, f"{r['prefill_ms']:.0f}", f"{r['transfer_ms']:.1f}", f"{r['ttft_ms']:.0f}",
-                  f"{r['ttft_ratio_to_grpc']:.3f}"] for t, r in results.items()])
-    write_json(args.json, {"tokens": args.tokens, "prompts": args.prompts, "rounds": args.rounds, "transports": results})
+    print(
+        f"TTFT of a fresh {args.tokens}-token prompt through the gateway (real mesh), "
+        f"median of {args.rounds * args.prompts}"
+    )
+    print_table(
+        ["transport", "prefill ms", "transfer ms", "TTFT ms", "TTFT / grpc"],
+        [
+            [
+                t,
+                f"{r['prefill_ms']:.0f}",
+                f"{r['transfer_ms']:.1f}",
+                f"{r['ttft_ms']:.0f}",
+                f"{r['ttft_ratio_to_grpc']:.3f}",
+            ]
+            for t, r in results.items()
+        ],
+    )
+    write_json(
+        args.json, {"tokens": args.tokens, "prompts": args.prompts, "rounds": args.rounds, "transports": results}
+    )
     return 0
 
 

@@ -7,8 +7,9 @@ from collections.abc import Callable
 from torch import nn
 
 
-def swap_modules(model: nn.Module, keep: Callable[[str, nn.Module], bool],
-                 make: Callable[[nn.Module], nn.Module]) -> int:
+def swap_modules(
+    model: nn.Module, keep: Callable[[str, nn.Module], bool], make: Callable[[nn.Module], nn.Module]
+) -> int:
     """Replace every submodule ``m`` named ``name`` for which ``keep(name, m)`` holds with
     ``make(m)``, in place; returns how many were replaced. The targets are listed first, so a
     replacement's own children are never visited."""

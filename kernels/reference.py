@@ -16,7 +16,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-
 # Sequences with at most this many new tokens (a speculative verify has k + 1) attend row by
 # row, as decodes: a step made only of such sequences is laid out as decodes
 # (``kvmesh.engine.step_metadata``); in a step shared with a longer chunk, below float32, the
@@ -158,8 +157,9 @@ def extend_attention(
     as_decodes = DECODE_ROWS_MAX if q.dtype != torch.float32 else 1
     short = (counts <= as_decodes).nonzero().flatten()
     if short.numel():
-        rows_as_decodes(out, q, k_cache, v_cache, block_tables[short], starts[short], counts[short],
-                        seq_lens[short], scale)
+        rows_as_decodes(
+            out, q, k_cache, v_cache, block_tables[short], starts[short], counts[short], seq_lens[short], scale
+        )
     multi = (counts > as_decodes).nonzero().flatten()
     if multi.numel() == 0:
         return out

@@ -83,8 +83,9 @@ class SmallRowsLinear(nn.Linear):
     """An ``nn.Linear`` (same ``weight``/``bias`` parameters, shared, not copied) that runs its
     ``MIN_ROWS``..``max_rows``-row products through oneDNN on a reordered copy of the weight."""
 
-    def __init__(self, weight: nn.Parameter | torch.Tensor, bias: torch.Tensor | None,
-                 max_rows: int = DEFAULT_MAX_ROWS) -> None:
+    def __init__(
+        self, weight: nn.Parameter | torch.Tensor, bias: torch.Tensor | None, max_rows: int = DEFAULT_MAX_ROWS
+    ) -> None:
         nn.Module.__init__(self)  # nn.Linear's own __init__ would allocate fresh weights
         if weight.device.type != "cpu" or weight.dtype not in MIN_ROWS:
             raise FailedPrecondition("small-row oneDNN linears are for float32 or bfloat16 weights on CPU")
@@ -110,7 +111,8 @@ class SmallRowsLinear(nn.Linear):
         # of it (an unbacked one cannot be tested at all).
         if statically_known_true(n <= self.streamed_rows) and not torch.is_grad_enabled():
             return torch.ops.kvmesh_cpu.streamed_mm(rows.contiguous(), self.weight, self.bias).view(
-                *x.shape[:-1], self.out_features)
+                *x.shape[:-1], self.out_features
+            )
         # A graph being traced takes the plain product: inductor packs the weights itself (module docstring).
         if torch.compiler.is_compiling() or not self.min_rows <= n <= self.max_rows or torch.is_grad_enabled():
             return super().forward(x)
@@ -120,8 +122,10 @@ class SmallRowsLinear(nn.Linear):
 def one_row_runs_reordered(model: nn.Module) -> bool:
     """Whether ``model`` runs a float32 product of one row on the reordered weights (its
     small-row linears' calibrated floor is 1, and one row does not stream)."""
-    return any(isinstance(m, SmallRowsLinear) and m.weight.dtype == torch.float32 and m.min_rows <= 1
-               and m.streamed_rows < 1 for m in model.modules())
+    return any(
+        isinstance(m, SmallRowsLinear) and m.weight.dtype == torch.float32 and m.min_rows <= 1 and m.streamed_rows < 1
+        for m in model.modules()
+    )
 
 
 def streamed_rows(model: nn.Module) -> int:
@@ -183,18 +187,25 @@ def calibrate_min_rows(modules: list[SmallRowsLinear], repeats: int = 6) -> int:
         with torch.inference_mode():
             for rows in range(1, default):
                 xs = [torch.randn(rows, m.in_features) for m in modules]
-                plain_s[rows], reordered_s[rows] = fastest_alternating(repeats, (
-                    lambda: [nn.functional.linear(x, m.weight, m.bias) for x, m in zip(xs, modules)],
-                    lambda: [_reordered_product(x, m._reordered, m.bias) for x, m in zip(xs, modules)],
-                ))
+                plain_s[rows], reordered_s[rows] = fastest_alternating(
+                    repeats,
+                    (
+                        lambda: [nn.functional.linear(x, m.weight, m.bias) for x, m in zip(xs, modules)],
+                        lambda: [_reordered_product(x, m._reordered, m.bias) for x, m in zip(xs, modules)],
+                    ),
+                )
     finally:
         torch.set_num_threads(threads)
     floor = fewest_rows_that_pay(plain_s, reordered_s, default)
     for m in modules:
         m.min_rows = floor
-    _log.info("small-row linears: float32 products of %d to %d rows run on the reordered weights "
-              "(ms per pass, plain vs reordered: %s)", floor, modules[0].max_rows,
-              {r: (round(plain_s[r] * 1e3, 1), round(reordered_s[r] * 1e3, 1)) for r in plain_s})
+    _log.info(
+        "small-row linears: float32 products of %d to %d rows run on the reordered weights "
+        "(ms per pass, plain vs reordered: %s)",
+        floor,
+        modules[0].max_rows,
+        {r: (round(plain_s[r] * 1e3, 1), round(reordered_s[r] * 1e3, 1)) for r in plain_s},
+    )
     return floor
 
 
@@ -234,18 +245,24 @@ def calibrate_streamed_rows(modules: list[SmallRowsLinear], repeats: int = 6) ->
         with torch.inference_mode():
             for rows in range(1, STREAMED_ROWS_TRIED + 1):
                 xs = [torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in modules]
-                own_s[rows], streamed_s[rows] = fastest_alternating(repeats, (
-                    lambda: [m(x) for x, m in zip(xs, modules)],
-                    lambda: [torch.ops.kvmesh_cpu.streamed_mm(x, m.weight, m.bias) for x, m in zip(xs, modules)],
-                ))
+                own_s[rows], streamed_s[rows] = fastest_alternating(
+                    repeats,
+                    (
+                        lambda: [m(x) for x, m in zip(xs, modules)],
+                        lambda: [torch.ops.kvmesh_cpu.streamed_mm(x, m.weight, m.bias) for x, m in zip(xs, modules)],
+                    ),
+                )
     finally:
         torch.set_num_threads(threads)
     most = most_rows_that_stream(own_s, streamed_s)
     for m in modules:
         m.streamed_rows = most
-    _log.info("small-row linears: %s products of up to %d rows stream (ms per pass, own path vs streamed: %s)",
-              modules[0].weight.dtype, most,
-              {r: (round(own_s[r] * 1e3, 1), round(streamed_s[r] * 1e3, 1)) for r in own_s})
+    _log.info(
+        "small-row linears: %s products of up to %d rows stream (ms per pass, own path vs streamed: %s)",
+        modules[0].weight.dtype,
+        most,
+        {r: (round(own_s[r] * 1e3, 1), round(streamed_s[r] * 1e3, 1)) for r in own_s},
+    )
     return most
 
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Sequence
 
 import numpy
-from collections.abc import Sequence
 
 BlockHash = bytes
 """A block's name: ``HASH_BYTES`` raw bytes (hex only for logs and Redis keys)."""

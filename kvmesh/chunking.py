@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvmesh.errors import InvalidArgument, ResourceExhausted
 from kvmesh.checksum import new_hasher
+from kvmesh.errors import InvalidArgument, ResourceExhausted
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: a quarter of gRPC's default message cap, with room for framing
 

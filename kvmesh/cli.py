@@ -118,8 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_verify_parser(sub)
     for name in SERVICES:
         sub.add_parser(name, help=f"run the {name} service (its flags: kvmesh {name} --help)", add_help=False)
-    sub.add_parser("train-speculator", help="train an EAGLE draft head for a target model (its flags: --help)",
-                   add_help=False)
+    sub.add_parser(
+        "train-speculator", help="train an EAGLE draft head for a target model (its flags: --help)", add_help=False
+    )
     return parser
 
 

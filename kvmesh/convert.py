@@ -19,7 +19,8 @@ _FINISH_NAME = {v: k for k, v in _FINISH.items()}
 
 
 def sampling_from_pb(p: sampling_pb2.SamplingParams, prompt_len: int, max_model_len: int) -> SamplingParams:
-    """The contract's defaults: unset temperature/top_p/repetition_penalty mean 1.0; max_tokens 0 = to the context end."""
+    """The contract's defaults: unset temperature/top_p/repetition_penalty mean 1.0; max_tokens 0 = to the
+    context end."""
     return SamplingParams(
         max_tokens=p.max_tokens or max(max_model_len - prompt_len, 1),
         temperature=p.temperature if p.HasField("temperature") else 1.0,
@@ -63,4 +64,6 @@ def logprob_from_pb(lp: sampling_pb2.TokenLogprob) -> TokenLogprob:
 
 def timings_pb(**ns: int | float) -> accounting_pb2.Timings:
     """Timings from nanosecond values (floats rounded; NaN/negative dropped)."""
-    return accounting_pb2.Timings(**{k: int(v) for k, v in ns.items() if v is not None and not math.isnan(v) and v >= 0})
+    return accounting_pb2.Timings(
+        **{k: int(v) for k, v in ns.items() if v is not None and not math.isnan(v) and v >= 0}
+    )

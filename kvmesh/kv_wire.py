@@ -12,12 +12,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvmesh.blocks import BlockHash
 from kvmesh.api.common.v1 import kv_pb2
-from kvmesh.engine.kv_cache import BlockPayload
-from kvmesh.errors import InvalidArgument
+from kvmesh.blocks import BlockHash
 from kvmesh.checksum import checksum
 from kvmesh.chunking import DEFAULT_CHUNK_BYTES, Chunk, Reassembler, split
+from kvmesh.engine.kv_cache import BlockPayload
+from kvmesh.errors import InvalidArgument
 
 
 def chunk_fields(
@@ -61,9 +61,7 @@ class ReceivedBlock:
     def verified(self) -> tuple[BlockHash, BlockPayload]:
         """The block, once its bytes match the checksum sent with them (else InvalidArgument)."""
         if checksum(self.payload.data) != self.checksum:
-            raise InvalidArgument(
-                f"block {self.block_hash.hex()} checksum mismatch: the data was corrupted on the way"
-            )
+            raise InvalidArgument(f"block {self.block_hash.hex()} checksum mismatch: the data was corrupted on the way")
         return self.block_hash, self.payload
 
 

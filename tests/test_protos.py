@@ -57,8 +57,17 @@ def test_generated_code_is_current(tmp_path: Path) -> None:
     """What protoc makes from protos/ now is byte-identical to the checked-in kvmesh/api/*/v1 files."""
     wkt = Path(grpc_tools.__file__).parent / "_proto"
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTOS}", f"-I{wkt}",
-         f"--python_out={tmp_path}", f"--grpc_python_out={tmp_path}", f"--pyi_out={tmp_path}", *_proto_files()],
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{PROTOS}",
+            f"-I{wkt}",
+            f"--python_out={tmp_path}",
+            f"--grpc_python_out={tmp_path}",
+            f"--pyi_out={tmp_path}",
+            *_proto_files(),
+        ],
         check=True,
         cwd=PROTOS,
     )
@@ -73,7 +82,5 @@ def test_generated_code_is_current(tmp_path: Path) -> None:
 def test_buf_lint() -> None:
     if not (REPO / "node_modules" / ".bin" / "buf").exists():
         subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=REPO, check=True)
-    result = subprocess.run(
-        ["npx", "--no-install", "buf", "lint", "protos"], cwd=REPO, capture_output=True, text=True
-    )
+    result = subprocess.run(["npx", "--no-install", "buf", "lint", "protos"], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

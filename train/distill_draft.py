@@ -102,8 +102,9 @@ def pick(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> torc
 
 
 @torch.no_grad()
-def continue_with(model: LlamaForCausalLM, prompts: torch.Tensor, n_new: int, temperature: float,
-                  gen: torch.Generator) -> torch.Tensor:
+def continue_with(
+    model: LlamaForCausalLM, prompts: torch.Tensor, n_new: int, temperature: float, gen: torch.Generator
+) -> torch.Tensor:
     """Prompts followed by ``n_new`` tokens of the model's own, end-of-text included (it is data too)."""
     out = model(input_ids=prompts, use_cache=True)
     seqs = [prompts]
@@ -114,8 +115,9 @@ def continue_with(model: LlamaForCausalLM, prompts: torch.Tensor, n_new: int, te
     return torch.cat(seqs, 1)
 
 
-def generate_pool(teacher: LlamaForCausalLM, stream: torch.Tensor, args: argparse.Namespace,
-                  gen: torch.Generator) -> torch.Tensor:
+def generate_pool(
+    teacher: LlamaForCausalLM, stream: torch.Tensor, args: argparse.Namespace, gen: torch.Generator
+) -> torch.Tensor:
     """Teacher continuations of training prompts until the generation budget is spent."""
     pool, started = [], time.monotonic()
     while time.monotonic() - started < args.gen_minutes * 60:
@@ -214,11 +216,19 @@ def main(args: argparse.Namespace) -> None:
     valid = tiled_windows(valid_ids, context)
     loss_v, scored = heldout_loss(shipped, valid)
     teacher_loss, _ = heldout_loss(teacher, valid)
-    prompts = random_windows(valid_ids, args.eval_prompts, args.prompt_len, torch.Generator().manual_seed(args.seed + 1))
+    prompts = random_windows(
+        valid_ids, args.eval_prompts, args.prompt_len, torch.Generator().manual_seed(args.seed + 1)
+    )
     greedy = continue_with(teacher, prompts, args.gen_len, 0.0, gen)
     agreement, acceptance = speculation_estimate(shipped, greedy, args.prompt_len, args.k)
-    log(event="heldout", loss=round(loss_v, 4), teacher_loss=round(teacher_loss, 4), tokens=scored,
-        top1_agreement=round(agreement, 4), acceptance_k=round(acceptance, 4))
+    log(
+        event="heldout",
+        loss=round(loss_v, 4),
+        teacher_loss=round(teacher_loss, 4),
+        tokens=scored,
+        top1_agreement=round(agreement, 4),
+        acceptance_k=round(acceptance, 4),
+    )
     sample = greedy_completion(args.out)
 
     cfg = shipped.config
@@ -239,8 +249,7 @@ def main(args: argparse.Namespace) -> None:
             f"{args.gen_len} tokens, half greedy, half sampled at T=1) and real training windows",
             "training": f"{gen_s / 60:.1f} min data + generation, then {step} steps x {args.batch} x {seq_len} "
             f"tokens in {train_s / 60:.1f} min on {args.threads} CPU threads",
-            "held-out loss": f"{loss_v:.3f} nats/token over {scored:,} held-out tokens "
-            f"(teacher: {teacher_loss:.3f})",
+            "held-out loss": f"{loss_v:.3f} nats/token over {scored:,} held-out tokens (teacher: {teacher_loss:.3f})",
             "agreement with the teacher": f"top-1 {agreement:.1%} on teacher-greedy continuations of "
             f"{args.eval_prompts} held-out prompts",
             f"greedy acceptance at k={args.k}": f"{acceptance:.1%} (replayed offline on the same continuations; "

@@ -94,8 +94,10 @@ def generated_sequences(args: argparse.Namespace, names: set[str]) -> list[list[
         prompts = [tok.encode(t, add_special_tokens=False) for t in code_prompts(args.code_prompts, args.seed)]
         seqs += target_continuations(engine, prompts, args.code_tokens)
     if "chat" in names:
-        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
-                   for q in instruction_prompts()]
+        prompts = [
+            tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
+            for q in instruction_prompts()
+        ]
         seqs += target_continuations(engine, prompts, args.answer_tokens)
     return seqs
 
@@ -170,10 +172,17 @@ def build_features(engine: LLMEngine, seqs: list[list[int]], dtype: torch.dtype)
         starts.append(starts[-1] + len(ids))
         if (i + 1) % 10 == 0:
             done = starts[-1]
-            print(f"features: {i + 1}/{len(seqs)} windows, {done} tokens, {done / (time.perf_counter() - t0):.0f} tok/s",
-                  file=sys.stderr, flush=True)
-    data = {"features": torch.cat(feats), "tokens": torch.cat(toks), "labels": torch.cat(labels),
-            "starts": torch.tensor(starts)}
+            print(
+                f"features: {i + 1}/{len(seqs)} windows, {done} tokens, {done / (time.perf_counter() - t0):.0f} tok/s",
+                file=sys.stderr,
+                flush=True,
+            )
+    data = {
+        "features": torch.cat(feats),
+        "tokens": torch.cat(toks),
+        "labels": torch.cat(labels),
+        "starts": torch.tensor(starts),
+    }
     if layer_feats:
         data["layer_features"] = torch.cat(layer_feats)
     return data
@@ -186,8 +195,16 @@ def example_starts(starts: torch.Tensor, unroll: int, windows: list[int]) -> tor
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 
-def unrolled_loss(block: EagleBlock, data: dict, t: torch.Tensor, unroll: int, emb: torch.Tensor,
-                  head_w: torch.Tensor, vocab_map: torch.Tensor, reg_weight: float) -> tuple[torch.Tensor, list[float]]:
+def unrolled_loss(
+    block: EagleBlock,
+    data: dict,
+    t: torch.Tensor,
+    unroll: int,
+    emb: torch.Tensor,
+    head_w: torch.Tensor,
+    vocab_map: torch.Tensor,
+    reg_weight: float,
+) -> tuple[torch.Tensor, list[float]]:
     """Loss over ``unroll`` drafting steps from positions ``t``; also, per step j, the share of
     positions whose drafts 1..j all agree with the target (a chain of drafts is accepted up to its
     first miss, so 1 + their sum is the expected accepted length at k = ``unroll``)."""
@@ -211,8 +228,9 @@ def unrolled_loss(block: EagleBlock, data: dict, t: torch.Tensor, unroll: int, e
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvmesh train-speculator", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="kvmesh train-speculator", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", required=True, type=Path, help="the target model folder")
     p.add_argument("--data", default="code,chat,stdlib", help="code, chat, stdlib, traffic=PATH (comma-separated)")
     p.add_argument("--out", required=True, type=Path)
@@ -225,9 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen-compile", action="store_true", help="compile that engine's decode step")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--feature-dtype", choices=["float16", "float32"], default="float16")
-    p.add_argument("--feature-layers", default="",
-                   help="EAGLE-3 style: comma-separated target layers (e.g. 2,15,27) whose outputs, concatenated, "
-                        "are the head's first input instead of the final hidden state")
+    p.add_argument(
+        "--feature-layers",
+        default="",
+        help="EAGLE-3 style: comma-separated target layers (e.g. 2,15,27) whose outputs, concatenated, "
+        "are the head's first input instead of the final hidden state",
+    )
     p.add_argument("--draft-vocab", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=1536)
     p.add_argument("--unroll", type=int, default=4)
@@ -248,8 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(args.model, EngineConfig(num_blocks=max(64, 2 * args.window // 16 + 8)))
     mc = engine.model_config
     try:  # the head's own checks: distinct ascending layers, all inside the target
-        cfg = HeadConfig(hidden_size=mc.hidden_size, intermediate_size=args.intermediate,
-                         rms_norm_eps=mc.rms_norm_eps, feature_layers=feature_layers)
+        cfg = HeadConfig(
+            hidden_size=mc.hidden_size,
+            intermediate_size=args.intermediate,
+            rms_norm_eps=mc.rms_norm_eps,
+            feature_layers=feature_layers,
+        )
         cfg.check_target_layers(mc.num_layers)
     except InvalidArgument as e:
         raise SystemExit(f"--feature-layers: {e}") from None
@@ -257,8 +282,18 @@ def main(argv: list[str] | None = None) -> int:
     fingerprint = target_fingerprint(engine.model)
     # Two caches: the corpus (the target's text: minutes of generation) and its features (another
     # pass of the target), so a run that only changes what is kept of the target reuses the text.
-    corpus_args = [fingerprint, args.data, args.stdlib_tokens, args.code_prompts, args.code_tokens,
-                   args.answer_tokens, args.gen_dtype, args.gen_compile, args.window, args.seed]
+    corpus_args = [
+        fingerprint,
+        args.data,
+        args.stdlib_tokens,
+        args.code_prompts,
+        args.code_tokens,
+        args.answer_tokens,
+        args.gen_dtype,
+        args.gen_compile,
+        args.window,
+        args.seed,
+    ]
     corpus_cache = args.cache / f"corpus-{_key(corpus_args)}.pt"
     cache = args.cache / f"{_key([*corpus_args, args.feature_dtype, feature_layers])}.pt"
     if cache.exists():
@@ -305,8 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     for epoch in range(args.epochs):
         perm = train[torch.randperm(len(train))]
         for i in range(0, len(perm) - args.batch + 1, args.batch):
-            loss, chain = unrolled_loss(block, data, perm[i : i + args.batch], args.unroll, emb, head_w,
-                                        vocab_map, args.reg_weight)
+            loss, chain = unrolled_loss(
+                block, data, perm[i : i + args.batch], args.unroll, emb, head_w, vocab_map, args.reg_weight
+            )
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(block.parameters(), 1.0)
@@ -314,9 +350,12 @@ def main(argv: list[str] | None = None) -> int:
             sched.step()
             step += 1
             if step % 25 == 0 or step == steps:
-                print(f"epoch {epoch + 1} step {step}/{steps}: loss {loss.item():.3f} "
-                      f"drafts 1..j agreeing {[round(a, 3) for a in chain]} ({time.perf_counter() - t0:.0f}s)",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"epoch {epoch + 1} step {step}/{steps}: loss {loss.item():.3f} "
+                    f"drafts 1..j agreeing {[round(a, 3) for a in chain]} ({time.perf_counter() - t0:.0f}s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
     with torch.no_grad():
         chain_sum = [0.0] * args.unroll
         for c in torch.split(held, 1024):
@@ -332,20 +371,38 @@ def main(argv: list[str] | None = None) -> int:
     save_file({**tensors, "draft_vocab": draft_vocab.to(torch.int32)}, str(args.out / "head.safetensors"))
     meta = {
         "format": FORMAT,
-        "head": {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-                 "rms_norm_eps": cfg.rms_norm_eps, "feature_layers": list(cfg.feature_layers)},
-        "target": {"name": args.model.name, "fingerprint": fingerprint, "architecture": mc.architecture,
-                   "vocab_size": mc.vocab_size, "hidden_size": mc.hidden_size},
+        "head": {
+            "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size,
+            "rms_norm_eps": cfg.rms_norm_eps,
+            "feature_layers": list(cfg.feature_layers),
+        },
+        "target": {
+            "name": args.model.name,
+            "fingerprint": fingerprint,
+            "architecture": mc.architecture,
+            "vocab_size": mc.vocab_size,
+            "hidden_size": mc.hidden_size,
+        },
         "draft_vocab_size": len(vocab_ids),
         "training": {
             "command": "kvmesh train-speculator " + " ".join(sys.argv[1:] if argv is None else argv),
-            "data": args.data, "tokens": n_tokens, "windows": int(len(data["starts"]) - 1),
-            "feature_dtype": args.feature_dtype, "feature_layers": list(feature_layers), "unroll": args.unroll, "epochs": args.epochs,
-            "batch": args.batch, "lr": args.lr, "steps": step, "threads": args.threads,
+            "data": args.data,
+            "tokens": n_tokens,
+            "windows": int(len(data["starts"]) - 1),
+            "feature_dtype": args.feature_dtype,
+            "feature_layers": list(feature_layers),
+            "unroll": args.unroll,
+            "epochs": args.epochs,
+            "batch": args.batch,
+            "lr": args.lr,
+            "steps": step,
+            "threads": args.threads,
             "draft_vocab_coverage": round(coverage, 4),
             "heldout_chain_agreement_per_step": heldout,
             "heldout_expected_accepted_length": round(1 + sum(heldout), 3),
-            "feature_seconds": round(t_features), "train_seconds": round(t_train),
+            "feature_seconds": round(t_features),
+            "train_seconds": round(t_train),
         },
     }
     (args.out / "config.json").write_text(json.dumps(meta, indent=2) + "\n")

@@ -64,7 +64,9 @@ def heldout_loss(model: LlamaForCausalLM, windows: torch.Tensor, batch: int = 8)
     for i in range(0, len(windows), batch):
         x = windows[i : i + batch].to(model.device)
         logits = model(input_ids=x).logits.float()
-        total += F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum").item()
+        total += F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum"
+        ).item()
         count += x[:, 1:].numel()
     model.train()
     return total / count, count

@@ -136,8 +136,14 @@ def train(args: argparse.Namespace) -> None:
         tokens += x.numel()
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         if step % 20 == 0:
-            log(event="train", step=step, loss=round(ema, 4), lr=opt.param_groups[0]["lr"],
-                tok_s=round(tokens / budget.elapsed_s), elapsed_min=round(budget.elapsed_s / 60, 2))
+            log(
+                event="train",
+                step=step,
+                loss=round(ema, 4),
+                lr=opt.param_groups[0]["lr"],
+                tok_s=round(tokens / budget.elapsed_s),
+                elapsed_min=round(budget.elapsed_s / 60, 2),
+            )
         if args.eval_every and step % args.eval_every == 0:
             loss_v, _ = heldout_loss(model, valid[:32])
             log(event="eval", step=step, heldout_loss_subset=round(loss_v, 4))
@@ -172,8 +178,8 @@ def train(args: argparse.Namespace) -> None:
             "data": f"{len(split.train)} stdlib .py files ({len(train_ids):,} tokens) for training; "
             f"{len(split.valid)} held out ({len(valid_ids):,} tokens), chosen by a hash of the path",
             "training": f"{step} steps x {args.batch} x {args.context} tokens ({tokens:,} tokens), "
-            f"{train_s / 60:.1f} min on {args.device if args.device != 'cpu' else f'{args.threads} CPU threads'} (+{(time.monotonic() - t0 - train_s) / 60:.1f} min "
-            "data, tokenizer, saving, scoring)",
+            f"{train_s / 60:.1f} min on {args.device if args.device != 'cpu' else f'{args.threads} CPU threads'} "
+            f"(+{(time.monotonic() - t0 - train_s) / 60:.1f} min data, tokenizer, saving, scoring)",
             "held-out loss": f"{loss_v:.3f} nats/token ({bpb:.3f} bits/byte) over {scored:,} held-out tokens",
         },
         "python -m train.train_pycode " + " ".join(sys.argv[1:]),

@@ -92,8 +92,12 @@ def _fake_streamed_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def _fake_decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     """The output's shape and dtype, for torch.compile's tracing."""
     return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -100,8 +100,14 @@ class CompiledDecode:
         # Likewise while the few-rows graph compiles: its rows get the range 2..few_rows.
         self.mark_few_rows = False
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                 meta: AttentionMetadata, logits_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_idx: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         rows = (input_ids, positions, meta.slot_mapping, logits_idx)
         if 1 < input_ids.shape[0] <= self.few_rows:
             if self.mark_few_rows:

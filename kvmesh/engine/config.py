@@ -69,7 +69,7 @@ class ModelConfig:
     raw: dict[str, Any] = field(repr=False, compare=False)
 
     @classmethod
-    def from_dir(cls, path: Path) -> "ModelConfig":
+    def from_dir(cls, path: Path) -> ModelConfig:
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise ModelLoadError(f"{cfg_file}: missing (a model folder needs config.json)")
@@ -80,7 +80,7 @@ class ModelConfig:
         return cls.from_dict(raw, source=str(cfg_file))
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         archs = raw.get("architectures") or [_MODEL_TYPE_TO_ARCH.get(raw.get("model_type", ""), "")]
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:

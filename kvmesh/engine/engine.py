@@ -23,7 +23,7 @@ from kvmesh.engine.compile import compile_decode
 from kvmesh.engine.config import EngineConfig, ModelConfig, dtype_name
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.draft_length import DraftLengthPolicy
-from kvmesh.engine.grammar import GrammarCache, GrammarStats, Masks, MaskRows, allowed_prefix
+from kvmesh.engine.grammar import GrammarCache, GrammarStats, MaskRows, Masks, allowed_prefix
 from kvmesh.engine.kv_cache import KV_LAYOUT, BlockPayload, KVCache
 from kvmesh.engine.model import CausalLM
 from kvmesh.engine.penalties import PenaltyState, adjust_row
@@ -146,8 +146,12 @@ class LLMEngine:
             self.model.use_small_rows_linears()
         self.fingerprint = model_fingerprint(
             # Quantized weights give different KV: such workers must never share blocks with others.
-            {**mc.raw, "weights_id": weights_id(files), "quantization": cfg.quantization,
-             **({"quantize_lm_head": True} if cfg.quantize_lm_head else {})},
+            {
+                **mc.raw,
+                "weights_id": weights_id(files),
+                "quantization": cfg.quantization,
+                **({"quantize_lm_head": True} if cfg.quantize_lm_head else {}),
+            },
             dtype_name(self.dtype),
             cfg.block_size,
         )
@@ -192,8 +196,13 @@ class LLMEngine:
             return {1: tuple(cfg.draft_costs)}
         if proposer is None or cfg.num_speculative_tokens == 0 or self.device.type != "cpu":
             return {1: ()}
-        return measure_draft_costs(self.model, self.kv.tensor, cfg.num_speculative_tokens, self.max_model_len,
-                                   getattr(proposer, "draft_seconds", None))
+        return measure_draft_costs(
+            self.model,
+            self.kv.tensor,
+            cfg.num_speculative_tokens,
+            self.max_model_len,
+            getattr(proposer, "draft_seconds", None),
+        )
 
     @property
     def draft_costs(self) -> dict[int, tuple[float, ...]]:
@@ -249,7 +258,11 @@ class LLMEngine:
             raise InvalidArgument(f"request id {request_id!r} is already running")
         self._validate(prompt_ids, params)
         seq = Sequence(
-            request_id, list(prompt_ids), params, cache_salt=cache_salt, arrival=arrival,
+            request_id,
+            list(prompt_ids),
+            params,
+            cache_salt=cache_salt,
+            arrival=arrival,
             hold_prompt_blocks=hold_prompt_blocks,
         )
         if params.seed is not None:
@@ -373,8 +386,14 @@ class LLMEngine:
             k = len(drafts)
             gen = seq.generator or self._default_gen
             rows = logits[row : row + k + 1]
-            tokens = verify(rows, drafts, seq.params, gen, greedy[row : row + k + 1],
-                            draft_probs[:k] if k and draft_probs is not None else None)
+            tokens = verify(
+                rows,
+                drafts,
+                seq.params,
+                gen,
+                greedy[row : row + k + 1],
+                draft_probs[:k] if k and draft_probs is not None else None,
+            )
             if hidden is not None:  # the row that sampled the last token
                 seq.feature = hidden[row + len(tokens) - 1]
             row += k + 1
@@ -584,7 +603,9 @@ class LLMEngine:
         """Names of the prompt blocks a finished ``hold_prompt_blocks`` request still holds."""
         return [h for h, _ in self._held.get(request_id, [])]
 
-    def export_held(self, request_id: str, hashes: list[BlockHash] | None = None) -> list[tuple[BlockHash, BlockPayload]]:
+    def export_held(
+        self, request_id: str, hashes: list[BlockHash] | None = None
+    ) -> list[tuple[BlockHash, BlockPayload]]:
         """KV of held blocks (all, or those named, in the order named); unknown names skipped."""
         by_hash = dict(self._held.get(request_id, []))
         wanted = hashes if hashes is not None else list(by_hash)

@@ -17,18 +17,38 @@ ENGINE_FLAGS = [
     Flag("--max-num-seqs", "sequences in the running batch at most", default=64, type=int),
     Flag("--max-num-batched-tokens", "token budget of one step (prefill chunk size)", default=512, type=int),
     Flag("--max-model-len", "context limit (default: the model's)", type=int),
-    Flag("--quantization", "8-bit weights, one scale per output channel: fp8 (CUDA) or int8 (CUDA, or a CPU with "
-         "AVX-512: a kernel built on first use)", choices=tuple(QUANTIZATION_SCHEMES)),
-    Flag("--quantize-lm-head", "with --quantization: the LM head's product in 8 bits too (docs/quantization.md "
-         "measures what it costs)", default=False, type=bool),
-    Flag("--compile", "torch.compile the decode step (inductor): faster steps, about 2 minutes more start-up on CPU",
-         default=False, type=bool),
-    Flag("--small-rows-linears", "CPU: decode and verify products on a oneDNN-reordered second copy of the weights, "
-         "or streamed by kernels/cpu where that is faster (kernels/small_rows_linear.py; "
-         "--no-small-rows-linears saves the memory)", default=True, type=bool),
+    Flag(
+        "--quantization",
+        "8-bit weights, one scale per output channel: fp8 (CUDA) or int8 (CUDA, or a CPU with "
+        "AVX-512: a kernel built on first use)",
+        choices=tuple(QUANTIZATION_SCHEMES),
+    ),
+    Flag(
+        "--quantize-lm-head",
+        "with --quantization: the LM head's product in 8 bits too (docs/quantization.md measures what it costs)",
+        default=False,
+        type=bool,
+    ),
+    Flag(
+        "--compile",
+        "torch.compile the decode step (inductor): faster steps, about 2 minutes more start-up on CPU",
+        default=False,
+        type=bool,
+    ),
+    Flag(
+        "--small-rows-linears",
+        "CPU: decode and verify products on a oneDNN-reordered second copy of the weights, "
+        "or streamed by kernels/cpu where that is faster (kernels/small_rows_linear.py; "
+        "--no-small-rows-linears saves the memory)",
+        default=True,
+        type=bool,
+    ),
     Flag("--num-speculative-tokens", "draft tokens verified per decode step (0: no speculation)", default=0, type=int),
-    Flag("--draft-costs", "a verify of 1,2,... drafts in decode steps' time, comma-separated: sequences whose "
-         "drafts miss get fewer ('free': always the full count; default: measured on CPU, free elsewhere)"),
+    Flag(
+        "--draft-costs",
+        "a verify of 1,2,... drafts in decode steps' time, comma-separated: sequences whose "
+        "drafts miss get fewer ('free': always the full count; default: measured on CPU, free elsewhere)",
+    ),
     Flag("--worker-id", "this worker's id in the router (default: <role>-<host>:<port>)"),
     Flag("--router-address", "router host:port (unset: run without a router)"),
     Flag("--kvstore-address", "kvstore host:port: fetch cached prefixes from it, write new blocks to it (unset: none)"),

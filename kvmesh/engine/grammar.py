@@ -52,7 +52,10 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[i
     # (xgrammar's own detector; the only way to it without a transformers tokenizer object).
     meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.to_json())
     return xgr.TokenizerInfo(
-        encoded, meta["vocab_type"], vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids),
+        encoded,
+        meta["vocab_type"],
+        vocab_size=vocab_size,
+        stop_token_ids=sorted(stop_token_ids),
         add_prefix_space=meta["add_prefix_space"],
     )
 

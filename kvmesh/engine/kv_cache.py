@@ -83,7 +83,7 @@ class KVCache:
     def block_nbytes(self) -> int:
         return self.tensor[:, :, 0].numel() * self.tensor.element_size()
 
-    def _host_bytes_view(self, block_id: int) -> "numpy.ndarray":
+    def _host_bytes_view(self, block_id: int) -> numpy.ndarray:
         """The block as a (strided) uint8 numpy view of host memory.
 
         Copies go through numpy, not torch: a torch copy of this strided slice is split

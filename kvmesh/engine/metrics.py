@@ -22,11 +22,14 @@ class EngineCollector(Collector):
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         e = self.engine
         for f in dataclasses.fields(e.stats):
-            yield CounterMetricFamily(f"kvmesh_engine_{f.name}", f"Engine counter {f.name}.", value=getattr(e.stats, f.name))
+            yield CounterMetricFamily(
+                f"kvmesh_engine_{f.name}", f"Engine counter {f.name}.", value=getattr(e.stats, f.name)
+            )
         grammar = e.grammar_stats
         for f in dataclasses.fields(grammar):
             yield CounterMetricFamily(
-                f"kvmesh_engine_grammar_{f.name}", f"Structured outputs: {f.name.replace('_', ' ')}.",
+                f"kvmesh_engine_grammar_{f.name}",
+                f"Structured outputs: {f.name.replace('_', ' ')}.",
                 value=getattr(grammar, f.name),
             )
         gauges = {

@@ -78,9 +78,7 @@ def rope_cos_sin_cache(rope: dict[str, Any], head_dim: int, max_positions: int, 
     elif rope_type == "yarn":
         inv_freq, scale = _yarn(theta, dim, rope, max_pos_cfg)
     else:
-        raise ModelLoadError(
-            f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
+        raise ModelLoadError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(positions, inv_freq)
     return torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)

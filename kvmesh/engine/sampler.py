@@ -55,7 +55,11 @@ def _draw(probs: torch.Tensor, gen: torch.Generator) -> int:
 
 
 def verify(
-    rows: torch.Tensor, drafts: list[int], params: SamplingParams, gen: torch.Generator, greedy_rows: list[int],
+    rows: torch.Tensor,
+    drafts: list[int],
+    params: SamplingParams,
+    gen: torch.Generator,
+    greedy_rows: list[int],
     draft_probs: torch.Tensor | None = None,
 ) -> list[int]:
     """Tokens to append for one sequence: accepted drafts plus one model token (1..k+1 tokens).

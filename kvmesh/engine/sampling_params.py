@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from kvmesh.errors import InvalidArgument
 from kvmesh.structured.spec import GrammarSpec
 
-
 # OpenAI's ranges (penalties and logit_bias); repetition_penalty's bound keeps logits finite.
 PENALTY_LIMIT = 2.0
 LOGIT_BIAS_LIMIT = 100.0
@@ -78,9 +77,13 @@ class SamplingParams:
             if not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
                 raise InvalidArgument(f"{name} must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}], got {value}")
         if not 0.0 < self.repetition_penalty <= REPETITION_PENALTY_MAX:
-            raise InvalidArgument(f"repetition_penalty must be in (0, {REPETITION_PENALTY_MAX}], got {self.repetition_penalty}")
+            raise InvalidArgument(
+                f"repetition_penalty must be in (0, {REPETITION_PENALTY_MAX}], got {self.repetition_penalty}"
+            )
         for t, bias in self.logit_bias.items():
             if not 0 <= t < vocab_size:
                 raise InvalidArgument(f"logit_bias: {t} is outside the vocabulary")
             if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
-                raise InvalidArgument(f"logit_bias[{t}] must be in [-{LOGIT_BIAS_LIMIT}, {LOGIT_BIAS_LIMIT}], got {bias}")
+                raise InvalidArgument(
+                    f"logit_bias[{t}] must be in [-{LOGIT_BIAS_LIMIT}, {LOGIT_BIAS_LIMIT}], got {bias}"
+                )

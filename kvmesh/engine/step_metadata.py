@@ -30,8 +30,14 @@ from kernels.reference import DECODE_ROWS_MAX
 from kvmesh.engine.model import AttentionMetadata
 
 
-def step_metadata(slots: list[int], tables: list[list[int]], seq_lens: list[int], num_new: list[int],
-                  device: torch.device, every_row_samples: bool) -> AttentionMetadata:
+def step_metadata(
+    slots: list[int],
+    tables: list[list[int]],
+    seq_lens: list[int],
+    num_new: list[int],
+    device: torch.device,
+    every_row_samples: bool,
+) -> AttentionMetadata:
     """Metadata for sequences with block tables ``tables`` (padded to one width), holding
     ``seq_lens[i]`` tokens after this step of which the last ``num_new[i]`` are new, written to
     flat cache ``slots`` (in order: sequence 0's new tokens, then sequence 1's, ...);

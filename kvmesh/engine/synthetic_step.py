@@ -13,8 +13,9 @@ from kvmesh.engine.model import CausalLM
 from kvmesh.engine.step_metadata import step_metadata
 
 
-def synthetic_step(model: CausalLM, kv_cache: torch.Tensor, batch: int, width: int, seq_len: int,
-                   new_tokens: int = 1) -> None:
+def synthetic_step(
+    model: CausalLM, kv_cache: torch.Tensor, batch: int, width: int, seq_len: int, new_tokens: int = 1
+) -> None:
     """``batch`` sequences of ``seq_len`` tokens, sequence i on pool blocks i*w.. (w = ``width``,
     at least 2 as the engine pads block tables), whose last ``new_tokens`` are new (1: a decode
     step; k + 1: a verify of k drafts), every new row sampling."""
@@ -25,5 +26,10 @@ def synthetic_step(model: CausalLM, kv_cache: torch.Tensor, batch: int, width: i
     slots = [t[p // block_size] * block_size + p % block_size for t in tables for p in new]
     meta = step_metadata(slots, tables, [seq_len] * batch, [new_tokens] * batch, dev, every_row_samples=True)
     rows = batch * new_tokens
-    model(torch.zeros(rows, dtype=torch.long, device=dev), torch.tensor(list(new) * batch, device=dev), kv_cache,
-          meta, torch.arange(rows, device=dev))
+    model(
+        torch.zeros(rows, dtype=torch.long, device=dev),
+        torch.tensor(list(new) * batch, device=dev),
+        kv_cache,
+        meta,
+        torch.arange(rows, device=dev),
+    )

@@ -116,7 +116,9 @@ _TEMPLATES: dict[str, jinja2.Template] = {}
 
 def _compiled(source: str) -> jinja2.Template:
     if source not in _TEMPLATES:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
             x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
         )

@@ -48,8 +48,12 @@ def costs_from_seconds(decode_s: float, verify_s: list[float], draft_s: list[flo
 
 
 def measure_draft_costs(
-    model: CausalLM, kv_cache: torch.Tensor, max_k: int, max_model_len: int,
-    draft_seconds: Callable[[int], float] | None = None, repeats: int = 5,
+    model: CausalLM,
+    kv_cache: torch.Tensor,
+    max_k: int,
+    max_model_len: int,
+    draft_seconds: Callable[[int], float] | None = None,
+    repeats: int = 5,
 ) -> dict[int, tuple[float, ...]]:
     """The draft-cost tables for ``max_k`` drafts (``costs_from_seconds``) of ``model`` on its pool
     ``kv_cache`` [layers, 2, blocks, block_size, ...] (contexts up to ``max_model_len``), per batch
@@ -63,12 +67,19 @@ def measure_draft_costs(
     # Not under inference_mode: tensors made there are inference tensors, which a compiled step's
     # guards tell from the ones its warm-up and the engine make, so the probe would compile and
     # time graphs of its own (model.forward enters inference mode itself).
-    seconds = fastest_alternating(repeats, tuple(
-        functools.partial(synthetic_step, model, kv_cache, b, width, seq_len, new_tokens=k + 1) for b, k in shapes))
+    seconds = fastest_alternating(
+        repeats,
+        tuple(
+            functools.partial(synthetic_step, model, kv_cache, b, width, seq_len, new_tokens=k + 1) for b, k in shapes
+        ),
+    )
     best = dict(zip(shapes, seconds))
     draft_s = [draft_seconds(k) if draft_seconds else 0.0 for k in range(1, max_k + 1)]
     tables = {b: costs_from_seconds(best[b, 0], [best[b, k] for k in range(1, max_k + 1)], draft_s) for b in batches}
-    _log.info("draft costs measured (verify of 1..%d drafts in decodes; drafting %s ms): %s", max_k,
-              [round(s * 1e3, 2) for s in draft_s],
-              {f"batch {b} (decode {best[b, 0] * 1e3:.1f} ms)": list(t) for b, t in tables.items()})
+    _log.info(
+        "draft costs measured (verify of 1..%d drafts in decodes; drafting %s ms): %s",
+        max_k,
+        [round(s * 1e3, 2) for s in draft_s],
+        {f"batch {b} (decode {best[b, 0] * 1e3:.1f} ms)": list(t) for b, t in tables.items()},
+    )
     return tables

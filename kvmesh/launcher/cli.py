@@ -1,4 +1,5 @@
-"""``kvmesh up``: start the whole mesh here as the compose file describes it, print the endpoints, stop it all on Ctrl-C/SIGTERM.
+"""``kvmesh up``: start the whole mesh here as the compose file describes it, print the endpoints,
+stop it all on Ctrl-C/SIGTERM.
 
 ``kvmesh/cli.py`` wires it in with ``add_up_parser(subparsers)``.
 """
@@ -28,47 +29,117 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
         help="start the whole mesh on this machine as separate processes, as compose/docker-compose.yml describes it "
         "(Ctrl-C stops it)",
     )
-    p.add_argument("--compose-file", type=Path, default=COMPOSE_FILE, help="the mesh's description (default: %(default)s)")
-    p.add_argument("--env-file", type=Path, help="values for its ${VAR}s (default: .env beside it; the environment wins)")
-    p.add_argument("--model", help="local Hugging Face model folder (default: the compose file's model folder, "
-                   "KVMESH_MODEL_DIR; the embedded default model when that is the shipped one and missing)")
+    p.add_argument(
+        "--compose-file", type=Path, default=COMPOSE_FILE, help="the mesh's description (default: %(default)s)"
+    )
+    p.add_argument(
+        "--env-file", type=Path, help="values for its ${VAR}s (default: .env beside it; the environment wins)"
+    )
+    p.add_argument(
+        "--model",
+        help="local Hugging Face model folder (default: the compose file's model folder, "
+        "KVMESH_MODEL_DIR; the embedded default model when that is the shipped one and missing)",
+    )
     p.add_argument("--model-name", help="model id the gateway serves (default: the folder's name)")
-    p.add_argument("--prefill-replicas", "--prefill", dest="prefill", type=int, metavar="N",
-                   help="prefill workers (default: the compose file's replicas; 0: decode prefills)")
-    p.add_argument("--decode-replicas", "--decode", dest="decode", type=int, metavar="M",
-                   help="decode workers (default: the compose file's replicas); 2 or more: a dead one's streams "
-                   "migrate to the others")
-    p.add_argument("--restart", action=argparse.BooleanOptionalAction, default=True,
-                   help="restart a process that exits unexpectedly, with exponential backoff (default on)")
-    p.add_argument("--restart-backoff", type=float, default=RestartPolicy.initial_backoff_s, metavar="S",
-                   help="seconds before the first restart; doubled for each crash in a row (default: %(default)s)")
-    p.add_argument("--restart-backoff-max", type=float, default=RestartPolicy.max_backoff_s, metavar="S",
-                   help="the longest wait between restarts (default: %(default)s)")
-    p.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts, metavar="K",
-                   help="restarts in a row (each crashing before it ran --restart-stable-after) before giving up "
-                   "on a crash-looping process (default: %(default)s)")
-    p.add_argument("--restart-stable-after", type=float, default=RestartPolicy.stable_after_s, metavar="S",
-                   help="a run this long resets the backoff and the crash count (default: %(default)s)")
-    p.add_argument("--speculator", action=argparse.BooleanOptionalAction, default=True, help="run the speculator (default on)")
+    p.add_argument(
+        "--prefill-replicas",
+        "--prefill",
+        dest="prefill",
+        type=int,
+        metavar="N",
+        help="prefill workers (default: the compose file's replicas; 0: decode prefills)",
+    )
+    p.add_argument(
+        "--decode-replicas",
+        "--decode",
+        dest="decode",
+        type=int,
+        metavar="M",
+        help="decode workers (default: the compose file's replicas); 2 or more: a dead one's streams "
+        "migrate to the others",
+    )
+    p.add_argument(
+        "--restart",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="restart a process that exits unexpectedly, with exponential backoff (default on)",
+    )
+    p.add_argument(
+        "--restart-backoff",
+        type=float,
+        default=RestartPolicy.initial_backoff_s,
+        metavar="S",
+        help="seconds before the first restart; doubled for each crash in a row (default: %(default)s)",
+    )
+    p.add_argument(
+        "--restart-backoff-max",
+        type=float,
+        default=RestartPolicy.max_backoff_s,
+        metavar="S",
+        help="the longest wait between restarts (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=RestartPolicy.max_restarts,
+        metavar="K",
+        help="restarts in a row (each crashing before it ran --restart-stable-after) before giving up "
+        "on a crash-looping process (default: %(default)s)",
+    )
+    p.add_argument(
+        "--restart-stable-after",
+        type=float,
+        default=RestartPolicy.stable_after_s,
+        metavar="S",
+        help="a run this long resets the backoff and the crash count (default: %(default)s)",
+    )
+    p.add_argument(
+        "--speculator", action=argparse.BooleanOptionalAction, default=True, help="run the speculator (default on)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="address every service binds to")
-    p.add_argument("--gateway-port", type=int, help="the gateway's public gRPC port (default: the compose file's "
-                   "published port, 50051; 0: a free one)")
-    p.add_argument("--publish", action=argparse.BooleanOptionalAction, default=True,
-                   help="ports the compose file publishes keep their host port (gateway gRPC 50051, HTTP 8000); "
-                   "--no-publish: free ports like the rest, to run meshes side by side")
-    p.add_argument("--base-port", type=int, help="first of the consecutive ports for everything else (default: free ports)")
+    p.add_argument(
+        "--gateway-port",
+        type=int,
+        help="the gateway's public gRPC port (default: the compose file's published port, 50051; 0: a free one)",
+    )
+    p.add_argument(
+        "--publish",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ports the compose file publishes keep their host port (gateway gRPC 50051, HTTP 8000); "
+        "--no-publish: free ports like the rest, to run meshes side by side",
+    )
+    p.add_argument(
+        "--base-port", type=int, help="first of the consecutive ports for everything else (default: free ports)"
+    )
     p.add_argument("--redis-port", type=int, help="Redis port (default: from --base-port, or a free one)")
-    p.add_argument("--device", help="device of every prefill and decode worker, e.g. cpu (default: the compose "
-                   "file's GPU pins as cuda:N, or cpu on a machine without GPUs)")
-    p.add_argument("--device-prefill", help="device(s) of the prefill workers, comma-separated, round-robin (overrides --device)")
-    p.add_argument("--device-decode", help="device(s) of the decode workers, comma-separated, round-robin (overrides --device)")
-    p.add_argument("--redis-persistence", action="store_true", help="keep the compose file's Redis persistence (default: off locally)")
+    p.add_argument(
+        "--device",
+        help="device of every prefill and decode worker, e.g. cpu (default: the compose "
+        "file's GPU pins as cuda:N, or cpu on a machine without GPUs)",
+    )
+    p.add_argument(
+        "--device-prefill", help="device(s) of the prefill workers, comma-separated, round-robin (overrides --device)"
+    )
+    p.add_argument(
+        "--device-decode", help="device(s) of the decode workers, comma-separated, round-robin (overrides --device)"
+    )
+    p.add_argument(
+        "--redis-persistence",
+        action="store_true",
+        help="keep the compose file's Redis persistence (default: off locally)",
+    )
     p.add_argument("--redis-server", default="redis-server", help="the redis-server binary")
-    p.add_argument("--run-dir", help="where logs, Redis's directory and the named volumes go (default: a new temporary directory)")
+    p.add_argument(
+        "--run-dir", help="where logs, Redis's directory and the named volumes go (default: a new temporary directory)"
+    )
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="(default: the compose file's)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds for every process to become healthy")
-    p.add_argument("--stop-timeout", type=float, help="seconds a process may take to stop before SIGKILL "
-                   "(default: its stop_grace_period in the compose file)")
+    p.add_argument(
+        "--stop-timeout",
+        type=float,
+        help="seconds a process may take to stop before SIGKILL (default: its stop_grace_period in the compose file)",
+    )
     p.set_defaults(func=run_up)
     return p
 
@@ -105,16 +176,28 @@ def run_up(args: argparse.Namespace) -> int:
         options = replace(options, model=model)
         run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="kvmesh-run-"))
         topology = build_topology(options, run_dir)
-        policy = RestartPolicy(
-            initial_backoff_s=args.restart_backoff, max_backoff_s=args.restart_backoff_max,
-            max_restarts=args.max_restarts, stable_after_s=args.restart_stable_after,
-        ) if args.restart else None
+        policy = (
+            RestartPolicy(
+                initial_backoff_s=args.restart_backoff,
+                max_backoff_s=args.restart_backoff_max,
+                max_restarts=args.max_restarts,
+                stable_after_s=args.restart_stable_after,
+            )
+            if args.restart
+            else None
+        )
     except ValueError as e:  # ComposeError included
         _say(str(e))
         return 2
     _say(f"topology from {compose_file}; run dir {run_dir} (logs in {run_dir / 'logs'})")
-    mesh = Mesh(topology, run_dir, start_timeout_s=args.start_timeout, stop_timeout_s=args.stop_timeout, on_progress=_say,
-                restart=policy)
+    mesh = Mesh(
+        topology,
+        run_dir,
+        start_timeout_s=args.start_timeout,
+        stop_timeout_s=args.stop_timeout,
+        on_progress=_say,
+        restart=policy,
+    )
     banner = [f"kvmesh is up: model {args.model_name or model.name} ({model})" + (f" -- {label}" if label else "")]
     return serve_mesh(mesh, [*banner, *describe(topology, run_dir), "Ctrl-C stops the mesh."])
 
@@ -145,8 +228,10 @@ def serve_mesh(mesh: Mesh, banner: Sequence[str]) -> int:
             if mesh.supervised:
                 _say(f"{name} stays down; the rest keep serving")
             else:
-                _say(f"{name} exited unexpectedly (code {code}); the rest keep serving. "
-                     f"Its last log lines:\n{mesh.log_tail(name)}")
+                _say(
+                    f"{name} exited unexpectedly (code {code}); the rest keep serving. "
+                    f"Its last log lines:\n{mesh.log_tail(name)}"
+                )
         _say("stopping the mesh (a second Ctrl-C kills it at once)")
         restarted = any(mesh.restarts(p.name) for p in mesh.topology.processes)
         return 1 if crashed or restarted else 0

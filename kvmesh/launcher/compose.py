@@ -104,7 +104,8 @@ def read_env_file(path: Path) -> dict[str, str]:
 def compose_variables(
     compose_file: Path = COMPOSE_FILE, env_file: Path | None = None, environ: Mapping[str, str] | None = None
 ) -> dict[str, str]:
-    """What ``${VAR}`` sees: ``env_file`` (default: ``.env`` beside the compose file), then the environment, which wins."""
+    """What ``${VAR}`` sees: ``env_file`` (default: ``.env`` beside the compose file), then the environment,
+    which wins."""
     env_file = env_file if env_file is not None else compose_file.parent / ".env"
     return {**read_env_file(env_file), **(os.environ if environ is None else environ)}
 

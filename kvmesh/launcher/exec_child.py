@@ -24,7 +24,9 @@ def main() -> None:
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM)) != 0:
-            print(f"kvmesh launcher: prctl(PR_SET_PDEATHSIG) failed: {os.strerror(ctypes.get_errno())}", file=sys.stderr)
+            print(
+                f"kvmesh launcher: prctl(PR_SET_PDEATHSIG) failed: {os.strerror(ctypes.get_errno())}", file=sys.stderr
+            )
         if os.getppid() != launcher:
             sys.exit("kvmesh launcher: the launcher exited before this process started")
     try:

@@ -22,9 +22,17 @@ _WILDCARDS = {"", "0.0.0.0", "::", "[::]"}
 
 
 def add_health_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("health", help="exit 0 when a service's gRPC health says SERVING (the container health check)")
-    p.add_argument("--address", help="host:port (default: this host's own service, KVMESH_HOST or 127.0.0.1 : KVMESH_PORT)")
-    p.add_argument("--service", default="", help="a gRPC service name, e.g. kvmesh.api.router.v1.RouterService (default: the whole server)")
+    p = subparsers.add_parser(
+        "health", help="exit 0 when a service's gRPC health says SERVING (the container health check)"
+    )
+    p.add_argument(
+        "--address", help="host:port (default: this host's own service, KVMESH_HOST or 127.0.0.1 : KVMESH_PORT)"
+    )
+    p.add_argument(
+        "--service",
+        default="",
+        help="a gRPC service name, e.g. kvmesh.api.router.v1.RouterService (default: the whole server)",
+    )
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     p.set_defaults(func=run_health)
     return p
@@ -44,7 +52,9 @@ def check_health(address: str, service: str = "", timeout_s: float = 3.0) -> tup
     """(SERVING?, what was seen, for people)."""
     with grpc.insecure_channel(address) as channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
         except grpc.RpcError as e:
             return False, f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

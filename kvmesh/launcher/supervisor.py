@@ -192,8 +192,10 @@ class Mesh:
         """Processes that exited without being stopped or killed through this object and stay down:
         all of them without a restart policy; with one, those the supervisor gave up on."""
         return [
-            n for n, p in list(self._procs.items())
-            if n not in self._ended_on_purpose and p.popen.poll() is not None
+            n
+            for n, p in list(self._procs.items())
+            if n not in self._ended_on_purpose
+            and p.popen.poll() is not None
             and (self._restart is None or self._records[n].gave_up)
         ]
 
@@ -293,14 +295,18 @@ class Mesh:
                     proc = self._procs[name]
                     if proc.popen.poll() is not None:
                         raise MeshError(
-                            f"{name} exited with code {proc.popen.returncode} during start-up", name, self.log_tail(name)
+                            f"{name} exited with code {proc.popen.returncode} during start-up",
+                            name,
+                            self.log_tail(name),
                         )
                     if _healthy(proc.spec, channels):
                         pending.remove(name)
                         self._progress(f"{name} is serving on {proc.spec.address}")
                 if pending and time.monotonic() > deadline:
                     raise MeshError(
-                        f"{', '.join(pending)} not healthy within {self._start_timeout_s:g} s", pending[0], self.log_tail(pending[0])
+                        f"{', '.join(pending)} not healthy within {self._start_timeout_s:g} s",
+                        pending[0],
+                        self.log_tail(pending[0]),
                     )
                 if pending:
                     self._interrupted.wait(_POLL_S)
@@ -334,7 +340,9 @@ def _healthy(spec: ProcessSpec, channels: dict[str, grpc.Channel]) -> bool:
     if spec.name not in channels:
         channels[spec.name] = grpc.insecure_channel(spec.address)
     try:
-        reply = health_pb2_grpc.HealthStub(channels[spec.name]).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+        reply = health_pb2_grpc.HealthStub(channels[spec.name]).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=1.0
+        )
     except grpc.RpcError:
         return False  # not listening yet, or NOT_SERVING: still loading
     return reply.status == health_pb2.HealthCheckResponse.SERVING

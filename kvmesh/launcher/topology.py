@@ -145,7 +145,9 @@ class MeshOptions:
 
     def __post_init__(self) -> None:
         if (self.prefill is not None and self.prefill < 0) or (self.decode is not None and self.decode < 1):
-            raise ValueError(f"need at least one decode worker and no negative counts (prefill={self.prefill}, decode={self.decode})")
+            raise ValueError(
+                f"need at least one decode worker and no negative counts (prefill={self.prefill}, decode={self.decode})"
+            )
 
     def load_compose(self) -> ComposeFile:
         variables = compose_variables(self.compose_file) if self.compose_vars is None else self.compose_vars
@@ -243,7 +245,9 @@ class _Plan:
             return override
         replicas = 1 if service.replicas is None else service.replicas
         if replicas != 1 and role not in SCALED_ROLES:
-            raise ComposeError(f"service {service.name}: only {' and '.join(SCALED_ROLES)} run several replicas locally")
+            raise ComposeError(
+                f"service {service.name}: only {' and '.join(SCALED_ROLES)} run several replicas locally"
+            )
         return replicas
 
     def _instances(self) -> list[_Instance]:
@@ -371,8 +375,16 @@ class _Plan:
         for key, values in settings.items():
             argv += [f"--{key}", *values]
         return ProcessSpec(
-            inst.name, "redis", tuple(argv), {}, o.host, inst.port, health="redis",
-            workdir=self.run_dir / "redis", start_level=level, stop_grace_s=inst.service.stop_grace_s,
+            inst.name,
+            "redis",
+            tuple(argv),
+            {},
+            o.host,
+            inst.port,
+            health="redis",
+            workdir=self.run_dir / "redis",
+            start_level=level,
+            stop_grace_s=inst.service.stop_grace_s,
         )
 
     def _service(
@@ -414,8 +426,17 @@ class _Plan:
         # Run from this checkout, so `-m services.<role>.main` is the launcher's own code.
         argv = (o.python, "-m", f"services.{inst.role}.main", *args)  # type: ignore[misc]
         return ProcessSpec(
-            inst.name, inst.role, argv, env, o.host, inst.port, inst.ports["KVMESH_METRICS_PORT"], device,
-            workdir=REPO_ROOT, start_level=level, stop_grace_s=s.stop_grace_s,
+            inst.name,
+            inst.role,
+            argv,
+            env,
+            o.host,
+            inst.port,
+            inst.ports["KVMESH_METRICS_PORT"],
+            device,
+            workdir=REPO_ROOT,
+            start_level=level,
+            stop_grace_s=s.stop_grace_s,
         )
 
 
@@ -425,7 +446,9 @@ def _container_ports(service: ComposeService) -> dict[str, int]:
     for key in ("KVMESH_PORT", "KVMESH_METRICS_PORT"):
         raw = service.environment.get(key, "")
         if not raw.isdigit():
-            raise ComposeError(f"service {service.name}: set {key} in its environment, so its address can be mapped here")
+            raise ComposeError(
+                f"service {service.name}: set {key} in its environment, so its address can be mapped here"
+            )
         out[key] = int(raw)
     for key, raw in service.environment.items():
         if _PORT_SETTING.fullmatch(key) and raw.isdigit():
@@ -474,7 +497,7 @@ def _mount_of(value: str, service: ComposeService) -> tuple[Mount, str] | None:
     for mount in service.volumes:
         target = mount.target.rstrip("/")
         if value == target or value.startswith(target + "/"):
-            return mount, value[len(target):].lstrip("/")
+            return mount, value[len(target) :].lstrip("/")
     return None
 
 

@@ -18,7 +18,7 @@ _TOOLS_SYSTEM_TURN = (
     "{{ '# Tools\n\nYou may call these functions:\n<tools>' }}"
     "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
     "{{ '\n</tools>\n\nTo call one, write a block per call:\n<tool_call>\n"
-    "{\"name\": <function-name>, \"arguments\": <arguments-object>}\n</tool_call><|im_end|>\n' }}"
+    '{"name": <function-name>, "arguments": <arguments-object>}\n</tool_call><|im_end|>\n\' }}'
 )
 
 _MESSAGES = (
@@ -63,12 +63,13 @@ def chatml_template(default_system: str | None = None) -> str:
         "{% set has_system = messages and messages[0]['role'] == 'system' %}"
         "{% if tools %}"
         "{{ '<|im_start|>system\n' }}"
-        "{{ (messages[0]['content'] if has_system else " + default + ") + '\n\n' }}"
+        "{{ (messages[0]['content'] if has_system else "
+        + default
+        + ") + '\n\n' }}"
         + _TOOLS_SYSTEM_TURN
         + "{% elif not has_system %}"
         "{{ '<|im_start|>system\n' + " + default + " + '<|im_end|>\n' }}"
-        "{% endif %}"
-        + _MESSAGES
+        "{% endif %}" + _MESSAGES
     )
 
 

@@ -39,9 +39,11 @@ def _list(args: argparse.Namespace) -> int:
     for m in models:
         src = m.provenance.get("source", {})
         default = " (default)" if m.name == DEFAULT_MODEL.name else ""
-        print(f"  {m.name}{default}  {m.path}\n    from {src.get('package')}=={src.get('version')} "
-              f"{src.get('file')} sha256 {str(src.get('gguf_sha256'))[:16]}..., "
-              f"converter v{m.provenance.get('converter', {}).get('version')}")
+        print(
+            f"  {m.name}{default}  {m.path}\n    from {src.get('package')}=={src.get('version')} "
+            f"{src.get('file')} sha256 {str(src.get('gguf_sha256'))[:16]}..., "
+            f"converter v{m.provenance.get('converter', {}).get('version')}"
+        )
     return 0
 
 

@@ -99,7 +99,9 @@ def convert_weights(reader: Any, hparams: dict[str, Any]) -> dict[str, torch.Ten
             w = _unpermute(w, hparams["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
             w = _unpermute(w, hparams["num_key_value_heads"])
-        out[name] = torch.from_numpy(np.array(w, order="C")).to(torch.bfloat16)  # a copy: the reader's memory is read-only
+        out[name] = torch.from_numpy(np.array(w, order="C")).to(
+            torch.bfloat16
+        )  # a copy: the reader's memory is read-only
     return out
 
 
@@ -176,7 +178,9 @@ def convert(gguf_path: Path, out: Path, extra_config: dict[str, Any] | None = No
         **(extra_config or {}),
     }
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {k: v for k, v in {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}.items() if v is not None}
+    generation = {
+        k: v for k, v in {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}.items() if v is not None
+    }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
     build_tokenizer(reader).save(str(out / "tokenizer.json"))

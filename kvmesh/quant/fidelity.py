@@ -39,7 +39,7 @@ class TokenStats:
     chunk: np.ndarray
 
     @staticmethod
-    def concat(parts: Sequence["TokenStats"]) -> "TokenStats":
+    def concat(parts: Sequence[TokenStats]) -> TokenStats:
         return TokenStats(*(np.concatenate([getattr(p, f) for p in parts]) for f in TokenStats.__dataclass_fields__))
 
 

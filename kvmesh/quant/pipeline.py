@@ -71,7 +71,9 @@ class FidelitySession:
         """Stored bits per weight of the decoder's projections (the LM head counts when planned)."""
         mods = [*self.runner.modules, *(["lm_head"] if "lm_head" in plan else [])]
         total = sum(self.runner.params(m) for m in mods)
-        stored = sum(self.runner.params(m) * (get_format(plan[m]).bits if m in plan else UNQUANTIZED_BITS) for m in mods)
+        stored = sum(
+            self.runner.params(m) * (get_format(plan[m]).bits if m in plan else UNQUANTIZED_BITS) for m in mods
+        )
         return stored / total
 
     def stats(self, plan: Plan, chunks: list[int] | None = None) -> fidelity.TokenStats:

@@ -34,6 +34,8 @@ class CountersCollector(Collector):
         for f in dataclasses.fields(c):
             if f.name not in self.skip:
                 label = f.name.replace("_", " ")
-                yield CounterMetricFamily(f"{self.prefix}_{f.name}", f"{self.prefix} {label}.", value=getattr(c, f.name))
+                yield CounterMetricFamily(
+                    f"{self.prefix}_{f.name}", f"{self.prefix} {label}.", value=getattr(c, f.name)
+                )
         for name, (value, help_text) in self.gauges().items():
             yield GaugeMetricFamily(f"{self.prefix}_{name}", help_text, value=value)

@@ -66,22 +66,30 @@ def _with_request_id(details: Details) -> Details:
 
 
 class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation: Continuation, client_call_details: Details, request: Any) -> Any:
+    async def intercept_unary_unary(
+        self, continuation: Continuation, client_call_details: Details, request: Any
+    ) -> Any:
         return await continuation(_with_request_id(client_call_details), request)
 
 
 class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation: Continuation, client_call_details: Details, request: Any) -> Any:
+    async def intercept_unary_stream(
+        self, continuation: Continuation, client_call_details: Details, request: Any
+    ) -> Any:
         return await continuation(_with_request_id(client_call_details), request)
 
 
 class _StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation: Continuation, client_call_details: Details, request_iterator: Any) -> Any:
+    async def intercept_stream_unary(
+        self, continuation: Continuation, client_call_details: Details, request_iterator: Any
+    ) -> Any:
         return await continuation(_with_request_id(client_call_details), request_iterator)
 
 
 class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation: Continuation, client_call_details: Details, request_iterator: Any) -> Any:
+    async def intercept_stream_stream(
+        self, continuation: Continuation, client_call_details: Details, request_iterator: Any
+    ) -> Any:
         return await continuation(_with_request_id(client_call_details), request_iterator)
 
 

@@ -197,9 +197,7 @@ async def serve(
 
     Ports default to free ones on 127.0.0.1; ``metrics_port=None`` skips /metrics.
     """
-    runtime = Runtime(
-        name, build, args, host=host, port=port, metrics_port=metrics_port, grace_seconds=grace_seconds
-    )
+    runtime = Runtime(name, build, args, host=host, port=port, metrics_port=metrics_port, grace_seconds=grace_seconds)
     await runtime.start()
     try:
         yield runtime

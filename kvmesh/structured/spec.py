@@ -76,8 +76,8 @@ class GrammarSpec:
 
 # xgrammar (0.2.8, 0.2.9) spells the characters of a length-bounded string as [^"\\\r\n], which lets
 # raw control characters through (U+0000-U+001F must be escaped in JSON); unbounded strings get it right.
-_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+_LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
 
 
 def _json_schema_grammar(source: str) -> xgr.Grammar:

@@ -5,8 +5,9 @@ the golden tokens while each one's bytes equal the served token's (``logprobs.co
 the tokens before the first divergence (raw bytes or the UTF-8 of the token's text, which is
 what endpoints that render partial UTF-8 tokens as U+FFFD send). KL uses the served
 ``top_logprobs``: at agreeing positions the golden full-vocabulary distribution and the served
-one are both coarsened to {its top-k tokens, the rest}, and KL(golden || served) over those k+1 outcomes is a lower bound on the full KL (data
-processing), computable against any endpoint that returns top logprobs.
+one are both coarsened to {its top-k tokens, the rest}, and KL(golden || served) over those k+1
+outcomes is a lower bound on the full KL (data processing), computable against any endpoint that
+returns top logprobs.
 """
 
 from __future__ import annotations

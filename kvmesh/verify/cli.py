@@ -17,10 +17,15 @@ def add_verify_parser(sub: argparse._SubParsersAction) -> None:
     # Greedy agreement is exact only on identical weights and arithmetic; faithful quantization
     # still flips near-ties (SmolLM2's fp8 plan: ~40% of tokens before the first divergence, every
     # divergence a near-tie), so the default bound is loose and the KL bound is the tight check.
-    p.add_argument("--min-agreement", type=float, default=0.25,
-                   help="least fraction of greedy tokens before the first divergence (0.25; 1.0 for same weights)")
-    p.add_argument("--max-kl", type=float, default=0.05,
-                   help="most mean top-k KL(golden||served) to pass (default 0.05)")
+    p.add_argument(
+        "--min-agreement",
+        type=float,
+        default=0.25,
+        help="least fraction of greedy tokens before the first divergence (0.25; 1.0 for same weights)",
+    )
+    p.add_argument(
+        "--max-kl", type=float, default=0.05, help="most mean top-k KL(golden||served) to pass (default 0.05)"
+    )
     p.add_argument("--json", type=Path, help="also write the checks and per-prompt rows here")
     p.set_defaults(func=_verify)
 

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
-from kvmesh.blocks import BlockHash
 from kvmesh.api.common.v1 import kv_pb2, worker_pb2
 from kvmesh.api.router.v1 import router_pb2
+from kvmesh.blocks import BlockHash
 from kvmesh.runtime import gpu_stats
 from kvmesh.worker.link_metrics import register_link_metrics
 from kvmesh.worker.router_link import RouterLink

@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 import numpy
 import structlog
 
-from kvmesh.checksum import CHECKSUM_BYTES
 from kvmesh.api.common.v1 import kv_pb2
+from kvmesh.checksum import CHECKSUM_BYTES
 from kvmesh.errors import DeadlineExceeded, Unavailable
 from kvmesh.worker.kv_transport import DEFAULT_PROGRESS_PAUSE_US
 
@@ -58,8 +58,12 @@ log = structlog.get_logger(__name__)
 #   anyway: a READ has a deadline, a lease a TTL, and a socket error still fails a transfer.
 # - TCP segments of 256 KiB rather than 8 KiB: a READ over TCP (the cross-host mode) moved
 #   ~1.0 -> ~1.3-1.5 GB/s here with them (two noisy runs of a 96 MiB READ, both the same way).
-_UCX_DEFAULTS = {"UCX_RCACHE_MAX_UNRELEASED": "1024", "UCX_KEEPALIVE_INTERVAL": "inf",
-                 "UCX_TCP_TX_SEG_SIZE": "256k", "UCX_TCP_RX_SEG_SIZE": "256k"}
+_UCX_DEFAULTS = {
+    "UCX_RCACHE_MAX_UNRELEASED": "1024",
+    "UCX_KEEPALIVE_INTERVAL": "inf",
+    "UCX_TCP_TX_SEG_SIZE": "256k",
+    "UCX_TCP_RX_SEG_SIZE": "256k",
+}
 # How often a waiting READ asks whether it is done (the progress thread moves its bytes):
 # from 0.2 ms (a small READ is done at once) doubling up to 1 ms.
 _POLL_FIRST_S = 0.0002
@@ -129,16 +133,30 @@ class PoolRegion:
         layer_stride, kv_stride, block_stride = (s * elt for s in tensor.stride()[:3])
         on_device = tensor.device.type != "cpu"
         return cls(
-            base_address=tensor.data_ptr(), num_blocks=num_blocks, num_layers=num_layers,
-            layer_stride=layer_stride, kv_stride=kv_stride, block_stride=block_stride,
+            base_address=tensor.data_ptr(),
+            num_blocks=num_blocks,
+            num_layers=num_layers,
+            layer_stride=layer_stride,
+            kv_stride=kv_stride,
+            block_stride=block_stride,
             piece_bytes=tensor[0, 0, 0].numel() * elt,
-            mem_type="VRAM" if on_device else "DRAM", device_id=tensor.device.index or 0,
+            mem_type="VRAM" if on_device else "DRAM",
+            device_id=tensor.device.index or 0,
         )
 
     @classmethod
     def from_pb(cls, pb: kv_pb2.NixlPoolRegion) -> PoolRegion:
-        return cls(pb.base_address, pb.num_blocks, pb.num_layers, pb.layer_stride, pb.kv_stride,
-                   pb.block_stride, pb.piece_bytes, pb.mem_type, pb.device_id)
+        return cls(
+            pb.base_address,
+            pb.num_blocks,
+            pb.num_layers,
+            pb.layer_stride,
+            pb.kv_stride,
+            pb.block_stride,
+            pb.piece_bytes,
+            pb.mem_type,
+            pb.device_id,
+        )
 
     def to_pb(self) -> kv_pb2.NixlPoolRegion:
         return kv_pb2.NixlPoolRegion(**self.__dict__)
@@ -150,8 +168,10 @@ class PoolRegion:
     def run_descs(self, first_blocks: numpy.ndarray, run_lengths: numpy.ndarray) -> numpy.ndarray:
         """(address, length, device) per (run, layer, k/v), run-major: run ``i`` is blocks
         ``first_blocks[i] .. + run_lengths[i]``, contiguous within each plane."""
-        planes = (numpy.arange(self.num_layers, dtype=numpy.uint64)[:, None] * self.layer_stride
-                  + numpy.arange(2, dtype=numpy.uint64)[None, :] * self.kv_stride).ravel()
+        planes = (
+            numpy.arange(self.num_layers, dtype=numpy.uint64)[:, None] * self.layer_stride
+            + numpy.arange(2, dtype=numpy.uint64)[None, :] * self.kv_stride
+        ).ravel()
         starts = self.base_address + first_blocks.astype(numpy.uint64) * self.block_stride
         out = numpy.empty((len(starts) * len(planes), 3), dtype=numpy.uint64)
         out[:, 0] = (starts[:, None] + planes[None, :]).ravel()
@@ -180,7 +200,9 @@ class NixlBlocks:
         return cls(pb.agent_name, list(pb.block_ids), sums)
 
     def to_pb(self) -> kv_pb2.NixlBlocks:
-        return kv_pb2.NixlBlocks(agent_name=self.agent_name, block_ids=self.block_ids, checksums=b"".join(self.checksums))
+        return kv_pb2.NixlBlocks(
+            agent_name=self.agent_name, block_ids=self.block_ids, checksums=b"".join(self.checksums)
+        )
 
 
 def block_runs(src: list[int], dst: list[int]) -> tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
@@ -374,8 +396,14 @@ class BlockRead:
     was cancelled, ``settle`` says when no byte can land in the destination blocks any more.
     """
 
-    def __init__(self, endpoint: NixlEndpoint, agent_name: str, src: list[int], dst: list[int],
-                 on_landed: Callable[[list[int]], list[Any]]) -> None:
+    def __init__(
+        self,
+        endpoint: NixlEndpoint,
+        agent_name: str,
+        src: list[int],
+        dst: list[int],
+        on_landed: Callable[[list[int]], list[Any]],
+    ) -> None:
         self._endpoint, self._agent_name = endpoint, agent_name
         self._src, self._dst = src, dst
         self._on_landed = on_landed
@@ -400,8 +428,10 @@ class BlockRead:
                 landed = await self._land(read, dst, deadline)
             return landed
 
-        tasks = [asyncio.ensure_future(chunk(self._src[lo : lo + step], self._dst[lo : lo + step]))
-                 for lo in range(0, len(self._dst), step)]
+        tasks = [
+            asyncio.ensure_future(chunk(self._src[lo : lo + step], self._dst[lo : lo + step]))
+            for lo in range(0, len(self._dst), step)
+        ]
         try:
             parts = await asyncio.gather(*tasks)
         finally:
@@ -409,8 +439,9 @@ class BlockRead:
                 task.cancel()
         return [result for part in parts for result in part]
 
-    def _post_then_land(self, src: list[int], dst: list[int],
-                        posted: Callable[[], Any]) -> tuple[NixlRead, list[Any] | None]:
+    def _post_then_land(
+        self, src: list[int], dst: list[int], posted: Callable[[], Any]
+    ) -> tuple[NixlRead, list[Any] | None]:
         """On a worker thread: post one chunk (``posted`` lets the next chunk post); if it landed
         inside the post, its results too."""
         try:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import structlog
 
 from kvmesh.blocks import BlockHash
-from kvmesh.errors import KvmeshError
 from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.errors import KvmeshError
 from kvmesh.worker.kvstore_client import KVStoreClient
 
 log = structlog.get_logger(__name__)

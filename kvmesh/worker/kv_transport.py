@@ -35,12 +35,25 @@ KV_TRANSPORTS = ("nixl", "grpc")
 DEFAULT_PROGRESS_PAUSE_US = 2000
 
 KV_TRANSPORT_FLAGS = [
-    Flag("--kv-transport", "how KV blocks move between workers: nixl (gRPC fallback where it does not load) or grpc",
-         default="nixl", choices=KV_TRANSPORTS),
-    Flag("--kv-read-timeout-s", "a NIXL READ still in progress after this (plus 1 s per 100 MB) is abandoned",
-         default=10.0, type=float),
-    Flag("--nixl-progress-pause-us", "pause of NIXL's progress thread between rounds: shorter serves READs sooner, "
-         "longer takes less CPU from the engine", default=DEFAULT_PROGRESS_PAUSE_US, type=int),
+    Flag(
+        "--kv-transport",
+        "how KV blocks move between workers: nixl (gRPC fallback where it does not load) or grpc",
+        default="nixl",
+        choices=KV_TRANSPORTS,
+    ),
+    Flag(
+        "--kv-read-timeout-s",
+        "a NIXL READ still in progress after this (plus 1 s per 100 MB) is abandoned",
+        default=10.0,
+        type=float,
+    ),
+    Flag(
+        "--nixl-progress-pause-us",
+        "pause of NIXL's progress thread between rounds: shorter serves READs sooner, "
+        "longer takes less CPU from the engine",
+        default=DEFAULT_PROGRESS_PAUSE_US,
+        type=int,
+    ),
 ]
 
 
@@ -73,6 +86,10 @@ def open_endpoint(args: argparse.Namespace, tensor: torch.Tensor, role: str) -> 
     except Exception as e:  # noqa: BLE001 - NIXL/UCX raise their own types; any of them means no NIXL here
         log.warning("NIXL did not start; KV moves over gRPC", error=str(e))
         return None
-    log.info("KV pool registered with NIXL", agent=endpoint.name, mem_type=endpoint.region.mem_type,
-             bytes=endpoint.region.num_blocks * endpoint.region.block_nbytes)
+    log.info(
+        "KV pool registered with NIXL",
+        agent=endpoint.name,
+        mem_type=endpoint.region.mem_type,
+        bytes=endpoint.region.num_blocks * endpoint.region.block_nbytes,
+    )
     return endpoint

@@ -19,13 +19,13 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from kvmesh.blocks import BlockHash
 from kvmesh.api.common.v1 import kv_pb2
+from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from kvmesh.blocks import BlockHash
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.kv_cache import BlockPayload
 from kvmesh.errors import KvmeshError
 from kvmesh.kv_wire import BlockAssembler, block_to_chunks
-from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.runtime import create_channel
 from kvmesh.runtime.client_errors import from_rpc_error
 from kvmesh.worker.kv_nixl import NixlEndpoint
@@ -52,8 +52,15 @@ class KVStoreClient:
         # rather than queueing memory behind a slow store.
         self._puts = asyncio.Semaphore(max_pending_puts)
         self._tasks: set[asyncio.Task] = set()
-        self.counters = {"lookups": 0, "blocks_fetched": 0, "blocks_put": 0, "puts_dropped": 0, "errors": 0,
-                         "nixl_blocks_fetched": 0, "nixl_blocks_put": 0}
+        self.counters = {
+            "lookups": 0,
+            "blocks_fetched": 0,
+            "blocks_put": 0,
+            "puts_dropped": 0,
+            "errors": 0,
+            "nixl_blocks_fetched": 0,
+            "nixl_blocks_put": 0,
+        }
 
     async def lookup(self, hashes: list[BlockHash]) -> int:
         """How many leading ``hashes`` the store holds (0 when it cannot be reached)."""
@@ -124,8 +131,9 @@ class KVStoreClient:
                 await self._nixl.put(engine, pinned)
             except KvmeshError as e:
                 self.counters["errors"] += 1
-                log.warning("kvstore put over NIXL failed; continuing without it", error=e.message,
-                            address=self.address)
+                log.warning(
+                    "kvstore put over NIXL failed; continuing without it", error=e.message, address=self.address
+                )
                 return
             self.counters["blocks_put"] += len(pinned)
             self.counters["nixl_blocks_put"] += len(pinned)
@@ -146,6 +154,7 @@ class KVStoreClient:
 
     async def _put(self, blocks: list[tuple[BlockHash, BlockPayload]]) -> None:
         async with self._puts:
+
             def chunks():
                 for h, payload in blocks:
                     for chunk in block_to_chunks(h, payload):

@@ -24,12 +24,12 @@ import time
 import grpc
 import structlog
 
+from kvmesh.api.common.v1 import kv_pb2
+from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.blocks import BlockHash
 from kvmesh.checksum import CHECKSUM_BYTES
-from kvmesh.api.common.v1 import kv_pb2
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.errors import InvalidArgument
-from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.runtime.client_errors import from_rpc_error
 from kvmesh.worker.kv_nixl import NixlEndpoint, block_checksums, layout_mismatch
 
@@ -43,8 +43,14 @@ _REFUSALS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED,
 
 
 class KVStoreNixl:
-    def __init__(self, endpoint: NixlEndpoint, layout: kv_pb2.KVLayout, stub: kvstore_pb2_grpc.KVStoreServiceStub,
-                 address: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        endpoint: NixlEndpoint,
+        layout: kv_pb2.KVLayout,
+        stub: kvstore_pb2_grpc.KVStoreServiceStub,
+        address: str,
+        timeout_s: float,
+    ) -> None:
         self._endpoint = endpoint
         self._layout = layout
         self._stub = stub
@@ -71,7 +77,9 @@ class KVStoreNixl:
 
     async def _shake(self) -> bool:
         request = kvstore_pb2.NixlHandshakeRequest(
-            layout=self._layout, agent_name=self._endpoint.name, agent_metadata=self._endpoint.metadata(),
+            layout=self._layout,
+            agent_name=self._endpoint.name,
+            agent_metadata=self._endpoint.metadata(),
             region=self._endpoint.region.to_pb(),
         )
         try:
@@ -79,8 +87,12 @@ class KVStoreNixl:
         except grpc.aio.AioRpcError as e:
             if e.code() in _REFUSALS:
                 self._refused_until = time.monotonic() + RETRY_HANDSHAKE_S
-                log.warning("kvstore refused NIXL; its blocks move over gRPC", address=self._address,
-                            code=e.code().name, error=e.details())
+                log.warning(
+                    "kvstore refused NIXL; its blocks move over gRPC",
+                    address=self._address,
+                    code=e.code().name,
+                    error=e.details(),
+                )
             return False
         mismatch = layout_mismatch(self._layout, resp.layout)
         if mismatch:  # the kvstore checks this first; a guard against a peer that does not
@@ -119,8 +131,9 @@ class KVStoreNixl:
             got = await block_checksums(engine.engine.kv, dst[:found])
             bad = [h for h, a, b in zip(hashes, got, want) if a != b]
             if bad:
-                raise InvalidArgument(f"{len(bad)} blocks written by the kvstore fail their checksum "
-                                      f"(first {bad[0].hex()})")
+                raise InvalidArgument(
+                    f"{len(bad)} blocks written by the kvstore fail their checksum (first {bad[0].hex()})"
+                )
             pairs = list(zip(hashes[:found], dst[:found]))
             await engine.call(lambda e: e.adopt_reserved(pairs))
             await engine.call(lambda e: e.release_reserved(dst[found:]))
@@ -136,7 +149,9 @@ class KVStoreNixl:
         try:
             sums = await block_checksums(engine.engine.kv, ids)
             request = kvstore_pb2.PutNixlRequest(
-                agent_name=self._endpoint.name, block_hashes=[h for h, _ in pinned], block_ids=ids,
+                agent_name=self._endpoint.name,
+                block_hashes=[h for h, _ in pinned],
+                block_ids=ids,
                 checksums=b"".join(sums),
             )
             log.debug("PutNixl sent", blocks=len(ids))

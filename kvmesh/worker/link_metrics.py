@@ -26,9 +26,13 @@ class _LinkCollector(Collector):
         for name, value in sorted(counters.items()):
             calls.add_metric([name], value)
         yield calls
-        yield GaugeMetricFamily("kvmesh_router_link_pending_events", "Block hashes queued for the router.", value=pending)
         yield GaugeMetricFamily(
-            "kvmesh_router_link_registered", "1 while the worker holds a router lease.", value=int(self._link.registered)
+            "kvmesh_router_link_pending_events", "Block hashes queued for the router.", value=pending
+        )
+        yield GaugeMetricFamily(
+            "kvmesh_router_link_registered",
+            "1 while the worker holds a router lease.",
+            value=int(self._link.registered),
         )
 
 

@@ -34,14 +34,13 @@ import asyncio
 import inspect
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from typing import Union
 
 import grpc
 import structlog
 
-from kvmesh.blocks import HASH_BYTES, BlockHash
 from kvmesh.api.common.v1 import kv_pb2, worker_pb2
 from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.blocks import HASH_BYTES, BlockHash
 from kvmesh.runtime import create_channel
 from kvmesh.worker.backoff import Backoff
 from kvmesh.worker.event_queue import EventQueue, PendingEvent
@@ -51,7 +50,7 @@ log = structlog.get_logger("kvmesh.worker.router_link")
 Snapshot = Mapping[int, Iterable[BlockHash]]
 """Every block the worker holds, per ``kv_pb2.KVTier``."""
 
-SnapshotFn = Union[Callable[[], Snapshot], Callable[[], Awaitable[Snapshot]]]
+SnapshotFn = Callable[[], Snapshot] | Callable[[], Awaitable[Snapshot]]
 """A plain function (run in a worker thread, so it may take locks) or a coroutine
 function (awaited on the event loop, e.g. to ask the engine thread)."""
 
@@ -356,9 +355,11 @@ class RouterLink:
         self, snapshot: dict[int, list[BlockHash]], seq: int
     ) -> AsyncIterator[router_pb2.ResyncWorkerRequest]:
         # At least one message, so even an empty snapshot names the worker and its sequence.
-        parts = [(tier, hashes[i : i + self._resync_chunk_hashes])
-                 for tier, hashes in snapshot.items()
-                 for i in range(0, max(len(hashes), 1), self._resync_chunk_hashes)]
+        parts = [
+            (tier, hashes[i : i + self._resync_chunk_hashes])
+            for tier, hashes in snapshot.items()
+            for i in range(0, max(len(hashes), 1), self._resync_chunk_hashes)
+        ]
         for tier, hashes in parts or [(kv_pb2.KV_TIER_UNSPECIFIED, [])]:
             yield router_pb2.ResyncWorkerRequest(
                 worker_id=self.worker_id, lease_id=self._lease_id, sequence=seq, tier=tier, block_hashes=hashes

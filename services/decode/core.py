@@ -27,10 +27,10 @@ from kvmesh.engine.engine import RequestOutput
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import TokenLogprob
 from kvmesh.errors import KvmeshError
-from kvmesh.worker.kv_tiers import fetch_prefix_from_kvstore
-from kvmesh.worker.kvstore_client import KVStoreClient
 from kvmesh.kv_wire import ReceivedBlock
 from kvmesh.worker.kv_nixl import NixlBlocks
+from kvmesh.worker.kv_tiers import fetch_prefix_from_kvstore
+from kvmesh.worker.kvstore_client import KVStoreClient
 
 log = structlog.get_logger(__name__)
 

@@ -12,28 +12,40 @@ from kvmesh.engine.flags import ENGINE_FLAGS, engine_config, model_path
 from kvmesh.engine.metrics import EngineCollector
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
 from kvmesh.runtime.counters import CountersCollector
-from kvmesh.worker.kvstore_client import KVStoreClient
 from kvmesh.worker.engine_link import attach_router
 from kvmesh.worker.kv_transport import KV_TRANSPORT_FLAGS, open_endpoint
+from kvmesh.worker.kvstore_client import KVStoreClient
 from services.decode.core import DecodeWorker
 from services.decode.nixl_source import NixlKVSource
 from services.decode.prefill_client import GrpcKVSource
 from services.decode.server import DecodeServicer
 from services.speculator.client import SpeculatorProposer
 from services.speculator.eagle import EagleProposer, RemoteWithHead
-from services.speculator.metrics import SpeculatorCollector
 from services.speculator.local import LocalProposer
+from services.speculator.metrics import SpeculatorCollector
 
 FLAGS = [
     *ENGINE_FLAGS,
     *KV_TRANSPORT_FLAGS,
     Flag("--advertise-address", "host:port the gateway uses to reach this worker (default: host:port)"),
     Flag("--speculator-address", "speculator host:port (unset: drafts from an in-process prompt lookup)"),
-    Flag("--kv-pull-timeout-seconds", "deadline of pulling a prompt's KV from a prefill worker (past it, decode "
-         "computes what did not arrive)", default=60.0, type=float),
-    Flag("--spec-budget-ms", "how long a decode step waits for drafts before running without them", default=5.0, type=float),
-    Flag("--eagle-head", "EAGLE head folder for this target (kvmesh train-speculator), run in this process "
-         "beside the target; merged with the n-gram drafts (unset: none)"),
+    Flag(
+        "--kv-pull-timeout-seconds",
+        "deadline of pulling a prompt's KV from a prefill worker (past it, decode computes what did not arrive)",
+        default=60.0,
+        type=float,
+    ),
+    Flag(
+        "--spec-budget-ms",
+        "how long a decode step waits for drafts before running without them",
+        default=5.0,
+        type=float,
+    ),
+    Flag(
+        "--eagle-head",
+        "EAGLE head folder for this target (kvmesh train-speculator), run in this process "
+        "beside the target; merged with the n-gram drafts (unset: none)",
+    ),
 ]
 
 
@@ -50,7 +62,9 @@ def build(ctx: ServiceContext) -> ServiceDef:
         if config.num_speculative_tokens:
             head = EagleProposer(args.eagle_head) if args.eagle_head else None
             if args.speculator_address:
-                remote = SpeculatorProposer(args.speculator_address, budget_ms=args.spec_budget_ms, registry=ctx.registry)
+                remote = SpeculatorProposer(
+                    args.speculator_address, budget_ms=args.spec_budget_ms, registry=ctx.registry
+                )
                 await remote.start()  # connects (and reconnects) in the background
                 state["proposer"] = remote
                 proposer = remote if head is None else RemoteWithHead(remote, head)

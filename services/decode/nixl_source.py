@@ -8,8 +8,8 @@ checksummed on a worker thread as it lands), a one-way NIXL notification naming
 the lease tells the prefill worker to release it at once, the checksums are
 compared with the prefill worker's, and the blocks are adopted as cached
 blocks. A READ that fails or outlives its deadline is a failed transfer like
-any other: the lease is aborted over gRPC and the request recomputes. A hand-off without NIXL descriptors (its prefill worker runs on
-gRPC) goes through the gRPC stream.
+any other: the lease is aborted over gRPC and the request recomputes. A hand-off without NIXL
+descriptors (its prefill worker runs on gRPC) goes through the gRPC stream.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import time
 import grpc
 import structlog
 
-from kvmesh.blocks import BlockHash
 from kvmesh.api.common.v1 import kv_pb2
+from kvmesh.api.prefill.v1 import prefill_pb2
+from kvmesh.blocks import BlockHash
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.errors import FailedPrecondition, InvalidArgument, Unavailable
-from kvmesh.api.prefill.v1 import prefill_pb2
 from kvmesh.runtime.client_errors import from_rpc_error
 from kvmesh.worker.kv_nixl import BlockRead, NixlEndpoint, PoolRegion, layout_mismatch
 from kvmesh.worker.kv_transport import read_timeout_s
@@ -84,8 +84,13 @@ class NixlKVSource:
                 raise InvalidArgument(f"{len(bad)} KV blocks read over NIXL fail their checksum (first {bad[0].hex()})")
             await engine.call(lambda e: e.adopt_reserved(list(zip(missing, dst))))
             adopted = True
-            log.debug("NIXL READ adopted", lease_id=remote.lease_id, reserve_ms=round(1e3 * (t0 - t_reserve), 2),
-                      read_and_verify_ms=round(1e3 * (t1 - t0), 2), adopt_ms=round(1e3 * (time.perf_counter() - t1), 2))
+            log.debug(
+                "NIXL READ adopted",
+                lease_id=remote.lease_id,
+                reserve_ms=round(1e3 * (t0 - t_reserve), 2),
+                read_and_verify_ms=round(1e3 * (t1 - t0), 2),
+                adopt_ms=round(1e3 * (time.perf_counter() - t1), 2),
+            )
         finally:
             if not adopted:
                 self._free_when_settled(engine, read, dst)

@@ -6,9 +6,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from kvmesh.blocks import BlockHash
 from kvmesh.kv_wire import BlockAssembler, ReceivedBlock, keep_transfer_memory_mapped
-from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from kvmesh.runtime import create_channel
 from kvmesh.runtime.client_errors import from_rpc_error
 from services.decode.core import StreamedKVSource

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from kvmesh.api.common.v1 import accounting_pb2
-from kvmesh.convert import finish_to_pb, logprob_from_pb, logprob_to_pb, sampling_from_pb, timings_pb
 from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc
+from kvmesh.convert import finish_to_pb, logprob_from_pb, logprob_to_pb, sampling_from_pb, timings_pb
 from kvmesh.errors import InvalidArgument
 from kvmesh.worker.kv_nixl import NixlBlocks
 from services.decode.core import DecodeWorker, RemotePrefill

@@ -22,9 +22,9 @@ from collections.abc import AsyncGenerator
 from typing import Protocol
 
 from kvmesh.api.decode.v1 import decode_pb2
-from kvmesh.errors import Unavailable
 from kvmesh.api.prefill.v1 import prefill_pb2
 from kvmesh.api.router.v1 import router_pb2
+from kvmesh.errors import Unavailable
 
 
 class RouterUnreachable(Unavailable):
@@ -40,4 +40,6 @@ class Backends(Protocol):
         self, address: str, request: prefill_pb2.ReleaseLeaseRequest
     ) -> prefill_pb2.ReleaseLeaseResponse: ...
 
-    def decode(self, address: str, request: decode_pb2.DecodeRequest) -> AsyncGenerator[decode_pb2.DecodeResponse, None]: ...
+    def decode(
+        self, address: str, request: decode_pb2.DecodeRequest
+    ) -> AsyncGenerator[decode_pb2.DecodeResponse, None]: ...

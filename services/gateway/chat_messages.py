@@ -11,8 +11,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from kvmesh.errors import InvalidArgument
 from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.errors import InvalidArgument
 from services.gateway.validation import InvalidField
 
 

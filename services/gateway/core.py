@@ -39,11 +39,11 @@ import structlog
 
 from kvmesh.api.common.v1 import accounting_pb2, kv_pb2, sampling_pb2, worker_pb2
 from kvmesh.api.decode.v1 import decode_pb2
-from kvmesh.engine.detokenizer import IncrementalDetokenizer
-from kvmesh.errors import InvalidArgument, KvmeshError, ResourceExhausted, Unavailable
 from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.api.prefill.v1 import prefill_pb2
 from kvmesh.api.router.v1 import router_pb2
+from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.errors import InvalidArgument, KvmeshError, ResourceExhausted, Unavailable
 from services.gateway.auth import ANONYMOUS, tenant_cache_salt
 from services.gateway.backends import Backends, RouterUnreachable
 from services.gateway.chat_messages import template_messages
@@ -148,6 +148,7 @@ class Gateway:
 
     def generate(self, request: gateway_pb2.GenerateRequest, request_id: str, tenant: str = ANONYMOUS) -> Chunks:
         """``tenant`` is the authenticated caller's (``auth.ApiKeys``): it scopes the request's cache salt."""
+
         def prepare() -> _Prepared:
             validate_structured_output(request.sampling)
             return _Prepared(self._text_prompt(request), request.sampling, _as_is)
@@ -186,7 +187,9 @@ class Gateway:
         received = time.monotonic_ns()
         if self._inflight >= self._max_inflight:
             self._metrics.requests.labels(method, "resource_exhausted").inc()
-            raise ResourceExhausted(f"the gateway is at its limit of {self._max_inflight} requests in flight; retry later")
+            raise ResourceExhausted(
+                f"the gateway is at its limit of {self._max_inflight} requests in flight; retry later"
+            )
         self._inflight += 1
         self._metrics.inflight.inc()
         outcome, stream = "internal", None
@@ -216,8 +219,13 @@ class Gateway:
             self._inflight -= 1
             self._metrics.inflight.dec()
             self._metrics.requests.labels(method, outcome).inc()
-            log.info("request finished", method=method, outcome=outcome, user=request.user or None,
-                     completion_tokens=stream.tokens_sent if stream else 0)
+            log.info(
+                "request finished",
+                method=method,
+                outcome=outcome,
+                user=request.user or None,
+                completion_tokens=stream.tokens_sent if stream else 0,
+            )
 
     async def _run(self, job: Job, stream: ResponseStream) -> Chunks:
         excluded: list[str] = []
@@ -231,8 +239,10 @@ class Gateway:
                     raise
                 if stream.tokens_sent:
                     self._metrics.migrations.labels("no_worker").inc()
-                    raise Unavailable(f"{failure.message} after {stream.tokens_sent} tokens were streamed; "
-                                      f"no other worker to resume on: {e.message}") from None
+                    raise Unavailable(
+                        f"{failure.message} after {stream.tokens_sent} tokens were streamed; "
+                        f"no other worker to resume on: {e.message}"
+                    ) from None
                 raise Unavailable(f"{failure.message}; no other worker to retry on: {e.message}") from None
             try:
                 if stream.tokens_sent:
@@ -256,13 +266,22 @@ class Gateway:
                             f"already moved {migrations} times (the limit)"
                         ) from None
                     migrations += 1
-                    log.warning("decode worker failed mid-stream; migrating the stream", worker_id=e.worker_id,
-                                tokens_sent=stream.tokens_sent, migration=migrations, error=e.message)
+                    log.warning(
+                        "decode worker failed mid-stream; migrating the stream",
+                        worker_id=e.worker_id,
+                        tokens_sent=stream.tokens_sent,
+                        migration=migrations,
+                        error=e.message,
+                    )
                     continue
                 if attempts == MAX_ATTEMPTS:
                     raise Unavailable(f"{e.message} (after a retry on another worker)") from None
-                log.warning("worker failed before the first token; retrying elsewhere", stage=e.stage,
-                            worker_id=e.worker_id, error=e.message)
+                log.warning(
+                    "worker failed before the first token; retrying elsewhere",
+                    stage=e.stage,
+                    worker_id=e.worker_id,
+                    error=e.message,
+                )
                 self._metrics.retries.labels(e.stage).inc()
 
     async def _resume(self, job: Job, plan: router_pb2.RouteResponse, stream: ResponseStream) -> Chunks:
@@ -285,8 +304,11 @@ class Gateway:
         except RouterUnreachable as e:
             plan = self._known_workers.plan(request, e)  # Unavailable once the outage outlasts its bound
             self._metrics.router_fallbacks.inc()
-            log.warning("router unreachable; routing on its last known workers", error=e.message,
-                        decode_worker=plan.decode_worker.worker_id)
+            log.warning(
+                "router unreachable; routing on its last known workers",
+                error=e.message,
+                decode_worker=plan.decode_worker.worker_id,
+            )
             return plan
         if not plan.decode_worker.address or not (plan.prefill_locally or plan.prefill_worker.address):
             raise KvmeshError(f"the router returned an incomplete plan: {plan}")
@@ -313,7 +335,9 @@ class Gateway:
             if prefill.HasField("first_token_logprob"):
                 remote.first_token_logprob.CopyFrom(prefill.first_token_logprob)
             request = self._decode_request(job, remote=remote)
-            decode = self._decode(plan.decode_worker, request, stream, plan.timings, prefill.timings, prefill.reused_tokens)
+            decode = self._decode(
+                plan.decode_worker, request, stream, plan.timings, prefill.timings, prefill.reused_tokens
+            )
             async with aclosing(decode) as chunks:
                 async for chunk in chunks:
                     yield chunk
@@ -405,8 +429,12 @@ class Gateway:
                 address, prefill_pb2.ReleaseLeaseRequest(lease_id=lease_id, outcome=prefill_pb2.LEASE_OUTCOME_ABORT)
             )
         except KvmeshError as e:
-            log.warning("could not abort a KV lease; its holder frees it at the TTL", lease_id=lease_id,
-                        address=address, error=e.message)
+            log.warning(
+                "could not abort a KV lease; its holder frees it at the TTL",
+                lease_id=lease_id,
+                address=address,
+                error=e.message,
+            )
 
     # -- prompts ---------------------------------------------------------------
 
@@ -427,9 +455,12 @@ class Gateway:
             return self.model.tokenizer.encode(request.text, add_special_tokens=True)
         raise InvalidArgument("prompt is empty: set text or token_ids")
 
-    def _chat_prompt(self, messages: Sequence[gateway_pb2.ChatMessage], tools: list[dict[str, Any]] | None) -> list[int]:
-        text = self.model.tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=True,
-                                                        tools=tools)
+    def _chat_prompt(
+        self, messages: Sequence[gateway_pb2.ChatMessage], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
+        text = self.model.tokenizer.apply_chat_template(
+            template_messages(messages), add_generation_prompt=True, tools=tools
+        )
         # The template writes any special tokens (BOS) itself.
         return self.model.tokenizer.encode(text, add_special_tokens=False)
 

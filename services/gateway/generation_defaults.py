@@ -64,9 +64,13 @@ class GenerationDefaults:
 
     def describe(self) -> dict[str, object]:
         """For the start-up log: the set defaults, the guard as its limit and allow-list size."""
-        shown: dict[str, object] = {k: v for k, v in vars(self).items() if k != "repetition_guard" and v not in (None, 0, 0.0)}
+        shown: dict[str, object] = {
+            k: v for k, v in vars(self).items() if k != "repetition_guard" and v not in (None, 0, 0.0)
+        }
         guard = self.repetition_guard
-        shown["repetition_guard"] = f"{guard.max_repeats} ({len(guard.allowed_token_ids)} tokens exempt)" if guard else "off"
+        shown["repetition_guard"] = (
+            f"{guard.max_repeats} ({len(guard.allowed_token_ids)} tokens exempt)" if guard else "off"
+        )
         return shown
 
     def apply(self, s: sampling_pb2.SamplingParams) -> sampling_pb2.SamplingParams:

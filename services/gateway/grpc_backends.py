@@ -65,7 +65,9 @@ class GrpcBackends:
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, f"prefill worker ({address})", self._rpc_timeout_s) from None
 
-    async def decode(self, address: str, request: decode_pb2.DecodeRequest) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
+    async def decode(
+        self, address: str, request: decode_pb2.DecodeRequest
+    ) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
         call = self._stub(decode_pb2_grpc.DecodeServiceStub, address).Decode(request)
         try:
             async for message in call:

@@ -82,8 +82,13 @@ class HttpApi:
                 self._metrics.duration.labels(route).observe(elapsed)
                 # Successes at debug, like the RPC interceptor's: health checks and scrapes are frequent.
                 level = log.info if status == "cancelled" or int(status) >= 400 else log.debug
-                level("http request", method=request.method, path=request.path, status=status,
-                      duration_ms=round(elapsed * 1e3, 3))
+                level(
+                    "http request",
+                    method=request.method,
+                    path=request.path,
+                    status=status,
+                    duration_ms=round(elapsed * 1e3, 3),
+                )
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:

@@ -29,7 +29,9 @@ class HttpServer:
         self._api = api
         self._host = host
         self._requested_port = port
-        self._runner = web.AppRunner(api.app, handler_cancellation=True, access_log=None, shutdown_timeout=grace_seconds)
+        self._runner = web.AppRunner(
+            api.app, handler_cancellation=True, access_log=None, shutdown_timeout=grace_seconds
+        )
         self._shutdown: asyncio.Future[None] | None = None
         self.port = 0  # bound, known after start()
 

@@ -33,32 +33,79 @@ FLAGS = [
     Flag("--model", "local Hugging Face model folder (default: the installed default model, SmolLM2-135M-Instruct)"),
     Flag("--model-name", "the model id clients use (default: the folder's name)"),
     Flag("--max-model-len", "context limit (default: the model's; set it like the workers')", type=int),
-    Flag("--max-inflight-requests", "generation requests in flight at most; beyond: RESOURCE_EXHAUSTED", default=256, type=int),
+    Flag(
+        "--max-inflight-requests",
+        "generation requests in flight at most; beyond: RESOURCE_EXHAUSTED",
+        default=256,
+        type=int,
+    ),
     Flag("--rpc-timeout-seconds", "deadline of Route and ReleaseLease calls", default=10.0, type=float),
     Flag("--prefill-timeout-seconds", "deadline of a Prefill call", default=600.0, type=float),
-    Flag("--stream-idle-timeout-seconds", "longest silence of a decode stream before its first message "
-         "(queueing, KV transfer, prefill) before it counts as failed", default=600.0, type=float),
-    Flag("--token-stall-timeout-seconds", "longest silence between a decode stream's messages once tokens flow; "
-         "past it the worker counts as hung and the stream migrates", default=30.0, type=float),
-    Flag("--max-migrations", "times one stream may move to another decode worker after its own failed "
-         "mid-stream (0: such a stream ends with UNAVAILABLE)", default=DEFAULT_MAX_MIGRATIONS, type=int),
-    Flag("--router-fallback-seconds", "while the router cannot be reached, route on the decode workers it named "
-         "last for this long after its last answer, then fail with UNAVAILABLE (0: fail at once)",
-         default=DEFAULT_HOLD_S, type=float),
+    Flag(
+        "--stream-idle-timeout-seconds",
+        "longest silence of a decode stream before its first message "
+        "(queueing, KV transfer, prefill) before it counts as failed",
+        default=600.0,
+        type=float,
+    ),
+    Flag(
+        "--token-stall-timeout-seconds",
+        "longest silence between a decode stream's messages once tokens flow; "
+        "past it the worker counts as hung and the stream migrates",
+        default=30.0,
+        type=float,
+    ),
+    Flag(
+        "--max-migrations",
+        "times one stream may move to another decode worker after its own failed "
+        "mid-stream (0: such a stream ends with UNAVAILABLE)",
+        default=DEFAULT_MAX_MIGRATIONS,
+        type=int,
+    ),
+    Flag(
+        "--router-fallback-seconds",
+        "while the router cannot be reached, route on the decode workers it named "
+        "last for this long after its last answer, then fail with UNAVAILABLE (0: fail at once)",
+        default=DEFAULT_HOLD_S,
+        type=float,
+    ),
     Flag("--http-host", "address of the OpenAI-compatible HTTP API (default: --host's)"),
     Flag("--http-port", "port of the OpenAI-compatible HTTP API (0: a free port)", default=8000, type=int),
     Flag("--api-keys-file", "file of API keys, one 'key [tenant]' per line (no keys anywhere: auth off)"),
-    Flag("--api-keys", "comma-separated 'key [tenant]' entries; prefer KVMESH_API_KEYS or the file to the command line"),
-    Flag("--default-max-tokens", "max_tokens of a request that sets none (0: up to the context; the legacy "
-         "completions API keeps OpenAI's 16)", default=0, type=int),
-    Flag("--repetition-guard", "stop a sequence when one token repeats more than this many times in a row, "
-         "unless the request sets its own guard (0: off)", default=DEFAULT_REPETITION_LIMIT, type=int),
-    Flag("--repetition-guard-allow", "tokens made only of these characters may repeat without limit",
-         default=DEFAULT_REPETITION_ALLOW_CHARS),
-    Flag("--generation-config", "'model': the model folder's generation_config.json gives unset sampling "
-         "settings their defaults; 'none': the API's defaults", default="model", choices=("model", "none")),
-    Flag("--tool-call-format", "how the model writes tool calls (its chat template must teach the same format)",
-         default=DEFAULT_FORMAT, choices=tuple(FORMATS)),
+    Flag(
+        "--api-keys", "comma-separated 'key [tenant]' entries; prefer KVMESH_API_KEYS or the file to the command line"
+    ),
+    Flag(
+        "--default-max-tokens",
+        "max_tokens of a request that sets none (0: up to the context; the legacy completions API keeps OpenAI's 16)",
+        default=0,
+        type=int,
+    ),
+    Flag(
+        "--repetition-guard",
+        "stop a sequence when one token repeats more than this many times in a row, "
+        "unless the request sets its own guard (0: off)",
+        default=DEFAULT_REPETITION_LIMIT,
+        type=int,
+    ),
+    Flag(
+        "--repetition-guard-allow",
+        "tokens made only of these characters may repeat without limit",
+        default=DEFAULT_REPETITION_ALLOW_CHARS,
+    ),
+    Flag(
+        "--generation-config",
+        "'model': the model folder's generation_config.json gives unset sampling "
+        "settings their defaults; 'none': the API's defaults",
+        default="model",
+        choices=("model", "none"),
+    ),
+    Flag(
+        "--tool-call-format",
+        "how the model writes tool calls (its chat template must teach the same format)",
+        default=DEFAULT_FORMAT,
+        choices=tuple(FORMATS),
+    ),
 ]
 
 # Where the runtime's common flags are absent (tests building the gateway with its own
@@ -80,12 +127,22 @@ def _model_path(flag: str | None) -> Path:
 def build(ctx: ServiceContext) -> ServiceDef:
     args = ctx.args
     model = ServedModel.load(
-        _model_path(args.model), args.model_name, args.max_model_len,
-        use_generation_config=args.generation_config == "model", max_tokens=args.default_max_tokens,
-        repetition_limit=args.repetition_guard, repetition_allow_chars=args.repetition_guard_allow,
+        _model_path(args.model),
+        args.model_name,
+        args.max_model_len,
+        use_generation_config=args.generation_config == "model",
+        max_tokens=args.default_max_tokens,
+        repetition_limit=args.repetition_guard,
+        repetition_allow_chars=args.repetition_guard_allow,
     )
-    log.info("model", model=model.name, path=str(model.path), max_model_len=model.max_model_len, label=model.label,
-             defaults=model.defaults.describe())
+    log.info(
+        "model",
+        model=model.name,
+        path=str(model.path),
+        max_model_len=model.max_model_len,
+        label=model.label,
+        defaults=model.defaults.describe(),
+    )
     backends = GrpcBackends(
         args.router_address, rpc_timeout_s=args.rpc_timeout_seconds, prefill_timeout_s=args.prefill_timeout_seconds
     )

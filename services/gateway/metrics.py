@@ -62,7 +62,7 @@ class HttpMetrics:
         reg = registry if registry is not None else CollectorRegistry()
         self.requests = Counter(
             "kvmesh_http_requests",
-            "HTTP requests finished, by route and status (\"cancelled\": the client hung up).",
+            'HTTP requests finished, by route and status ("cancelled": the client hung up).',
             ["route", "status"],
             registry=reg,
         )

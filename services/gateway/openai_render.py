@@ -14,9 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.api.common.v1 import sampling_pb2
-from kvmesh.errors import KvmeshError, Unavailable
 from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.errors import KvmeshError, Unavailable
 from services.gateway.openai_responses import (
+    CalledFunction,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -27,7 +28,6 @@ from services.gateway.openai_responses import (
     CompletionChoice,
     CompletionLogprobs,
     FinishReason,
-    CalledFunction,
     PromptTokensDetails,
     ResponseMessage,
     TokenLogprob,
@@ -93,7 +93,14 @@ class _Choice:
 
 class _Renderer:
     def __init__(
-        self, response_id: str, created: int, model: str, *, choices: int, per_prompt: int, texts: TokenTexts,
+        self,
+        response_id: str,
+        created: int,
+        model: str,
+        *,
+        choices: int,
+        per_prompt: int,
+        texts: TokenTexts,
         logprobs: bool,
     ) -> None:
         """``choices`` in all, ``per_prompt`` of them for each prompt (n)."""
@@ -163,7 +170,9 @@ class CompletionRenderer(_Renderer):
         text = CompletionChoice(index=index, text=chunk.text, logprobs=logprobs, finish_reason=finish)
         return Completion(id=self.id, created=self.created, model=self.model, choices=[text], usage=None)
 
-    def _completion_logprobs(self, logprobs: Sequence[sampling_pb2.TokenLogprob], whole: CompletionLogprobs) -> CompletionLogprobs:
+    def _completion_logprobs(
+        self, logprobs: Sequence[sampling_pb2.TokenLogprob], whole: CompletionLogprobs
+    ) -> CompletionLogprobs:
         """This chunk's logprobs, also appended to the choice's; offsets count the tokens' own texts."""
         offset = whole.text_offset[-1] + len(whole.tokens[-1]) if whole.tokens else 0
         part = _no_completion_logprobs()
@@ -184,7 +193,9 @@ class CompletionRenderer(_Renderer):
     def response(self) -> Completion:
         choices = [
             CompletionChoice(
-                index=i, text="".join(c.text), logprobs=self._choice_logprobs[i] if self._logprobs else None,
+                index=i,
+                text="".join(c.text),
+                logprobs=self._choice_logprobs[i] if self._logprobs else None,
                 finish_reason=c.finish,
             )
             for i, c in enumerate(self._choices)

@@ -91,7 +91,9 @@ def _token_id_keys(value: Any) -> Any:
     if isinstance(value, dict):
         for key in value:
             if not (isinstance(key, str) and key.isdigit() and int(key) <= UINT32_MAX):
-                raise PydanticCustomError("token_id", "keys must be token ids (decimal strings), got {key!r}", {"key": key})
+                raise PydanticCustomError(
+                    "token_id", "keys must be token ids (decimal strings), got {key!r}", {"key": key}
+                )
     return value
 
 
@@ -118,7 +120,9 @@ class SamplingFields(Body):
         BeforeValidator(_token_id_keys),
     ] = Field(None, description="Token id (as a string) -> bias added to its logit.")
     repetition_penalty: float | None = Field(
-        None, gt=0, le=REPETITION_PENALTY_MAX,
+        None,
+        gt=0,
+        le=REPETITION_PENALTY_MAX,
         description="kvmesh extension (transformers' repetition penalty over prompt and output); default: the model's.",
     )
     # kvmesh extensions (also understood by other OpenAI-compatible servers).
@@ -126,7 +130,8 @@ class SamplingFields(Body):
     min_p: float | None = Field(None, ge=0, lt=1, description="kvmesh extension: 0 = off.")
     ignore_eos: bool | None = Field(None, description="kvmesh extension: keep generating past EOS (benchmarks).")
     cache_salt: str | None = Field(
-        None, description="kvmesh extension: share cached prefixes only with requests of the same salt (within a tenant)."
+        None,
+        description="kvmesh extension: share cached prefixes only with requests of the same salt (within a tenant).",
     )
 
 
@@ -149,7 +154,9 @@ class CompletionRequest(SamplingFields):
     )
     max_tokens: TokenCount | None = DEFAULT_COMPLETION_MAX_TOKENS
     logprobs: TopLogprobs | None = Field(None, description="Return each token's logprob and this many alternatives.")
-    echo: Annotated[Literal[False] | None, _refused(lambda v: v is False, "not supported: only false is accepted")] = None
+    echo: Annotated[Literal[False] | None, _refused(lambda v: v is False, "not supported: only false is accepted")] = (
+        None
+    )
     suffix: Annotated[None, _NOT_YET] = None
     best_of: Choices | None = Field(None, description="Only equal to n (no server-side ranking).")
 
@@ -211,7 +218,9 @@ class AssistantMessage(Body):
     content: Content | None = None
     name: str | None = None
     refusal: str | None = None
-    tool_calls: list[AssistantToolCall] | None = Field(None, description="The calls this turn made (content may be null).")
+    tool_calls: list[AssistantToolCall] | None = Field(
+        None, description="The calls this turn made (content may be null)."
+    )
     function_call: Annotated[None, _NOT_YET] = None
 
 
@@ -289,7 +298,7 @@ class FunctionDefinition(Body):
     name: str = Field(pattern=NAME_PATTERN, description="Unique within the request.")
     description: str | None = None
     parameters: dict[str, Any] | None = Field(
-        None, description='JSON Schema of the arguments, an object schema. Default: any object.'
+        None, description="JSON Schema of the arguments, an object schema. Default: any object."
     )
     strict: bool | None = Field(None, description="Accepted; calls always follow the schema.")
 
@@ -319,7 +328,9 @@ ToolChoice = Annotated[
     Discriminator(
         _tool_choice_tag,
         custom_error_type="invalid_tool_choice",
-        custom_error_message="""tool_choice must be 'none', 'auto', 'required' or {"type": "function", "function": {"name": ...}}""",
+        custom_error_message=(
+            'tool_choice must be \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}'
+        ),
     ),
 ]
 

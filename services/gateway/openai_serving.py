@@ -22,8 +22,8 @@ import structlog
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from kvmesh.errors import KvmeshError
 from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.errors import KvmeshError
 from services.gateway.core import Gateway
 from services.gateway.fan_in import FanIn, Stream
 from services.gateway.http_context import REQUEST_ID, TENANT
@@ -75,16 +75,28 @@ class OpenAIServing:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = await parse(request, ChatCompletionRequest)
         core_requests = chat_requests(req, self._gateway.max_inflight)
-        renderer = self._renderer(ChatRenderer, "chatcmpl", request, core_requests, req.n or 1, logprobs=bool(req.logprobs))
+        renderer = self._renderer(
+            ChatRenderer, "chatcmpl", request, core_requests, req.n or 1, logprobs=bool(req.logprobs)
+        )
         return await self._answer(request, req, renderer, core_requests, self._gateway.chat)
 
     def _renderer(
-        self, cls: type[Renderer], prefix: str, request: web.Request, core_requests: Sequence[object], n: int,
+        self,
+        cls: type[Renderer],
+        prefix: str,
+        request: web.Request,
+        core_requests: Sequence[object],
+        n: int,
         logprobs: bool,
     ) -> Renderer:
         return cls(
-            f"{prefix}-{request[REQUEST_ID]}", int(time.time()), self._gateway.model.name,
-            choices=len(core_requests), per_prompt=n, texts=self._texts, logprobs=logprobs,
+            f"{prefix}-{request[REQUEST_ID]}",
+            int(time.time()),
+            self._gateway.model.name,
+            choices=len(core_requests),
+            per_prompt=n,
+            texts=self._texts,
+            logprobs=logprobs,
         )
 
     async def _answer(

@@ -44,7 +44,9 @@ _SEED_SPACE = 2**64  # the mesh's seeds are uint64; OpenAI's may be negative
 _FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 
 
-def _sampling(req: SamplingFields, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> sampling_pb2.SamplingParams:
+def _sampling(
+    req: SamplingFields, max_tokens: int | None, logprobs: bool, top_logprobs: int
+) -> sampling_pb2.SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
     params = sampling_pb2.SamplingParams(
         max_tokens=max_tokens or 0,  # 0: up to the context
@@ -104,7 +106,9 @@ def completion_requests(req: CompletionRequest, limit: int) -> list[gateway_pb2.
     for prompt in prompts:
         for i in range(n):
             r = gateway_pb2.GenerateRequest(
-                model=req.model, sampling=_with_seed(params, req.seed, i), cache_salt=req.cache_salt or "",
+                model=req.model,
+                sampling=_with_seed(params, req.seed, i),
+                cache_salt=req.cache_salt or "",
                 user=req.user or "",
             )
             if isinstance(prompt, str):
@@ -132,7 +136,9 @@ def chat_requests(req: ChatCompletionRequest, limit: int) -> list[gateway_pb2.Ch
     if structured is not None:
         params.structured_output.CopyFrom(structured)
     template = gateway_pb2.ChatRequest(
-        model=req.model, messages=[_message(m) for m in req.messages], cache_salt=req.cache_salt or "",
+        model=req.model,
+        messages=[_message(m) for m in req.messages],
+        cache_salt=req.cache_salt or "",
         user=req.user or "",
     )
     for tool in req.tools or ():

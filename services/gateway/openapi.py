@@ -70,8 +70,13 @@ def _bound(schemas: dict[str, Any], served: Served) -> None:
     for request in _REQUESTS:
         fields = schemas[request.__name__]["properties"]
         fields["model"]["enum"] = [served.model_name]  # any other name is a 404
-        maxima = {"max_tokens": served.max_model_len - 1, "max_completion_tokens": served.max_model_len - 1,
-                  "n": served.max_generations, "best_of": served.max_generations, "prompt": served.vocab_size - 1}
+        maxima = {
+            "max_tokens": served.max_model_len - 1,
+            "max_completion_tokens": served.max_model_len - 1,
+            "n": served.max_generations,
+            "best_of": served.max_generations,
+            "prompt": served.vocab_size - 1,
+        }
         for name, maximum in maxima.items():
             for integer in _integers(fields.get(name, {})):
                 integer["maximum"] = min(integer.get("maximum", maximum), maximum)
@@ -89,8 +94,9 @@ def _errors(statuses: dict[int, str]) -> dict[str, Any]:
     return {str(s): {"description": d, "content": _json(ErrorResponse)} for s, d in statuses.items()}
 
 
-def _generation(summary: str, request: type[BaseModel], response: type[BaseModel], chunk: type[BaseModel],
-                errors: dict[int, str]) -> dict[str, Any]:
+def _generation(
+    summary: str, request: type[BaseModel], response: type[BaseModel], chunk: type[BaseModel], errors: dict[int, str]
+) -> dict[str, Any]:
     # OpenAPI 3.1 describes each server-sent event; its data is one JSON chunk, an error, or [DONE].
     event = {
         "type": "object",
@@ -102,8 +108,10 @@ def _generation(summary: str, request: type[BaseModel], response: type[BaseModel
                 "comes as an ErrorResponse and ends the stream (no `[DONE]`).",
                 "anyOf": [
                     {"const": "[DONE]"},
-                    {"contentMediaType": "application/json",
-                     "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}},
+                    {
+                        "contentMediaType": "application/json",
+                        "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]},
+                    },
                 ],
             }
         },
@@ -147,7 +155,10 @@ def openapi_document(served: Served, auth: bool) -> dict[str, Any]:
         ),
         "/v1/chat/completions": _generation(
             "Complete a conversation (the model's chat template is applied).",
-            ChatCompletionRequest, ChatCompletion, ChatCompletionChunk, generation_errors,
+            ChatCompletionRequest,
+            ChatCompletion,
+            ChatCompletionChunk,
+            generation_errors,
         ),
         "/v1/models": _get("The models served.", _ok("The models.", _json(ModelList)) | _errors(auth_errors)),
         "/v1/models/{model}": _get(

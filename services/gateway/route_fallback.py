@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable
 
 from kvmesh.api.common.v1 import worker_pb2
-from kvmesh.errors import Unavailable
 from kvmesh.api.router.v1 import router_pb2
+from kvmesh.errors import Unavailable
 from services.gateway.backends import RouterUnreachable
 
 DEFAULT_HOLD_S = 30.0
@@ -52,9 +52,13 @@ class LastKnownWorkers:
         """A plan without the router, or Unavailable once its outage outlasted ``hold_s``."""
         now = self._now()
         if self._last_answer is None or now - self._last_answer > self.hold_s:
-            since = "no known workers to route on without it (no answer since this gateway started)" if self._last_answer is None else (
-                f"no answer for {now - self._last_answer:.0f} s, longer than the {self.hold_s:g} s "
-                "this gateway routes on its last known workers"
+            since = (
+                "no known workers to route on without it (no answer since this gateway started)"
+                if self._last_answer is None
+                else (
+                    f"no answer for {now - self._last_answer:.0f} s, longer than the {self.hold_s:g} s "
+                    "this gateway routes on its last known workers"
+                )
             )
             raise Unavailable(f"{cause.message}; {since}")
         excluded = set(request.exclude_worker_ids)

@@ -72,7 +72,9 @@ def validate_sampling(s: sampling_pb2.SamplingParams, vocab_size: int) -> None:
         if not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:  # also refuses NaN
             raise InvalidArgument(f"sampling.{name} must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}], got {value}")
     if s.HasField("repetition_penalty") and not 0.0 < s.repetition_penalty <= REPETITION_PENALTY_MAX:
-        raise InvalidArgument(f"sampling.repetition_penalty must be in (0, {REPETITION_PENALTY_MAX}], got {s.repetition_penalty}")
+        raise InvalidArgument(
+            f"sampling.repetition_penalty must be in (0, {REPETITION_PENALTY_MAX}], got {s.repetition_penalty}"
+        )
     _check_ids("sampling.logit_bias", list(s.logit_bias), vocab_size)
     bad = next((t for t, b in s.logit_bias.items() if not -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT), None)
     if bad is not None:

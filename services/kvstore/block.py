@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvmesh.errors import InvalidArgument
 from kvmesh.checksum import CHECKSUM_BYTES, checksum
+from kvmesh.errors import InvalidArgument
 
 MAX_DTYPE_CHARS = 32
 MAX_RANK = 16
@@ -31,18 +31,12 @@ class Block:
     def __post_init__(self) -> None:
         if not isinstance(self.data, bytes):
             raise InvalidArgument(f"block data must be bytes, got {type(self.data).__name__}")
-        if len(self.shape) > MAX_RANK or not all(
-            isinstance(d, int) and d >= 0 for d in self.shape
-        ):
-            raise InvalidArgument(
-                f"block shape must be at most {MAX_RANK} non-negative ints, got {self.shape!r}"
-            )
+        if len(self.shape) > MAX_RANK or not all(isinstance(d, int) and d >= 0 for d in self.shape):
+            raise InvalidArgument(f"block shape must be at most {MAX_RANK} non-negative ints, got {self.shape!r}")
         if not isinstance(self.dtype, str) or not 0 < len(self.dtype) <= MAX_DTYPE_CHARS:
             raise InvalidArgument(f"block dtype must be a non-empty name, got {self.dtype!r}")
         if len(self.checksum) != CHECKSUM_BYTES:
-            raise InvalidArgument(
-                f"block checksum must be {CHECKSUM_BYTES} bytes, got {len(self.checksum)}"
-            )
+            raise InvalidArgument(f"block checksum must be {CHECKSUM_BYTES} bytes, got {len(self.checksum)}")
 
     @classmethod
     def build(cls, data: bytes | bytearray | memoryview, shape: Sequence[int], dtype: str) -> Block:

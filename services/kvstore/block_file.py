@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 from kvmesh.blocks import HASH_BYTES, BlockHash
+from kvmesh.checksum import CHECKSUM_BYTES, checksum
 from kvmesh.errors import InvalidArgument
 from services.kvstore.block import Block
-from kvmesh.checksum import CHECKSUM_BYTES, checksum
 
 MAGIC = b"KVMB"
 VERSION = 2  # 2: CRC-32 checksums (1 had blake2b)

@@ -18,10 +18,10 @@ from prometheus_client.registry import Collector
 
 from kvmesh.api.common.v1 import kv_pb2, worker_pb2
 from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
-from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
-from kvmesh.worker import RouterLink, register_link_metrics
 from kvmesh.chunking import DEFAULT_CHUNK_BYTES
+from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
 from kvmesh.runtime.counters import CountersCollector
+from kvmesh.worker import RouterLink, register_link_metrics
 from kvmesh.worker.kv_transport import KV_TRANSPORT_FLAGS, load_transport
 from services.kvstore.core import KvStore
 from services.kvstore.nixl_arena import NixlArena
@@ -31,14 +31,22 @@ FLAGS = [
     Flag("--ram-budget-bytes", "RAM tier budget (payload bytes)", default=8 << 30, type=int),
     Flag("--disk-dir", "disk tier directory, kept across restarts (unset: RAM only)"),
     Flag("--disk-budget-bytes", "disk tier budget (payload bytes), with --disk-dir", default=64 << 30, type=int),
-    Flag("--chunk-bytes", "data per Get chunk when the client asks for no size (at most 1 MiB)",
-         default=DEFAULT_CHUNK_BYTES, type=int),
+    Flag(
+        "--chunk-bytes",
+        "data per Get chunk when the client asks for no size (at most 1 MiB)",
+        default=DEFAULT_CHUNK_BYTES,
+        type=int,
+    ),
     Flag("--router-address", "router host:port to publish the stored blocks to (unset: do not publish)"),
     Flag("--worker-id", "id to register with the router (default: kvstore@<advertise address>)"),
     Flag("--advertise-address", "host:port others reach this kvstore at (default: --host:--port)"),
     KV_TRANSPORT_FLAGS[0],
-    Flag("--nixl-arena-bytes", "NIXL arena the blocks of PutNixl/GetNixl pass through (its slots take the first "
-         "worker's block size)", default=256 << 20, type=int),
+    Flag(
+        "--nixl-arena-bytes",
+        "NIXL arena the blocks of PutNixl/GetNixl pass through (its slots take the first worker's block size)",
+        default=256 << 20,
+        type=int,
+    ),
 ]
 
 
@@ -113,10 +121,13 @@ def build(ctx: ServiceContext) -> ServiceDef:
         nixl = load_transport(args)
         if nixl is not None:
             arena = state["arena"] = NixlArena(nixl, args.nixl_arena_bytes, store)
-            ctx.registry.register(CountersCollector(
-                "kvmesh_kvstore_nixl", lambda: arena.counters,
-                lambda: {"arena_slots_in_use": (arena.slots_in_use, "NIXL arena slots a transfer holds.")},
-            ))
+            ctx.registry.register(
+                CountersCollector(
+                    "kvmesh_kvstore_nixl",
+                    lambda: arena.counters,
+                    lambda: {"arena_slots_in_use": (arena.slots_in_use, "NIXL arena slots a transfer holds.")},
+                )
+            )
         servicer.attach(store, state.get("arena"))
         if link is not None:
             await link.start()

@@ -31,9 +31,9 @@ import numpy
 import structlog
 import torch
 
+from kvmesh.api.common.v1 import kv_pb2
 from kvmesh.blocks import BlockHash
 from kvmesh.checksum import checksum
-from kvmesh.api.common.v1 import kv_pb2
 from kvmesh.engine.config import parse_dtype
 from kvmesh.engine.kv_cache import host_zeros_on_huge_pages
 from kvmesh.errors import FailedPrecondition, InvalidArgument
@@ -87,7 +87,9 @@ class NixlArena:
     def capacity(self) -> int:
         return 0 if self._pieces is None else self._pieces.shape[1]
 
-    def handshake(self, layout: kv_pb2.KVLayout, agent_name: str, metadata: bytes, region: kv_pb2.NixlPoolRegion) -> str:
+    def handshake(
+        self, layout: kv_pb2.KVLayout, agent_name: str, metadata: bytes, region: kv_pb2.NixlPoolRegion
+    ) -> str:
         """Know a worker's pool; returns this arena's agent name. The first worker's layout
         shapes the arena; FailedPrecondition for one whose layout differs."""
         if self.layout is None:
@@ -122,8 +124,9 @@ class NixlArena:
         if self.endpoint is None or not self.endpoint.has_peer(agent_name):
             raise FailedPrecondition(f"NIXL agent {agent_name!r} is unknown here: NixlHandshake first")
 
-    async def put(self, agent_name: str, hashes: list[BlockHash], block_ids: list[int], sums: list[bytes],
-                  timeout_s: float) -> PutOutcome:
+    async def put(
+        self, agent_name: str, hashes: list[BlockHash], block_ids: list[int], sums: list[bytes], timeout_s: float
+    ) -> PutOutcome:
         """READ the worker's blocks, store each whose checksum matches (InvalidArgument after the
         rest are stored, when one did not)."""
         self._peer(agent_name)
@@ -150,8 +153,9 @@ class NixlArena:
             raise InvalidArgument(f"{len(bad)} blocks read over NIXL fail their checksum (first {bad[0].hex()})")
         return PutOutcome(stored, present, evicted)
 
-    async def get(self, agent_name: str, hashes: list[BlockHash], block_ids: list[int],
-                  timeout_s: float) -> list[bytes]:
+    async def get(
+        self, agent_name: str, hashes: list[BlockHash], block_ids: list[int], timeout_s: float
+    ) -> list[bytes]:
         """WRITE the leading present blocks into the worker's ``block_ids``; their checksums."""
         self._peer(agent_name)
         if len(hashes) != len(block_ids):

@@ -21,13 +21,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from kvmesh.blocks import HASH_BYTES
 from kvmesh.api.common.v1 import accounting_pb2, kv_pb2
-from kvmesh.checksum import CHECKSUM_BYTES
-from kvmesh.errors import InvalidArgument, Unavailable
 from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
-from services.kvstore.block import Block
+from kvmesh.blocks import HASH_BYTES
+from kvmesh.checksum import CHECKSUM_BYTES
 from kvmesh.chunking import DEFAULT_CHUNK_BYTES, Chunk, Reassembler, split
+from kvmesh.errors import InvalidArgument, Unavailable
+from services.kvstore.block import Block
 from services.kvstore.core import KvStore
 from services.kvstore.nixl_arena import NixlArena
 
@@ -182,11 +182,14 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServiceServicer):
         start = time.perf_counter_ns()
         n = CHECKSUM_BYTES
         sums = [request.checksums[i : i + n] for i in range(0, len(request.checksums), n)]
-        out = await self._nixl().put(request.agent_name, list(request.block_hashes), list(request.block_ids), sums,
-                                     _transfer_timeout_s(context))
+        out = await self._nixl().put(
+            request.agent_name, list(request.block_hashes), list(request.block_ids), sums, _transfer_timeout_s(context)
+        )
         total_ns = time.perf_counter_ns() - start
         return kvstore_pb2.PutNixlResponse(
-            stored_blocks=out.stored, already_present_blocks=out.present, evicted_blocks=out.evicted,
+            stored_blocks=out.stored,
+            already_present_blocks=out.present,
+            evicted_blocks=out.evicted,
             timings=accounting_pb2.Timings(transfer_ns=total_ns, total_ns=total_ns),
         )
 
@@ -200,7 +203,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServiceServicer):
         sums = await self._nixl().get(request.agent_name, hashes, list(request.block_ids), _transfer_timeout_s(context))
         total_ns = time.perf_counter_ns() - start
         return kvstore_pb2.GetNixlResponse(
-            found_blocks=len(sums), checksums=b"".join(sums),
+            found_blocks=len(sums),
+            checksums=b"".join(sums),
             timings=accounting_pb2.Timings(transfer_ns=total_ns, total_ns=total_ns),
         )
 

@@ -108,7 +108,7 @@ class PrefillWorker:
         one_token = dataclasses.replace(params, max_tokens=1)
         out = None
         stream = self.engine.generate(token_ids, one_token, request_id, cache_salt, hold_prompt_blocks=True)
-        async for out in stream:
+        async for out in stream:  # noqa: B007 (the last output is the one wanted)
             pass
         assert out is not None and out.finished  # max_tokens=1: one output, finished
         # "length" only because of our max_tokens=1; the real request goes on unless it asked for 1.
@@ -116,7 +116,9 @@ class PrefillWorker:
         lease = None
         nixl = None
         try:
-            hashes, block_ids = await self.engine.call(lambda e: (e.held_hashes(request_id), e.held_block_ids(request_id)))
+            hashes, block_ids = await self.engine.call(
+                lambda e: (e.held_hashes(request_id), e.held_block_ids(request_id))
+            )
             # Blocks computed here (not reused) go to the cluster-wide tier, behind the request.
             computed_from = out.num_cached_tokens // self.engine.engine.config.block_size
             await store_held_blocks(self.engine, self.kvstore, request_id, hashes[computed_from:])

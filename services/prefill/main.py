@@ -6,23 +6,28 @@ import asyncio
 import contextlib
 
 from kvmesh.api.common.v1 import kv_pb2, worker_pb2
+from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from kvmesh.engine import LLMEngine
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.flags import ENGINE_FLAGS, engine_config, model_path
 from kvmesh.engine.metrics import EngineCollector
-from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
 from kvmesh.runtime.counters import CountersCollector
-from kvmesh.worker.kvstore_client import KVStoreClient
 from kvmesh.worker.engine_link import attach_router
 from kvmesh.worker.kv_transport import KV_TRANSPORT_FLAGS, open_endpoint
+from kvmesh.worker.kvstore_client import KVStoreClient
 from services.prefill.core import PrefillWorker
 from services.prefill.server import PrefillServicer
 
 FLAGS = [
     *ENGINE_FLAGS,
     *KV_TRANSPORT_FLAGS,
-    Flag("--lease-ttl-ms", "how long a KV hand-off waits for decode before its blocks are unpinned", default=30_000, type=int),
+    Flag(
+        "--lease-ttl-ms",
+        "how long a KV hand-off waits for decode before its blocks are unpinned",
+        default=30_000,
+        type=int,
+    ),
     Flag("--max-lease-ttl-ms", "the longest lease a request may ask for", default=300_000, type=int),
     Flag("--advertise-address", "host:port decode workers use to reach this worker (default: host:port)"),
 ]

@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator
 import grpc
 
 from kvmesh.api.common.v1 import kv_pb2
+from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from kvmesh.convert import finish_to_pb, logprob_to_pb, sampling_from_pb, timings_pb
 from kvmesh.errors import FailedPrecondition, Unavailable
 from kvmesh.kv_wire import chunk_fields, keep_transfer_memory_mapped
-from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from kvmesh.worker.kv_nixl import layout_mismatch
 from services.prefill.core import PrefillWorker
 

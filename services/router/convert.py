@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.blocks import HASH_BYTES, BlockHash
 from kvmesh.api.common.v1 import accounting_pb2, kv_pb2, worker_pb2
-from kvmesh.errors import InvalidArgument
 from kvmesh.api.router.v1 import router_pb2
+from kvmesh.blocks import HASH_BYTES, BlockHash
+from kvmesh.errors import InvalidArgument
 
 from .core import Registration, WorkerStatus
 from .events import EventKind, KVEvent, PublishResult
@@ -102,9 +102,7 @@ def worker_info_from_pb(req: router_pb2.RegisterWorkerRequest) -> WorkerInfo:
     if role.runs_requests and req.HasField("layout"):
         # Hashing a prompt needs both; an engine always sends them.
         if req.layout.block_size <= 0 or not req.layout.model_fingerprint:
-            raise InvalidArgument(
-                f"worker {req.worker_id}: KV layout needs a block_size and a model_fingerprint"
-            )
+            raise InvalidArgument(f"worker {req.worker_id}: KV layout needs a block_size and a model_fingerprint")
         layout = layout_from_pb(req.layout)
     c = req.capacity
     return WorkerInfo(
@@ -187,9 +185,7 @@ async def snapshot_from_pb(parts: AsyncIterator[router_pb2.ResyncWorkerRequest])
             snap.lease_id,
             snap.sequence,
         ):
-            raise InvalidArgument(
-                "every message of a resync stream carries the same worker_id, lease_id and sequence"
-            )
+            raise InvalidArgument("every message of a resync stream carries the same worker_id, lease_id and sequence")
         if not part.block_hashes:
             continue  # an empty part may leave the tier unspecified (an empty snapshot)
         tier = tier_from_pb(part.tier)

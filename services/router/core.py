@@ -129,11 +129,7 @@ class Router:
         stored_at = {s.worker_id: s.heartbeat_at for s in shared}
         if self.registry.cluster_layout is not None:
             await self.store.claim_layout(self.registry.cluster_layout)
-        fresher = [
-            s
-            for s in self.registry.all_states()
-            if s.heartbeat_at > stored_at.get(s.worker_id, -float("inf"))
-        ]
+        fresher = [s for s in self.registry.all_states() if s.heartbeat_at > stored_at.get(s.worker_id, -float("inf"))]
         await self.store.save(*fresher)
         for worker_id in self._dropped_while_down:
             await self.store.delete(worker_id)
@@ -147,9 +143,7 @@ class Router:
 
     async def _pull(self, *, force: bool = False) -> None:
         """Refresh the registry mirror from Redis (what other replicas registered or heard)."""
-        if not self.redis_available or (
-            not force and self._now() - self._last_pull < self._pull_interval_s
-        ):
+        if not self.redis_available or (not force and self._now() - self._last_pull < self._pull_interval_s):
             return
         try:
             layout, states = await self.store.load()
@@ -379,12 +373,8 @@ class Router:
             self.counters["routes_load_only"] += 1
         live = {c.worker_id for c in candidates}
         # Entries of workers that are gone (or excluded) must not attract requests.
-        hits = PrefixHits(
-            {w: n for w, n in hits.gpu_blocks.items() if w in live}, hits.kvstore_blocks
-        )
-        req = RouteInput(
-            num_tokens, block_size, len(chain), hits, index_available=self.redis_available
-        )
+        hits = PrefixHits({w: n for w, n in hits.gpu_blocks.items() if w in live}, hits.kvstore_blocks)
+        req = RouteInput(num_tokens, block_size, len(chain), hits, index_available=self.redis_available)
         plan = self.policy.choose(req, candidates)
         now = self._now()
         if plan.prefill_locally:

@@ -84,9 +84,7 @@ class KVEventApplier:
         else:
             await self._index.clear(worker_id, ev.tier)
 
-    async def resync(
-        self, worker_id: str, seq: int, snapshot: Mapping[Tier, Sequence[BlockId]]
-    ) -> int:
+    async def resync(self, worker_id: str, seq: int, snapshot: Mapping[Tier, Sequence[BlockId]]) -> int:
         """Swap the worker's entries for ``snapshot`` (as of ``seq``); returns blocks indexed."""
         for tier in Tier:
             await self._index.clear(worker_id, tier)

@@ -161,9 +161,7 @@ class RedisPrefixIndex:
     longest-prefix lookup of a 12,500-block chain is one EVALSHA.
     """
 
-    def __init__(
-        self, client: aioredis.Redis, *, prefix: str = KEY_PREFIX, write_batch_blocks: int = 4096
-    ) -> None:
+    def __init__(self, client: aioredis.Redis, *, prefix: str = KEY_PREFIX, write_batch_blocks: int = 4096) -> None:
         self._r = client
         self._p = prefix
         self._blk = f"{prefix}blk:".encode()
@@ -190,9 +188,7 @@ class RedisPrefixIndex:
         with redis_errors_as_unavailable():
             for start in range(0, len(hashes), self._batch):
                 keys = self._keys(hashes[start : start + self._batch])
-                await script(
-                    args=[self._p, worker_id, tier.value, _TIER_BIT[tier], keys, self._key_len]
-                )
+                await script(args=[self._p, worker_id, tier.value, _TIER_BIT[tier], keys, self._key_len])
 
     async def add(self, worker_id: str, tier: Tier, hashes: Sequence[BlockId]) -> None:
         await self._write(self._add, worker_id, tier, hashes)

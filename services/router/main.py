@@ -26,8 +26,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvmesh.blocks import DEFAULT_BLOCK_SIZE
 from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.blocks import DEFAULT_BLOCK_SIZE
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
 from services.router.core import Router
 from services.router.index import PrefixIndex, RedisPrefixIndex
@@ -43,43 +43,94 @@ log = structlog.get_logger("kvmesh.router")
 _W = CostWeights()
 
 FLAGS = [
-    Flag("--redis-url", "Redis holding the shared prefix index and registry",
-         default="redis://127.0.0.1:6379/0"),
-    Flag("--redis-key-prefix", "prefix of every Redis key; replicas sharing an index use the same",
-         default=KEY_PREFIX),
-    Flag("--redis-timeout-ms", "per Redis command attempt; past it the router routes on load alone",
-         default=500, type=int),
-    Flag("--redis-wait-ms", "at start-up, how long to wait for Redis before serving on load alone",
-         default=2000, type=int),
-    Flag("--redis-probe-interval-ms", "while Redis is down, how often to try it again",
-         default=1000, type=int),
-    Flag("--registry-pull-interval-ms", "how stale this replica's copy of the shared registry may get",
-         default=50, type=int),
-    Flag("--lease-ttl-ms", "a worker silent this long is dropped from routing with its index entries",
-         default=10_000, type=int),
-    Flag("--heartbeat-interval-ms", "how often workers are told to heartbeat (0: a third of the TTL)",
-         default=0, type=int),
-    Flag("--block-size", "tokens per KV block, for hashing token prompts; other workers are refused",
-         default=DEFAULT_BLOCK_SIZE, type=int),
+    Flag("--redis-url", "Redis holding the shared prefix index and registry", default="redis://127.0.0.1:6379/0"),
+    Flag("--redis-key-prefix", "prefix of every Redis key; replicas sharing an index use the same", default=KEY_PREFIX),
+    Flag(
+        "--redis-timeout-ms",
+        "per Redis command attempt; past it the router routes on load alone",
+        default=500,
+        type=int,
+    ),
+    Flag(
+        "--redis-wait-ms",
+        "at start-up, how long to wait for Redis before serving on load alone",
+        default=2000,
+        type=int,
+    ),
+    Flag("--redis-probe-interval-ms", "while Redis is down, how often to try it again", default=1000, type=int),
+    Flag(
+        "--registry-pull-interval-ms",
+        "how stale this replica's copy of the shared registry may get",
+        default=50,
+        type=int,
+    ),
+    Flag(
+        "--lease-ttl-ms",
+        "a worker silent this long is dropped from routing with its index entries",
+        default=10_000,
+        type=int,
+    ),
+    Flag(
+        "--heartbeat-interval-ms",
+        "how often workers are told to heartbeat (0: a third of the TTL)",
+        default=0,
+        type=int,
+    ),
+    Flag(
+        "--block-size",
+        "tokens per KV block, for hashing token prompts; other workers are refused",
+        default=DEFAULT_BLOCK_SIZE,
+        type=int,
+    ),
     # Policy knobs (services/router/policy.py explains the cost model).
-    Flag("--local-prefill-max-uncached-tokens",
-         "the decode worker prefills itself when at most this many prompt tokens are uncached there",
-         default=_W.local_max_uncached_tokens, type=int),
-    Flag("--local-prefill-min-hit-fraction",
-         "...or when it already holds at least this fraction of the prompt's blocks",
-         default=_W.local_min_hit_fraction, type=float),
-    Flag("--recompute-cost", "weight of prompt tokens to compute against queued tokens",
-         default=_W.recompute_cost, type=float),
-    Flag("--request-overhead-tokens", "fixed cost of each queued request, in tokens",
-         default=_W.request_overhead_tokens, type=int),
-    Flag("--active-seq-tokens", "cost of each running sequence on a worker, in tokens",
-         default=_W.active_seq_tokens, type=int),
-    Flag("--kvstore-fetch-cost", "fetching a block from the kvstore, relative to recomputing it",
-         default=_W.kvstore_fetch_cost, type=float),
-    Flag("--transfer-cost", "moving one token's KV from the prefill to the decode worker",
-         default=_W.transfer_cost, type=float),
-    Flag("--kv-shortage-cost", "per token of KV that would not fit in a worker's free blocks",
-         default=_W.kv_shortage_cost, type=float),
+    Flag(
+        "--local-prefill-max-uncached-tokens",
+        "the decode worker prefills itself when at most this many prompt tokens are uncached there",
+        default=_W.local_max_uncached_tokens,
+        type=int,
+    ),
+    Flag(
+        "--local-prefill-min-hit-fraction",
+        "...or when it already holds at least this fraction of the prompt's blocks",
+        default=_W.local_min_hit_fraction,
+        type=float,
+    ),
+    Flag(
+        "--recompute-cost",
+        "weight of prompt tokens to compute against queued tokens",
+        default=_W.recompute_cost,
+        type=float,
+    ),
+    Flag(
+        "--request-overhead-tokens",
+        "fixed cost of each queued request, in tokens",
+        default=_W.request_overhead_tokens,
+        type=int,
+    ),
+    Flag(
+        "--active-seq-tokens",
+        "cost of each running sequence on a worker, in tokens",
+        default=_W.active_seq_tokens,
+        type=int,
+    ),
+    Flag(
+        "--kvstore-fetch-cost",
+        "fetching a block from the kvstore, relative to recomputing it",
+        default=_W.kvstore_fetch_cost,
+        type=float,
+    ),
+    Flag(
+        "--transfer-cost",
+        "moving one token's KV from the prefill to the decode worker",
+        default=_W.transfer_cost,
+        type=float,
+    ),
+    Flag(
+        "--kv-shortage-cost",
+        "per token of KV that would not fit in a worker's free blocks",
+        default=_W.kv_shortage_cost,
+        type=float,
+    ),
 ]
 
 _OUTCOMES = ("prefill_locally", "disaggregated", "no_worker")

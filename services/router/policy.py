@@ -180,10 +180,7 @@ class CacheAwarePolicy:
     def _prefers_local(self, req: RouteInput, d: Candidate) -> bool:
         missing, _ = self._work(req, d.worker_id)
         held = req.hits.gpu_blocks.get(d.worker_id, 0)
-        return (
-            missing <= self.w.local_max_uncached_tokens
-            or held >= self.w.local_min_hit_fraction * req.total_blocks
-        )
+        return missing <= self.w.local_max_uncached_tokens or held >= self.w.local_min_hit_fraction * req.total_blocks
 
     def choose(self, req: RouteInput, workers: Sequence[Candidate]) -> RoutePlan:
         prefill, decode = split_roles(workers)

@@ -81,8 +81,7 @@ class WorkerRegistry:
         self.heartbeat_interval_s = heartbeat_interval_s or lease_ttl_s / 3
         if not 0 < self.heartbeat_interval_s < lease_ttl_s:
             raise ValueError(
-                f"heartbeat interval {self.heartbeat_interval_s}s must be shorter than "
-                f"the lease TTL {lease_ttl_s}s"
+                f"heartbeat interval {self.heartbeat_interval_s}s must be shorter than the lease TTL {lease_ttl_s}s"
             )
         self.lease_ttl_s = lease_ttl_s
         self.block_size = block_size
@@ -91,9 +90,7 @@ class WorkerRegistry:
         self.cluster_layout: KVLayout | None = None
 
     def _lease(self, s: WorkerState) -> Lease:
-        return Lease(
-            s.worker_id, s.lease_id, self.lease_ttl_s, self.heartbeat_interval_s, s.expires_at
-        )
+        return Lease(s.worker_id, s.lease_id, self.lease_ttl_s, self.heartbeat_interval_s, s.expires_at)
 
     def adopt_layout(self, layout: KVLayout) -> None:
         """Take the cluster layout agreed in the shared store (the first ever registered)."""
@@ -104,9 +101,7 @@ class WorkerRegistry:
         if not info.role.runs_requests:
             return
         if info.layout is None:
-            raise InvalidArgument(
-                f"worker {info.worker_id}: a {info.role.value} worker must announce its KV layout"
-            )
+            raise InvalidArgument(f"worker {info.worker_id}: a {info.role.value} worker must announce its KV layout")
         if self.block_size is not None and info.layout.block_size != self.block_size:
             raise FailedPrecondition(
                 f"worker {info.worker_id}: KV layout block_size={info.layout.block_size} "
@@ -140,9 +135,7 @@ class WorkerRegistry:
         if s is None or s.expires_at <= self._now():
             raise NotFound(f"worker {worker_id} is not registered (or its lease expired)")
         if lease_id is not None and lease_id != s.lease_id:
-            raise NotFound(
-                f"worker {worker_id}: lease {lease_id} was replaced by a newer registration"
-            )
+            raise NotFound(f"worker {worker_id}: lease {lease_id} was replaced by a newer registration")
         return s
 
     def check_lease(self, worker_id: str, lease_id: str | None) -> None:
@@ -176,11 +169,7 @@ class WorkerRegistry:
 
     def live(self, role: Role | None = None) -> list[WorkerState]:
         now = self._now()
-        return [
-            s
-            for s in self._workers.values()
-            if s.expires_at > now and (role is None or s.info.role is role)
-        ]
+        return [s for s in self._workers.values() if s.expires_at > now and (role is None or s.info.role is role)]
 
     def all_states(self) -> list[WorkerState]:
         return list(self._workers.values())
@@ -190,10 +179,6 @@ class WorkerRegistry:
         merged: dict[str, WorkerState] = {}
         for s in shared:
             mine = self._workers.get(s.worker_id)
-            fresher_here = (
-                mine is not None
-                and mine.lease_id == s.lease_id
-                and mine.heartbeat_at > s.heartbeat_at
-            )
+            fresher_here = mine is not None and mine.lease_id == s.lease_id and mine.heartbeat_at > s.heartbeat_at
             merged[s.worker_id] = mine if fresher_here else s
         self._workers = merged

@@ -56,9 +56,7 @@ class RegistryStore:
     async def delete_if_expired(self, worker_id: str, now: float) -> bool:
         """Delete the worker only if its stored lease lapsed; True when this call deleted it."""
         with redis_errors_as_unavailable():
-            return bool(
-                await self._delete_if_expired(keys=[self._workers_key], args=[worker_id, now])
-            )
+            return bool(await self._delete_if_expired(keys=[self._workers_key], args=[worker_id, now]))
 
     async def load(self) -> tuple[KVLayout | None, list[WorkerState]]:
         with redis_errors_as_unavailable():

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from kvmesh.errors import InvalidArgument, NotFound, Unavailable
 from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.errors import InvalidArgument, NotFound, Unavailable
 from kvmesh.runtime import current_request_id
 
 from . import convert
@@ -93,16 +93,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         _require_lease(request.worker_id, request.lease_id)
         ttl_ms = round(self.router.registry.lease_ttl_s * 1000)
         try:
-            await self.router.heartbeat(
-                request.worker_id, request.lease_id, convert.load_from_pb(request.load)
-            )
+            await self.router.heartbeat(request.worker_id, request.lease_id, convert.load_from_pb(request.load))
         except NotFound:
             return router_pb2.HeartbeatResponse(reregister_required=True, lease_ttl_ms=ttl_ms)
         # While Redis is down a snapshot could not be taken; ask once it is back.
-        resync = (
-            self.router.redis_available
-            and request.worker_id in self.router.workers_needing_resync()
-        )
+        resync = self.router.redis_available and request.worker_id in self.router.workers_needing_resync()
         return router_pb2.HeartbeatResponse(lease_ttl_ms=ttl_ms, resync_required=resync)
 
     async def DeregisterWorker(
@@ -138,9 +133,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         return router_pb2.ResyncWorkerResponse(
             indexed_blocks=result.indexed_blocks,
             expected_sequence=result.expected_seq,
-            timings=convert.timings_pb(
-                total_ns=done - start, compute_ns=done - received, transfer_ns=received - start
-            ),
+            timings=convert.timings_pb(total_ns=done - start, compute_ns=done - received, transfer_ns=received - start),
         )
 
     async def ListWorkers(

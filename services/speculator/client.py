@@ -29,8 +29,8 @@ import grpc
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from kvmesh.runtime import create_channel
 from kvmesh.api.speculator.v1 import speculator_pb2, speculator_pb2_grpc
+from kvmesh.runtime import create_channel
 from services.speculator.tracking import ContextTracker
 
 if TYPE_CHECKING:
@@ -48,19 +48,23 @@ _STABLE_STREAM_S = 1.0
 class _ClientMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.connected = Gauge(
-            "kvmesh_speculator_client_connected", "1 while the Propose stream to the speculator is open.",
+            "kvmesh_speculator_client_connected",
+            "1 while the Propose stream to the speculator is open.",
             registry=registry,
         )
         self.connect_failures = Counter(
-            "kvmesh_speculator_client_connect_failures", "Attempts to open the Propose stream that failed.",
+            "kvmesh_speculator_client_connect_failures",
+            "Attempts to open the Propose stream that failed.",
             registry=registry,
         )
         self.offline_steps = Counter(
-            "kvmesh_speculator_client_offline_steps", "Engine steps that wanted drafts while the speculator was down.",
+            "kvmesh_speculator_client_offline_steps",
+            "Engine steps that wanted drafts while the speculator was down.",
             registry=registry,
         )
         self.late_updates = Counter(
-            "kvmesh_speculator_client_late_updates", "Draft requests whose answer missed the step's budget.",
+            "kvmesh_speculator_client_late_updates",
+            "Draft requests whose answer missed the step's budget.",
             registry=registry,
         )
         self.draft_tokens = Counter(
@@ -238,8 +242,11 @@ class SpeculatorProposer:
                     log.warning("speculator unreachable: decoding without drafts", address=self.address, error=error)
                     outage_logged = True
             else:
-                log.warning("speculator stream closed: decoding without drafts until it is back",
-                            address=self.address, error=error)
+                log.warning(
+                    "speculator stream closed: decoding without drafts until it is back",
+                    address=self.address,
+                    error=error,
+                )
                 outage_logged = False
                 if time.monotonic() - opened_at > _STABLE_STREAM_S:
                     backoff = _MIN_BACKOFF_S

@@ -168,7 +168,8 @@ class Speculator:
         own = context.lookup(k) if Source.PROMPT in self.config.ngram_sources else None
         shared = (
             self.suffix_index.lookup(context.tokens[-MAX_MATCH_TOKENS:], k)
-            if Source.SUFFIX in self.config.ngram_sources else None
+            if Source.SUFFIX in self.config.ngram_sources
+            else None
         )
         candidate = better(own, shared)
         return candidate if candidate is not None and candidate.match_length >= self.config.min_match_tokens else None
@@ -225,8 +226,7 @@ class Session:
             raise InvalidArgument("context update without a request_id")
         if context_length < len(token_ids):
             raise InvalidArgument(
-                f"request {request_id!r}: context_length {context_length} is less than the "
-                f"{len(token_ids)} tokens sent"
+                f"request {request_id!r}: context_length {context_length} is less than the {len(token_ids)} tokens sent"
             )
         self._spec.accepted_tokens += accepted_draft_tokens
         source = self._last_source.pop(request_id, None)
@@ -277,7 +277,10 @@ class Session:
         return DraftPlan(request_id, k, ngram, list(ctx.tokens) if wants_model else None)
 
     def decide(
-        self, plan: DraftPlan, model_draft: list[int], deadline_ns: int | None = None,
+        self,
+        plan: DraftPlan,
+        model_draft: list[int],
+        deadline_ns: int | None = None,
         model_source: Source = Source.DRAFT_MODEL,
     ) -> Candidate | None:
         """The draft to send: the better of the plan's n-gram candidate and ``model_draft``

@@ -194,8 +194,9 @@ class EagleHead:
         return cls(block, model.embed_tokens.weight, model.head_weight, draft_vocab)
 
     @torch.inference_mode()
-    def sample(self, feature: torch.Tensor, token: int, k: int, params: SamplingParams,
-               gen: torch.Generator) -> SampledDrafts:
+    def sample(
+        self, feature: torch.Tensor, token: int, k: int, params: SamplingParams, gen: torch.Generator
+    ) -> SampledDrafts:
         """k drafts for one sampled request, each drawn from the head's distribution under the
         request's temperature / top-k / top-p / min-p; returned with those distributions [k, V]
         so verification can use the full rejection rule (``sampler.verify``)."""

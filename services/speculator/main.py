@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import argparse
 
-from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
 from kvmesh.api.speculator.v1 import speculator_pb2, speculator_pb2_grpc
+from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
 from services.speculator.core import DRAFT_MODEL_MATCH_TOKENS, Speculator, SpeculatorConfig
 from services.speculator.maintenance import IndexMaintainer
 from services.speculator.metrics import SpeculatorCollector
@@ -51,24 +51,51 @@ def draft_model_folder(raw: str) -> str:
 
 
 FLAGS = [
-    Flag("--prompt-ngram-sizes", "n-gram sizes matched in a request's own context (prompt lookup)",
-         default=_DEFAULTS.prompt_ngram_sizes, type=ngram_sizes),
-    Flag("--suffix-ngram-sizes", "n-gram sizes matched in the shared index of finished sequences",
-         default=_DEFAULTS.suffix_ngram_sizes, type=ngram_sizes),
+    Flag(
+        "--prompt-ngram-sizes",
+        "n-gram sizes matched in a request's own context (prompt lookup)",
+        default=_DEFAULTS.prompt_ngram_sizes,
+        type=ngram_sizes,
+    ),
+    Flag(
+        "--suffix-ngram-sizes",
+        "n-gram sizes matched in the shared index of finished sequences",
+        default=_DEFAULTS.suffix_ngram_sizes,
+        type=ngram_sizes,
+    ),
     Flag("--max-draft-tokens", "most draft tokens proposed per update", default=_DEFAULTS.max_draft_tokens, type=int),
-    Flag("--suffix-capacity-tokens", "tokens the shared index holds before evicting the oldest sequences",
-         default=_DEFAULTS.suffix_capacity_tokens, type=int),
-    Flag("--draft-model", "local Hugging Face folder of a draft model that shares the target model's tokenizer "
-         "(same token ids): its greedy drafts fill in where n-gram matches are weak (unset: n-gram drafts only)",
-         type=draft_model_folder),
+    Flag(
+        "--suffix-capacity-tokens",
+        "tokens the shared index holds before evicting the oldest sequences",
+        default=_DEFAULTS.suffix_capacity_tokens,
+        type=int,
+    ),
+    Flag(
+        "--draft-model",
+        "local Hugging Face folder of a draft model that shares the target model's tokenizer "
+        "(same token ids): its greedy drafts fill in where n-gram matches are weak (unset: n-gram drafts only)",
+        type=draft_model_folder,
+    ),
     Flag("--draft-model-device", "torch device the draft model runs on, e.g. cpu or cuda:0", default="cpu"),
-    Flag("--draft-model-match-tokens", "the n-gram match length the draft model's drafts count as: n-gram drafts "
-         "matching at least this many tokens of the context's tail win over them",
-         default=DRAFT_MODEL_MATCH_TOKENS, type=int),
-    Flag("--min-match-tokens", "propose only n-gram drafts matching at least this many tokens (for decode "
-         "workers with an --eagle-head, which draft where this answers nothing)", default=0, type=int),
-    Flag("--retain-traffic", "opt-in: append every finished sequence's tokens to this JSONL file, the "
-         "training data of `kvmesh train-speculator --data traffic=PATH` (unset: no data kept)"),
+    Flag(
+        "--draft-model-match-tokens",
+        "the n-gram match length the draft model's drafts count as: n-gram drafts "
+        "matching at least this many tokens of the context's tail win over them",
+        default=DRAFT_MODEL_MATCH_TOKENS,
+        type=int,
+    ),
+    Flag(
+        "--min-match-tokens",
+        "propose only n-gram drafts matching at least this many tokens (for decode "
+        "workers with an --eagle-head, which draft where this answers nothing)",
+        default=0,
+        type=int,
+    ),
+    Flag(
+        "--retain-traffic",
+        "opt-in: append every finished sequence's tokens to this JSONL file, the "
+        "training data of `kvmesh train-speculator --data traffic=PATH` (unset: no data kept)",
+    ),
 ]
 
 

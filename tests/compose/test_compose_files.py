@@ -45,7 +45,12 @@ def docker_compose_config(tmp_path: Path, *files: Path, env_file: Path | None = 
 
 def _device_ids(service: dict) -> list[str]:
     devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
-    return [i for d in devices if "gpu" in d.get("capabilities", []) and d.get("driver") == "nvidia" for i in d["device_ids"]]
+    return [
+        i
+        for d in devices
+        if "gpu" in d.get("capabilities", []) and d.get("driver") == "nvidia"
+        for i in d["device_ids"]
+    ]
 
 
 @needs_docker_compose
@@ -61,8 +66,10 @@ def test_the_gpu_file_pins_prefill_and_decode_to_their_own_gpu(tmp_path) -> None
 @needs_docker_compose
 def test_gpu_ids_replicas_and_ports_come_from_the_env_file(tmp_path) -> None:
     env = tmp_path / "gpus.env"
-    env.write_text("KVMESH_PREFILL_GPU=2\nKVMESH_DECODE_GPU=5\nKVMESH_DECODE_REPLICAS=3\nKVMESH_GATEWAY_PORT=7000\n"
-                   "KVMESH_MODEL_DIR=/srv/models/llama\nKVMESH_SERVED_MODEL=llama\n")
+    env.write_text(
+        "KVMESH_PREFILL_GPU=2\nKVMESH_DECODE_GPU=5\nKVMESH_DECODE_REPLICAS=3\nKVMESH_GATEWAY_PORT=7000\n"
+        "KVMESH_MODEL_DIR=/srv/models/llama\nKVMESH_SERVED_MODEL=llama\n"
+    )
     services = docker_compose_config(tmp_path, COMPOSE_FILE, env_file=env)["services"]
 
     assert _device_ids(services["prefill"]) == ["2"] and _device_ids(services["decode"]) == ["5"]
@@ -92,11 +99,20 @@ def test_health_checks_and_start_order(tmp_path, compose_file) -> None:
         assert services[name]["command"] == [name]
         assert services[name]["stop_grace_period"] == "30s"
         assert float(services[name]["environment"]["KVMESH_GRACE_SECONDS"]) < 30
-    assert services["redis"]["healthcheck"]["test"][:2] == ["CMD", "redis-cli"] and "ping" in services["redis"]["healthcheck"]["test"]
+    assert (
+        services["redis"]["healthcheck"]["test"][:2] == ["CMD", "redis-cli"]
+        and "ping" in services["redis"]["healthcheck"]["test"]
+    )
     # Every dependency waits for health, not just for a started container.
     assert {(n, d) for n, s in services.items() for d in s.get("depends_on", {})} >= {
-        ("router", "redis"), ("kvstore", "router"), ("prefill", "router"), ("decode", "router"),
-        ("decode", "speculator"), ("gateway", "router"), ("gateway", "prefill"), ("gateway", "decode"),
+        ("router", "redis"),
+        ("kvstore", "router"),
+        ("prefill", "router"),
+        ("decode", "router"),
+        ("decode", "speculator"),
+        ("gateway", "router"),
+        ("gateway", "prefill"),
+        ("gateway", "decode"),
     }
     for s in services.values():
         assert {d["condition"] for d in s.get("depends_on", {}).values()} <= {"service_healthy"}
@@ -142,7 +158,10 @@ def test_the_cpu_file_is_the_same_topology_without_gpus(tmp_path) -> None:
 @pytest.mark.parametrize("compose_file", [COMPOSE_FILE, CPU_COMPOSE_FILE], ids=["gpu", "cpu"])
 def test_the_monitoring_services_have_health_checks(compose_file) -> None:
     services = yaml.safe_load(compose_file.read_text())["services"]
-    for name, ready in (("prometheus", "http://127.0.0.1:9090/-/ready"), ("grafana", "http://127.0.0.1:3000/api/health")):
+    for name, ready in (
+        ("prometheus", "http://127.0.0.1:9090/-/ready"),
+        ("grafana", "http://127.0.0.1:3000/api/health"),
+    ):
         assert services[name]["healthcheck"]["test"][-1] == ready
 
 
@@ -151,8 +170,13 @@ def test_the_cpu_file_is_generated_from_the_gpu_file() -> None:
 
 
 def test_docs_services_md_is_current() -> None:
-    result = subprocess.run([sys.executable, "scripts/flag_tables.py", "--check"], cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "scripts/flag_tables.py", "--check"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -181,8 +205,11 @@ def test_compose_variables_are_never_a_service_flag_and_all_are_documented() -> 
 
     # A shell variable meant for the compose file must not also configure a service behind its back.
     assert not variables & flags
-    documented = {line.split("=", 1)[0] for line in (COMPOSE / ".env.example").read_text().splitlines()
-                  if line and not line.startswith(("#", "COMPOSE_"))}
+    documented = {
+        line.split("=", 1)[0]
+        for line in (COMPOSE / ".env.example").read_text().splitlines()
+        if line and not line.startswith(("#", "COMPOSE_"))
+    }
     assert variables == documented
 
 
@@ -258,7 +285,7 @@ def test_the_image_runs_any_service_as_a_non_root_user_with_a_grpc_health_check(
     assert base is not None and base.group(1).startswith("nvidia/cuda:")
     assert re.search(r"^FROM \$\{BASE\}", dockerfile, re.M)
     assert re.search(r"^USER kvmesh$", dockerfile, re.M)
-    assert 'HEALTHCHECK' in dockerfile and 'CMD ["kvmesh", "health"]' in dockerfile
+    assert "HEALTHCHECK" in dockerfile and 'CMD ["kvmesh", "health"]' in dockerfile
     assert re.search(r'^ENTRYPOINT \["kvmesh-entrypoint"\]', dockerfile, re.M)
     entrypoint = COMPOSE / "entrypoint.sh"
     assert subprocess.run(["sh", "-n", str(entrypoint)]).returncode == 0

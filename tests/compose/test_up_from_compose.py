@@ -22,10 +22,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.api.common.v1 import sampling_pb2, worker_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.launcher import free_port
 from kvmesh.launcher.health_cli import check_health
 from kvmesh.launcher.topology import REPO_ROOT
-from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
 from tests.e2e.mesh_helpers import write_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -60,12 +60,26 @@ def up(tmp_path_factory) -> Iterator[Up]:
     empty_env_file = run_dir / "empty.env"
     empty_env_file.write_text("")  # not the developer's compose/.env
     argv = [
-        sys.executable, "-m", "kvmesh.cli", "up", "--model", str(model), "--device", "cpu", "--no-publish",
-        "--env-file", str(empty_env_file), "--run-dir", str(run_dir), "--log-level", "warning",
+        sys.executable,
+        "-m",
+        "kvmesh.cli",
+        "up",
+        "--model",
+        str(model),
+        "--device",
+        "cpu",
+        "--no-publish",
+        "--env-file",
+        str(empty_env_file),
+        "--run-dir",
+        str(run_dir),
+        "--log-level",
+        "warning",
     ]
     with open(run_dir / "up.stderr", "w") as err:
-        proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=_clean_env(**COMPOSE_SETTINGS), stdout=subprocess.PIPE,
-                                stderr=err, text=True)
+        proc = subprocess.Popen(
+            argv, cwd=REPO_ROOT, env=_clean_env(**COMPOSE_SETTINGS), stdout=subprocess.PIPE, stderr=err, text=True
+        )
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -130,15 +144,34 @@ async def test_a_decode_worker_added_to_the_running_mesh_takes_requests_then_dra
     port, metrics_port = free_port(), free_port()
     # The service alone, with only flags: what an operator runs to scale decode out.
     argv = [
-        sys.executable, "-m", "kvmesh.cli", "decode", "--router-address", up.address("router"),
-        "--model", str(up.model), "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
-        "--worker-id", "decode-extra", "--num-blocks", "128", "--grace-seconds", "20",
+        sys.executable,
+        "-m",
+        "kvmesh.cli",
+        "decode",
+        "--router-address",
+        up.address("router"),
+        "--model",
+        str(up.model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+        "--worker-id",
+        "decode-extra",
+        "--num-blocks",
+        "128",
+        "--grace-seconds",
+        "20",
     ]
     with open(up.run_dir / "decode-extra.log", "w") as log:
         extra = subprocess.Popen(argv, cwd=REPO_ROOT, env=_clean_env(), stdout=log, stderr=subprocess.STDOUT)
     try:
-        async with grpc.aio.insecure_channel(up.address("gateway")) as gch, \
-                grpc.aio.insecure_channel(up.address("router")) as rch:
+        async with (
+            grpc.aio.insecure_channel(up.address("gateway")) as gch,
+            grpc.aio.insecure_channel(up.address("router")) as rch,
+        ):
             gateway = gateway_pb2_grpc.GatewayServiceStub(gch)
             router = router_pb2_grpc.RouterServiceStub(rch)
             await _wait_for_worker(extra, port, router)
@@ -198,7 +231,9 @@ async def _stream_on(gateway, metrics_port: int) -> tuple[grpc.aio.UnaryStreamCa
     """A long stream the added worker is serving (retried until the router puts one there), and its tokens so far."""
     for i in range(20):
         prompt = [300 + i, 5, 6, 7, 8, 9]
-        call = gateway.Generate(gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=prompt), sampling=_greedy(_LONG)))
+        call = gateway.Generate(
+            gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=prompt), sampling=_greedy(_LONG))
+        )
         first = await call.read()
         if scrape(metrics_port)["kvmesh_decode_active_requests"] == 1:
             return call, len(first.token_ids)

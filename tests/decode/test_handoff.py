@@ -10,11 +10,11 @@ import torch
 
 from kvmesh.api.common.v1 import kv_pb2, sampling_pb2
 from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
 from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.worker.kv_nixl import load_nixl
 from services.decode import main as decode_main
 from services.prefill import main as prefill_main
-from kvmesh.worker.kv_nixl import load_nixl
 from tests.engine.conftest import write_checkpoint
 from tests.service_helpers import serve_main
 
@@ -44,10 +44,14 @@ async def services(model, request):
         pytest.skip("NIXL is not installed (scripts/install.sh installs it)")
     """Both KV transports run every hand-off test (on NIXL, both agents share this process)."""
     engine_args = ["--model", str(model), "--num-blocks", "64", "--kv-transport", request.param]
-    async with serve_main("prefill", prefill_main, [*engine_args, "--lease-ttl-ms", "1500"]) as p, \
-            serve_main("decode", decode_main, engine_args) as d:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{p.port}") as pc, \
-                grpc.aio.insecure_channel(f"127.0.0.1:{d.port}") as dc:
+    async with (
+        serve_main("prefill", prefill_main, [*engine_args, "--lease-ttl-ms", "1500"]) as p,
+        serve_main("decode", decode_main, engine_args) as d,
+    ):
+        async with (
+            grpc.aio.insecure_channel(f"127.0.0.1:{p.port}") as pc,
+            grpc.aio.insecure_channel(f"127.0.0.1:{d.port}") as dc,
+        ):
             yield p, d, prefill_pb2_grpc.PrefillServiceStub(pc), decode_pb2_grpc.DecodeServiceStub(dc)
 
 
@@ -59,7 +63,6 @@ async def _decode(stub, request):
         if msg.HasField("final"):
             final = msg.final
     return tokens, final
-
 
 
 async def test_remote_prefill_then_decode_matches_colocated_engine(services, expected):
@@ -174,6 +177,8 @@ async def test_bad_sampling_is_invalid_argument(services):
     _, _, prefill, _ = services
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await prefill.Prefill(
-            prefill_pb2.PrefillRequest(request_id="b", token_ids=PROMPT, sampling=sampling_pb2.SamplingParams(top_p=2.0))
+            prefill_pb2.PrefillRequest(
+                request_id="b", token_ids=PROMPT, sampling=sampling_pb2.SamplingParams(top_p=2.0)
+            )
         )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err.value.details()

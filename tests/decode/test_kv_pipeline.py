@@ -38,9 +38,11 @@ def prefilled(model):
         for out in engine.step():
             first = out.new_token_ids[0]
     blocks = engine.export_held("src")
-    expected = LLMEngine(model, EngineConfig(num_blocks=32)).generate(
-        [PROMPT], SamplingParams(max_tokens=N_NEW, ignore_eos=True)
-    )[0].token_ids
+    expected = (
+        LLMEngine(model, EngineConfig(num_blocks=32))
+        .generate([PROMPT], SamplingParams(max_tokens=N_NEW, ignore_eos=True))[0]
+        .token_ids
+    )
     return first, blocks, expected
 
 

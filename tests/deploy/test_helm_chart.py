@@ -27,7 +27,10 @@ CHART = ROOT / "deploy" / "helm" / "kvmesh"
 REDIS_CHART = ROOT / "deploy" / "helm" / "redis"
 VALIDATE = ROOT / "deploy" / "helm" / "validate"
 TOOLS = ROOT / ".tools" / "bin"
-CASES = {"default": None, **{p.name.removesuffix("-values.yaml"): p for p in sorted((CHART / "ci").glob("*-values.yaml"))}}
+CASES = {
+    "default": None,
+    **{p.name.removesuffix("-values.yaml"): p for p in sorted((CHART / "ci").glob("*-values.yaml"))},
+}
 INVALID = sorted((CHART / "ci" / "invalid").glob("*.yaml"))
 # Cases whose prefill and decode must request GPUs (cpu-values runs them on the CPU).
 GPU_CASES = sorted(set(CASES) - {"cpu"})
@@ -98,12 +101,24 @@ def go_test(tmp_path: Path, renders: dict[str, str], gpu_cases: list[str]) -> su
         (rendered_dir / f"{case}.yaml").write_text(text)
     # The flags docs/services.md is generated from, straight from the code: nothing committed to go stale.
     flags = tmp_path / "flags.json"
-    gen = run([sys.executable, "scripts/flag_tables.py", "--json", str(flags)],
-              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    gen = run(
+        [sys.executable, "scripts/flag_tables.py", "--json", str(flags)], env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     assert gen.returncode == 0, gen.stderr
-    return run(["go", "test", "-count=1", "./...", "-args",
-                f"-rendered={rendered_dir}", f"-flags={flags}", f"-gpu-cases={','.join(gpu_cases)}"],
-               cwd=VALIDATE, timeout=600)
+    return run(
+        [
+            "go",
+            "test",
+            "-count=1",
+            "./...",
+            "-args",
+            f"-rendered={rendered_dir}",
+            f"-flags={flags}",
+            f"-gpu-cases={','.join(gpu_cases)}",
+        ],
+        cwd=VALIDATE,
+        timeout=600,
+    )
 
 
 def test_the_go_test_decodes_every_manifest_strictly_and_checks_the_invariants(tmp_path: Path) -> None:
@@ -115,7 +130,10 @@ def test_the_go_test_decodes_every_manifest_strictly_and_checks_the_invariants(t
 def test_the_go_test_fails_on_an_env_var_no_flag_reads_and_on_a_gpu_worker_without_a_gpu(tmp_path: Path) -> None:
     """What the schema lets through (any KVMESH_* name, gpus: 0) and only the Go test catches."""
     renders = {}
-    for case, override in {"typo": "router.env.KVMESH_REDIS_ADDRESS=redis://x:6379/0", "no-gpu": "decode.gpus=0"}.items():
+    for case, override in {
+        "typo": "router.env.KVMESH_REDIS_ADDRESS=redis://x:6379/0",
+        "no-gpu": "decode.gpus=0",
+    }.items():
         result = run([tool("helm"), "template", RELEASE, str(CHART), "--set", override], timeout=120)
         assert result.returncode == 0, result.stderr
         renders[case] = result.stdout
@@ -139,11 +157,16 @@ def service_monitor_crds() -> Path:
 def test_kubectl_validate_accepts_every_manifest(tmp_path: Path) -> None:
     crds = tmp_path / "crds"
     crds.mkdir()
-    (crds / "servicemonitors.yaml").write_text((service_monitor_crds() / "monitoring.coreos.com_servicemonitors.yaml").read_text())
+    (crds / "servicemonitors.yaml").write_text(
+        (service_monitor_crds() / "monitoring.coreos.com_servicemonitors.yaml").read_text()
+    )
     for case in CASES:
         (tmp_path / f"{case}.yaml").write_text(rendered(case))
     files = sorted(str(p) for p in tmp_path.glob("*.yaml"))
-    result = run([tool("kubectl-validate"), *files, "--version", KUBE_VERSION, "--local-crds", str(crds), "-o", "json"], timeout=120)
+    result = run(
+        [tool("kubectl-validate"), *files, "--version", KUBE_VERSION, "--local-crds", str(crds), "-o", "json"],
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr
     report = json.loads(result.stdout)
     assert set(report) == set(files), report.keys()
@@ -192,7 +215,9 @@ def test_external_redis_replaces_the_subchart() -> None:
     router = by_kind("external-redis", "Deployment")[f"{RELEASE}-kvmesh-router"]
     assert env_of(router)["KVMESH_REDIS_URL"]["value"] == "rediss://redis.infra.svc.cluster.local:6380/2"
     assert router["spec"]["replicas"] == 3
-    assert not [d for d in manifests("external-redis") if d["metadata"]["labels"].get("app.kubernetes.io/name") == "redis"]
+    assert not [
+        d for d in manifests("external-redis") if d["metadata"]["labels"].get("app.kubernetes.io/name") == "redis"
+    ]
     assert by_kind("default", "StatefulSet")[f"{RELEASE}-redis"]
     default_router = by_kind("default", "Deployment")[f"{RELEASE}-kvmesh-router"]
     assert env_of(default_router)["KVMESH_REDIS_URL"]["value"] == f"redis://{RELEASE}-redis:6379/0"
@@ -218,7 +243,8 @@ def test_decode_drains_longer_than_the_others() -> None:
 def test_the_dashboard_is_composes_and_its_datasource_uid_follows_the_value() -> None:
     copy = (CHART / "files" / "kvmesh.json").read_text()
     assert copy == (ROOT / "compose" / "grafana" / "dashboards" / "kvmesh.json").read_text(), (
-        "deploy/helm/kvmesh/files/kvmesh.json must equal compose/grafana/dashboards/kvmesh.json: copy it over")
+        "deploy/helm/kvmesh/files/kvmesh.json must equal compose/grafana/dashboards/kvmesh.json: copy it over"
+    )
     (cm,) = by_kind("gpu", "ConfigMap").values()
     shipped = cm["data"]["kvmesh.json"]
     json.loads(shipped)

@@ -12,9 +12,9 @@ from typing import TypeVar
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.launcher.restart import RestartPolicy
-from kvmesh.models.bpe import train_tokenizer, write_tokenizer
 from kvmesh.launcher.supervisor import Mesh
 from kvmesh.launcher.topology import MeshOptions, build_topology, free_port
+from kvmesh.models.bpe import train_tokenizer, write_tokenizer
 from tests.engine.conftest import VOCAB, write_checkpoint
 
 BLOCK = 16
@@ -52,8 +52,9 @@ def start_mesh(
     }
     for role, extra in (role_env or {}).items():
         env[role] = {**env.get(role, {}), **extra}
-    options = MeshOptions(model=model, prefill=prefill_workers, decode=decode_workers, gateway_port=0,
-                          grace_seconds=3.0, role_env=env)
+    options = MeshOptions(
+        model=model, prefill=prefill_workers, decode=decode_workers, gateway_port=0, grace_seconds=3.0, role_env=env
+    )
     return Mesh(build_topology(options, run_dir), run_dir, restart=restart).start()
 
 

@@ -20,13 +20,12 @@ import time
 import grpc
 import jsonschema
 import pytest
-
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.api.common.v1 import sampling_pb2, worker_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from kvmesh.launcher import RestartPolicy
 from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.launcher import RestartPolicy
 from kvmesh.structured.spec import GrammarSpec
 from tests.e2e.mesh_helpers import metrics, poll, start_mesh
 
@@ -68,8 +67,10 @@ def faults_mesh(e2e_model, tmp_path_factory):
 
 @pytest.fixture
 async def stubs(faults_mesh):
-    async with grpc.aio.insecure_channel(faults_mesh.address("gateway")) as gch, \
-            grpc.aio.insecure_channel(faults_mesh.address("router")) as rch:
+    async with (
+        grpc.aio.insecure_channel(faults_mesh.address("gateway")) as gch,
+        grpc.aio.insecure_channel(faults_mesh.address("router")) as rch,
+    ):
         yield gateway_pb2_grpc.GatewayServiceStub(gch), router_pb2_grpc.RouterServiceStub(rch)
 
 
@@ -216,7 +217,7 @@ async def test_a_decode_worker_dying_or_hanging_mid_stream_is_invisible_to_the_c
     mesh, (gateway, router) = faults_mesh, stubs
     request = _request(MAX_TOKENS, ignore_eos=True)
     expected = await _complete(gateway, request)  # greedy: the text any healthy worker gives
-    migrated_before = metrics(mesh, "gateway").get('kvmesh_gateway_migrations_total{outcome=resumed}', 0)
+    migrated_before = metrics(mesh, "gateway").get("kvmesh_gateway_migrations_total{outcome=resumed}", 0)
 
     restarts = {w: mesh.restarts(w) for w in DECODE}
     got, victim = await _break_mid_stream(mesh, gateway, request, how)
@@ -227,7 +228,7 @@ async def test_a_decode_worker_dying_or_hanging_mid_stream_is_invisible_to_the_c
     final = got[-1].final
     assert final.finish_reason == sampling_pb2.FINISH_REASON_LENGTH
     assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (len(PROMPT), MAX_TOKENS)
-    assert metrics(mesh, "gateway")['kvmesh_gateway_migrations_total{outcome=resumed}'] == migrated_before + 1
+    assert metrics(mesh, "gateway")["kvmesh_gateway_migrations_total{outcome=resumed}"] == migrated_before + 1
 
     await _healed(mesh, router, victim, restarts[victim] + 1)
     for _ in range(2):  # both workers serve again
@@ -241,7 +242,7 @@ async def test_a_structured_output_resumes_with_its_grammar_and_stays_valid(faul
     request = _request(MAX_TOKENS, structured_output=spec.to_pb())
     expected = await _complete(gateway, request)
     assert expected[-1].final.finish_reason == sampling_pb2.FINISH_REASON_STOP
-    migrated_before = metrics(mesh, "gateway").get('kvmesh_gateway_migrations_total{outcome=resumed}', 0)
+    migrated_before = metrics(mesh, "gateway").get("kvmesh_gateway_migrations_total{outcome=resumed}", 0)
 
     restarts = {w: mesh.restarts(w) for w in DECODE}
     got, victim = await _break_mid_stream(mesh, gateway, request, "kill")
@@ -250,7 +251,7 @@ async def test_a_structured_output_resumes_with_its_grammar_and_stays_valid(faul
     assert text == "".join(m.text for m in expected)
     jsonschema.validate(json.loads(text), SCHEMA)
     assert got[-1].final.usage.completion_tokens == sum(len(m.token_ids) for m in got)
-    assert metrics(mesh, "gateway")['kvmesh_gateway_migrations_total{outcome=resumed}'] == migrated_before + 1
+    assert metrics(mesh, "gateway")["kvmesh_gateway_migrations_total{outcome=resumed}"] == migrated_before + 1
     await _healed(mesh, router, victim, restarts[victim] + 1)
     await _no_leaks(mesh)
 
@@ -297,7 +298,10 @@ async def test_a_hung_router_is_routed_around_for_a_bounded_time_then_unavailabl
             await _tokens(gateway, 4)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "no answer within 1 s" in err.value.details()
-        assert f"longer than the {ROUTER_FALLBACK_S} s this gateway routes on its last known workers" in err.value.details()
+        assert (
+            f"longer than the {ROUTER_FALLBACK_S} s this gateway routes on its last known workers"
+            in err.value.details()
+        )
     finally:
         os.killpg(router_pid, signal.SIGCONT)
 

@@ -19,10 +19,10 @@ import pytest
 
 from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc
+from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
 from kvmesh.launcher.supervisor import Mesh
 from kvmesh.launcher.topology import REPO_ROOT, ProcessSpec, Topology, free_port
-from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from kvmesh.worker.kv_nixl import load_nixl
 from tests.e2e.mesh_helpers import metrics
 
@@ -54,13 +54,30 @@ def colocated(e2e_model):
 def _spec(name: str, role: str, model: Path, env: dict[str, str]) -> ProcessSpec:
     port, metrics_port = free_port(), free_port()
     env = {
-        "KVMESH_HOST": "127.0.0.1", "KVMESH_PORT": str(port), "KVMESH_METRICS_PORT": str(metrics_port),
-        "KVMESH_MODEL": str(model), "KVMESH_NUM_BLOCKS": "64", "KVMESH_WORKER_ID": name,
-        "KVMESH_LEASE_TTL_MS": str(TTL_MS), "KVMESH_KV_READ_TIMEOUT_S": "2", "KVMESH_LOG_LEVEL": "debug",
-        "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE", **env,
+        "KVMESH_HOST": "127.0.0.1",
+        "KVMESH_PORT": str(port),
+        "KVMESH_METRICS_PORT": str(metrics_port),
+        "KVMESH_MODEL": str(model),
+        "KVMESH_NUM_BLOCKS": "64",
+        "KVMESH_WORKER_ID": name,
+        "KVMESH_LEASE_TTL_MS": str(TTL_MS),
+        "KVMESH_KV_READ_TIMEOUT_S": "2",
+        "KVMESH_LOG_LEVEL": "debug",
+        "PYTHONUNBUFFERED": "1",
+        "OMP_WAIT_POLICY": "PASSIVE",
+        **env,
     }
-    return ProcessSpec(name, role, (sys.executable, "-m", f"services.{role}.main"), env, "127.0.0.1", port,
-                       metrics_port, "cpu", workdir=REPO_ROOT)
+    return ProcessSpec(
+        name,
+        role,
+        (sys.executable, "-m", f"services.{role}.main"),
+        env,
+        "127.0.0.1",
+        port,
+        metrics_port,
+        "cpu",
+        workdir=REPO_ROOT,
+    )
 
 
 @pytest.fixture
@@ -178,10 +195,12 @@ async def test_decode_killed_mid_transfer_prefill_frees_the_lease_by_ttl(start_p
         log = mesh.run_dir / "logs" / "decode.log"
         if transport == "nixl":
             posted = [ln for ln in log.read_text(errors="replace").splitlines() if "NIXL READ posted" in ln]
-            assert await eventually(lambda: any(
-                pre.handoff.lease_id in ln and "NIXL READ posted" in ln
-                for ln in log.read_text(errors="replace").splitlines()
-            )), posted
+            assert await eventually(
+                lambda: any(
+                    pre.handoff.lease_id in ln and "NIXL READ posted" in ln
+                    for ln in log.read_text(errors="replace").splitlines()
+                )
+            ), posted
         else:
             await asyncio.sleep(1.0)  # PullKV is under way: its answer cannot come
         assert not started.done()
@@ -242,8 +261,11 @@ async def test_a_read_past_its_deadline_is_abandoned_and_recomputed(start_pair, 
 
     def nothing_held() -> bool:
         p, d = metrics(mesh, "prefill"), metrics(mesh, "decode")
-        return (p["kvmesh_prefill_active_leases"], p["kvmesh_engine_kv_blocks_in_use"],
-                d["kvmesh_engine_kv_blocks_in_use"]) == (0, 0, 0)
+        return (
+            p["kvmesh_prefill_active_leases"],
+            p["kvmesh_engine_kv_blocks_in_use"],
+            d["kvmesh_engine_kv_blocks_in_use"],
+        ) == (0, 0, 0)
 
     # The abandoned READ's blocks go back once it can no longer land; the lease is aborted.
     assert await eventually(nothing_held, attempts=200)

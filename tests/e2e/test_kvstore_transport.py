@@ -19,11 +19,11 @@ import pytest
 
 from kvmesh.api.common.v1 import kv_pb2
 from kvmesh.api.decode.v1 import decode_pb2
-from kvmesh.kv_wire import BlockAssembler
 from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from kvmesh.kv_wire import BlockAssembler
 from kvmesh.launcher.supervisor import Mesh
 from kvmesh.launcher.topology import REPO_ROOT, ProcessSpec, Topology, free_port
-from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from kvmesh.worker.kv_nixl import load_nixl
 from tests.e2e.mesh_helpers import metrics
 from tests.e2e.test_kv_transport import BLOCKS, BS, Pair, _spec, colocated, eventually, greedy, prompt  # noqa: F401
@@ -36,10 +36,25 @@ TCP = {"UCX_TLS": "tcp,self"}
 
 def _kvstore(env: dict[str, str]) -> ProcessSpec:
     port, metrics_port = free_port(), free_port()
-    env = {"KVMESH_HOST": "127.0.0.1", "KVMESH_PORT": str(port), "KVMESH_METRICS_PORT": str(metrics_port),
-           "KVMESH_LOG_LEVEL": "debug", "PYTHONUNBUFFERED": "1", **env}
-    return ProcessSpec("kvstore", "kvstore", (sys.executable, "-m", "services.kvstore.main"), env, "127.0.0.1", port,
-                       metrics_port, "cpu", workdir=REPO_ROOT)
+    env = {
+        "KVMESH_HOST": "127.0.0.1",
+        "KVMESH_PORT": str(port),
+        "KVMESH_METRICS_PORT": str(metrics_port),
+        "KVMESH_LOG_LEVEL": "debug",
+        "PYTHONUNBUFFERED": "1",
+        **env,
+    }
+    return ProcessSpec(
+        "kvstore",
+        "kvstore",
+        (sys.executable, "-m", "services.kvstore.main"),
+        env,
+        "127.0.0.1",
+        port,
+        metrics_port,
+        "cpu",
+        workdir=REPO_ROOT,
+    )
 
 
 @pytest.fixture
@@ -67,8 +82,12 @@ def start_mesh(e2e_model, tmp_path):
 
 async def prefill_only(pair: Pair, rid: str, tokens: list[int]) -> prefill_pb2.PrefillResponse:
     """Prefill without a hand-off: the computed blocks only go to the kvstore (behind the answer)."""
-    return await pair.prefill.Prefill(prefill_pb2.PrefillRequest(
-        request_id=rid, token_ids=tokens, sampling=greedy(), handoff_mode=kv_pb2.HANDOFF_MODE_NONE), timeout=60)
+    return await pair.prefill.Prefill(
+        prefill_pb2.PrefillRequest(
+            request_id=rid, token_ids=tokens, sampling=greedy(), handoff_mode=kv_pb2.HANDOFF_MODE_NONE
+        ),
+        timeout=60,
+    )
 
 
 def stored_blocks(mesh: Mesh) -> float:
@@ -164,8 +183,12 @@ async def test_kvstore_killed_during_a_grpc_put_strands_nothing(start_mesh, colo
         await prefill_only(pair, "p", prompt(1))
         assert await eventually(lambda: "kvstore Put stream started" in log_of(mesh, "prefill"))
         mesh.kill("kvstore", signal.SIGKILL)
-        put_failed = lambda: any("kvstore call failed" in ln and '"op": "put"' in ln  # noqa: E731
-                                 for ln in log_of(mesh, "prefill").splitlines())
+
+        def put_failed() -> bool:
+            return any(
+                "kvstore call failed" in ln and '"op": "put"' in ln for ln in log_of(mesh, "prefill").splitlines()
+            )
+
         assert await eventually(put_failed, attempts=200)
         tokens = prompt(2)
         assert await pair.hand_off("after", tokens) == colocated(tokens)
@@ -183,9 +206,12 @@ async def test_a_worker_with_another_layout_is_refused_at_the_handshake(start_me
         assert await eventually(lambda: stored_blocks(mesh) == BLOCKS)
         async with grpc.aio.insecure_channel(mesh.address("prefill-2")) as ch:
             other = prefill_pb2_grpc.PrefillServiceStub(ch)
-            await other.Prefill(prefill_pb2.PrefillRequest(
-                request_id="q", token_ids=prompt(4), sampling=greedy(), handoff_mode=kv_pb2.HANDOFF_MODE_NONE),
-                timeout=60)
+            await other.Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id="q", token_ids=prompt(4), sampling=greedy(), handoff_mode=kv_pb2.HANDOFF_MODE_NONE
+                ),
+                timeout=60,
+            )
         # Refused on NIXL before any byte moved; its blocks still reach the store, over gRPC.
         assert await eventually(lambda: stored_blocks(mesh) == BLOCKS + len(prompt(4)) // (2 * BS))
     finally:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvmesh.api.common.v1 import sampling_pb2
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
 from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.e2e.mesh_helpers import BLOCK, metrics
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,7 +39,7 @@ async def test_greedy_through_the_mesh_equals_the_in_process_engine(mesh, gatewa
     prompts = [list(range(40, 40 + 37)), [7, 8, 9], list(range(200, 200 + 2 * BLOCK))]
     got = await asyncio.gather(*(generate(gateway, p, 24) for p in prompts))
     assert [t for t, _ in got] == local_greedy(e2e_model, prompts, 24)
-    for (tokens, final), prompt in zip(got, prompts):
+    for (_, final), prompt in zip(got, prompts):
         assert final.finish_reason == sampling_pb2.FINISH_REASON_LENGTH
         assert final.usage.prompt_tokens == len(prompt) and final.usage.completion_tokens == 24
 
@@ -107,6 +107,8 @@ async def test_blocks_written_to_the_kvstore_are_fetched_instead_of_recomputed(m
     before = metrics(mesh, "prefill-0")
     _, final = await generate(gateway, prompt[: 4 * BLOCK] + [5, 6], 2)
     after = metrics(mesh, "prefill-0")
-    fetched = after["kvmesh_prefill_kvstore_fetched_blocks_total"] - before["kvmesh_prefill_kvstore_fetched_blocks_total"]
+    fetched = (
+        after["kvmesh_prefill_kvstore_fetched_blocks_total"] - before["kvmesh_prefill_kvstore_fetched_blocks_total"]
+    )
     assert fetched > 0
     assert final.usage.cached_tokens >= fetched * BLOCK

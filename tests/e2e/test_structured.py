@@ -12,8 +12,8 @@ import jsonschema
 import pytest
 
 from kvmesh.api.common.v1 import sampling_pb2
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
 from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
 from kvmesh.structured.spec import GrammarSpec
 from tests.e2e.mesh_helpers import metrics
 from tests.structured.schemas import SCHEMAS
@@ -52,7 +52,7 @@ async def test_constrained_output_with_speculation_equals_the_engine_without(mes
     after = metrics(mesh, "decode-0")
     assert after["kvmesh_engine_draft_tokens_accepted_total"] > before
     assert after["kvmesh_engine_grammar_compiles_total"] >= len(SPECS)
-    for (tokens, text, finish), spec in zip(got, SPECS):
+    for (_, text, finish), spec in zip(got, SPECS):
         assert finish == sampling_pb2.FINISH_REASON_STOP, text
         if spec.kind == "json_schema":
             jsonschema.validate(json.loads(text), json.loads(spec.source))

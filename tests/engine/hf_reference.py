@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
 
 
-@lru_cache(maxsize=None)
+@cache
 def _model(path: str):
     from transformers import AutoModelForCausalLM
 
@@ -24,8 +24,12 @@ def hf_greedy(path: Path, prompt: list[int], n: int) -> tuple[list[int], list[fl
     model = _model(str(path))
     # No EOS: generation runs exactly n steps without suppressing any token's logit.
     config = GenerationConfig(
-        max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
-        output_logits=True, return_dict_in_generate=True,
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), generation_config=config)

@@ -79,7 +79,8 @@ async def test_started_builds_the_engine_on_its_step_loop_thread(checkpoints):
         assert built_on == [ae._thread] and ae._thread is not threading.main_thread()
         assert await _collect(ae, PROMPTS[0], "r") == (
             LLMEngine(checkpoints["llama-gqa"], EngineConfig(num_blocks=64))
-            .generate([PROMPTS[0]], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
+            .generate([PROMPTS[0]], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+            .token_ids
         )
     finally:
         ae.stop()

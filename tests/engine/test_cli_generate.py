@@ -15,28 +15,54 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def test_json_output_with_token_ids_and_finish_reason(llama_with_tokenizer, capsys):
-    code, out, _ = _run(capsys, "--model", str(llama_with_tokenizer), "--prompt", "def f(x):", "--max-tokens", "5",
-                        "--json")
+    code, out, _ = _run(
+        capsys, "--model", str(llama_with_tokenizer), "--prompt", "def f(x):", "--max-tokens", "5", "--json"
+    )
     result = json.loads(out)
     assert code == 0 and len(result["token_ids"]) <= 5 and result["finish_reason"] in ("stop", "length")
 
 
 def test_a_json_schema_constrains_the_output(llama_with_tokenizer, capsys):
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"]}
-    code, out, _ = _run(capsys, "--model", str(llama_with_tokenizer), "--prompt", "x = ", "--max-tokens", "40",
-                        "--json", "--json-schema", json.dumps(schema))
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"],
+    }
+    code, out, _ = _run(
+        capsys,
+        "--model",
+        str(llama_with_tokenizer),
+        "--prompt",
+        "x = ",
+        "--max-tokens",
+        "40",
+        "--json",
+        "--json-schema",
+        json.dumps(schema),
+    )
     result = json.loads(out)
     assert code == 0 and result["finish_reason"] == "stop"
     assert 0 <= json.loads(result["text"])["n"] <= 99
 
 
 def test_a_regex_constrains_the_output(llama_with_tokenizer, capsys):
-    code, out, _ = _run(capsys, "--model", str(llama_with_tokenizer), "--prompt", "x = ", "--max-tokens", "40",
-                        "--json", "--regex", "[a-z]{3}-[0-9]{2}")
+    code, out, _ = _run(
+        capsys,
+        "--model",
+        str(llama_with_tokenizer),
+        "--prompt",
+        "x = ",
+        "--max-tokens",
+        "40",
+        "--json",
+        "--regex",
+        "[a-z]{3}-[0-9]{2}",
+    )
     assert code == 0 and re.fullmatch("[a-z]{3}-[0-9]{2}", json.loads(out)["text"])
 
 
 def test_an_unenforceable_schema_is_a_clear_error(llama_with_tokenizer, capsys):
-    code, _, err = _run(capsys, "--model", str(llama_with_tokenizer), "--prompt", "x", "--json-schema",
-                        '{"not": {"type": "string"}}')
+    code, _, err = _run(
+        capsys, "--model", str(llama_with_tokenizer), "--prompt", "x", "--json-schema", '{"not": {"type": "string"}}'
+    )
     assert code == 2 and "keyword 'not' is not supported" in err

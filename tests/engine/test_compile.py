@@ -95,7 +95,9 @@ def test_a_compiled_bfloat16_engine_alone_decodes_as_eager(checkpoints):
 
 
 @pytest.mark.parametrize(("floor", "streamed"), [(1, 0), (4, 0), (1, 1), (4, 6)])
-def test_float32_one_sequence_graph_runs_the_one_row_product_calibration_chose(checkpoints, monkeypatch, floor, streamed):
+def test_float32_one_sequence_graph_runs_the_one_row_product_calibration_chose(
+    checkpoints, monkeypatch, floor, streamed
+):
     """Inductor packs a float32 weight for oneDNN only where a graph's row count is symbolic; a
     static row goes to MKL. Where the small-row linears stream one row (kernels.cpu's
     streamed_mm), the one-sequence graph keeps its row static and calls that; where they run it
@@ -140,8 +142,9 @@ def test_verify_steps_run_a_graph_of_few_rows_on_streamed_products(checkpoints, 
     expected = hf_greedy(path, PROMPTS[0], N_NEW)[0]
     drafts = ScriptedProposer({"req-0": expected})
     torch._dynamo.reset()  # so that this engine's graphs are compiled here, where their code is kept
-    engine, codes = run_and_get_code(lambda: LLMEngine(
-        path, EngineConfig(num_blocks=128, compile=True, num_speculative_tokens=3), proposer=drafts))
+    engine, codes = run_and_get_code(
+        lambda: LLMEngine(path, EngineConfig(num_blocks=128, compile=True, num_speculative_tokens=3), proposer=drafts)
+    )
     assert engine.model.compiled_decode.few_rows == 6
     assert len(codes) == 3
     alone, few, batched = codes

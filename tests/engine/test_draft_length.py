@@ -61,8 +61,11 @@ def test_an_engine_drafts_less_for_drafts_that_miss_and_output_stays_identical(c
     plain = [c.token_ids for c in LLMEngine(path, EngineConfig(num_blocks=128)).generate(PROMPTS, params)]
     proposed = {}
     for costs in ((), COSTS):
-        spec = LLMEngine(path, EngineConfig(num_blocks=128, num_speculative_tokens=4, draft_costs=costs),
-                         proposer=ScriptedProposer(garbage=True))
+        spec = LLMEngine(
+            path,
+            EngineConfig(num_blocks=128, num_speculative_tokens=4, draft_costs=costs),
+            proposer=ScriptedProposer(garbage=True),
+        )
         assert [c.token_ids for c in spec.generate(PROMPTS, params)] == plain
         proposed[costs] = spec.stats.draft_tokens_proposed
     # Garbage is never accepted: priced, each sequence soon asks for one draft a step.

@@ -95,8 +95,9 @@ def test_a_tied_int8_head_keeps_the_embedding_lookup_and_the_speculation_path(ch
     assert torch.equal(int8.model.embed_tokens.weight, embedding)
     stored = {"weight": head.qweight, "weight_scale": head.scale[:, None]}
     assert torch.equal(get_format("int8-channel").dequantize(stored), fake_quantize("int8-channel", embedding.float()))
-    assert _greedy(int8, [PROMPTS[0]]) == _greedy(LLMEngine(path, EngineConfig(num_blocks=64, quantization="int8",
-                                                                                 quantize_lm_head=True)), [PROMPTS[0]])
+    assert _greedy(int8, [PROMPTS[0]]) == _greedy(
+        LLMEngine(path, EngineConfig(num_blocks=64, quantization="int8", quantize_lm_head=True)), [PROMPTS[0]]
+    )
 
 
 def test_an_lm_head_alone_is_not_quantized(checkpoints):

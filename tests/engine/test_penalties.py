@@ -113,8 +113,9 @@ def test_frequency_penalty_breaks_a_collapse(checkpoints):
     with torch.no_grad():
         engine.model.embed_tokens.weight[7] *= 8  # tied head: token 7 dominates
     collapsed = engine.generate([[7, 7, 7]], SamplingParams(max_tokens=40, ignore_eos=True))[0].token_ids
-    penalized = engine.generate([[7, 7, 7]], SamplingParams(max_tokens=40, ignore_eos=True, frequency_penalty=2.0,
-                                                           presence_penalty=2.0))[0].token_ids
+    penalized = engine.generate(
+        [[7, 7, 7]], SamplingParams(max_tokens=40, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0)
+    )[0].token_ids
     assert collapsed == [7] * 40 and penalized.count(7) < 20
 
 

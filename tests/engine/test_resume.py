@@ -57,8 +57,9 @@ def test_greedy_resume_continues_with_exactly_the_unbroken_tokens_and_text(engin
 
 def test_penalties_count_the_resumed_tokens_as_output(engine) -> None:
     prompt = engine.tokenizer.encode("def main():\n")
-    params = SamplingParams(max_tokens=32, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5,
-                            repetition_penalty=1.3)
+    params = SamplingParams(
+        max_tokens=32, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3
+    )
     full, _, _ = _stream(engine, prompt, params)
 
     rest, _, _ = _stream(engine, prompt, params, resume_ids=full[:11])
@@ -83,8 +84,11 @@ def test_a_stop_string_held_back_at_the_cut_is_released_or_cut_as_unbroken(engin
 
 
 def test_a_resumed_structured_output_starts_with_its_grammar_advanced(engine) -> None:
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
-              "required": ["name", "n"]}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+    }
     prompt = engine.tokenizer.encode("Answer in JSON: ")
     params = SamplingParams(max_tokens=120, grammar=GrammarSpec.json_schema(schema))
     full, text, reason = _stream(engine, prompt, params)

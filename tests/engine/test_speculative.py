@@ -56,7 +56,9 @@ def test_greedy_output_identical_with_oracle_and_garbage_drafts(checkpoints):
     assert spec.stats.steps < plain[0].token_ids.__len__() + 5  # ~5 tokens per step
     assert sorted(oracle.finished_ids) == sorted(f"req-{i}" for i in range(len(PROMPTS)))
 
-    bad = LLMEngine(path, EngineConfig(num_blocks=128, num_speculative_tokens=3), proposer=ScriptedProposer(garbage=True))
+    bad = LLMEngine(
+        path, EngineConfig(num_blocks=128, num_speculative_tokens=3), proposer=ScriptedProposer(garbage=True)
+    )
     assert [c.token_ids for c in bad.generate(PROMPTS, _greedy())] == expected
     assert bad.stats.draft_tokens_proposed > 0
     assert bad.blocks.num_free == 128

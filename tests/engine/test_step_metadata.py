@@ -49,7 +49,7 @@ def test_rows_as_decodes_attend_as_the_extend_layout_does(checkpoints):
 
     def step(meta: AttentionMetadata, positions: range) -> torch.Tensor:
         rows = torch.arange(len(positions))
-        return model(ids[positions.start:positions.stop], torch.tensor(list(positions)), pool, meta, rows)
+        return model(ids[positions.start : positions.stop], torch.tensor(list(positions)), pool, meta, rows)
 
     first = range(0, prefix)
     step(step_metadata(slots(first), [table], [prefix], [prefix], CPU, every_row_samples=False), first)
@@ -57,7 +57,10 @@ def test_rows_as_decodes_attend_as_the_extend_layout_does(checkpoints):
     as_decodes = step_metadata(slots(last), [table], [prefix + new], [new], CPU, every_row_samples=True)
     assert as_decodes.is_decode
     extend = AttentionMetadata(
-        slot_mapping=as_decodes.slot_mapping, block_tables=torch.tensor([table]),
-        seq_lens=torch.tensor([prefix + new]), query_start_loc=torch.tensor([0, new]), is_decode=False,
+        slot_mapping=as_decodes.slot_mapping,
+        block_tables=torch.tensor([table]),
+        seq_lens=torch.tensor([prefix + new]),
+        query_start_loc=torch.tensor([0, new]),
+        is_decode=False,
     )
     torch.testing.assert_close(step(as_decodes, last), step(extend, last), rtol=1e-5, atol=1e-4)

@@ -69,9 +69,10 @@ def test_regex_ebnf_and_any_json(engine):
 
 
 def test_the_grammar_end_finishes_the_request_even_with_ignore_eos(engine):
-    out = engine.generate([_prompt(engine)], SamplingParams(
-        max_tokens=50, ignore_eos=True, grammar=GrammarSpec.json_schema({"enum": ["yes", "no"]})
-    ))[0]
+    out = engine.generate(
+        [_prompt(engine)],
+        SamplingParams(max_tokens=50, ignore_eos=True, grammar=GrammarSpec.json_schema({"enum": ["yes", "no"]})),
+    )[0]
     assert out.finish_reason == "stop"
     assert out.text in ('"yes"', '"no"')
 

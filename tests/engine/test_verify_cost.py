@@ -58,8 +58,11 @@ def test_a_cpu_engine_measures_its_verifies_and_prices_the_proposers_drafting(ch
 @pytest.mark.parametrize("costs", [(), (1.5, 2.0)])
 def test_configured_costs_are_taken_as_given_and_nothing_is_timed(checkpoints, costs):
     priced = PricedProposer()
-    engine = LLMEngine(checkpoints["llama-gqa"], EngineConfig(num_blocks=64, num_speculative_tokens=2,
-                                                              draft_costs=costs), proposer=priced)
+    engine = LLMEngine(
+        checkpoints["llama-gqa"],
+        EngineConfig(num_blocks=64, num_speculative_tokens=2, draft_costs=costs),
+        proposer=priced,
+    )
     assert engine.draft_costs == {1: costs} and priced.asked == []
 
 

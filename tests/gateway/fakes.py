@@ -13,9 +13,9 @@ from collections.abc import AsyncGenerator, Callable
 
 from kvmesh.api.common.v1 import accounting_pb2, kv_pb2, sampling_pb2, worker_pb2
 from kvmesh.api.decode.v1 import decode_pb2
-from kvmesh.errors import Unavailable
 from kvmesh.api.prefill.v1 import prefill_pb2
 from kvmesh.api.router.v1 import router_pb2
+from kvmesh.errors import Unavailable
 from services.gateway.backends import RouterUnreachable
 
 FIRST_TOKEN = 7
@@ -94,18 +94,27 @@ class FakeMesh:
             lease = f"lease-{len(self.prefills)}"
             self.leases.add(lease)
             response.handoff.CopyFrom(
-                kv_pb2.KVHandoff(mode=kv_pb2.HANDOFF_MODE_PULL, source_address=address, lease_id=lease,
-                                 lease_ttl_ms=30_000, block_hashes=[b"h" * 16])
+                kv_pb2.KVHandoff(
+                    mode=kv_pb2.HANDOFF_MODE_PULL,
+                    source_address=address,
+                    lease_id=lease,
+                    lease_ttl_ms=30_000,
+                    block_hashes=[b"h" * 16],
+                )
             )
         return response
 
-    async def release_lease(self, address: str, request: prefill_pb2.ReleaseLeaseRequest) -> prefill_pb2.ReleaseLeaseResponse:
+    async def release_lease(
+        self, address: str, request: prefill_pb2.ReleaseLeaseRequest
+    ) -> prefill_pb2.ReleaseLeaseResponse:
         self.released.append((address, request.lease_id, request.outcome))
         known = request.lease_id in self.leases
         self.leases.discard(request.lease_id)
         return prefill_pb2.ReleaseLeaseResponse(released=known)
 
-    async def decode(self, address: str, request: decode_pb2.DecodeRequest) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
+    async def decode(
+        self, address: str, request: decode_pb2.DecodeRequest
+    ) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
         worker = address.split(":")[0]
         self.decodes.append((worker, request))
         if worker in self.dead:
@@ -133,10 +142,13 @@ class FakeMesh:
                     text=self.token_text(token),
                     final=decode_pb2.DecodeFinal(
                         finish_reason=sampling_pb2.FINISH_REASON_LENGTH,
-                        usage=accounting_pb2.Usage(prompt_tokens=len(request.prompt_token_ids),
-                                                   completion_tokens=len(tokens), cached_tokens=32),
+                        usage=accounting_pb2.Usage(
+                            prompt_tokens=len(request.prompt_token_ids), completion_tokens=len(tokens), cached_tokens=32
+                        ),
                         timings=accounting_pb2.Timings(total_ns=3),
-                    ) if last else None,
+                    )
+                    if last
+                    else None,
                 )
         except (GeneratorExit, asyncio.CancelledError):
             self.cancelled.append(("decode", worker))

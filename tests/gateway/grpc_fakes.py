@@ -14,16 +14,19 @@ import grpc
 
 from kvmesh.api.common.v1 import accounting_pb2, kv_pb2, sampling_pb2, worker_pb2
 from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc
-from kvmesh.errors import Unavailable
 from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.errors import Unavailable
 from kvmesh.runtime import GrpcService, ServiceContext, ServiceDef, current_request_id
 
 TOKENS = [7, 11, 12, 13]
 
 
-class Mesh(router_pb2_grpc.RouterServiceServicer, prefill_pb2_grpc.PrefillServiceServicer,
-           decode_pb2_grpc.DecodeServiceServicer):
+class Mesh(
+    router_pb2_grpc.RouterServiceServicer,
+    prefill_pb2_grpc.PrefillServiceServicer,
+    decode_pb2_grpc.DecodeServiceServicer,
+):
     def __init__(self) -> None:
         self.address = ""  # set once serving
         self.dead_decode_address = ""  # routed to first when set, until the gateway excludes it
@@ -37,7 +40,9 @@ class Mesh(router_pb2_grpc.RouterServiceServicer, prefill_pb2_grpc.PrefillServic
         self.request_ids: list[str | None] = []
         self.released: list[str] = []
 
-    async def Route(self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext) -> router_pb2.RouteResponse:
+    async def Route(
+        self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.RouteResponse:
         self.request_ids.append(current_request_id())
         await asyncio.sleep(self.route_delay_s)
         if self.route_error is not None:
@@ -50,7 +55,9 @@ class Mesh(router_pb2_grpc.RouterServiceServicer, prefill_pb2_grpc.PrefillServic
             decode_worker=decode,
         )
 
-    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
+    async def Prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.PrefillResponse:
         self.request_ids.append(current_request_id())
         return prefill_pb2.PrefillResponse(
             first_token_id=TOKENS[0],
@@ -58,11 +65,15 @@ class Mesh(router_pb2_grpc.RouterServiceServicer, prefill_pb2_grpc.PrefillServic
             reused_tokens=0,
         )
 
-    async def ReleaseLease(self, request: prefill_pb2.ReleaseLeaseRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.ReleaseLeaseResponse:
+    async def ReleaseLease(
+        self, request: prefill_pb2.ReleaseLeaseRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.ReleaseLeaseResponse:
         self.released.append(request.lease_id)
         return prefill_pb2.ReleaseLeaseResponse(released=True)
 
-    async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.DecodeResponse]:
+    async def Decode(
+        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         self.request_ids.append(current_request_id())
         self.decode_started.set()
         try:
@@ -74,9 +85,12 @@ class Mesh(router_pb2_grpc.RouterServiceServicer, prefill_pb2_grpc.PrefillServic
                     await asyncio.Event().wait()
                 last = i == len(TOKENS) - 1
                 final = decode_pb2.DecodeFinal(
-                    finish_reason=sampling_pb2.FINISH_REASON_LENGTH, usage=accounting_pb2.Usage(completion_tokens=len(TOKENS))
+                    finish_reason=sampling_pb2.FINISH_REASON_LENGTH,
+                    usage=accounting_pb2.Usage(completion_tokens=len(TOKENS)),
                 )
-                yield decode_pb2.DecodeResponse(offset=i, token_ids=[token], text=f"<{token}>", final=final if last else None)
+                yield decode_pb2.DecodeResponse(
+                    offset=i, token_ids=[token], text=f"<{token}>", final=final if last else None
+                )
         except asyncio.CancelledError:
             self.decode_cancelled.set()
             raise
@@ -86,12 +100,21 @@ def build_mesh(mesh: Mesh):
     def build(ctx: ServiceContext) -> ServiceDef:
         return ServiceDef(
             services=[
-                GrpcService(router_pb2.DESCRIPTOR.services_by_name["RouterService"],
-                            router_pb2_grpc.add_RouterServiceServicer_to_server, mesh),
-                GrpcService(prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"],
-                            prefill_pb2_grpc.add_PrefillServiceServicer_to_server, mesh),
-                GrpcService(decode_pb2.DESCRIPTOR.services_by_name["DecodeService"],
-                            decode_pb2_grpc.add_DecodeServiceServicer_to_server, mesh),
+                GrpcService(
+                    router_pb2.DESCRIPTOR.services_by_name["RouterService"],
+                    router_pb2_grpc.add_RouterServiceServicer_to_server,
+                    mesh,
+                ),
+                GrpcService(
+                    prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"],
+                    prefill_pb2_grpc.add_PrefillServiceServicer_to_server,
+                    mesh,
+                ),
+                GrpcService(
+                    decode_pb2.DESCRIPTOR.services_by_name["DecodeService"],
+                    decode_pb2_grpc.add_DecodeServiceServicer_to_server,
+                    mesh,
+                ),
             ]
         )
 

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from kvmesh.errors import ResourceExhausted
 from kvmesh.api.prefill.v1 import prefill_pb2
+from kvmesh.errors import ResourceExhausted
 from services.gateway.core import Gateway
 from tests.gateway.fakes import FakeMesh
 from tests.gateway.helpers import collect, make_gateway, request, sample

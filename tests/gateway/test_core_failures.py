@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.errors import InvalidArgument, Unavailable
 from kvmesh.api.prefill.v1 import prefill_pb2
-from tests.gateway.fakes import DECODE_TOKENS, FIRST_TOKEN, FakeMesh
+from kvmesh.errors import InvalidArgument, Unavailable
 from services.gateway.migration import MigrationPolicy
+from tests.gateway.fakes import DECODE_TOKENS, FIRST_TOKEN, FakeMesh
 from tests.gateway.helpers import PROMPT, collect, make_gateway, request, sample
 
 
@@ -74,7 +74,9 @@ async def test_migrations_stop_at_the_limit_with_unavailable(model) -> None:
             received.append(chunk)
 
     assert [t for c in received for t in c.token_ids] == [FIRST_TOKEN, DECODE_TOKENS[0]]
-    assert "decode worker d1 (d1:1) failed: unreachable: Socket closed after 2 tokens were streamed" in info.value.message
+    assert (
+        "decode worker d1 (d1:1) failed: unreachable: Socket closed after 2 tokens were streamed" in info.value.message
+    )
     assert "already moved 1 times (the limit)" in info.value.message
     assert [w for w, _ in mesh.decodes] == ["d0", "d1"]
     await gateway.wait_idle()
@@ -107,7 +109,10 @@ async def test_two_failed_attempts_give_unavailable(model) -> None:
     with pytest.raises(Unavailable) as info:
         await collect(gateway, request())
 
-    assert info.value.message == "decode worker d1 (d1:1) failed: unreachable: connection refused (after a retry on another worker)"
+    assert (
+        info.value.message
+        == "decode worker d1 (d1:1) failed: unreachable: connection refused (after a retry on another worker)"
+    )
     await gateway.wait_idle()
     assert mesh.leases == set()  # both prefills' leases aborted
     assert len(mesh.released) == 2

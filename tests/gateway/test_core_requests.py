@@ -7,8 +7,8 @@ import math
 import pytest
 
 from kvmesh.api.common.v1 import sampling_pb2
-from kvmesh.errors import InvalidArgument, NotFound
 from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.errors import InvalidArgument, NotFound
 from services.gateway.core import _cut_at_stop
 from tests.gateway.conftest import CONTEXT, LABEL
 from tests.gateway.fakes import FakeMesh
@@ -66,7 +66,9 @@ async def test_chat_renders_the_template_without_adding_special_tokens(model) ->
 
     chunks = [c async for c in gateway.chat(chat, "rid")]
 
-    expected = model.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    expected = model.tokenizer.encode(
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
     assert list(mesh.routes[0].tokens.token_ids) == expected
     assert chunks[-1].HasField("final")
 
@@ -88,7 +90,9 @@ def test_tokenize_text_and_chat(model) -> None:
 
     plain = gateway.tokenize(gateway_pb2.TokenizeRequest(text=text))
     chat = gateway.tokenize(
-        gateway_pb2.TokenizeRequest(chat=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user", content=text)]))
+        gateway_pb2.TokenizeRequest(
+            chat=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user", content=text)])
+        )
     )
 
     assert plain == model.tokenizer.encode(text, add_special_tokens=False)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.errors import Unavailable
 from kvmesh.api.router.v1 import router_pb2
+from kvmesh.errors import Unavailable
 from services.gateway.backends import RouterUnreachable
 from services.gateway.route_fallback import LastKnownWorkers
 from tests.gateway.fakes import DECODE_TOKENS, FIRST_TOKEN, FakeMesh, endpoint

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from kvmesh.api.common.v1 import sampling_pb2
-from kvmesh.errors import InvalidArgument
 from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.errors import InvalidArgument
 from kvmesh.structured.spec import GrammarSpec
 from services.gateway.model import ServedModel
 from services.gateway.tool_calls import FORMATS
@@ -49,8 +49,9 @@ async def test_the_prompt_lists_the_tools_and_the_request_carries_their_grammar(
 
     [c async for c in gateway.chat(chat(), "rid")]
 
-    template_tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
-                                                         "parameters": WEATHER}}]
+    template_tools = [
+        {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER}}
+    ]
     text = roomy.tokenizer.apply_chat_template([{"role": "user", "content": "Weather in Paris?"}], tools=template_tools)
     assert "<tools>" in text
     assert list(mesh.routes[0].tokens.token_ids) == roomy.tokenizer.encode(text, add_special_tokens=False)
@@ -62,8 +63,13 @@ async def test_the_prompt_lists_the_tools_and_the_request_carries_their_grammar(
 
 async def test_calls_come_back_parsed_with_fresh_ids_and_the_reply_ends_with_tool_calls(roomy) -> None:
     mesh = FakeMesh()
-    scripted(mesh, "Checking.\n<tool_", 'call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n',
-             '<tool_call>\n{"name": "get_weather", "arguments": ', '{"city": "Rome"}}\n</tool_call>')
+    scripted(
+        mesh,
+        "Checking.\n<tool_",
+        'call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n',
+        '<tool_call>\n{"name": "get_weather", "arguments": ',
+        '{"city": "Rome"}}\n</tool_call>',
+    )
     gateway = make_gateway(roomy, mesh)
 
     chunks = [c async for c in gateway.chat(chat(), "rid")]
@@ -71,7 +77,11 @@ async def test_calls_come_back_parsed_with_fresh_ids_and_the_reply_ends_with_too
     assert all(isinstance(c, gateway_pb2.ChatResponse) for c in chunks)
     assert [c.text for c in chunks] == ["Checking.", "", "", ""]
     assert [[(t.name, t.arguments) for t in c.tool_calls] for c in chunks] == [
-        [], [("get_weather", '{"city": "Paris"}')], [], [("get_weather", '{"city": "Rome"}')]]
+        [],
+        [("get_weather", '{"city": "Paris"}')],
+        [],
+        [("get_weather", '{"city": "Rome"}')],
+    ]
     ids = [t.id for c in chunks for t in c.tool_calls]
     assert all(i.startswith("call_") for i in ids) and len(set(ids)) == 2
     assert [len(c.token_ids) for c in chunks] == [1, 1, 1, 1]  # every token is counted, markup included
@@ -107,16 +117,20 @@ async def test_earlier_calls_and_tool_results_are_rendered_for_the_model(roomy) 
     gateway = make_gateway(roomy, mesh)
     messages = [
         *ASK,
-        gateway_pb2.ChatMessage(role="assistant", tool_calls=[
-            gateway_pb2.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris"}')]),
+        gateway_pb2.ChatMessage(
+            role="assistant",
+            tool_calls=[gateway_pb2.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris"}')],
+        ),
         gateway_pb2.ChatMessage(role="tool", content="20 C", tool_call_id="call_1"),
     ]
 
     [c async for c in gateway.chat(chat(messages=messages), "rid")]
 
     prompt = roomy.tokenizer.decode(list(mesh.routes[0].tokens.token_ids), skip_special_tokens=False)
-    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-            "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n20 C\n</tool_response><|im_end|>\n") in prompt
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n20 C\n</tool_response><|im_end|>\n"
+    ) in prompt
 
 
 def json_output(schema: object) -> sampling_pb2.SamplingParams:
@@ -127,19 +141,41 @@ def json_output(schema: object) -> sampling_pb2.SamplingParams:
     ("req", "field", "message"),
     [
         (chat(tools=[], tool_choice=REQUIRED), "tool_choice", "tool_choice is set but no tools are declared"),
-        (chat(tool_choice=gateway_pb2.ToolChoice(function_name="get_time")), "tool_choice.function_name",
-         "names the function 'get_time', which is not declared (tools: get_weather)"),
+        (
+            chat(tool_choice=gateway_pb2.ToolChoice(function_name="get_time")),
+            "tool_choice.function_name",
+            "names the function 'get_time', which is not declared (tools: get_weather)",
+        ),
         (chat(tools=[gateway_pb2.Tool(name="get weather")]), "tools[0].name", "must match ^[a-zA-Z0-9_-]{1,64}$"),
         (chat(tools=[*TOOLS, *TOOLS]), "tools[1].name", "'get_weather' is declared twice"),
-        (chat(tools=[gateway_pb2.Tool(name="f", parameters_json="{")]), "tools[0].parameters_json",
-         "tool 'f': parameters are not valid JSON"),
-        (chat(tools=[gateway_pb2.Tool(name="f", parameters_json='{"type": "object", "uniqueItems": true}')]),
-         "tools[0].parameters_json", "keyword 'uniqueItems' is not supported"),
+        (
+            chat(tools=[gateway_pb2.Tool(name="f", parameters_json="{")]),
+            "tools[0].parameters_json",
+            "tool 'f': parameters are not valid JSON",
+        ),
+        (
+            chat(tools=[gateway_pb2.Tool(name="f", parameters_json='{"type": "object", "uniqueItems": true}')]),
+            "tools[0].parameters_json",
+            "keyword 'uniqueItems' is not supported",
+        ),
         (chat(sampling=json_output({"type": "object"})), "sampling.structured_output", "cannot be combined with tools"),
-        (chat(tools=[], sampling=json_output({"type": "object", "not": {}})), "sampling.structured_output",
-         "structured output: json_schema: keyword 'not' is not supported"),
-        (chat(tools=[], messages=[gateway_pb2.ChatMessage(role="assistant", tool_calls=[gateway_pb2.ToolCall(
-            id="c", name="f", arguments="[]")])]), "messages[0].tool_calls[0].arguments", "must be a JSON object"),
+        (
+            chat(tools=[], sampling=json_output({"type": "object", "not": {}})),
+            "sampling.structured_output",
+            "structured output: json_schema: keyword 'not' is not supported",
+        ),
+        (
+            chat(
+                tools=[],
+                messages=[
+                    gateway_pb2.ChatMessage(
+                        role="assistant", tool_calls=[gateway_pb2.ToolCall(id="c", name="f", arguments="[]")]
+                    )
+                ],
+            ),
+            "messages[0].tool_calls[0].arguments",
+            "must be a JSON object",
+        ),
     ],
 )
 async def test_bad_tools_and_grammars_are_refused_naming_the_field(roomy, req, field, message) -> None:

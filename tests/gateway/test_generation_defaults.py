@@ -33,8 +33,14 @@ def test_unset_fields_take_the_model_defaults_and_set_ones_stay(tuned_dir):
     assert round(filled.repetition_penalty, 6) == 1.1 and filled.max_tokens == 77
     assert filled.repetition_guard.max_repeats == 9 and len(filled.repetition_guard.allowed_token_ids) > 0
 
-    asked = sampling_pb2.SamplingParams(temperature=0.0, top_p=1.0, top_k=3, max_tokens=5, repetition_penalty=1.0,
-                                        repetition_guard=sampling_pb2.RepetitionGuard(max_repeats=0))
+    asked = sampling_pb2.SamplingParams(
+        temperature=0.0,
+        top_p=1.0,
+        top_k=3,
+        max_tokens=5,
+        repetition_penalty=1.0,
+        repetition_guard=sampling_pb2.RepetitionGuard(max_repeats=0),
+    )
     kept = d.apply(asked)
     assert (kept.temperature, kept.top_p, kept.top_k, kept.max_tokens, kept.repetition_penalty) == (0.0, 1.0, 3, 5, 1.0)
     assert kept.repetition_guard.max_repeats == 0  # the request turned the guard off
@@ -64,7 +70,10 @@ async def test_http_requests_reach_the_mesh_with_the_defaults(tuned_dir):
         client = gw.client()
         await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
         await client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=0, max_tokens=3,
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            temperature=0,
+            max_tokens=3,
             extra_body={"repetition_penalty": 1.0},
         )
     (_, defaulted), (_, explicit) = mesh.prefills

@@ -43,7 +43,9 @@ class Served:
 
 
 @asynccontextmanager
-async def http_gateway(model: ServedModel, mesh: FakeMesh, keys: ApiKeys | None = None, **gateway_kwargs) -> AsyncIterator[Served]:
+async def http_gateway(
+    model: ServedModel, mesh: FakeMesh, keys: ApiKeys | None = None, **gateway_kwargs
+) -> AsyncIterator[Served]:
     """The HTTP API on a gateway core over ``mesh``, on a free port."""
     gateway = make_gateway(model, mesh, **gateway_kwargs)
     registry = CollectorRegistry()
@@ -126,8 +128,14 @@ async def test_chat_parameters_reach_the_mesh(model, mesh) -> None:
             presence_penalty=0.5,
             frequency_penalty=-0.25,
             logit_bias={"7": -100, "12": 2.5},
-            extra_body={"top_k": 8, "min_p": 0.1, "ignore_eos": True, "cache_salt": "s1", "some_future_field": 1,
-                        "repetition_penalty": 1.2},
+            extra_body={
+                "top_k": 8,
+                "min_p": 0.1,
+                "ignore_eos": True,
+                "cache_salt": "s1",
+                "some_future_field": 1,
+                "repetition_penalty": 1.2,
+            },
         )
 
     [(_, prefill)] = mesh.prefills
@@ -162,7 +170,10 @@ async def test_chat_applies_the_template_to_text_parts(model, mesh) -> None:
 async def test_a_chat_stream_with_usage(model, mesh) -> None:
     async with http_gateway(model, mesh) as served:
         stream = await served.client().chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi " * 20}], max_tokens=4, stream=True,
+            model="tiny",
+            messages=[{"role": "user", "content": "hi " * 20}],
+            max_tokens=4,
+            stream=True,
             stream_options={"include_usage": True},
         )
         chunks = [c async for c in stream]

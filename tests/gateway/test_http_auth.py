@@ -7,8 +7,8 @@ import grpc
 import openai
 import pytest
 
-from kvmesh.errors import Unauthenticated
 from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from kvmesh.errors import Unauthenticated
 from kvmesh.runtime import parse_flags, serve
 from services.gateway.auth import ApiKeys, tenant_cache_salt
 from services.gateway.main import FLAGS, build
@@ -39,8 +39,13 @@ def test_no_keys_means_auth_off() -> None:
 
 @pytest.mark.parametrize(
     ("authorization", "message"),
-    [(None, "missing API key"), ("k-alice", "missing API key"), ("Bearer ", "missing API key"),
-     ("Bearer k-eve", "invalid API key"), ("Basic k-alice", "missing API key")],
+    [
+        (None, "missing API key"),
+        ("k-alice", "missing API key"),
+        ("Bearer ", "missing API key"),
+        ("Bearer k-eve", "invalid API key"),
+        ("Basic k-alice", "missing API key"),
+    ],
 )
 def test_wrong_credentials_are_unauthenticated(authorization, message) -> None:
     with pytest.raises(Unauthenticated, match=message):
@@ -79,8 +84,12 @@ async def test_http_needs_a_key_and_scopes_the_cache_to_the_tenant(model) -> Non
 
     assert missing == (401, "missing API key: send the header 'Authorization: Bearer <key>'")
     assert wrong.value.status_code == 401
-    assert wrong.value.body == {"message": "invalid API key", "type": "invalid_request_error", "param": None,
-                                "code": "invalid_api_key"}
+    assert wrong.value.body == {
+        "message": "invalid API key",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "invalid_api_key",
+    }
     assert [r.cache_salt for r in mesh.routes] == [b"5:alice", b"3:bobx"]
     assert open_routes == [200, 200, 200]
     assert document["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
@@ -91,8 +100,18 @@ async def test_grpc_uses_the_same_keys(model_dir) -> None:
     mesh = Mesh()
     async with serve("mesh", build_mesh(mesh), metrics_port=None) as mesh_rt:
         mesh.address = f"127.0.0.1:{mesh_rt.port}"
-        argv = ["--router-address", mesh.address, "--model", str(model_dir), "--model-name", "tiny",
-                "--http-port", str(free_port()), "--api-keys", "k-alice alice"]
+        argv = [
+            "--router-address",
+            mesh.address,
+            "--model",
+            str(model_dir),
+            "--model-name",
+            "tiny",
+            "--http-port",
+            str(free_port()),
+            "--api-keys",
+            "k-alice alice",
+        ]
         async with serve("gateway", build, parse_flags("kvmesh-gateway", FLAGS, argv, environ={})) as rt:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{rt.port}") as channel:
                 stub = gateway_pb2_grpc.GatewayServiceStub(channel)

@@ -28,9 +28,11 @@ def _check(document: dict, path: str, method: str, status: int, body: object) ->
 
 async def test_responses_match_the_document(model) -> None:
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi " * 20}], "max_tokens": 4}
-    async with http_gateway(model, FakeMesh(), keys=ApiKeys(["k"])) as served, aiohttp.ClientSession(
-        headers={"Authorization": "Bearer k"}
-    ) as http:
+    async with (
+        http_gateway(model, FakeMesh(), keys=ApiKeys(["k"])) as served,
+        aiohttp.ClientSession(headers={"Authorization": "Bearer k"}) as http,
+    ):
+
         async def call(method: str, path: str, body: object = None) -> tuple[int, object]:
             async with http.request(method, served.url + path, json=body) as r:
                 return r.status, await r.json()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.api.common.v1 import accounting_pb2, sampling_pb2
-from kvmesh.errors import KvmeshError, Unavailable
 from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.errors import KvmeshError, Unavailable
 from services.gateway.openai_render import ChatRenderer, CompletionRenderer, TokenTexts, finish_reason
 
 
@@ -19,25 +19,40 @@ class Texts:
 
 def lp(token: int, logprob: float, *alternatives: tuple[int, float]) -> sampling_pb2.TokenLogprob:
     return sampling_pb2.TokenLogprob(
-        token_id=token, logprob=logprob,
+        token_id=token,
+        logprob=logprob,
         top_logprobs=[sampling_pb2.TopLogprob(token_id=t, logprob=v) for t, v in alternatives],
     )
 
 
-def chunk(tokens: list[int], text: str, logprobs=(), final: tuple[int, int, int] | None = None,
-          reason: int = sampling_pb2.FINISH_REASON_STOP) -> gateway_pb2.GenerateResponse:
+def chunk(
+    tokens: list[int],
+    text: str,
+    logprobs=(),
+    final: tuple[int, int, int] | None = None,
+    reason: int = sampling_pb2.FINISH_REASON_STOP,
+) -> gateway_pb2.GenerateResponse:
     """``final``: (prompt tokens, completion tokens, cached tokens)."""
     c = gateway_pb2.GenerateResponse(token_ids=tokens, text=text, logprobs=logprobs)
     if final is not None:
         prompt, completion, cached = final
-        c.final.CopyFrom(gateway_pb2.StreamEnd(finish_reason=reason, usage=accounting_pb2.Usage(
-            prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)))
+        c.final.CopyFrom(
+            gateway_pb2.StreamEnd(
+                finish_reason=reason,
+                usage=accounting_pb2.Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached),
+            )
+        )
     return c
 
 
-def chat_chunk(tokens: list[int], text: str, logprobs=(), final: tuple[int, int, int] | None = None,
-               reason: int = sampling_pb2.FINISH_REASON_STOP,
-               calls: tuple[tuple[str, str, str], ...] = ()) -> gateway_pb2.ChatResponse:
+def chat_chunk(
+    tokens: list[int],
+    text: str,
+    logprobs=(),
+    final: tuple[int, int, int] | None = None,
+    reason: int = sampling_pb2.FINISH_REASON_STOP,
+    calls: tuple[tuple[str, str, str], ...] = (),
+) -> gateway_pb2.ChatResponse:
     """``chunk``'s fields in a chat chunk, with ``calls`` as (id, name, arguments)."""
     c = gateway_pb2.ChatResponse.FromString(chunk(tokens, text, logprobs, final, reason).SerializeToString())
     for call_id, name, arguments in calls:
@@ -46,7 +61,9 @@ def chat_chunk(tokens: list[int], text: str, logprobs=(), final: tuple[int, int,
 
 
 def renderer(cls, choices: int = 1, per_prompt: int = 1, logprobs: bool = True):
-    return cls("id-1", 100, "tiny", choices=choices, per_prompt=per_prompt, texts=TokenTexts(Texts()), logprobs=logprobs)
+    return cls(
+        "id-1", 100, "tiny", choices=choices, per_prompt=per_prompt, texts=TokenTexts(Texts()), logprobs=logprobs
+    )
 
 
 def test_completion_logprobs_in_the_legacy_format_with_running_offsets() -> None:
@@ -95,25 +112,36 @@ def test_tool_calls_go_out_in_the_chunk_that_completed_them_and_add_up_to_the_me
     chunks = [
         r.add(0, chat_chunk([1, 2], "Let me look.")),
         r.add(0, chat_chunk([3, 4], "", calls=(("call_a", "f", '{"x": 1}'),))),
-        r.add(0, chat_chunk([5], "", calls=(("call_b", "g", "{}"),), final=(4, 5, 0),
-                            reason=sampling_pb2.FINISH_REASON_TOOL_CALLS)),
+        r.add(
+            0,
+            chat_chunk(
+                [5], "", calls=(("call_b", "g", "{}"),), final=(4, 5, 0), reason=sampling_pb2.FINISH_REASON_TOOL_CALLS
+            ),
+        ),
     ]
 
     deltas = [c.choices[0].delta for c in chunks]
     assert [d.content for d in deltas] == ["Let me look.", None, None]
-    assert [d.tool_calls and [(t.index, t.id, t.function.name, t.function.arguments) for t in d.tool_calls]
-            for d in deltas] == [None, [(0, "call_a", "f", '{"x": 1}')], [(1, "call_b", "g", "{}")]]
+    assert [
+        d.tool_calls and [(t.index, t.id, t.function.name, t.function.arguments) for t in d.tool_calls] for d in deltas
+    ] == [None, [(0, "call_a", "f", '{"x": 1}')], [(1, "call_b", "g", "{}")]]
     [choice] = r.response().choices
     assert choice.finish_reason == chunks[-1].choices[0].finish_reason == "tool_calls"
     assert choice.message.content == "Let me look."
     assert [(t.id, t.type, t.function.name) for t in choice.message.tool_calls] == [
-        ("call_a", "function", "f"), ("call_b", "function", "g")]
+        ("call_a", "function", "f"),
+        ("call_b", "function", "g"),
+    ]
 
 
 def test_a_reply_of_calls_only_has_null_content_and_a_plain_reply_no_calls() -> None:
     calls_only = renderer(ChatRenderer, logprobs=False)
-    calls_only.add(0, chat_chunk([1], "", calls=(("call_a", "f", "{}"),), final=(4, 1, 0),
-                                 reason=sampling_pb2.FINISH_REASON_TOOL_CALLS))
+    calls_only.add(
+        0,
+        chat_chunk(
+            [1], "", calls=(("call_a", "f", "{}"),), final=(4, 1, 0), reason=sampling_pb2.FINISH_REASON_TOOL_CALLS
+        ),
+    )
     plain = renderer(ChatRenderer, logprobs=False)
     plain.add(0, chat_chunk([1], "", final=(4, 1, 0)))
 

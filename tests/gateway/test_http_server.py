@@ -26,8 +26,18 @@ async def mesh():
 
 
 def _args(mesh: Mesh, model_dir, http_port: int):
-    argv = ["--router-address", mesh.address, "--model", str(model_dir), "--model-name", "tiny",
-            "--http-port", str(http_port), "--grace-seconds", "0.5"]
+    argv = [
+        "--router-address",
+        mesh.address,
+        "--model",
+        str(model_dir),
+        "--model-name",
+        "tiny",
+        "--http-port",
+        str(http_port),
+        "--grace-seconds",
+        "0.5",
+    ]
     return parse_flags("kvmesh-gateway", [*common_flags(0, 0), *FLAGS], argv, environ={})
 
 
@@ -51,7 +61,10 @@ async def test_both_apis_share_the_core_and_its_metrics(mesh, model_dir) -> None
 
     for text in (over_http, on_metrics_port):
         assert 'kvmesh_gateway_requests_total{method="generate",outcome="ok"} 2.0' in text
-        assert 'kvmesh_rpc_requests_total{code="OK",method="Generate",service="kvmesh.api.gateway.v1.GatewayService"}' in text
+        assert (
+            'kvmesh_rpc_requests_total{code="OK",method="Generate",service="kvmesh.api.gateway.v1.GatewayService"}'
+            in text
+        )
         assert 'kvmesh_http_requests_total{route="/v1/completions",status="200"} 1.0' in text
 
 

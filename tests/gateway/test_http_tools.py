@@ -19,8 +19,12 @@ TOOLS = [
     {"type": "function", "function": {"name": "get_time"}},
 ]
 # The fake decode stream, one text per message: two calls of get_weather after a few words.
-CALLS_REPLY = ["On it.\n", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool',
-               '_call>\n{"name": "get_weather", "arguments": ', '{"city": "Rome"}}\n</tool_call>']
+CALLS_REPLY = [
+    "On it.\n",
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool',
+    '_call>\n{"name": "get_weather", "arguments": ',
+    '{"city": "Rome"}}\n</tool_call>',
+]
 
 
 @pytest.fixture
@@ -75,7 +79,9 @@ async def test_calls_in_the_reply_are_the_messages_tool_calls_and_stream_as_delt
     assert choice.finish_reason == "tool_calls" and choice.message.content == "On it."
     calls = choice.message.tool_calls
     assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
-        ("function", "get_weather", {"city": "Paris"}), ("function", "get_weather", {"city": "Rome"})]
+        ("function", "get_weather", {"city": "Paris"}),
+        ("function", "get_weather", {"city": "Rome"}),
+    ]
     assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
 
     deltas = [c.choices[0].delta for c in chunks]
@@ -83,7 +89,8 @@ async def test_calls_in_the_reply_are_the_messages_tool_calls_and_stream_as_delt
     streamed = [t for d in deltas for t in d.tool_calls or ()]
     assert [t.index for t in streamed] == [0, 1]
     assert [(t.function.name, t.function.arguments) for t in streamed] == [
-        (c.function.name, c.function.arguments) for c in calls]
+        (c.function.name, c.function.arguments) for c in calls
+    ]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
@@ -104,13 +111,25 @@ async def test_tools_tool_choice_and_earlier_calls_reach_the_core(roomy) -> None
     mesh = FakeMesh()
     conversation = [
         *ASK,
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "content": "20 C", "tool_call_id": "call_1"},
     ]
     async with http_gateway(roomy, mesh) as served:
         await served.client().chat.completions.create(
-            model="tiny", messages=conversation, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}
+            model="tiny",
+            messages=conversation,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "get_time"}},
         )
 
     tag = json.loads(sent_grammar(mesh).source)["format"]

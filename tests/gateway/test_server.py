@@ -30,8 +30,20 @@ async def mesh() -> AsyncIterator[Mesh]:
 
 
 @asynccontextmanager
-async def running_gateway(model_dir: Path, mesh: Mesh, *flags: str) -> AsyncIterator[tuple[gateway_pb2_grpc.GatewayServiceStub, Runtime]]:
-    argv = ["--router-address", mesh.address, "--model", str(model_dir), "--model-name", "tiny", "--http-port", "0", *flags]
+async def running_gateway(
+    model_dir: Path, mesh: Mesh, *flags: str
+) -> AsyncIterator[tuple[gateway_pb2_grpc.GatewayServiceStub, Runtime]]:
+    argv = [
+        "--router-address",
+        mesh.address,
+        "--model",
+        str(model_dir),
+        "--model-name",
+        "tiny",
+        "--http-port",
+        "0",
+        *flags,
+    ]
     async with serve("gateway", build, parse_flags("kvmesh-gateway", FLAGS, argv, environ={})) as rt:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{rt.port}") as channel:
             yield gateway_pb2_grpc.GatewayServiceStub(channel), rt
@@ -93,8 +105,16 @@ async def test_chat_streams_chat_responses(model_dir, mesh) -> None:
 @pytest.mark.parametrize(
     ("request_", "code", "message"),
     [
-        (gateway_pb2.GenerateRequest(text=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty: set text or token_ids"),
-        (gateway_pb2.GenerateRequest(model="other", text="x"), grpc.StatusCode.NOT_FOUND, "model 'other' is not served here"),
+        (
+            gateway_pb2.GenerateRequest(text=""),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "prompt is empty: set text or token_ids",
+        ),
+        (
+            gateway_pb2.GenerateRequest(model="other", text="x"),
+            grpc.StatusCode.NOT_FOUND,
+            "model 'other' is not served here",
+        ),
     ],
 )
 async def test_bad_input_maps_to_its_status(model_dir, mesh, request_, code, message) -> None:
@@ -113,8 +133,10 @@ async def test_a_router_that_does_not_answer_gives_unavailable_at_the_deadline(m
         assert await _metric(rt, "kvmesh_gateway_inflight_requests") == 0
 
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert info.value.details() == f"router ({mesh.address}): no answer within 0.2 s; " \
+    assert (
+        info.value.details() == f"router ({mesh.address}): no answer within 0.2 s; "
         "no known workers to route on without it (no answer since this gateway started)"
+    )
 
 
 async def test_a_dead_decode_worker_is_retried_and_its_lease_aborted(model_dir, mesh) -> None:

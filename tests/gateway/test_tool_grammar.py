@@ -16,7 +16,10 @@ from services.gateway.tool_calls.request import tool_use
 
 WEATHER = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 20}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
     "required": ["city", "days"],
     "additionalProperties": False,
 }

@@ -38,7 +38,7 @@ REPLIES = [
     "Checking.\n" + WEATHER + "\n" + call("get_time", {"zone": "CET"}),
     WEATHER + "\nDone: 20 C.",
     "a < b and <tool is not a call; nor is <tool_call",
-    "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": \"</tool\"}}",  # ends inside a call
+    '<tool_call>\n{"name": "f", "arguments": {"x": "</tool"}}',  # ends inside a call
     "<tool_call>\nnot json\n</tool_call> then text",
     "x" + call("f", {"s": "<tool_call>"}),
 ]
@@ -110,7 +110,10 @@ def test_a_malformed_call_stays_content_markup_and_all(body) -> None:
 def test_output_that_ends_inside_a_call_is_content() -> None:
     unfinished = '<tool_call>\n{"name": "f", "arguments": {"x": 1'
 
-    assert parse([WEATHER, "\n", unfinished]) == (unfinished, [ParsedCall("get_weather", '{"city": "Paris", "days": 3}')])
+    assert parse([WEATHER, "\n", unfinished]) == (
+        unfinished,
+        [ParsedCall("get_weather", '{"city": "Paris", "days": 3}')],
+    )
 
 
 def test_a_raw_control_character_in_an_argument_comes_out_escaped() -> None:

@@ -13,7 +13,7 @@ import os
 _previous = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"
 
-import kernels.triton  # noqa: E402  (defines the kernels, interpreted)
+import kernels.triton  # noqa: E402, F401  (defines the kernels, interpreted)
 
 if _previous is None:
     del os.environ["TRITON_INTERPRET"]

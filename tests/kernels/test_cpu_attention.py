@@ -34,15 +34,17 @@ def native(monkeypatch: pytest.MonkeyPatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_kv_heads,group,head_dim", [(3, 3, 64), (2, 4, 128), (4, 1, 80), (1, 8, 40)])
-def test_native_decode_matches_reference(native, dtype: torch.dtype, num_kv_heads: int, group: int,
-                                         head_dim: int) -> None:
+def test_native_decode_matches_reference(
+    native, dtype: torch.dtype, num_kv_heads: int, group: int, head_dim: int
+) -> None:
     random.seed(head_dim)
     seq_lens = EDGE_LENS + [random.randint(2, 700) for _ in range(3)]
     kv = random_paged_kv(seq_lens, num_kv_heads, head_dim, dtype)
     q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim).to(dtype)
     out = native(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, head_dim**-0.5)
-    exact = reference.paged_decode_attention(q.float(), kv.k_cache.float(), kv.v_cache.float(), kv.block_tables,
-                                             kv.seq_lens, head_dim**-0.5)
+    exact = reference.paged_decode_attention(
+        q.float(), kv.k_cache.float(), kv.v_cache.float(), kv.block_tables, kv.seq_lens, head_dim**-0.5
+    )
     assert out.shape == q.shape and out.dtype == dtype
     # float32: summation order and exp's last bit; 16 bits: the output's rounding.
     assert relative_error(out, exact) < {torch.float32: 1e-6, torch.bfloat16: 5e-3, torch.float16: 1e-3}[dtype]
@@ -90,16 +92,18 @@ def test_native_extend_rows_attend_as_their_native_decodes(native, dtype: torch.
     starts = [0] + torch.tensor(new).cumsum(0).tolist()
     q = torch.randn(starts[-1], 9, 64).to(dtype)
     got = native_extend(q, kv.k_cache, kv.v_cache, kv.block_tables, torch.tensor(starts), kv.seq_lens, 0.125)
-    want = reference.paged_extend_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, torch.tensor(starts),
-                                            kv.seq_lens, 0.125)
+    want = reference.paged_extend_attention(
+        q, kv.k_cache, kv.v_cache, kv.block_tables, torch.tensor(starts), kv.seq_lens, 0.125
+    )
     assert relative_error(got, want) < {torch.float32: 1e-6, torch.bfloat16: 5e-3}[dtype]
     for i, (p, n) in enumerate(zip(prefix, new)):
         if n > as_decodes:
             continue
         for j in range(n):
             row = starts[i] + j
-            decode = native(q[row : row + 1], kv.k_cache, kv.v_cache, kv.block_tables[i : i + 1],
-                            torch.tensor([p + j + 1]), 0.125)
+            decode = native(
+                q[row : row + 1], kv.k_cache, kv.v_cache, kv.block_tables[i : i + 1], torch.tensor([p + j + 1]), 0.125
+            )
             assert torch.equal(got[row], decode[0]), f"sequence {i}, row {j}"
 
 
@@ -112,12 +116,15 @@ def test_native_decode_under_torch_compile(native) -> None:
     compiled = torch.compile(attend, dynamic=True, fullgraph=True)
     for rows in (2, 1):
         q = torch.randn(rows, 9, 64)
-        assert torch.equal(compiled(q, kv.block_tables[:rows], kv.seq_lens[:rows]),
-                           attend(q, kv.block_tables[:rows], kv.seq_lens[:rows]))
+        assert torch.equal(
+            compiled(q, kv.block_tables[:rows], kv.seq_lens[:rows]),
+            attend(q, kv.block_tables[:rows], kv.seq_lens[:rows]),
+        )
 
 
-def test_cpu_ops_keep_the_references_where_the_kernels_cannot_load(monkeypatch: pytest.MonkeyPatch,
-                                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_cpu_ops_keep_the_references_where_the_kernels_cannot_load(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(cpu, "_loaded", False)
     monkeypatch.setattr(cpu, "_failure", "they need AVX-512 (torch reports AVX2 on this CPU)")
@@ -129,7 +136,9 @@ def test_cpu_ops_keep_the_references_where_the_kernels_cannot_load(monkeypatch: 
     assert ops.paged_decode_attention is reference.paged_decode_attention
     assert ops.paged_extend_attention is reference.paged_extend_attention
     warnings = [r.getMessage() for r in caplog.records]
-    assert warnings == ["kvmesh's native CPU kernels are unavailable: they need AVX-512 (torch reports AVX2 on "
-                        "this CPU); CPU models run the torch references"]
+    assert warnings == [
+        "kvmesh's native CPU kernels are unavailable: they need AVX-512 (torch reports AVX2 on "
+        "this CPU); CPU models run the torch references"
+    ]
     with pytest.raises(FailedPrecondition):
         cpu.load()

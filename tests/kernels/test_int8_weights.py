@@ -51,7 +51,9 @@ def test_native_kernel_matches_reference(native, dtype: torch.dtype, rows: int, 
     assert out.dtype == dtype and out.shape == (rows, n)
     # float32: summation order only; 16 bits: the output's rounding (and past 32 rows, the widened weight's).
     tol = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
-    assert relative_error(out, reference.int8_scaled_mm(x.float(), q, scale, None if bias is None else bias.float())) < tol
+    assert (
+        relative_error(out, reference.int8_scaled_mm(x.float(), q, scale, None if bias is None else bias.float())) < tol
+    )
     assert relative_error(out, ref) < tol
 
 
@@ -113,7 +115,9 @@ def test_triton_int8_matmul_matches_reference(dtype: torch.dtype, rows: int) -> 
 
 def test_quantize_model_swaps_every_linear_but_the_head(native) -> None:
     torch.manual_seed(0)
-    model = nn.ModuleDict({"up": nn.Linear(32, 64), "down": nn.Linear(64, 32, bias=False), "lm_head": nn.Linear(32, 10)})
+    model = nn.ModuleDict(
+        {"up": nn.Linear(32, 64), "down": nn.Linear(64, 32, bias=False), "lm_head": nn.Linear(32, 10)}
+    )
     x = torch.randn(3, 32)
     with torch.no_grad():
         before = model["down"](torch.relu(model["up"](x)))
@@ -135,7 +139,9 @@ def test_a_cpu_without_avx512_gets_the_reason(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     model = nn.Sequential(nn.Linear(8, 8))
     for _ in range(2):  # the reason is kept: the second call raises it without trying again
-        with pytest.raises(FailedPrecondition, match=r"native CPU kernels are unavailable: they need AVX-512 \(torch reports AVX2"):
+        with pytest.raises(
+            FailedPrecondition, match=r"native CPU kernels are unavailable: they need AVX-512 \(torch reports AVX2"
+        ):
             quantize_model(model, "int8")
     assert type(model[0]) is nn.Linear
     with pytest.raises(FailedPrecondition, match="unavailable"):

@@ -26,14 +26,16 @@ def test_each_verify_row_attends_as_its_decode(dtype: torch.dtype) -> None:
     kv = random_paged_kv([p + n for p, n in zip(prefix, new)], NUM_KV_HEADS, HEAD_DIM, dtype)
     starts = [0] + torch.tensor(new).cumsum(0).tolist()
     q = torch.randn(starts[-1], NUM_KV_HEADS * GROUP, HEAD_DIM).to(dtype)
-    got = reference.paged_extend_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
-                                           torch.tensor(starts), kv.seq_lens, SCALE)
+    got = reference.paged_extend_attention(
+        q, kv.k_cache, kv.v_cache, kv.block_tables, torch.tensor(starts), kv.seq_lens, SCALE
+    )
     for i, (p, n) in enumerate(zip(prefix, new)):
         for j in range(n):
             row = starts[i] + j
             # The decode of this token: its sequence alone, seeing its prefix and itself.
-            want = reference.paged_decode_attention(q[row : row + 1], kv.k_cache, kv.v_cache,
-                                                    kv.block_tables[i : i + 1], torch.tensor([p + j + 1]), SCALE)
+            want = reference.paged_decode_attention(
+                q[row : row + 1], kv.k_cache, kv.v_cache, kv.block_tables[i : i + 1], torch.tensor([p + j + 1]), SCALE
+            )
             assert same(got[row], want[0]), f"sequence {i}, row {j}"
 
 
@@ -43,8 +45,15 @@ def test_a_prefill_chunk_still_attends_causally() -> None:
     n, p = reference.DECODE_ROWS_MAX + 9, 20
     kv = random_paged_kv([p + n], NUM_KV_HEADS, HEAD_DIM, torch.float32)
     q = torch.randn(n, NUM_KV_HEADS * GROUP, HEAD_DIM)
-    got = reference.paged_extend_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, torch.tensor([0, n]),
-                                           kv.seq_lens, SCALE)
-    rows = torch.cat([reference.paged_decode_attention(q[j : j + 1], kv.k_cache, kv.v_cache, kv.block_tables,
-                                                       torch.tensor([p + j + 1]), SCALE) for j in range(n)])
+    got = reference.paged_extend_attention(
+        q, kv.k_cache, kv.v_cache, kv.block_tables, torch.tensor([0, n]), kv.seq_lens, SCALE
+    )
+    rows = torch.cat(
+        [
+            reference.paged_decode_attention(
+                q[j : j + 1], kv.k_cache, kv.v_cache, kv.block_tables, torch.tensor([p + j + 1]), SCALE
+            )
+            for j in range(n)
+        ]
+    )
     torch.testing.assert_close(got, rows, rtol=1e-5, atol=1e-5)

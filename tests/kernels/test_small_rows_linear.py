@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu
 from kernels.small_rows_linear import (
     DEFAULT_MAX_ROWS,
     MIN_ROWS,
@@ -20,7 +21,6 @@ from kernels.small_rows_linear import (
     one_row_runs_reordered,
     use_small_rows_linears,
 )
-from kernels import cpu
 from kvmesh.errors import FailedPrecondition
 
 
@@ -76,12 +76,15 @@ def test_training_takes_the_plain_differentiable_product():
     assert x.grad is not None and linear.weight.grad is not None
 
 
-@pytest.mark.parametrize(("plain", "reordered", "floor"), [
-    ({1: 35.0, 2: 41.0, 3: 42.0}, {1: 50.0, 2: 50.0, 3: 50.0}, 4),  # MKL wins below 4 rows (the Intel dev box)
-    ({1: 35.7, 2: 58.5, 3: 74.5}, {1: 17.7, 2: 19.0, 3: 12.7}, 1),  # oneDNN wins everywhere (Zen 5)
-    ({1: 30.0, 2: 41.0, 3: 42.0}, {1: 31.0, 2: 40.0, 3: 40.0}, 2),  # from 2 rows on
-    ({1: 30.0, 2: 39.0, 3: 42.0}, {1: 29.0, 2: 40.0, 3: 40.0}, 3),  # 1 row alone is no run down to it
-])
+@pytest.mark.parametrize(
+    ("plain", "reordered", "floor"),
+    [
+        ({1: 35.0, 2: 41.0, 3: 42.0}, {1: 50.0, 2: 50.0, 3: 50.0}, 4),  # MKL wins below 4 rows (the Intel dev box)
+        ({1: 35.7, 2: 58.5, 3: 74.5}, {1: 17.7, 2: 19.0, 3: 12.7}, 1),  # oneDNN wins everywhere (Zen 5)
+        ({1: 30.0, 2: 41.0, 3: 42.0}, {1: 31.0, 2: 40.0, 3: 40.0}, 2),  # from 2 rows on
+        ({1: 30.0, 2: 39.0, 3: 42.0}, {1: 29.0, 2: 40.0, 3: 40.0}, 3),  # 1 row alone is no run down to it
+    ],
+)
 def test_the_float32_floor_is_the_fewest_rows_from_which_the_reordered_weight_wins(plain, reordered, floor):
     assert fewest_rows_that_pay(plain, reordered, default=4) == floor
 
@@ -125,11 +128,14 @@ def test_a_graph_being_traced_takes_the_plain_product_for_inductor_to_pack():
     assert not any("mkldnn" in str(t) for t in targets), targets
 
 
-@pytest.mark.parametrize(("own", "streamed", "most"), [
-    ({1: 20.0, 2: 29.0, 3: 29.0}, {1: 12.0, 2: 15.0, 3: 19.0}, 3),  # streams every tried count
-    ({1: 20.0, 2: 29.0, 3: 29.0}, {1: 12.0, 2: 30.0, 3: 19.0}, 1),  # a count it loses ends the run
-    ({1: 10.0, 2: 29.0, 3: 29.0}, {1: 12.0, 2: 15.0, 3: 19.0}, 0),  # one row is not faster: none stream
-])
+@pytest.mark.parametrize(
+    ("own", "streamed", "most"),
+    [
+        ({1: 20.0, 2: 29.0, 3: 29.0}, {1: 12.0, 2: 15.0, 3: 19.0}, 3),  # streams every tried count
+        ({1: 20.0, 2: 29.0, 3: 29.0}, {1: 12.0, 2: 30.0, 3: 19.0}, 1),  # a count it loses ends the run
+        ({1: 10.0, 2: 29.0, 3: 29.0}, {1: 12.0, 2: 15.0, 3: 19.0}, 0),  # one row is not faster: none stream
+    ],
+)
 def test_rows_stream_up_to_the_first_count_where_the_native_product_loses(own, streamed, most):
     assert most_rows_that_stream(own, streamed) == most
 
@@ -174,6 +180,7 @@ def test_rows_up_to_the_streamed_count_run_the_native_product(dtype):
         for rows in (1, 2):  # streamed: each row what it gets alone, the native op's guarantee
             x = torch.randn(rows, 64, dtype=dtype)
             assert torch.equal(linear(x), torch.ops.kvmesh_cpu.streamed_mm(x, plain.weight, plain.bias))
+
     # A graph traced for a static row count streams it; a graph for any row count takes the plain product.
     def streams(x: torch.Tensor, dynamic: bool) -> bool:
         return any("streamed_mm" in str(t) for t in _graph_targets(linear, x, dynamic))

@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from kvmesh.errors import InvalidArgument, ResourceExhausted
 from kvmesh.checksum import checksum
 from kvmesh.chunking import DEFAULT_CHUNK_BYTES, Chunk, Reassembler, split
+from kvmesh.errors import InvalidArgument, ResourceExhausted
 
 MIB = 1 << 20
 

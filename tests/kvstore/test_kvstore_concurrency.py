@@ -37,9 +37,7 @@ def test_concurrent_puts_of_the_same_block_are_idempotent(chain, make_block, dis
     assert store.get([a]) == [block]
 
 
-def test_mixed_concurrent_traffic_keeps_state_and_events_consistent(
-    chain, make_block, disk_store, events, tmp_path
-):
+def test_mixed_concurrent_traffic_keeps_state_and_events_consistent(chain, make_block, disk_store, events, tmp_path):
     """Puts, gets and deletes racing over small budgets: every get is right or missing,
     the byte counts add up, the files match the index, and replaying the events
     gives exactly the blocks present (no block reappears without a STORED)."""

@@ -86,9 +86,7 @@ def test_restart_orders_lru_by_mtime_and_applies_a_smaller_budget(chain, make_bl
     assert [restarted.lookup([h]) for h in (a, c, d)] == [1, 0, 1]
 
 
-def test_flipped_payload_byte_is_detected_removed_and_counted(
-    chain, make_block, disk_store, events, tmp_path
-):
+def test_flipped_payload_byte_is_detected_removed_and_counted(chain, make_block, disk_store, events, tmp_path):
     a, b = chain(2)
     store = disk_store(ram_budget=1000, disk_budget=1000)
     store.put(a, make_block(500))

@@ -20,12 +20,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.blocks import block_hashes
 from kvmesh.api.common.v1 import kv_pb2
 from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
-from kvmesh.runtime import Runtime, common_flags, parse_flags, serve
+from kvmesh.blocks import block_hashes
 from kvmesh.checksum import checksum
 from kvmesh.chunking import split
+from kvmesh.runtime import Runtime, common_flags, parse_flags, serve
 from services.kvstore.main import FLAGS, build
 
 MiB = 1 << 20
@@ -44,8 +44,14 @@ class Blob:
         shape = self.shape or (len(self.data),)
         return [
             kv_pb2.KVBlockChunk(
-                block_hash=self.block_hash, chunk_index=c.index, num_chunks=c.count, total_bytes=c.total_bytes,
-                shape=shape, dtype=self.dtype, checksum=checksum(self.data), data=c.data,
+                block_hash=self.block_hash,
+                chunk_index=c.index,
+                num_chunks=c.count,
+                total_bytes=c.total_bytes,
+                shape=shape,
+                dtype=self.dtype,
+                checksum=checksum(self.data),
+                data=c.data,
             )
             for c in split(self.data, chunk_bytes)
         ]
@@ -70,7 +76,9 @@ class GetResult:
     largest_chunk: int
 
 
-async def get(stub: kvstore_pb2_grpc.KVStoreServiceStub, hashes: Sequence[bytes], max_chunk_bytes: int = 0) -> GetResult:
+async def get(
+    stub: kvstore_pb2_grpc.KVStoreServiceStub, hashes: Sequence[bytes], max_chunk_bytes: int = 0
+) -> GetResult:
     parts: dict[bytes, list[bytes]] = {}
     order: list[bytes] = []
     missing: list[bytes] = []

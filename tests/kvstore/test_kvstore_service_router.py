@@ -30,8 +30,16 @@ async def test_registers_and_publishes_stored_evicted_and_deleted_blocks() -> No
     state = RouterState()
     first, second, third = blobs([1000, 1000, 1000])
     async with serve("router", build_fake_router(state), metrics_port=None) as router:
-        flags = ["--router-address", f"127.0.0.1:{router.port}", "--worker-id", WORKER,
-                 "--advertise-address", "kvstore.local:50055", "--ram-budget-bytes", "2000"]
+        flags = [
+            "--router-address",
+            f"127.0.0.1:{router.port}",
+            "--worker-id",
+            WORKER,
+            "--advertise-address",
+            "kvstore.local:50055",
+            "--ram-budget-bytes",
+            "2000",
+        ]
         async with kvstore(*flags) as (rt, stub):
             await until(lambda: state.resyncs, "the first snapshot")
             (registration,) = state.registrations
@@ -62,8 +70,16 @@ async def test_a_restarted_kvstore_announces_the_blocks_on_its_disk(tmp_path: Pa
     state = RouterState()
     kept = blobs([5000, 7000])
     async with serve("router", build_fake_router(state), metrics_port=None) as router:
-        flags = ["--router-address", f"127.0.0.1:{router.port}", "--worker-id", WORKER,
-                 "--disk-dir", str(tmp_path / "blocks"), "--disk-budget-bytes", str(1 << 20)]
+        flags = [
+            "--router-address",
+            f"127.0.0.1:{router.port}",
+            "--worker-id",
+            WORKER,
+            "--disk-dir",
+            str(tmp_path / "blocks"),
+            "--disk-budget-bytes",
+            str(1 << 20),
+        ]
         async with kvstore(*flags) as (_, stub):
             await stub.Put(put_stream([c for blob in kept for c in blob.chunks()]))
             await until(lambda: len(state.blocks(WORKER, KVSTORE)) == 2, "the puts")
@@ -92,7 +108,10 @@ async def test_the_real_router_routes_on_the_kvstores_blocks(redis_server) -> No
     async with router_service(redis_server.url) as router, stub_for(router) as rstub:
         await rstub.RegisterWorker(
             router_pb2.RegisterWorkerRequest(
-                worker_id="d1", role=worker_pb2.WORKER_ROLE_DECODE, address="d1.local:1", layout=LAYOUT,
+                worker_id="d1",
+                role=worker_pb2.WORKER_ROLE_DECODE,
+                address="d1.local:1",
+                layout=LAYOUT,
                 capacity=router_pb2.WorkerCapacity(total_kv_blocks=100),
             )
         )

@@ -14,8 +14,9 @@ def child(name: str, role: str, **settings: object) -> ProcessSpec:
     port = free_port()
     env = {"KVMESH_PORT": str(port), "KVMESH_METRICS_PORT": "0", "KVMESH_GRACE_SECONDS": "1", "PYTHONUNBUFFERED": "1"}
     env |= {"KVMESH_" + k.upper(): str(v) for k, v in settings.items()}
-    return ProcessSpec(name, role, (sys.executable, "-m", "tests.launcher.child_service"), env, "127.0.0.1", port,
-                       workdir=REPO_ROOT)
+    return ProcessSpec(
+        name, role, (sys.executable, "-m", "tests.launcher.child_service"), env, "127.0.0.1", port, workdir=REPO_ROOT
+    )
 
 
 def alive(pid: int) -> bool:

@@ -18,10 +18,12 @@ def main() -> None:
     work = Path(sys.argv[1])
     delay = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
     policy = RestartPolicy(initial_backoff_s=0.2) if sys.argv[3:4] == ["restart"] else None
-    topology = Topology((
-        child("router", "router", pid_file=work / "router.pid"),
-        child("gateway", "gateway", pid_file=work / "gateway.pid", start_delay_s=delay),
-    ))
+    topology = Topology(
+        (
+            child("router", "router", pid_file=work / "router.pid"),
+            child("gateway", "gateway", pid_file=work / "gateway.pid", start_delay_s=delay),
+        )
+    )
     sys.exit(serve_mesh(Mesh(topology, work / "run", restart=policy, on_progress=_say), ["the test mesh is up"]))
 
 

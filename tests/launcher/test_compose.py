@@ -66,7 +66,9 @@ def test_a_bad_env_line_names_its_place(tmp_path: Path) -> None:
         read_env_file(env)
 
 
-@pytest.mark.parametrize(("text", "seconds"), [("30s", 30.0), ("1m30s", 90.0), ("500ms", 0.5), ("2", 2.0), ("1h", 3600.0)])
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("30s", 30.0), ("1m30s", 90.0), ("500ms", 0.5), ("2", 2.0), ("1h", 3600.0)]
+)
 def test_durations(text, seconds) -> None:
     assert parse_duration(text) == seconds
 
@@ -107,8 +109,10 @@ services:
     assert decode.ports == (PortMapping(50054, 9000), PortMapping(9104, None), PortMapping(9999, 19999))
     assert decode.expose == (6379,)
     assert decode.volumes == (
-        Mount("/models/m", "../models/m", True, True), Mount("/var/lib/x", "data", False),
-        Mount("/scratch", None, False), Mount("/b", "./b", True),
+        Mount("/models/m", "../models/m", True, True),
+        Mount("/var/lib/x", "data", False),
+        Mount("/scratch", None, False),
+        Mount("/b", "./b", True),
     )
     assert decode.gpus == ("3",) and decode.replicas == 2 and decode.stop_grace_s == 60.0
     assert decode.depends_on == {"router": "service_started"} and decode.profiles == ("extra",)

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from kvmesh.launcher.health_cli import add_health_parser, default_address
 from kvmesh.launcher import free_port
+from kvmesh.launcher.health_cli import add_health_parser, default_address
 from kvmesh.runtime import Runtime, ServiceContext, ServiceDef
 from tests.runtime.fakes import build_kvstore
 
@@ -41,7 +41,9 @@ async def test_serving_not_serving_and_unknown_services(capsys) -> None:
         may_start.set()
         await starting
         assert await asyncio.to_thread(_health, ["--address", address], capsys) == (0, f"{address}: SERVING")
-        code, _ = await asyncio.to_thread(_health, ["--address", address, "--service", "kvmesh.api.kvstore.v1.KVStoreService"], capsys)
+        code, _ = await asyncio.to_thread(
+            _health, ["--address", address, "--service", "kvmesh.api.kvstore.v1.KVStoreService"], capsys
+        )
         assert code == 0
         code, said = await asyncio.to_thread(_health, ["--address", address, "--service", "no.such.Service"], capsys)
         assert code == 1 and "NOT_FOUND" in said

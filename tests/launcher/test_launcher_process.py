@@ -25,7 +25,10 @@ def launch(tmp_path) -> Iterator:
     def start(start_delay_s: float = 0.0, *extra: str) -> tuple[subprocess.Popen, dict[str, int]]:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.launcher.run_mesh", str(tmp_path), str(start_delay_s), *extra],
-            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         started.append(proc)
         pids = {name: read_pid(tmp_path / f"{name}.pid") for name in ("router", "gateway")}
@@ -100,7 +103,9 @@ def test_a_supervising_launcher_restarts_a_crashed_child(launch, tmp_path) -> No
     _wait_for_line(proc, "the test mesh is up")
 
     os.kill(pids["router"], signal.SIGKILL)
-    assert "router exited unexpectedly (code -9); restarting it in 0.2 s" in _wait_for_line(proc, "exited unexpectedly", "stderr")
+    assert "router exited unexpectedly (code -9); restarting it in 0.2 s" in _wait_for_line(
+        proc, "exited unexpectedly", "stderr"
+    )
     _wait_for_line(proc, "router is serving again (restart 1)", "stderr")
     restarted = read_pid(tmp_path / "router.pid")
     assert restarted != pids["router"] and alive(restarted)
@@ -113,10 +118,20 @@ def test_a_supervising_launcher_restarts_a_crashed_child(launch, tmp_path) -> No
 
 def test_up_refuses_a_missing_model_folder(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-c", "import sys; from kvmesh.launcher.cli import add_up_parser, run_up; import argparse;"
-         "p = argparse.ArgumentParser(); add_up_parser(p.add_subparsers());"
-         "sys.exit(run_up(p.parse_args(sys.argv[1:])))", "up", "--model", str(tmp_path / "nope")],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from kvmesh.launcher.cli import add_up_parser, run_up; import argparse;"
+            "p = argparse.ArgumentParser(); add_up_parser(p.add_subparsers());"
+            "sys.exit(run_up(p.parse_args(sys.argv[1:])))",
+            "up",
+            "--model",
+            str(tmp_path / "nope"),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
     assert f"--model {tmp_path / 'nope'}: not a directory" in result.stderr

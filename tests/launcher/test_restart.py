@@ -67,7 +67,9 @@ def test_a_crashed_process_is_restarted_on_its_port_and_serves_again(tmp_path) -
     events: list[str] = []
     worker = child("decode-0", "decode", pid_file=tmp_path / "decode.pid")
     policy = RestartPolicy(initial_backoff_s=0.2, max_restarts=3)
-    mesh = Mesh(Topology((child("router", "router"), worker)), tmp_path / "run", on_progress=events.append, restart=policy)
+    mesh = Mesh(
+        Topology((child("router", "router"), worker)), tmp_path / "run", on_progress=events.append, restart=policy
+    )
     with mesh:
         first = read_pid(tmp_path / "decode.pid")
         assert mesh.crash("decode-0") == mesh.process("decode-0").pid
@@ -98,7 +100,9 @@ def test_a_crash_loop_backs_off_exponentially_then_gives_up_and_says_so(tmp_path
         line = _wait_for(events, r"decode-0 crashed 4 times in a row")
         assert "a crash loop; not restarting it again" in line
         assert "boom: the model folder is missing" in line  # its last log lines
-        delays = [float(m.group(1)) for e in events if (m := re.search(r"decode-0 exited .* restarting it in ([\d.]+) s", e))]
+        delays = [
+            float(m.group(1)) for e in events if (m := re.search(r"decode-0 exited .* restarting it in ([\d.]+) s", e))
+        ]
         assert delays == [0.1, 0.2, 0.4]
         assert mesh.restarts("decode-0") == 3
         assert mesh.crashed() == ["decode-0"]

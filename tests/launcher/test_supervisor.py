@@ -95,7 +95,9 @@ def test_a_process_that_dies_on_its_own_is_reported(tmp_path) -> None:
 
 
 def test_a_missing_binary_fails_start_up_clearly(tmp_path) -> None:
-    missing = Topology((ProcessSpec("redis", "redis", ("/nonexistent/redis-server",), {}, "127.0.0.1", 1, health="redis"),))
+    missing = Topology(
+        (ProcessSpec("redis", "redis", ("/nonexistent/redis-server",), {}, "127.0.0.1", 1, health="redis"),)
+    )
 
     with pytest.raises(MeshError) as info:
         Mesh(missing, tmp_path).start()

@@ -45,12 +45,26 @@ def _redis_settings(argv) -> dict[str, list[str]]:
 def test_the_default_mesh_is_the_compose_files_services_in_its_order() -> None:
     topo = _plan(_options(python="py"))
 
-    compose_names = [s.name for s in load_compose(REPO_ROOT / "compose" / "docker-compose.yml", {}).services if not s.profiles]
+    compose_names = [
+        s.name for s in load_compose(REPO_ROOT / "compose" / "docker-compose.yml", {}).services if not s.profiles
+    ]
     assert compose_names == ["redis", "router", "kvstore", "speculator", "prefill", "decode", "gateway"]
-    assert [p.name for p in topo.processes] == ["redis", "router", "kvstore", "speculator", "prefill-0", "decode-0", "gateway"]
+    assert [p.name for p in topo.processes] == [
+        "redis",
+        "router",
+        "kvstore",
+        "speculator",
+        "prefill-0",
+        "decode-0",
+        "gateway",
+    ]
     # Start levels are the compose file's depends_on: the speculator depends on nothing.
     assert [[p.name for p in level] for level in topo.levels()] == [
-        ["redis", "speculator"], ["router"], ["kvstore"], ["prefill-0", "decode-0"], ["gateway"]
+        ["redis", "speculator"],
+        ["router"],
+        ["kvstore"],
+        ["prefill-0", "decode-0"],
+        ["gateway"],
     ]
     gateway = topo.get("gateway")
     assert gateway.address == "127.0.0.1:50051"  # the compose file's published port
@@ -95,17 +109,28 @@ def test_named_volumes_live_in_the_run_dir_and_bind_mounts_are_host_folders() ->
     assert topo.get("kvstore").env["KVMESH_DISK_DIR"] == str(RUN / "volumes" / "kvstore-data")
     # No model override: the compose file's read-only bind mount, resolved beside the compose file.
     installed = str(Path.home() / ".cache" / "kvmesh" / "models" / "smollm2-135m-instruct")
-    assert topo.get("decode-0").env["KVMESH_MODEL"] == installed and topo.get("gateway").env["KVMESH_MODEL"] == installed
-    assert compose_model_path(_options(model=None, compose_vars={"KVMESH_MODEL_DIR": "/srv/llama"})) == Path("/srv/llama")
+    assert (
+        topo.get("decode-0").env["KVMESH_MODEL"] == installed and topo.get("gateway").env["KVMESH_MODEL"] == installed
+    )
+    assert compose_model_path(_options(model=None, compose_vars={"KVMESH_MODEL_DIR": "/srv/llama"})) == Path(
+        "/srv/llama"
+    )
 
 
 def test_env_file_and_environment_values_flow_into_the_plan() -> None:
-    variables = {"KVMESH_DECODE_NUM_BLOCKS": "96", "KVMESH_DECODE_REPLICAS": "2", "KVMESH_GATEWAY_PORT": "7070",
-                 "KVMESH_CONTEXT_LENGTH": "512"}
+    variables = {
+        "KVMESH_DECODE_NUM_BLOCKS": "96",
+        "KVMESH_DECODE_REPLICAS": "2",
+        "KVMESH_GATEWAY_PORT": "7070",
+        "KVMESH_CONTEXT_LENGTH": "512",
+    }
     topo = _plan(_options(compose_vars=variables))
 
     assert [p.name for p in topo.processes if p.role == "decode"] == ["decode-0", "decode-1"]
-    assert topo.get("decode-1").env["KVMESH_NUM_BLOCKS"] == "96" and topo.get("decode-1").env["KVMESH_WORKER_ID"] == "decode-1"
+    assert (
+        topo.get("decode-1").env["KVMESH_NUM_BLOCKS"] == "96"
+        and topo.get("decode-1").env["KVMESH_WORKER_ID"] == "decode-1"
+    )
     assert topo.get("gateway").port == 7070
     assert topo.get("gateway").env["KVMESH_MAX_MODEL_LEN"] == "512"
     assert "KVMESH_MAX_MODEL_LEN" not in _plan().get("gateway").env  # empty = unset: the model's own limit
@@ -130,11 +155,14 @@ def test_without_a_gpu_the_compose_files_gpu_pins_become_cpu() -> None:
 
 
 def test_with_gpus_each_worker_gets_the_gpu_the_compose_file_reserves() -> None:
-    options = _options(device_prefill=None, device_decode=None, compose_vars={"KVMESH_PREFILL_GPU": "2", "KVMESH_DECODE_GPU": "3"})
+    options = _options(
+        device_prefill=None, device_decode=None, compose_vars={"KVMESH_PREFILL_GPU": "2", "KVMESH_DECODE_GPU": "3"}
+    )
     topo = _plan(options, gpus=4)
 
     assert [(p.name, p.device, p.env["KVMESH_DEVICE"]) for p in topo.processes if p.device] == [
-        ("prefill-0", "cuda:2", "cuda:2"), ("decode-0", "cuda:3", "cuda:3")
+        ("prefill-0", "cuda:2", "cuda:2"),
+        ("decode-0", "cuda:3", "cuda:3"),
     ]
 
 
@@ -148,8 +176,11 @@ def test_device_overrides_share_out_round_robin() -> None:
     topo = _plan(options, gpus=3)
 
     assert [(p.name, p.device) for p in topo.processes if p.device] == [
-        ("prefill-0", "cuda:0"), ("prefill-1", "cuda:0"),
-        ("decode-0", "cuda:1"), ("decode-1", "cuda:2"), ("decode-2", "cuda:1"),
+        ("prefill-0", "cuda:0"),
+        ("prefill-1", "cuda:0"),
+        ("decode-0", "cuda:1"),
+        ("decode-1", "cuda:2"),
+        ("decode-2", "cuda:1"),
     ]
 
 
@@ -163,8 +194,9 @@ def test_base_port_numbers_everything_but_the_gateway_consecutively() -> None:
 
 
 def test_free_ports_are_never_handed_out_twice_nor_the_fixed_ones() -> None:
-    repeating = itertools.cycle([41000, 41000, 50051, 41001, 41002, 41003, 41004, 41005, 41006, 41007, 41008, 41009,
-                                 41010, 41011, 41012, 41013])
+    repeating = itertools.cycle(
+        [41000, 41000, 50051, 41001, 41002, 41003, 41004, 41005, 41006, 41007, 41008, 41009, 41010, 41011, 41012, 41013]
+    )
     topo = _plan(ports=lambda: next(repeating))
 
     ports = [port for p in topo.processes for port in (p.port, p.metrics_port) if port is not None]
@@ -193,8 +225,9 @@ def test_clashing_ports_are_refused() -> None:
 
 
 def test_extra_settings_per_role_and_a_model_name() -> None:
-    options = _options(model_name="demo", role_env={"decode": {"KVMESH_NUM_BLOCKS": "64"}}, log_level="debug",
-                       grace_seconds=3.0)
+    options = _options(
+        model_name="demo", role_env={"decode": {"KVMESH_NUM_BLOCKS": "64"}}, log_level="debug", grace_seconds=3.0
+    )
     topo = _plan(options)
 
     assert topo.get("decode-0").env["KVMESH_NUM_BLOCKS"] == "64"
@@ -215,7 +248,11 @@ def test_describe_lists_every_endpoint() -> None:
     lines = describe(topo, RUN)
 
     assert len(lines) == len(topo.processes)
-    assert "gateway" in lines[-1] and "gRPC 127.0.0.1:50051" in lines[-1] and str(RUN / "logs" / "gateway.log") in lines[-1]
+    assert (
+        "gateway" in lines[-1]
+        and "gRPC 127.0.0.1:50051" in lines[-1]
+        and str(RUN / "logs" / "gateway.log") in lines[-1]
+    )
     assert "redis://127.0.0.1:" in lines[0]
 
 
@@ -239,7 +276,11 @@ _ROUTER = """
 
 
 def test_a_command_s_arguments_are_mapped_too(tmp_path) -> None:
-    options = _compose(tmp_path, "services:" + _ROUTER + """
+    options = _compose(
+        tmp_path,
+        "services:"
+        + _ROUTER
+        + """
   decode:
     command: ["decode"]
     environment: ["KVMESH_PORT=3", "KVMESH_METRICS_PORT=4", "KVMESH_ROUTER_ADDRESS=router:1"]
@@ -247,7 +288,8 @@ def test_a_command_s_arguments_are_mapped_too(tmp_path) -> None:
   grafana:
     image: grafana/grafana
     profiles: [monitoring]
-""")
+""",
+    )
     topo = build_topology(options, RUN, _ports(), gpu_count=0)
 
     assert [p.name for p in topo.processes] == ["redis", "router", "decode-0"]  # profiled services are extras
@@ -260,16 +302,23 @@ def test_a_command_s_arguments_are_mapped_too(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("services", "error"),
     [
-        ("""
+        (
+            """
   web:
     image: nginx
-""", "web: kvmesh up runs redis and kvmesh services"),
-        ("""
+""",
+            "web: kvmesh up runs redis and kvmesh services",
+        ),
+        (
+            """
   decode:
     command: ["decode"]
     environment: {KVMESH_METRICS_PORT: "4"}
-""", "set KVMESH_PORT"),
-        ("""
+""",
+            "set KVMESH_PORT",
+        ),
+        (
+            """
   decode:
     command: ["decode"]
     environment: {KVMESH_PORT: "3", KVMESH_METRICS_PORT: "4"}
@@ -278,25 +327,36 @@ def test_a_command_s_arguments_are_mapped_too(tmp_path) -> None:
     command: ["gateway"]
     environment: {KVMESH_PORT: "5", KVMESH_METRICS_PORT: "6"}
     depends_on: [decode]
-""", "depends_on cycle"),
-        ("""
+""",
+            "depends_on cycle",
+        ),
+        (
+            """
   decode:
     command: ["decode"]
     environment: {KVMESH_PORT: "3", KVMESH_METRICS_PORT: "4"}
     ports: ["8000:3"]
     deploy: {replicas: 2}
-""", "several replicas cannot share host port 8000"),
-        ("""
+""",
+            "several replicas cannot share host port 8000",
+        ),
+        (
+            """
   router:
     command: ["router"]
     environment: {KVMESH_PORT: "1", KVMESH_METRICS_PORT: "2"}
     deploy: {replicas: 2}
-""", "only prefill and decode run several replicas"),
-        ("""
+""",
+            "only prefill and decode run several replicas",
+        ),
+        (
+            """
   router:
     command: ["router"]
     environment: {KVMESH_PORT: "1", KVMESH_METRICS_PORT: "2"}
-""", "no decode service"),
+""",
+            "no decode service",
+        ),
     ],
 )
 def test_compose_files_kvmesh_up_cannot_run_are_refused_clearly(tmp_path, services, error) -> None:

@@ -32,8 +32,10 @@ RAW_PROMPTS = [
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a short poem about the ocean."}],
-    [{"role": "system", "content": "You are a concise assistant."},
-     {"role": "user", "content": "Explain what a Python list comprehension is."}],
+    [
+        {"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "Explain what a Python list comprehension is."},
+    ],
 ]
 
 
@@ -67,14 +69,20 @@ def references() -> list[Reference]:
 
     model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # run every step: the engine's ignore_eos twin
-    config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=2,
-                              output_logits=True, return_dict_in_generate=True)
+    config = GenerationConfig(
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=2,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     out = []
     for prompt in prompts():
         ids = torch.tensor([prompt])
         with torch.no_grad():  # an explicit mask: inferred, it would hide the prompt's <|im_end|> (= pad)
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-        ids = gen.sequences[0, len(prompt):].tolist()
+        ids = gen.sequences[0, len(prompt) :].tolist()
         steps = []
         for logits, token in zip(gen.logits, ids):
             lp = torch.log_softmax(logits[0].double(), -1)

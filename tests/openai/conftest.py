@@ -29,8 +29,10 @@ def post_raw(base_url: str, body: bytes, headers: bytes = b"") -> socket.socket:
     """A raw connection with a chat completion request sent on it, for tests that read, or hang up, by hand."""
     url = urllib.parse.urlsplit(base_url)
     conn = socket.create_connection((url.hostname, url.port), timeout=30)
-    conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: kvmesh\r\nContent-Type: application/json\r\n"
-                 b"%sContent-Length: %d\r\n\r\n%s" % (headers, len(body), body))
+    conn.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: kvmesh\r\nContent-Type: application/json\r\n"
+        b"%sContent-Length: %d\r\n\r\n%s" % (headers, len(body), body)
+    )
     return conn
 
 

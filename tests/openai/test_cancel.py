@@ -12,8 +12,12 @@ from tests.openai.conftest import MODEL, post_raw
 
 pytestmark = pytest.mark.timeout(300)
 
-LONG = {"model": MODEL, "messages": [{"role": "user", "content": "Count to a thousand."}], "max_tokens": 450,
-        "extra_body": {"ignore_eos": True}}
+LONG = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Count to a thousand."}],
+    "max_tokens": 450,
+    "extra_body": {"ignore_eos": True},
+}
 
 
 def _usage(mesh) -> tuple[float, float, float]:
@@ -31,7 +35,8 @@ def _back_to(mesh, baseline: tuple[float, float, float]) -> tuple[float, float, 
 
 def _decode_rpcs(mesh, code: str) -> float:
     return metrics(mesh, "decode-0").get(
-        f"kvmesh_rpc_requests_total{{code={code},method=Decode,service=kvmesh.api.decode.v1.DecodeService}}", 0.0)
+        f"kvmesh_rpc_requests_total{{code={code},method=Decode,service=kvmesh.api.decode.v1.DecodeService}}", 0.0
+    )
 
 
 def _hang_up_after_three_events(mesh, base_url: str, baseline: tuple[float, float, float]) -> str:
@@ -92,8 +97,12 @@ def test_hanging_up_before_a_whole_response(mesh, base_url) -> None:
     try:
         with post_raw(base_url, body):
             # Only the gateway and the router answer while prefill is stopped.
-            seen = poll(lambda: (_gateway_inflight(mesh), metrics(mesh, "router").get(routed, 0.0)),
-                        lambda seen: seen == (baseline[0] + 4, routed_before + 4), polls=500, interval_s=0.01)
+            seen = poll(
+                lambda: (_gateway_inflight(mesh), metrics(mesh, "router").get(routed, 0.0)),
+                lambda seen: seen == (baseline[0] + 4, routed_before + 4),
+                polls=500,
+                interval_s=0.01,
+            )
             assert seen == (baseline[0] + 4, routed_before + 4)
         # The connection is closed with the four choices routed and waiting on their prefill.
         _wait_for_gateway_inflight(mesh, baseline[0])

@@ -28,8 +28,9 @@ def _prompt_tokens(model_dir, messages: list[dict]) -> int:
 
 
 def test_a_chat_completion_renders_the_template_and_counts_usage(client, openai_model) -> None:
-    done = client.chat.completions.create(model=MODEL, messages=CONVERSATION, max_completion_tokens=10,
-                                          temperature=0, extra_body=FULL_LENGTH)
+    done = client.chat.completions.create(
+        model=MODEL, messages=CONVERSATION, max_completion_tokens=10, temperature=0, extra_body=FULL_LENGTH
+    )
 
     [choice] = done.choices
     assert choice.message.role == "assistant" and choice.message.content and choice.finish_reason == "length"
@@ -42,12 +43,20 @@ def test_a_chat_completion_renders_the_template_and_counts_usage(client, openai_
 
 def test_a_streamed_chat_equals_the_whole_one(client) -> None:
     messages = [{"role": "user", "content": "Write a loop."}]
-    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
-                                           extra_body=FULL_LENGTH)
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=12, temperature=0, extra_body=FULL_LENGTH, stream=True,
-        stream_options={"include_usage": True},
-    ))
+    whole = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, extra_body=FULL_LENGTH
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            extra_body=FULL_LENGTH,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
 
     *pieces, usage_chunk = chunks
     assert pieces[0].choices[0].delta.role == "assistant"
@@ -59,10 +68,18 @@ def test_a_streamed_chat_equals_the_whole_one(client) -> None:
 
 
 def test_n_streamed_choices_with_a_seed(client) -> None:
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Name a variable."}], n=2, seed=7, temperature=1.0,
-        max_tokens=8, extra_body=FULL_LENGTH, stream=True,
-    ))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Name a variable."}],
+            n=2,
+            seed=7,
+            temperature=1.0,
+            max_tokens=8,
+            extra_body=FULL_LENGTH,
+            stream=True,
+        )
+    )
 
     texts = {0: "", 1: ""}
     for chunk in chunks:
@@ -74,8 +91,15 @@ def test_n_streamed_choices_with_a_seed(client) -> None:
 
 
 def test_chat_logprobs(client) -> None:
-    done = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
-                                          temperature=0, logprobs=True, top_logprobs=3, extra_body=FULL_LENGTH)
+    done = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body=FULL_LENGTH,
+    )
 
     content = done.choices[0].logprobs.content
     assert len(content) == 6

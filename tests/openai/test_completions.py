@@ -17,10 +17,17 @@ FULL_LENGTH = {"ignore_eos": True}
 
 def test_a_completion_and_its_stream_agree(client) -> None:
     whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, extra_body=FULL_LENGTH)
-    chunks = list(client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, extra_body=FULL_LENGTH, stream=True,
-        stream_options={"include_usage": True},
-    ))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            extra_body=FULL_LENGTH,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
 
     [choice] = whole.choices
     assert choice.finish_reason == "length" and choice.text
@@ -35,15 +42,18 @@ def test_a_completion_and_its_stream_agree(client) -> None:
 
 def test_several_prompts_each_get_n_choices(client) -> None:
     prompts = ["import os\n", "class Stack:\n", "x = [1, 2, 3]\n"]
-    done = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=4, temperature=0,
-                                     extra_body=FULL_LENGTH)
+    done = client.completions.create(
+        model=MODEL, prompt=prompts, n=2, max_tokens=4, temperature=0, extra_body=FULL_LENGTH
+    )
 
     assert [c.index for c in done.choices] == list(range(6))
     texts = [c.text for c in done.choices]
     assert texts[0] == texts[1] and texts[2] == texts[3] and texts[4] == texts[5]  # greedy: the same twice
     assert done.usage.completion_tokens == 24
-    singles = [client.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0, extra_body=FULL_LENGTH)
-               for p in prompts]
+    singles = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0, extra_body=FULL_LENGTH)
+        for p in prompts
+    ]
     assert texts[::2] == [s.choices[0].text for s in singles]
     assert done.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
 
@@ -58,8 +68,9 @@ def test_prompts_of_token_ids(client) -> None:
 
 def test_a_seed_reproduces_a_sampled_completion(client) -> None:
     def sample(seed: int, n: int = 1) -> list[str]:
-        done = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0, seed=seed, n=n,
-                                         extra_body=FULL_LENGTH)
+        done = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0, seed=seed, n=n, extra_body=FULL_LENGTH
+        )
         return [c.text for c in done.choices]
 
     first, again = sample(1234), sample(1234)
@@ -77,16 +88,18 @@ def test_a_stop_string_ends_the_completion_before_it(client) -> None:
     assert at is not None, f"no usable stop string in {text!r}"
     stop = text[at : at + 2]
 
-    stopped = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop, "@@@"],
-                                        extra_body=FULL_LENGTH)
+    stopped = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop, "@@@"], extra_body=FULL_LENGTH
+    )
 
     assert stopped.choices[0].text == text[: text.find(stop)]
     assert stopped.choices[0].finish_reason == "stop"
 
 
 def test_logprobs_of_a_greedy_completion(client) -> None:
-    done = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3,
-                                     extra_body=FULL_LENGTH)
+    done = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3, extra_body=FULL_LENGTH
+    )
 
     lp = done.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8

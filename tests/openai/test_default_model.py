@@ -32,8 +32,9 @@ MODEL = "smollm2-135m-instruct"
 def default_url(tmp_path_factory) -> Iterator[str]:
     # float32 workers (the reference's precision) and the gateway's own defaults otherwise.
     workers = {"KVMESH_NUM_BLOCKS": "256", "KVMESH_DTYPE": "float32"}
-    mesh: Mesh = start_mesh(default_model_path(), tmp_path_factory.mktemp("default-mesh"),
-                            role_env={"prefill": workers, "decode": workers})
+    mesh: Mesh = start_mesh(
+        default_model_path(), tmp_path_factory.mktemp("default-mesh"), role_env={"prefill": workers, "decode": workers}
+    )
     try:
         yield http_url(mesh) + "/v1"
     finally:
@@ -52,7 +53,11 @@ async def test_greedy_output_through_the_mesh_matches_transformers(client) -> No
 
     async def ask(prompt: list[int]):
         return await client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, logprobs=TOP,
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=NEW_TOKENS,
+            temperature=0,
+            logprobs=TOP,
             extra_body={"ignore_eos": True},
         )
 
@@ -66,7 +71,9 @@ async def test_greedy_output_through_the_mesh_matches_transformers(client) -> No
         got_ids = [t if g == w else -1 for t, g, w in zip(ref.token_ids, got_texts, want_texts)]
         end = first_divergence(ref, got_ids + [-1] * (len(ref.steps) - len(got_ids)))
         diverged += end is not None
-        for step, chosen, top in list(zip(ref.steps, choice.logprobs.token_logprobs, choice.logprobs.top_logprobs))[:end]:
+        for step, chosen, top in list(zip(ref.steps, choice.logprobs.token_logprobs, choice.logprobs.top_logprobs))[
+            :end
+        ]:
             want = {tok.decode([i], skip_special_tokens=False): v for i, v in step.top}
             assert abs(chosen - step.top[0][1]) < LOGPROB_TOLERANCE
             shared = [t for t in top if t in want]
@@ -88,7 +95,9 @@ async def test_readme_fibonacci_completes_to_python_that_parses(client) -> None:
 
 async def test_readme_chat_knows_the_capital_of_france(client) -> None:
     reply = await client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=64,
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=64,
         temperature=0,
     )
     assert "Paris" in reply.choices[0].message.content

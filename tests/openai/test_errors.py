@@ -34,8 +34,16 @@ def _error(info: pytest.ExceptionInfo) -> dict:
         ({"presence_penalty": 2.5}, "presence_penalty", "presence_penalty: Input should be less than or equal to 2"),
         ({"logit_bias": {"5": 150}}, "logit_bias", "Input should be less than or equal to 100"),
         ({"tool_choice": "auto"}, "tool_choice", "no tools are declared"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-            "type": "array", "uniqueItems": True}}}}, "response_format", "keyword 'uniqueItems' is not supported"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}},
+                }
+            },
+            "response_format",
+            "keyword 'uniqueItems' is not supported",
+        ),
         ({"top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs: true"),
         ({"n": 0}, "n", "n: Input should be greater than or equal to 1"),
     ],
@@ -102,8 +110,12 @@ def test_admission_control_sheds_load_with_429(mesh, guarded) -> None:
     mesh.kill("prefill-0", signal.SIGSTOP)
     try:
         with post_raw(guarded.url, body, b"Authorization: Bearer %s\r\n" % API_KEY.encode()):
-            inflight = poll(lambda: metrics(guarded.process, "gateway-guarded")["kvmesh_gateway_inflight_requests"],
-                            lambda n: n == 1, polls=500, interval_s=0.01)
+            inflight = poll(
+                lambda: metrics(guarded.process, "gateway-guarded")["kvmesh_gateway_inflight_requests"],
+                lambda n: n == 1,
+                polls=500,
+                interval_s=0.01,
+            )
             assert inflight == 1  # admitted, and waiting on the stopped prefill
             with pytest.raises(openai.RateLimitError) as info:
                 guarded.client().chat.completions.create(model=MODEL, messages=HI, max_tokens=2)
@@ -117,12 +129,21 @@ def test_admission_control_sheds_load_with_429(mesh, guarded) -> None:
 async def test_a_gateway_whose_router_is_gone_answers_503_at_once(openai_model) -> None:
     dead = f"127.0.0.1:{free_port()}"
     http_port = free_port()
-    argv = ["--router-address", dead, "--model", str(openai_model), "--http-port", str(http_port),
-            "--rpc-timeout-seconds", "5"]
+    argv = [
+        "--router-address",
+        dead,
+        "--model",
+        str(openai_model),
+        "--http-port",
+        str(http_port),
+        "--rpc-timeout-seconds",
+        "5",
+    ]
     args = parse_flags("kvmesh-gateway", [*common_flags(0, 0), *FLAGS], argv, environ={})
     async with serve("gateway", build, args, grace_seconds=1.0):
-        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="x", max_retries=0,
-                                      timeout=30) as client:
+        async with openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{http_port}/v1", api_key="x", max_retries=0, timeout=30
+        ) as client:
             with pytest.raises(openai.InternalServerError) as info:
                 await client.chat.completions.create(model=MODEL, messages=HI, stream=True)
 

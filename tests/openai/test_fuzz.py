@@ -26,12 +26,23 @@ pytestmark = pytest.mark.timeout(900)
 
 # 100 cases in all, most of them where the work is.
 BUDGET = {
-    GenerationMode.POSITIVE: {"POST /v1/completions": 30, "POST /v1/chat/completions": 30, "GET /v1/models": 2,
-                              "GET /v1/models/{model}": 2, "GET /health": 2, "GET /metrics": 2, "GET /openapi.json": 2},
+    GenerationMode.POSITIVE: {
+        "POST /v1/completions": 30,
+        "POST /v1/chat/completions": 30,
+        "GET /v1/models": 2,
+        "GET /v1/models/{model}": 2,
+        "GET /health": 2,
+        "GET /metrics": 2,
+        "GET /openapi.json": 2,
+    },
     GenerationMode.NEGATIVE: {"POST /v1/completions": 15, "POST /v1/chat/completions": 15},
 }
-CHECKS = [sc.not_a_server_error, sc.status_code_conformance, sc.content_type_conformance,
-          sc.response_schema_conformance]
+CHECKS = [
+    sc.not_a_server_error,
+    sc.status_code_conformance,
+    sc.content_type_conformance,
+    sc.response_schema_conformance,
+]
 # A generous bound per call: a hang fails the test instead of stalling the suite.
 CALL_TIMEOUT_S = 120
 
@@ -51,18 +62,26 @@ def test_fuzz_the_openapi_document(guarded, schema, mode) -> None:
     def call(case) -> None:
         nonlocal slowest
         start = time.perf_counter()
-        response = case.call(base_url=guarded.url, headers={"Authorization": f"Bearer {API_KEY}"},
-                             timeout=CALL_TIMEOUT_S)
+        response = case.call(
+            base_url=guarded.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=CALL_TIMEOUT_S
+        )
         slowest = max(slowest, time.perf_counter() - start)
         statuses[(case.operation.label, response.status_code)] += 1
         case.validate_response(response, checks=checks)
 
     for label, cases in BUDGET[mode].items():
         method, path = label.split(" ")
-        fuzz = settings(max_examples=cases, deadline=None, database=None, phases=[Phase.generate],
-                        suppress_health_check=list(HealthCheck))(given(case=schema[path][method].as_strategy(mode))(call))
+        fuzz = settings(
+            max_examples=cases,
+            deadline=None,
+            database=None,
+            phases=[Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )(given(case=schema[path][method].as_strategy(mode))(call))
         fuzz()
 
-    print(f"\nfuzz ({mode.value}): {sum(statuses.values())} cases, slowest {slowest:.2f} s; "
-          + ", ".join(f"{op} {status}: {n}" for (op, status), n in sorted(statuses.items())))
+    print(
+        f"\nfuzz ({mode.value}): {sum(statuses.values())} cases, slowest {slowest:.2f} s; "
+        + ", ".join(f"{op} {status}: {n}" for (op, status), n in sorted(statuses.items()))
+    )
     assert statuses and not any(status >= 500 for _, status in statuses)

@@ -28,8 +28,9 @@ def _idle(mesh) -> tuple[float, float, float]:
 
 async def test_64_concurrent_streaming_chats(mesh, aclient, openai_model) -> None:
     tokenizer = Tokenizer(openai_model)
-    conversations = [[{"role": "user", "content": f"Request {i}: write function number {i * 7919}."}]
-                     for i in range(CONCURRENCY)]
+    conversations = [
+        [{"role": "user", "content": f"Request {i}: write function number {i * 7919}."}] for i in range(CONCURRENCY)
+    ]
     baseline = _idle(mesh)
 
     async def chat(messages: list[dict]) -> tuple[str, object, float]:
@@ -37,8 +38,13 @@ async def test_64_concurrent_streaming_chats(mesh, aclient, openai_model) -> Non
         first = None
         text, usage = "", None
         stream = await aclient.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=OUTPUT_TOKENS, temperature=0.7, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            model=MODEL,
+            messages=messages,
+            max_tokens=OUTPUT_TOKENS,
+            temperature=0.7,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
         )
         async for chunk in stream:
             if chunk.usage is not None:
@@ -52,7 +58,7 @@ async def test_64_concurrent_streaming_chats(mesh, aclient, openai_model) -> Non
     results = await asyncio.gather(*(chat(m) for m in conversations))
     wall = time.perf_counter() - started
 
-    for messages, (text, usage, _) in zip(conversations, results):
+    for messages, (_, usage, _) in zip(conversations, results):
         prompt = len(tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False))
         assert (usage.prompt_tokens, usage.completion_tokens) == (prompt, OUTPUT_TOKENS)
         assert usage.total_tokens == prompt + OUTPUT_TOKENS

@@ -28,7 +28,9 @@ MODEL = SHIPPED.name
 @pytest.fixture(scope="module")
 def shipped_url(tmp_path_factory) -> Iterator[str]:
     blocks = {"KVMESH_NUM_BLOCKS": "256"}
-    mesh: Mesh = start_mesh(SHIPPED, tmp_path_factory.mktemp("shipped-mesh"), role_env={"prefill": blocks, "decode": blocks})
+    mesh: Mesh = start_mesh(
+        SHIPPED, tmp_path_factory.mktemp("shipped-mesh"), role_env={"prefill": blocks, "decode": blocks}
+    )
     try:
         yield http_url(mesh) + "/v1"
     finally:
@@ -45,8 +47,12 @@ async def shipped_client(shipped_url: str) -> AsyncIterator[openai.AsyncOpenAI]:
 async def test_every_json_schema_reply_validates(shipped_client) -> None:
     async def ask(i: int, name: str, schema: dict, temperature: float):
         return await shipped_client.chat.completions.create(
-            model=MODEL, messages=ASK, response_format=json_schema(name, schema), max_tokens=200,
-            temperature=temperature, seed=i,
+            model=MODEL,
+            messages=ASK,
+            response_format=json_schema(name, schema),
+            max_tokens=200,
+            temperature=temperature,
+            seed=i,
         )
 
     # Greedy, and sampled: each grammar walked down more than one path.
@@ -60,8 +66,15 @@ async def test_every_json_schema_reply_validates(shipped_client) -> None:
 
 async def test_tool_choice_required_always_yields_valid_calls(shipped_client) -> None:
     async def ask(seed: int, stream: bool, temperature: float = 1.0):
-        kwargs = dict(model=MODEL, messages=ASK, tools=BOTH_TOOLS, tool_choice="required", max_tokens=120,
-                      temperature=temperature, seed=seed)
+        kwargs = dict(
+            model=MODEL,
+            messages=ASK,
+            tools=BOTH_TOOLS,
+            tool_choice="required",
+            max_tokens=120,
+            temperature=temperature,
+            seed=seed,
+        )
         if not stream:
             return (await shipped_client.chat.completions.create(**kwargs)).choices[0]
         chunks = [c async for c in await shipped_client.chat.completions.create(**kwargs, stream=True)]

@@ -52,8 +52,9 @@ async def test_json_object_replies_are_objects(aclient) -> None:
 
 async def test_a_streamed_reply_equals_the_whole_one(aclient) -> None:
     async def both(name: str, schema: dict) -> tuple[str, str]:
-        kwargs = dict(model=MODEL, messages=ASK, response_format=json_schema(name, schema), max_tokens=MAX_TOKENS,
-                      temperature=0)
+        kwargs = dict(
+            model=MODEL, messages=ASK, response_format=json_schema(name, schema), max_tokens=MAX_TOKENS, temperature=0
+        )
         whole = await aclient.chat.completions.create(**kwargs)
         chunks = [c async for c in await aclient.chat.completions.create(**kwargs, stream=True)]
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks)

@@ -108,21 +108,37 @@ async def test_streamed_calls_equal_the_whole_reply(aclient) -> None:
         streamed = [t for d in deltas for t in d.tool_calls or ()]
         assert [t.index for t in streamed] == list(range(len(streamed)))
         assert [(t.function.name, t.function.arguments) for t in streamed] == [
-            (t.function.name, t.function.arguments) for t in whole.message.tool_calls or ()]
+            (t.function.name, t.function.arguments) for t in whole.message.tool_calls or ()
+        ]
         assert "".join(d.content or "" for d in deltas) == (whole.message.content or "")
         assert chunks[-1].choices[0].finish_reason == whole.finish_reason
 
-    await asyncio.gather(both(WEATHER_TOOL, tool_choice="required"), both(BOTH_TOOLS, tool_choice="required"),
-                         both(WEATHER_TOOL))
+    await asyncio.gather(
+        both(WEATHER_TOOL, tool_choice="required"), both(BOTH_TOOLS, tool_choice="required"), both(WEATHER_TOOL)
+    )
 
 
 async def test_a_conversation_with_earlier_calls_and_their_results(aclient) -> None:
-    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo", "unit": "c"}'}}
-    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "-3"}]
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "weather", "arguments": '{"city": "Oslo", "unit": "c"}'},
+    }
+    messages = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3"},
+    ]
     # Greedy: a sampled call may spell its 8-letter city in more tokens than the context leaves room for.
-    reply = await _create(aclient, WEATHER_TOOL, messages=messages, tool_choice="required", parallel_tool_calls=False,
-                          max_tokens=80, temperature=0)
+    reply = await _create(
+        aclient,
+        WEATHER_TOOL,
+        messages=messages,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=80,
+        temperature=0,
+    )
 
     assert len(valid_calls(reply.choices[0].message, WEATHER_TOOL)) == 1
 
@@ -130,13 +146,22 @@ async def test_a_conversation_with_earlier_calls_and_their_results(aclient) -> N
 @pytest.mark.parametrize(
     ("kwargs", "param", "message"),
     [
-        ({"tool_choice": {"type": "function", "function": {"name": "stock"}}, "tools": BOTH_TOOLS}, "tool_choice",
-         "names the function 'stock', which is not declared (tools: weather, clock)"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "stock"}}, "tools": BOTH_TOOLS},
+            "tool_choice",
+            "names the function 'stock', which is not declared (tools: weather, clock)",
+        ),
         ({"tool_choice": "required"}, "tool_choice", "no tools are declared"),
-        ({"tools": WEATHER_TOOL, "response_format": {"type": "json_object"}}, "response_format",
-         "cannot be combined with tools"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}]},
-         "tools.0.function.parameters", "keyword 'not' is not supported"),
+        (
+            {"tools": WEATHER_TOOL, "response_format": {"type": "json_object"}},
+            "response_format",
+            "cannot be combined with tools",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}]},
+            "tools.0.function.parameters",
+            "keyword 'not' is not supported",
+        ),
         ({"tools": WEATHER_TOOL * 2}, "tools.1.function.name", "declared twice"),
     ],
 )

@@ -64,7 +64,9 @@ def test_the_compressed_tensors_layout(tmp_path):
     assert names["model.layers.0.mlp.down_proj.weight_scale"].dtype == torch.float8_e4m3fn
     assert names["model.layers.1.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
     assert read_plan(json.loads((out / "config.json").read_text()), list(names)) == {
-        "model.layers.0.mlp.down_proj": "nvfp4", "model.layers.1.self_attn.q_proj": "fp8-channel"}
+        "model.layers.0.mlp.down_proj": "nvfp4",
+        "model.layers.1.self_attn.q_proj": "fp8-channel",
+    }
 
 
 def test_a_tied_head_in_the_plan_quantizes_the_embedding(tmp_path):

@@ -26,7 +26,10 @@ def test_report_fields_and_intervals():
     n = 400
     p_ref = rng.uniform(0.1, 0.9, n)
     s = fidelity.TokenStats(
-        kl=rng.exponential(0.01, n), same_top1=np.arange(n) % 10 != 0, p_ref=p_ref, p_test=p_ref * 0.5,
+        kl=rng.exponential(0.01, n),
+        same_top1=np.arange(n) % 10 != 0,
+        p_ref=p_ref,
+        p_test=p_ref * 0.5,
         chunk=np.arange(n) // 20,
     )
     r = fidelity.report(s)

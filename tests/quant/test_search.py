@@ -8,8 +8,10 @@ from kvmesh.quant import search
 
 FORMATS = ("fp8-channel", "nvfp4")
 GROUPS = [search.Group(f"g{i}", (f"model.layers.{i}.mlp.up_proj",), p) for i, p in enumerate((100, 200, 300, 400))]
-SENS = {("g0", "fp8-channel"): 0.01, ("g0", "nvfp4"): 0.50, ("g1", "fp8-channel"): 0.002, ("g1", "nvfp4"): 0.03,
-        ("g2", "fp8-channel"): 0.004, ("g2", "nvfp4"): 0.02, ("g3", "fp8-channel"): 0.001, ("g3", "nvfp4"): 0.2}  # fmt: skip
+SENS = {
+    ("g0", "fp8-channel"): 0.01, ("g0", "nvfp4"): 0.50, ("g1", "fp8-channel"): 0.002, ("g1", "nvfp4"): 0.03,
+    ("g2", "fp8-channel"): 0.004, ("g2", "nvfp4"): 0.02, ("g3", "fp8-channel"): 0.001, ("g3", "nvfp4"): 0.2,
+}  # fmt: skip
 
 
 def _brute_force(budget: float) -> tuple[float, dict]:
@@ -35,14 +37,20 @@ def test_layer_groups_split_attention_and_mlp_by_blocks_of_layers():
     modules = [f"model.layers.{i}.{k}" for i in range(4) for k in ("self_attn.q_proj", "mlp.down_proj")]
     groups = search.layer_groups(modules, lambda m: 10, 2)
     assert [(g.name, len(g.modules), g.params) for g in groups] == [
-        ("L0-1.attn", 2, 20), ("L0-1.mlp", 2, 20), ("L2-3.attn", 2, 20), ("L2-3.mlp", 2, 20)]
+        ("L0-1.attn", 2, 20),
+        ("L0-1.mlp", 2, 20),
+        ("L2-3.attn", 2, 20),
+        ("L2-3.mlp", 2, 20),
+    ]
 
 
 def _measure_with(interaction: float):
     """A whole-config KL: the sum of parts times ``interaction`` (< 1: errors cancel)."""
+
     def measure(plan: dict) -> float:
         layer = {m: g.name for g in GROUPS for m in g.modules}
         return interaction * sum(SENS[(layer[m], f)] for m, f in plan.items())
+
     return measure
 
 

@@ -44,9 +44,7 @@ def clock() -> FakeClock:
 
 
 def worker(worker_id: str, role: Role = Role.DECODE, layout: KVLayout = LAYOUT) -> WorkerInfo:
-    return WorkerInfo(
-        worker_id, role, f"{worker_id}:50051", layout, WorkerCapacity(total_kv_blocks=10_000)
-    )
+    return WorkerInfo(worker_id, role, f"{worker_id}:50051", layout, WorkerCapacity(total_kv_blocks=10_000))
 
 
 def idle(total_kv_blocks: int = 10_000) -> WorkerLoad:

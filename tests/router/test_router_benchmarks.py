@@ -14,9 +14,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def run(script: str, *args: str) -> str:
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=120
-    )
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -55,9 +53,7 @@ POLICY_KEYS = {"hit_rate", "gpu_hit_rate", "max_mean_load", "ttft_mean_s", "ttft
 def replay(tmp_path: Path, name: str, *args: str) -> tuple[str, dict]:
     trace = synthetic_trace(tmp_path / "trace.jsonl")
     out_json = tmp_path / f"{name}.json"
-    stdout = run(
-        "router_trace.py", "--trace", str(trace), "--workers", "3", "--json", str(out_json), *args
-    )
+    stdout = run("router_trace.py", "--trace", str(trace), "--workers", "3", "--json", str(out_json), *args)
     return stdout, json.loads(out_json.read_text())
 
 
@@ -83,9 +79,7 @@ def test_trace_replay_on_a_synthetic_trace(tmp_path):
 def test_kvstore_tier_is_shared_by_every_policy_and_zero_turns_it_off(tmp_path):
     # GPU caches too small for a conversation (10 blocks each): only the kvstore keeps them.
     _, with_store = replay(tmp_path, "both", "--capacity-tokens", "5120")
-    _, gpu_only = replay(
-        tmp_path, "off", "--capacity-tokens", "5120", "--kvstore-capacity-tokens", "0"
-    )
+    _, gpu_only = replay(tmp_path, "off", "--capacity-tokens", "5120", "--kvstore-capacity-tokens", "0")
     assert "gpu_only" not in gpu_only
     for name in ("router", "round_robin", "least_loaded"):
         assert with_store["gpu_only"][name] == gpu_only[name]

@@ -115,9 +115,7 @@ async def test_no_workers_is_unavailable(make_router):
         await make_router().route(PROMPT)
 
 
-async def test_redis_outage_routes_on_load_then_rebuilds_the_index(
-    make_router, redis_server, clock
-):
+async def test_redis_outage_routes_on_load_then_rebuilds_the_index(make_router, redis_server, clock):
     router = make_router(probe_interval_s=1.0)
     regs = {w: await register(router, w) for w in ("a", "b")}
     c = chain(64)
@@ -162,9 +160,7 @@ async def test_redis_outage_routes_on_load_then_rebuilds_the_index(
 async def test_heartbeat_with_load_reaches_the_policy(make_router):
     router = make_router()
     regs = {w: await register(router, w) for w in ("a", "b")}
-    await router.heartbeat(
-        "a", regs["a"].lease.lease_id, WorkerLoad(tokens_in_flight=100_000, total_kv_blocks=1)
-    )
+    await router.heartbeat("a", regs["a"].lease.lease_id, WorkerLoad(tokens_in_flight=100_000, total_kv_blocks=1))
     assert (await router.route(PROMPT)).decode_worker == "b"
 
 

@@ -22,9 +22,7 @@ async def test_in_order_batches_apply_and_retries_are_ignored():
     r = await events.publish("w", 2, [stored(c[4:8]), KVEvent(EventKind.REMOVED, Tier.GPU, c[6:8])])
     assert r.accepted and r.expected_seq == 3
     assert (await index.longest_prefix(c)).gpu_blocks == {"w": 6}
-    r = await events.publish(
-        "w", 2, [stored(c)]
-    )  # a retry of batch 2: acknowledged, not re-applied
+    r = await events.publish("w", 2, [stored(c)])  # a retry of batch 2: acknowledged, not re-applied
     assert r.accepted and not r.resync_required and r.expected_seq == 3
     assert (await index.longest_prefix(c)).gpu_blocks == {"w": 6}
 

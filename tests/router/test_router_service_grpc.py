@@ -16,9 +16,9 @@ from contextlib import asynccontextmanager
 import grpc
 import pytest
 
-from kvmesh.blocks import block_hashes
 from kvmesh.api.common.v1 import kv_pb2, worker_pb2
 from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.blocks import block_hashes
 from kvmesh.runtime import Runtime, common_flags, parse_flags, serve
 from services.router.main import FLAGS, build
 
@@ -52,9 +52,7 @@ def names(tokens: Sequence[int], salt: bytes = b"") -> list[bytes]:
 @asynccontextmanager
 async def router_service(redis_url: str, *argv: str) -> AsyncIterator[Runtime]:
     """The router in this process on free ports, its flags parsed as ``main`` parses them."""
-    args = parse_flags(
-        "router", [*common_flags(0, 0), *FLAGS], ["--redis-url", redis_url, *argv], environ={}
-    )
+    args = parse_flags("router", [*common_flags(0, 0), *FLAGS], ["--redis-url", redis_url, *argv], environ={})
     async with serve("router", build, args, metrics_port=0, grace_seconds=1.0) as rt:
         yield rt
 
@@ -192,9 +190,7 @@ async def test_route_picks_the_worker_holding_the_prefix(router, stub) -> None:
 
     # The same prompt hashed by the caller gets the same plan.
     hashed = router_pb2.RouteRequest(
-        hashed=router_pb2.HashedPrompt(
-            block_hashes=names(short, salt), block_size=BLOCK_SIZE, num_tokens=len(short)
-        )
+        hashed=router_pb2.HashedPrompt(block_hashes=names(short, salt), block_size=BLOCK_SIZE, num_tokens=len(short))
     )
     again = await stub.Route(hashed)
     assert again.decode_worker.worker_id == "d2" and again.decode_matched_blocks == 64
@@ -302,8 +298,9 @@ async def test_a_resync_stream_must_name_one_worker_lease_and_sequence(stub) -> 
 
     err = await rpc_error(stub.ResyncWorker(parts()))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-    stale = await rpc_error(stub.ResyncWorker(iter([router_pb2.ResyncWorkerRequest(
-        worker_id="d1", lease_id="not-the-lease", sequence=0)])))
+    stale = await rpc_error(
+        stub.ResyncWorker(iter([router_pb2.ResyncWorkerRequest(worker_id="d1", lease_id="not-the-lease", sequence=0)]))
+    )
     assert stale.code() == grpc.StatusCode.NOT_FOUND
 
 
@@ -346,7 +343,8 @@ async def test_lease_expiry_drops_a_silent_worker(redis_server) -> None:
             # Registering again starts over: no entries, sequence 1.
             assert (await silent.register()).expected_sequence == 1
             [status] = [
-                w for w in (await stub.ListWorkers(router_pb2.ListWorkersRequest())).workers
+                w
+                for w in (await stub.ListWorkers(router_pb2.ListWorkersRequest())).workers
                 if w.endpoint.worker_id == "silent"
             ]
             assert status.indexed_blocks == 0
@@ -371,8 +369,9 @@ async def test_the_kvstore_counts_as_the_cluster_cache_and_never_runs_a_request(
         plan = await stub.Route(route_tokens(tokens))
         assert plan.kvstore_matched_blocks == 40 and plan.total_blocks == 64
         assert plan.decode_worker.worker_id in {"d1", "d2"} and plan.decode_matched_blocks == 0
-    hashed = await stub.Route(router_pb2.RouteRequest(
-        hashed=router_pb2.HashedPrompt(block_hashes=names(tokens), block_size=BLOCK_SIZE)))
+    hashed = await stub.Route(
+        router_pb2.RouteRequest(hashed=router_pb2.HashedPrompt(block_hashes=names(tokens), block_size=BLOCK_SIZE))
+    )
     assert hashed.kvstore_matched_blocks == 40
 
     [listed] = (await stub.ListWorkers(router_pb2.ListWorkersRequest(role=KVSTORE))).workers

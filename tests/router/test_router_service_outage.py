@@ -96,7 +96,10 @@ async def test_redis_killed_mid_test_then_back(redis_server) -> None:
         listed = await stub.ListWorkers(router_pb2.ListWorkersRequest())
         assert listed.index_available
         assert {w.endpoint.worker_id: w.indexed_blocks for w in listed.workers} == {
-            "hot": 64, "cold": 0, "p1": 0, "late": 8,
+            "hot": 64,
+            "cold": 0,
+            "p1": 0,
+            "late": 8,
         }
 
 

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import structlog
 
-from kvmesh.errors import InvalidArgument, NotFound
 from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
-from kvmesh.runtime import GrpcService, ServiceContext, ServiceDef, create_channel
 from kvmesh.api.speculator.v1 import speculator_pb2, speculator_pb2_grpc
+from kvmesh.errors import InvalidArgument, NotFound
+from kvmesh.runtime import GrpcService, ServiceContext, ServiceDef, create_channel
 
 log = structlog.get_logger("tests.fakes")
 
@@ -38,22 +38,30 @@ async def _misbehave(block_hash: bytes, context: grpc.aio.ServicerContext) -> No
 
 
 class FakeKVStore(kvstore_pb2_grpc.KVStoreServiceServicer):
-    async def Stats(self, request: kvstore_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.StatsResponse:
+    async def Stats(
+        self, request: kvstore_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.StatsResponse:
         log.info("stats called")
         return kvstore_pb2.StatsResponse(ram_blocks=7)
 
-    async def Lookup(self, request: kvstore_pb2.LookupRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.LookupResponse:
+    async def Lookup(
+        self, request: kvstore_pb2.LookupRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.LookupResponse:
         for h in request.block_hashes:
             await _misbehave(h, context)
         return kvstore_pb2.LookupResponse(num_present_prefix=len(request.block_hashes))
 
-    async def Get(self, request: kvstore_pb2.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[kvstore_pb2.GetResponse]:
+    async def Get(
+        self, request: kvstore_pb2.GetRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[kvstore_pb2.GetResponse]:
         for h in request.block_hashes:
             await _misbehave(h, context)
             yield kvstore_pb2.GetResponse(missing_block_hash=h)
         yield kvstore_pb2.GetResponse(summary=kvstore_pb2.GetSummary(missing_blocks=len(request.block_hashes)))
 
-    async def Put(self, request_iterator: AsyncIterator[kvstore_pb2.PutRequest], context: grpc.aio.ServicerContext) -> kvstore_pb2.PutResponse:
+    async def Put(
+        self, request_iterator: AsyncIterator[kvstore_pb2.PutRequest], context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.PutResponse:
         stored = 0
         async for req in request_iterator:
             await _misbehave(req.chunk.block_hash, context)
@@ -64,7 +72,9 @@ class FakeKVStore(kvstore_pb2_grpc.KVStoreServiceServicer):
 class FakeSpeculator(speculator_pb2_grpc.SpeculatorServiceServicer):
     """Proposes the last context token repeated, or fails on request id "crash"."""
 
-    async def Propose(self, request_iterator: AsyncIterator[speculator_pb2.ProposeRequest], context: grpc.aio.ServicerContext) -> AsyncIterator[speculator_pb2.ProposeResponse]:
+    async def Propose(
+        self, request_iterator: AsyncIterator[speculator_pb2.ProposeRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[speculator_pb2.ProposeResponse]:
         async for req in request_iterator:
             ctx = req.context
             if ctx.request_id == "crash":
@@ -82,7 +92,9 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, kvstore_address: str) -> None:
         self._kvstore_address = kvstore_address
 
-    async def ListWorkers(self, request: router_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext) -> router_pb2.ListWorkersResponse:
+    async def ListWorkers(
+        self, request: router_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.ListWorkersResponse:
         log.info("listing workers")
         async with create_channel(self._kvstore_address) as channel:
             await kvstore_pb2_grpc.KVStoreServiceStub(channel).Stats(kvstore_pb2.StatsRequest())

@@ -7,8 +7,8 @@ import pytest
 
 from kvmesh.api.common.v1 import kv_pb2
 from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
-from kvmesh.runtime import Runtime
 from kvmesh.api.speculator.v1 import speculator_pb2, speculator_pb2_grpc
+from kvmesh.runtime import Runtime
 from tests.runtime.fakes import SECRET
 
 

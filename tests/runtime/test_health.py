@@ -1,4 +1,5 @@
-"""Health follows the life cycle (NOT_SERVING -> SERVING -> NOT_SERVING), RPCs wait for readiness, reflection lists the services."""
+"""Health follows the life cycle (NOT_SERVING -> SERVING -> NOT_SERVING), RPCs wait for readiness,
+reflection lists the services."""
 
 from __future__ import annotations
 

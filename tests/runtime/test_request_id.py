@@ -7,8 +7,8 @@ import pytest
 
 from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
-from kvmesh.runtime import METADATA_KEY, Runtime, create_channel, current_request_id, request_id_scope, serve
 from kvmesh.api.speculator.v1 import speculator_pb2, speculator_pb2_grpc
+from kvmesh.runtime import METADATA_KEY, Runtime, create_channel, current_request_id, request_id_scope, serve
 from tests.runtime.fakes import build_router
 
 

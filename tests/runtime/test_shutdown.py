@@ -69,7 +69,11 @@ async def _read_event(stream: asyncio.StreamReader, event: str) -> dict:
 
 async def test_sigterm_drains_and_exits_0() -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.runtime.demo_service", "--log-level", "debug",
+        sys.executable,
+        "-m",
+        "tests.runtime.demo_service",
+        "--log-level",
+        "debug",
         cwd=REPO,
         env={**os.environ, "KVMESH_GREETING": "hello"},
         stderr=asyncio.subprocess.PIPE,
@@ -81,7 +85,9 @@ async def test_sigterm_drains_and_exits_0() -> None:
         assert serving["service"] == "demo"
         async with grpc.aio.insecure_channel(f"127.0.0.1:{serving['port']}") as channel:
             stub = kvstore_pb2_grpc.KVStoreServiceStub(channel)
-            call = stub.Get(kvstore_pb2.GetRequest(block_hashes=[b"a", b"slow", b"slow"]), metadata=(("x-request-id", "sig-1"),))
+            call = stub.Get(
+                kvstore_pb2.GetRequest(block_hashes=[b"a", b"slow", b"slow"]), metadata=(("x-request-id", "sig-1"),)
+            )
             await call.read()
             proc.send_signal(signal.SIGTERM)
             assert len(await _read_all(call)) == 3  # two blocks and the summary
@@ -98,8 +104,12 @@ async def test_sigterm_drains_and_exits_0() -> None:
 async def test_missing_required_flag_exits_2() -> None:
     env = {k: v for k, v in os.environ.items() if k != "KVMESH_GREETING"}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.runtime.demo_service",
-        cwd=REPO, env=env, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "tests.runtime.demo_service",
+        cwd=REPO,
+        env=env,
+        stderr=asyncio.subprocess.PIPE,
     )
     _, err = await asyncio.wait_for(proc.communicate(), timeout=60)
     assert proc.returncode == 2
@@ -109,10 +119,19 @@ async def test_missing_required_flag_exits_2() -> None:
 async def test_start_failure_exits_1(kvstore: Runtime) -> None:
     # The port is taken (SO_REUSEPORT is off, so the bind fails instead of sharing it).
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.runtime.demo_service", "--greeting", "hi", "--port", str(kvstore.port),
-        cwd=REPO, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "tests.runtime.demo_service",
+        "--greeting",
+        "hi",
+        "--port",
+        str(kvstore.port),
+        cwd=REPO,
+        stderr=asyncio.subprocess.PIPE,
     )
     _, err = await asyncio.wait_for(proc.communicate(), timeout=60)
     assert proc.returncode == 1
-    failed = [json.loads(line) for line in err.decode().splitlines() if line.startswith("{") and "start-up failed" in line]
+    failed = [
+        json.loads(line) for line in err.decode().splitlines() if line.startswith("{") and "start-up failed" in line
+    ]
     assert failed and "Failed to bind" in failed[0]["exception"]

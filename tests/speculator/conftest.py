@@ -11,8 +11,8 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvmesh.runtime import Runtime, common_flags, create_channel, parse_flags, serve
 from kvmesh.api.speculator.v1 import speculator_pb2, speculator_pb2_grpc
+from kvmesh.runtime import Runtime, common_flags, create_channel, parse_flags, serve
 from services.speculator import main
 from services.speculator.client import SpeculatorProposer
 from tests.service_helpers import serve_main

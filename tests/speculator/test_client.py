@@ -118,6 +118,7 @@ async def test_reconnects_after_the_speculator_restarts_and_resends_whole_contex
         async with speculator_on(port):
             await connected(proposer)
             assert await propose(proposer, (seq, 3)) == {"r": LOOP[2:5]}
+
         # Stopped: the stream ends, and steps run without drafts.
         async def down() -> bool:
             return not proposer.connected

@@ -269,8 +269,12 @@ def test_the_combination_rule():
 
 @pytest.mark.parametrize(
     "config",
-    [dict(prompt_ngram_sizes=(0, 2)), dict(suffix_ngram_sizes=()), dict(max_draft_tokens=0),
-     dict(suffix_capacity_tokens=8)],
+    [
+        dict(prompt_ngram_sizes=(0, 2)),
+        dict(suffix_ngram_sizes=()),
+        dict(max_draft_tokens=0),
+        dict(suffix_capacity_tokens=8),
+    ],
 )
 def test_bad_configs_fail_at_construction(config):
     with pytest.raises(ValueError):

@@ -15,10 +15,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvmesh.api.speculator.v1 import speculator_pb2_grpc
 from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.runtime import common_flags, parse_flags
-from kvmesh.api.speculator.v1 import speculator_pb2_grpc
 from services.speculator import main
 from services.speculator.candidate import Source
 from services.speculator.core import DRAFT_MODEL_MATCH_TOKENS, Speculator, SpeculatorConfig
@@ -165,8 +165,11 @@ async def test_the_service_drafts_with_the_model_where_ngrams_cannot(monkeypatch
             r = await s.recv()
             assert (r.request_id, list(r.draft_token_ids)) == ("alone", expected["alone"])
 
-            s.send(batch(update("repeat", repeat, len(repeat), k=K), update("x", x, len(x), k=K),
-                         update("y", y, len(y), k=K)))
+            s.send(
+                batch(
+                    update("repeat", repeat, len(repeat), k=K), update("x", x, len(x), k=K), update("y", y, len(y), k=K)
+                )
+            )
             r = await s.recv()
             assert [(d.request_id, list(d.token_ids)) for d in r.drafts] == [
                 ("repeat", repeat[n : n + K]),
@@ -223,7 +226,10 @@ def test_a_draft_model_that_does_not_load_stops_the_service_at_once(how, tmp_pat
 def test_the_process_exits_2_for_a_missing_folder():
     proc = subprocess.run(
         [sys.executable, "-m", "services.speculator.main", "--draft-model", "/nonexistent/draft", "--port", "0"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "/nonexistent/draft does not load as a model folder" in proc.stderr

@@ -53,11 +53,35 @@ def traffic(target, tmp_path_factory) -> Path:
 def _train_head(target: Path, traffic: Path, root: Path, *flags: str) -> Path:
     """A head trained on ``traffic`` in a seconds-long run."""
     out = root / "head"
-    rc = train_eagle.main([
-        "--model", str(target), "--data", f"traffic={traffic}", "--out", str(out), "--cache", str(root / "cache"),
-        "--window", "64", "--intermediate", "128", "--draft-vocab", "512", "--unroll", "2",
-        "--epochs", "8", "--batch", "64", "--lr", "5e-3", "--threads", "1", *flags,
-    ])
+    rc = train_eagle.main(
+        [
+            "--model",
+            str(target),
+            "--data",
+            f"traffic={traffic}",
+            "--out",
+            str(out),
+            "--cache",
+            str(root / "cache"),
+            "--window",
+            "64",
+            "--intermediate",
+            "128",
+            "--draft-vocab",
+            "512",
+            "--unroll",
+            "2",
+            "--epochs",
+            "8",
+            "--batch",
+            "64",
+            "--lr",
+            "5e-3",
+            "--threads",
+            "1",
+            *flags,
+        ]
+    )
     assert rc == 0
     return out
 
@@ -107,7 +131,10 @@ def test_a_layered_head_drafts_from_the_target_layers_it_names(target, layered_h
     meta = json.loads((layered_head / "config.json").read_text())
     assert meta["head"]["feature_layers"] == [0, 1] and meta["training"]["feature_layers"] == [0, 1]
     expected = [c.token_ids for c in LLMEngine(target, EngineConfig(num_blocks=128)).generate(PROMPTS, _greedy())]
-    for name, proposer in [("eagle", EagleProposer(layered_head)), ("merged", LocalProposer(head=EagleProposer(layered_head)))]:
+    for name, proposer in [
+        ("eagle", EagleProposer(layered_head)),
+        ("merged", LocalProposer(head=EagleProposer(layered_head))),
+    ]:
         engine = LLMEngine(target, EngineConfig(num_blocks=128, num_speculative_tokens=4), proposer=proposer)
         assert engine.model.feature_layers == (0, 1)
         assert [c.token_ids for c in engine.generate(PROMPTS, _greedy())] == expected, name
@@ -120,10 +147,16 @@ def test_a_compiled_target_traces_the_layers_a_head_drafts_from(target, layered_
     layer features (a graph traced for the final hidden state would hand the head the wrong input)."""
     expected = [c.token_ids for c in LLMEngine(target, EngineConfig(num_blocks=128)).generate(PROMPTS, _greedy())]
     # Always 4 drafts: each engine measures its own verify costs, and a compiled one's differ.
-    eager = LLMEngine(target, EngineConfig(num_blocks=128, num_speculative_tokens=4, draft_costs=()),
-                      proposer=EagleProposer(layered_head))
-    compiled = LLMEngine(target, EngineConfig(num_blocks=128, num_speculative_tokens=4, draft_costs=(), compile=True),
-                         proposer=EagleProposer(layered_head))
+    eager = LLMEngine(
+        target,
+        EngineConfig(num_blocks=128, num_speculative_tokens=4, draft_costs=()),
+        proposer=EagleProposer(layered_head),
+    )
+    compiled = LLMEngine(
+        target,
+        EngineConfig(num_blocks=128, num_speculative_tokens=4, draft_costs=(), compile=True),
+        proposer=EagleProposer(layered_head),
+    )
     for engine in (eager, compiled):
         assert [c.token_ids for c in engine.generate(PROMPTS, _greedy())] == expected
     assert compiled.stats.draft_tokens_accepted == eager.stats.draft_tokens_accepted > 0
@@ -148,14 +181,19 @@ def test_the_last_layers_output_normed_is_the_final_hidden_state(target):
     n = len(ids)
     from kvmesh.engine.model import AttentionMetadata
 
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), block_tables=torch.arange(2).unsqueeze(0),
-                             seq_lens=torch.tensor([n]), query_start_loc=torch.tensor([0, n]), is_decode=False)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n),
+        block_tables=torch.arange(2).unsqueeze(0),
+        seq_lens=torch.tensor([n]),
+        query_start_loc=torch.tensor([0, n]),
+        is_decode=False,
+    )
     rows = torch.arange(n)
     _, final = model(ids, torch.arange(n), engine.kv.tensor, meta, rows, return_hidden=True)
     model.feature_layers = (0, 1)
     _, layered = model(ids, torch.arange(n), engine.kv.tensor, meta, rows, return_hidden=True)
     assert layered.shape == (n, 2 * final.shape[1])
-    last = layered[:, final.shape[1]:]
+    last = layered[:, final.shape[1] :]
     assert torch.allclose(model.ops.rms_norm(last, model.norm, model.cfg.rms_norm_eps), final, atol=1e-5)
 
 
@@ -220,8 +258,9 @@ def test_sampled_output_distributed_as_without_speculation(target, head):
     n = 300
 
     def samples(proposer) -> dict[int, Counter]:
-        engine = LLMEngine(target, EngineConfig(num_blocks=512, num_speculative_tokens=3 if proposer else 0),
-                           proposer=proposer)
+        engine = LLMEngine(
+            target, EngineConfig(num_blocks=512, num_speculative_tokens=3 if proposer else 0), proposer=proposer
+        )
         params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=6, seed=s, ignore_eos=True) for s in range(n)]
         out = engine.generate([prompt] * n, params)
         if proposer is not None:

@@ -40,11 +40,34 @@ def test_code_openings_are_seeded_and_start_at_a_definition_or_a_file():
 
 def test_a_head_trains_on_the_targets_own_continuations_of_code(llama_with_tokenizer, tmp_path):  # noqa: F811
     out = tmp_path / "head"
-    rc = train_eagle.main([
-        "--model", str(llama_with_tokenizer), "--data", "code", "--code-prompts", "12", "--code-tokens", "24",
-        "--out", str(out), "--cache", str(tmp_path / "cache"), "--intermediate", "64", "--draft-vocab", "256",
-        "--unroll", "2", "--epochs", "2", "--batch", "32", "--threads", "1",
-    ])
+    rc = train_eagle.main(
+        [
+            "--model",
+            str(llama_with_tokenizer),
+            "--data",
+            "code",
+            "--code-prompts",
+            "12",
+            "--code-tokens",
+            "24",
+            "--out",
+            str(out),
+            "--cache",
+            str(tmp_path / "cache"),
+            "--intermediate",
+            "64",
+            "--draft-vocab",
+            "256",
+            "--unroll",
+            "2",
+            "--epochs",
+            "2",
+            "--batch",
+            "32",
+            "--threads",
+            "1",
+        ]
+    )
     assert rc == 0
     cfg = json.loads((out / "config.json").read_text())
     # 12 openings, each followed by up to 24 tokens the target wrote (fewer where it ended early).
@@ -59,15 +82,41 @@ def test_a_head_trains_on_the_targets_own_continuations_of_code(llama_with_token
 
 
 def test_features_for_other_layers_reuse_the_cached_corpus(llama_with_tokenizer, tmp_path, capsys):  # noqa: F811
-    flags = ["--model", str(llama_with_tokenizer), "--data", "code", "--code-prompts", "6", "--code-tokens", "16",
-             "--cache", str(tmp_path / "cache"), "--intermediate", "32", "--draft-vocab", "128", "--unroll", "2",
-             "--epochs", "1", "--batch", "16", "--threads", "1"]
+    flags = [
+        "--model",
+        str(llama_with_tokenizer),
+        "--data",
+        "code",
+        "--code-prompts",
+        "6",
+        "--code-tokens",
+        "16",
+        "--cache",
+        str(tmp_path / "cache"),
+        "--intermediate",
+        "32",
+        "--draft-vocab",
+        "128",
+        "--unroll",
+        "2",
+        "--epochs",
+        "1",
+        "--batch",
+        "16",
+        "--threads",
+        "1",
+    ]
     assert train_eagle.main([*flags, "--out", str(tmp_path / "a")]) == 0
     assert "target wrote" in capsys.readouterr().err
     assert train_eagle.main([*flags, "--out", str(tmp_path / "b"), "--feature-layers", "0,1"]) == 0
     err = capsys.readouterr().err
     assert "corpus: cached" in err and "target wrote" not in err
-    data = torch.load(next(p for p in (tmp_path / "cache").iterdir()
-                            if not p.name.startswith("corpus-") and "layer_features" in torch.load(p)))
+    data = torch.load(
+        next(
+            p
+            for p in (tmp_path / "cache").iterdir()
+            if not p.name.startswith("corpus-") and "layer_features" in torch.load(p)
+        )
+    )
     assert data["layer_features"].shape == (data["features"].shape[0], 2 * data["features"].shape[1])
     assert json.loads((tmp_path / "b" / "config.json").read_text())["head"]["feature_layers"] == [0, 1]

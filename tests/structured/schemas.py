@@ -28,7 +28,10 @@ SCHEMAS: list[tuple[str, Schema]] = [
     }),
     ("string_enum", {"type": "string", "enum": ["red", "green", "blue"]}),
     ("mixed_enum", {"enum": ["auto", 1, 2.5, True, None]}),
-    ("const", {"type": "object", "properties": {"version": {"const": "v1"}, "n": SMALL_INT}, "required": ["version", "n"]}),
+    (
+        "const",
+        {"type": "object", "properties": {"version": {"const": "v1"}, "n": SMALL_INT}, "required": ["version", "n"]},
+    ),
     ("bounded_integer", {"type": "integer", "minimum": -50, "maximum": 50}),
     ("exclusive_range", {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10}),
     ("multiple_of", {"type": "integer", "minimum": 0, "maximum": 100, "multipleOf": 5}),
@@ -67,8 +70,14 @@ SCHEMAS: list[tuple[str, Schema]] = [
     ("string_pattern", {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2,4}$"}),
     ("string_lengths", {"type": "string", "minLength": 3, "maxLength": 8}),
     ("uuid_format", {"type": "string", "format": "uuid"}),
-    ("date_format", {"type": "object", "properties": {"when": {"type": "string", "format": "date"}}, "required": ["when"]}),
-    ("nullable", {"type": "object", "properties": {"note": {"type": ["string", "null"], "maxLength": 10}}, "required": ["note"]}),
+    (
+        "date_format",
+        {"type": "object", "properties": {"when": {"type": "string", "format": "date"}}, "required": ["when"]},
+    ),
+    (
+        "nullable",
+        {"type": "object", "properties": {"note": {"type": ["string", "null"], "maxLength": 10}}, "required": ["note"]},
+    ),
     ("any_of", {"anyOf": [SMALL_INT, {"type": "string", "enum": ["none", "many"]}]}),
     ("refs_and_defs", {
         "type": "object",

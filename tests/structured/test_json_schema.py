@@ -47,7 +47,10 @@ def test_unenforceable_or_invalid_schemas_are_refused_with_what_and_where(schema
     ("spec", "says"),
     [
         (GrammarSpec("regex", "[a-"), "regex: Regex parsing error"),
-        (GrammarSpec("ebnf", "root ::= foo"), 'ebnf: EBNF parser error at line 1, column 10: Rule "foo" is not defined'),
+        (
+            GrammarSpec("ebnf", "root ::= foo"),
+            'ebnf: EBNF parser error at line 1, column 10: Rule "foo" is not defined',
+        ),
         (GrammarSpec("structural_tag", "{}"), "structural_tag: "),
         (GrammarSpec("structural_tag", "not json"), "structural_tag is not valid JSON"),
         (GrammarSpec("json_schema", "[1,"), "json_schema is not valid JSON"),
@@ -129,6 +132,6 @@ def test_bounded_strings_refuse_raw_control_characters(cache):
 
 def test_the_shared_schema_corpus_is_all_accepted():
     assert len(SCHEMAS) >= 20
-    for name, schema in SCHEMAS:
+    for _, schema in SCHEMAS:
         GrammarSpec.json_schema(schema).check()
         assert json.dumps(schema)  # plain JSON: the API and the benchmark send them as-is

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kvmesh.errors import InvalidArgument, NotFound
 from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.errors import InvalidArgument, NotFound
 from kvmesh.runtime import GrpcService, ServiceContext, ServiceDef
 
 HEARTBEAT_INTERVAL_MS = 20
@@ -76,8 +76,10 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
         s.index.pop(request.worker_id, None)
         s.last_seq[request.worker_id] = 0
         return router_pb2.RegisterWorkerResponse(
-            lease_id=lease, lease_ttl_ms=10 * HEARTBEAT_INTERVAL_MS,
-            heartbeat_interval_ms=HEARTBEAT_INTERVAL_MS, expected_sequence=1,
+            lease_id=lease,
+            lease_ttl_ms=10 * HEARTBEAT_INTERVAL_MS,
+            heartbeat_interval_ms=HEARTBEAT_INTERVAL_MS,
+            expected_sequence=1,
         )
 
     async def Heartbeat(

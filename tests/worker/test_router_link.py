@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from kvmesh.blocks import block_hashes
 from kvmesh.api.common.v1 import kv_pb2, worker_pb2
 from kvmesh.api.router.v1 import router_pb2
+from kvmesh.blocks import block_hashes
 from kvmesh.runtime import Runtime, serve
 from kvmesh.worker import RouterLink, SnapshotFn
 from tests.worker.fake_router import RouterState, build_fake_router
@@ -105,15 +105,15 @@ async def test_registers_resyncs_publishes_and_heartbeats(router: Runtime, state
     assert state.resyncs == [(WORKER, 0, 3)]
     (registration,) = state.registrations
     assert (registration.role, registration.address, registration.model) == (
-        worker_pb2.WORKER_ROLE_DECODE, "127.0.0.1:1234", "tiny",
+        worker_pb2.WORKER_ROLE_DECODE,
+        "127.0.0.1:1234",
+        "tiny",
     )
     assert registration.layout.block_size == 16 and registration.capacity.total_kv_blocks == 100
 
     # Four engine-like threads change the cache at once; publish never waits on the router.
     chain = hashes(400, start=3)
-    threads = [
-        threading.Thread(target=lambda part=chain[i::4]: [cache.store([h]) for h in part]) for i in range(4)
-    ]
+    threads = [threading.Thread(target=lambda part=chain[i::4]: [cache.store([h]) for h in part]) for i in range(4)]
     for t in threads:
         t.start()
     for t in threads:

@@ -57,8 +57,13 @@ class HermesFormat:
         ]
         if policy.required:
             # Calls only, one after another.
-            fmt = {"type": "tags_with_separator", "tags": tags, "separator": SEPARATOR, "at_least_one": True,
-                   "stop_after_first": policy.single}
+            fmt = {
+                "type": "tags_with_separator",
+                "tags": tags,
+                "separator": SEPARATOR,
+                "at_least_one": True,
+                "stop_after_first": policy.single,
+            }
         else:
             # Free text until the model writes <tool_call>; from there on, a valid call.
             fmt = {"type": "triggered_tags", "triggers": [BEGIN], "tags": tags, "stop_after_first": policy.single}

@@ -36,7 +36,10 @@ class ChatReply:
 
     def __call__(self, chunk: gateway_pb2.GenerateResponse) -> gateway_pb2.ChatResponse:
         reply = gateway_pb2.ChatResponse(
-            request_id=chunk.request_id, offset=chunk.offset, token_ids=chunk.token_ids, logprobs=chunk.logprobs,
+            request_id=chunk.request_id,
+            offset=chunk.offset,
+            token_ids=chunk.token_ids,
+            logprobs=chunk.logprobs,
             final=chunk.final if chunk.HasField("final") else None,
         )
         if self._parser is None:

@@ -15,8 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kvmesh.errors import InvalidArgument
 from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.errors import InvalidArgument
 from kvmesh.structured.spec import GrammarSpec
 from services.gateway.tool_calls.format import CallPolicy, Tool, ToolCallFormat
 from services.gateway.validation import InvalidField, check_grammar
@@ -39,7 +39,8 @@ class ToolUse:
 
 
 def tool_use(request: gateway_pb2.ChatRequest, fmt: ToolCallFormat) -> ToolUse | None:
-    """None when the reply is plain text: no tools, or ``tool_choice`` none (the tools are then left out of the prompt)."""
+    """None when the reply is plain text: no tools, or ``tool_choice`` none (the tools are then left out of
+    the prompt)."""
     if not request.tools:
         if request.HasField("tool_choice"):
             raise InvalidField("tool_choice", "tool_choice is set but no tools are declared")
@@ -112,5 +113,7 @@ def _parameters(i: int, tool: gateway_pb2.Tool) -> dict[str, Any]:
     if schema == {}:
         return ANY_OBJECT
     if not isinstance(schema, dict) or schema.get("type") != "object":
-        raise InvalidField(field, f'tool {tool.name!r}: parameters must be a JSON Schema of an object ("type": "object")')
+        raise InvalidField(
+            field, f'tool {tool.name!r}: parameters must be a JSON Schema of an object ("type": "object")'
+        )
     return schema
