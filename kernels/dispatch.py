@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kernels import reference
+from kernels.errors import KernelUnavailable
 
 OPS = (
     "rms_norm",
@@ -101,11 +102,10 @@ def _load_cpu_native() -> None:
     """Load ``kernels.cpu`` once; where it cannot run, log why (once) and keep the references."""
     global _cpu_native_warned
     from kernels import cpu
-    from kvmesh.errors import FailedPrecondition
 
     try:
         cpu.load()
-    except FailedPrecondition as exc:
+    except KernelUnavailable as exc:
         if not _cpu_native_warned:
             _log.warning("%s; CPU models run the torch references", exc)
             _cpu_native_warned = True

@@ -7,9 +7,9 @@ dtype × 8-bit weights, float32 accumulation) through the dispatcher. Half the w
 of bf16, which is what bounds decode.
 
 - ``fp8``: e4m3 weights; CUDA only (the Triton kernel; the CPU has no fp8 arithmetic).
-- ``int8``: int8 weights, exactly the ``int8-channel`` format of ``kvmesh quantize``
-  (``kvmesh.quant.formats``, whose fidelity report measures what it costs). CUDA runs the
-  Triton kernel; the CPU runs ``kernels.cpu``'s AVX-512 kernel, built on first use.
+- ``int8``: int8 weights, exactly the ``int8-channel`` format of ``kvmesh quantize``, which is
+  ``quantize_int8_weight`` (``kvmesh.quant.formats`` uses it; its fidelity report measures what it
+  costs). CUDA runs the Triton kernel; the CPU runs ``kernels.cpu``'s AVX-512 kernel, built on first use.
 """
 
 from __future__ import annotations
@@ -21,25 +21,30 @@ import torch
 from torch import nn
 
 from kernels.dispatch import get_op
+from kernels.errors import KernelUnavailable, UnknownScheme
 from kernels.module_swap import swap_modules
-from kvmesh.errors import FailedPrecondition, InvalidArgument
-from kvmesh.quant.formats import get_format
 
 # The output projection is kept in 16 bits by common recipes (its errors go straight into the
 # logits); the engine quantizes it only when asked (CausalLM.quantize).
 DEFAULT_SKIP = ("lm_head",)
+INT8_MAX = 127.0
+# An all-zero row's scale, so quantizing never divides by zero.
+MIN_SCALE = 1e-12
 
 
 def quantize_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] -> (int8 [N, K], float32 scale [N]): the int8-channel format (kvmesh.quant.formats)."""
-    stored = get_format("int8-channel").quantize(weight)
-    return stored["weight"].contiguous(), stored["weight_scale"].reshape(-1).float().contiguous()
+    """weight [N, K] -> (int8 [N, K], float32 scale [N]): symmetric, one scale per output channel (row),
+    rounded to nearest. The int8-channel checkpoint format (kvmesh.quant.formats) stores exactly these."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / INT8_MAX).clamp_min(MIN_SCALE)
+    qweight = torch.round(w / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return qweight.contiguous(), scale.reshape(-1).contiguous()
 
 
 def _load_cpu_kernels() -> None:
     from kernels import cpu
 
-    cpu.load()  # FailedPrecondition, with the reason, where they cannot run
+    cpu.load()  # KernelUnavailable, with the reason, where they cannot run
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,7 @@ class Scheme:
     # (weight [N, K], its device) -> (8-bit qweight [N, K], float32 scale [N])
     quantize: Callable[[torch.Tensor, torch.device], tuple[torch.Tensor, torch.Tensor]]
     matmul_op: str  # the dispatcher's op: (x, qweight, scale, bias) -> x @ (qweight · scale)ᵀ + bias
-    # device type -> what must hold before the op can run there (raises FailedPrecondition)
+    # device type -> what must hold before the op can run there (raises KernelUnavailable)
     prepare: dict[str, Callable[[], None]]
 
 
@@ -70,14 +75,14 @@ SCHEMES = {
 
 def get_scheme(name: str) -> Scheme:
     if name not in SCHEMES:
-        raise InvalidArgument(f"unknown quantization {name!r}; supported: {', '.join(SCHEMES)}")
+        raise UnknownScheme(f"unknown quantization {name!r}; supported: {', '.join(SCHEMES)}")
     return SCHEMES[name]
 
 
 def _prepare(scheme: Scheme, device: torch.device) -> None:
     if device.type not in scheme.prepare:
         where = " or ".join(d.upper() if d == "cpu" else f"a {d.upper()} GPU" for d in scheme.prepare)
-        raise FailedPrecondition(f"{scheme.name} quantization needs {where}; this model is on {device.type}")
+        raise KernelUnavailable(f"{scheme.name} quantization needs {where}; this model is on {device.type}")
     scheme.prepare[device.type]()
 
 
@@ -116,7 +121,7 @@ def quantize_model(model: nn.Module, scheme: str, skip: Collection[str] = DEFAUL
     """Replace, in place, every ``nn.Linear`` in ``model`` whose last name component is not in
     ``skip`` with a ``QuantizedLinear`` of ``scheme``; returns how many were replaced. Call it
     on the loaded model, already on its device, and cast the model no more after it
-    (``.to(dtype)`` would widen the 8-bit buffers). Raises FailedPrecondition (before any
+    (``.to(dtype)`` would widen the 8-bit buffers). Raises KernelUnavailable (before any
     weight is touched) where the scheme cannot run on the model's device."""
     chosen = get_scheme(scheme)
     devices = {p.device for p in model.parameters()}

@@ -57,8 +57,8 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import kernels.cpu as kernels_cpu
+from kernels.errors import KernelUnavailable
 from kernels.module_swap import swap_modules
-from kvmesh.errors import FailedPrecondition
 
 _log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class SmallRowsLinear(nn.Linear):
     ) -> None:
         nn.Module.__init__(self)  # nn.Linear's own __init__ would allocate fresh weights
         if weight.device.type != "cpu" or weight.dtype not in MIN_ROWS:
-            raise FailedPrecondition("small-row oneDNN linears are for float32 or bfloat16 weights on CPU")
+            raise KernelUnavailable("small-row oneDNN linears are for float32 or bfloat16 weights on CPU")
         self.out_features, self.in_features = weight.shape
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = bias
@@ -233,7 +233,7 @@ def calibrate_streamed_rows(modules: list[SmallRowsLinear], repeats: int = 6) ->
     ``streamed_mm`` itself."""
     try:
         kernels_cpu.load()
-    except FailedPrecondition as exc:
+    except KernelUnavailable as exc:
         _log.info("small-row linears: no streamed products (%s)", exc)
         return 0
     for m in modules:

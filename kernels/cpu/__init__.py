@@ -3,7 +3,7 @@ builder (ninja and a C++ compiler) and cached under ``TORCH_EXTENSIONS_DIR``
 (``~/.cache/torch_extensions`` by default), so one build serves every later process.
 
 ``load()`` builds (or finds) them, registers each with the dispatcher for CPU tensors, and
-raises ``FailedPrecondition`` saying why when they cannot run here (a CPU without AVX-512,
+raises ``KernelUnavailable`` saying why when they cannot run here (a CPU without AVX-512,
 no compiler). Triton has no CPU backend in the wheels served here; these fill that role for
 the ops where a CPU engine is bound by something torch's own kernels do badly.
 
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from kernels.dispatch import register_cpu_native
-from kvmesh.errors import FailedPrecondition
+from kernels.errors import KernelUnavailable
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("streamed_mm.cpp", "paged_decode_attention.cpp")]
 # -fopenmp: at::parallel_for is inlined from ATen's headers as an OpenMP loop; without it the
@@ -40,7 +40,7 @@ _log = logging.getLogger(__name__)
 
 
 def load() -> None:
-    """Build or load the kernels once per process and register them; FailedPrecondition if
+    """Build or load the kernels once per process and register them; KernelUnavailable if
     they cannot run on this machine (the reason is kept: later calls raise it at once)."""
     global _failure, _loaded
     with _lock:
@@ -50,7 +50,7 @@ def load() -> None:
             _failure = _build()
             _loaded = _failure is None
         if _failure is not None:
-            raise FailedPrecondition(f"kvmesh's native CPU kernels are unavailable: {_failure}")
+            raise KernelUnavailable(f"kvmesh's native CPU kernels are unavailable: {_failure}")
 
 
 def _build() -> str | None:

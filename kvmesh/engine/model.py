@@ -15,12 +15,13 @@ import torch
 from torch import nn
 
 from kernels import Ops
+from kernels.errors import KernelUnavailable, UnknownScheme
 from kernels.quantized_linear import QuantizedLinear, get_scheme, quantize_model
 from kernels.small_rows_linear import SmallRowsLinear, use_small_rows_linears
 from kvmesh.engine.config import ModelConfig
 from kvmesh.engine.rope import rope_cos_sin_cache
 from kvmesh.engine.weights import iter_tensors
-from kvmesh.errors import ModelLoadError
+from kvmesh.errors import FailedPrecondition, InvalidArgument, ModelLoadError
 
 
 @dataclass
@@ -173,11 +174,17 @@ class CausalLM(nn.Module):
         """8-bit weights for every projection (``kernels.quantized_linear``), and with ``head``
         for the LM head's product too. The embedding lookup keeps the checkpoint's weights (a
         tied head's 8-bit copy is the head's own), so a draft head trained on this target still
-        recognises it (services.speculator.eagle.target_fingerprint)."""
-        quantize_model(self, scheme)  # the projections; "lm_head" is skipped
-        if head:
-            bias = None if self.lm_head is None else self.lm_head.bias
-            self.head_proj = QuantizedLinear(self.head_weight, bias, get_scheme(scheme))
+        recognises it (kvmesh.speculation.eagle.target_fingerprint). InvalidArgument for an unknown
+        scheme, FailedPrecondition (before any weight is touched) where it cannot run."""
+        try:
+            quantize_model(self, scheme)  # the projections; "lm_head" is skipped
+            if head:
+                bias = None if self.lm_head is None else self.lm_head.bias
+                self.head_proj = QuantizedLinear(self.head_weight, bias, get_scheme(scheme))
+        except UnknownScheme as e:
+            raise InvalidArgument(str(e)) from None
+        except KernelUnavailable as e:
+            raise FailedPrecondition(str(e)) from None
 
     def use_small_rows_linears(self) -> None:
         """Run few-row products (decode steps, a speculative verify's k+1 rows) on oneDNN-reordered weights,

@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
+from kernels.quantized_linear import MIN_SCALE, quantize_int8_weight
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-INT8_MAX = 127.0
 E2M1_MAX = 6.0
 NVFP4_BLOCK = 16
-MIN_SCALE = 1e-12  # an all-zero tensor/row's scale, so quantizing never divides by zero
 # The e2m1 magnitudes by code (the low 3 bits; bit 3 is the sign). Even codes have mantissa 0.
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -63,9 +63,8 @@ def _scaled_dq(t: Tensors) -> torch.Tensor:
 
 
 def _int8_channel_q(weight: torch.Tensor) -> Tensors:
-    w = weight.float()
-    scale = (w.abs().amax(dim=1, keepdim=True) / INT8_MAX).clamp_min(MIN_SCALE)
-    return {"weight": torch.round(w / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), "weight_scale": scale}
+    qweight, scale = quantize_int8_weight(weight)  # the kernels' own int8 weights, so served == stored
+    return {"weight": qweight, "weight_scale": scale.unsqueeze(1)}
 
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:

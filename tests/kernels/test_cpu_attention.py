@@ -13,8 +13,8 @@ import torch
 
 from kernels import Ops, cpu, dispatch, reference
 from kernels.cpu.extend_attention import paged_extend_attention as native_extend
+from kernels.errors import KernelUnavailable
 from kernels.triton.testing import relative_error
-from kvmesh.errors import FailedPrecondition
 from tests.kernels.paged import random_paged_kv
 
 CPU = torch.device("cpu")
@@ -140,5 +140,5 @@ def test_cpu_ops_keep_the_references_where_the_kernels_cannot_load(
         "kvmesh's native CPU kernels are unavailable: they need AVX-512 (torch reports AVX2 on "
         "this CPU); CPU models run the torch references"
     ]
-    with pytest.raises(FailedPrecondition):
+    with pytest.raises(KernelUnavailable):
         cpu.load()

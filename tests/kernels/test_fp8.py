@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from kernels import reference
+from kernels.errors import KernelUnavailable
 from kernels.quantized_linear import SCHEMES, QuantizedLinear, quantize_model
 from kernels.triton.fp8 import fp8_scaled_mm, quantize_fp8_weight
 from kernels.triton.testing import poisoned_allocations, relative_error
-from kvmesh.errors import FailedPrecondition
 
 # e4m3 keeps 3 mantissa bits: a round-to-nearest error of at most 2^-4 of each value.
 E4M3_HALF_ULP = 2.0**-4
@@ -73,9 +73,9 @@ def test_triton_quantized_values() -> None:
 
 
 def test_fp8_linear_needs_cuda() -> None:
-    with pytest.raises(FailedPrecondition, match="fp8 quantization needs a CUDA GPU; this model is on cpu"):
+    with pytest.raises(KernelUnavailable, match="fp8 quantization needs a CUDA GPU; this model is on cpu"):
         QuantizedLinear.of(nn.Linear(8, 8), SCHEMES["fp8"])
     model = nn.Sequential(nn.Linear(8, 8))
-    with pytest.raises(FailedPrecondition, match="fp8 quantization needs a CUDA GPU"):
+    with pytest.raises(KernelUnavailable, match="fp8 quantization needs a CUDA GPU"):
         quantize_model(model, "fp8")
     assert type(model[0]) is nn.Linear  # refused before any layer was swapped

@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from kernels import cpu, dispatch, get_op, reference
+from kernels.errors import KernelUnavailable, UnknownScheme
 from kernels.quantized_linear import SCHEMES, QuantizedLinear, quantize_int8_weight, quantize_model
 from kernels.triton.fp8 import int8_scaled_mm as triton_int8_scaled_mm
 from kernels.triton.testing import poisoned_allocations, relative_error
-from kvmesh.errors import FailedPrecondition, InvalidArgument
 
 CPU = torch.device("cpu")
 
@@ -129,7 +129,7 @@ def test_quantize_model_swaps_every_linear_but_the_head(native) -> None:
 
 
 def test_unknown_scheme_is_refused() -> None:
-    with pytest.raises(InvalidArgument, match="unknown quantization 'int4'; supported: fp8, int8"):
+    with pytest.raises(UnknownScheme, match="unknown quantization 'int4'; supported: fp8, int8"):
         quantize_model(nn.Linear(4, 4), "int4")
 
 
@@ -140,11 +140,11 @@ def test_a_cpu_without_avx512_gets_the_reason(monkeypatch: pytest.MonkeyPatch) -
     model = nn.Sequential(nn.Linear(8, 8))
     for _ in range(2):  # the reason is kept: the second call raises it without trying again
         with pytest.raises(
-            FailedPrecondition, match=r"native CPU kernels are unavailable: they need AVX-512 \(torch reports AVX2"
+            KernelUnavailable, match=r"native CPU kernels are unavailable: they need AVX-512 \(torch reports AVX2"
         ):
             quantize_model(model, "int8")
     assert type(model[0]) is nn.Linear
-    with pytest.raises(FailedPrecondition, match="unavailable"):
+    with pytest.raises(KernelUnavailable, match="unavailable"):
         QuantizedLinear.of(nn.Linear(8, 8), SCHEMES["int8"])
 
 
@@ -158,7 +158,7 @@ def test_a_failed_build_gets_the_reason(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(cpu, "_failure", None)
     monkeypatch.setattr(dispatch, "_CPU_NATIVE", {})
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
-    with pytest.raises(FailedPrecondition, match="unavailable: RuntimeError: c\\+\\+: not found"):
+    with pytest.raises(KernelUnavailable, match="unavailable: RuntimeError: c\\+\\+: not found"):
         cpu.load()
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert get_op("int8_scaled_mm", CPU) is reference.int8_scaled_mm  # nothing registered

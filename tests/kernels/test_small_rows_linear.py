@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu
+from kernels.errors import KernelUnavailable
 from kernels.small_rows_linear import (
     DEFAULT_MAX_ROWS,
     MIN_ROWS,
@@ -21,7 +22,6 @@ from kernels.small_rows_linear import (
     one_row_runs_reordered,
     use_small_rows_linears,
 )
-from kvmesh.errors import FailedPrecondition
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 40, DEFAULT_MAX_ROWS, DEFAULT_MAX_ROWS + 1])
@@ -63,7 +63,7 @@ def test_the_swap_shares_parameters_and_keeps_the_state_dict():
 
 
 def test_a_float16_weight_is_refused():
-    with pytest.raises(FailedPrecondition, match="float32 or bfloat16"):
+    with pytest.raises(KernelUnavailable, match="float32 or bfloat16"):
         SmallRowsLinear.of(nn.Linear(8, 8, dtype=torch.float16))
     model = nn.Sequential(nn.Linear(8, 8, dtype=torch.float16))
     assert use_small_rows_linears(model) == 0  # left as it is
