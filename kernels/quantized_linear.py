@@ -8,7 +8,7 @@ of bf16, which is what bounds decode.
 
 - ``fp8``: e4m3 weights; CUDA only (the Triton kernel; the CPU has no fp8 arithmetic).
 - ``int8``: int8 weights, exactly the ``int8-channel`` format of ``kvmesh quantize``, which is
-  ``quantize_int8_weight`` (``kvmesh.quant.formats`` uses it; its fidelity report measures what it
+  ``quantize_int8_weight`` (``kvmesh.checkpoint.formats`` uses it; its fidelity report measures what it
   costs). CUDA runs the Triton kernel; the CPU runs ``kernels.cpu``'s AVX-512 kernel, built on first use.
 """
 
@@ -34,7 +34,7 @@ MIN_SCALE = 1e-12
 
 def quantize_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] -> (int8 [N, K], float32 scale [N]): symmetric, one scale per output channel (row),
-    rounded to nearest. The int8-channel checkpoint format (kvmesh.quant.formats) stores exactly these."""
+    rounded to nearest. The int8-channel checkpoint format (kvmesh.checkpoint.formats) stores exactly these."""
     w = weight.float()
     scale = (w.abs().amax(dim=1, keepdim=True) / INT8_MAX).clamp_min(MIN_SCALE)
     qweight = torch.round(w / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)

@@ -18,6 +18,8 @@ import structlog
 import torch
 
 from kvmesh.blocks import BlockHash, block_hashes, model_fingerprint
+from kvmesh.checkpoint.compressed import dequantized_tensors
+from kvmesh.checkpoint.files import weight_files, weights_id
 from kvmesh.engine.block_manager import BlockEventSink, BlockManager, OutOfBlocks
 from kvmesh.engine.compile import compile_decode
 from kvmesh.engine.config import EngineConfig, ModelConfig, dtype_name
@@ -35,9 +37,7 @@ from kvmesh.engine.step_metadata import step_metadata
 from kvmesh.engine.stop import check_stop, releasable_text
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.engine.verify_cost import measure_draft_costs
-from kvmesh.engine.weights import weight_files, weights_id
 from kvmesh.errors import InvalidArgument, NotFound, ResourceExhausted
-from kvmesh.quant import checkpoint as quant_checkpoint  # a module: kvmesh.quant imports the engine too
 
 log = structlog.get_logger(__name__)
 
@@ -131,7 +131,7 @@ class LLMEngine:
         files = weight_files(path)
         self.model = CausalLM(mc, self.dtype, self.device, self.max_model_len)
         # A compressed-tensors checkpoint (kvmesh quantize) is dequantized on load.
-        self.model.load_weights(files, quant_checkpoint.dequantized_tensors(mc.raw, files))
+        self.model.load_weights(files, dequantized_tensors(mc.raw, files))
         self.model.to(self.device).eval()
         if cfg.quantization is not None:
             # Before the KV pool is allocated, so the freed weight memory can go to it.

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvmesh.quant.formats import FORMATS
+from kvmesh.checkpoint.formats import FORMATS
 
 SEARCH_FORMATS = "fp8-channel,nvfp4"
 
@@ -51,8 +51,8 @@ def _quantize(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, model: Path) -> int:
+    from kvmesh.checkpoint.compressed import write_checkpoint
     from kvmesh.quant import fidelity
-    from kvmesh.quant.checkpoint import write_checkpoint
     from kvmesh.quant.pipeline import DEFAULT_CACHE, FidelitySession, write_json
 
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from kvmesh.engine.weights import weight_files, weights_id
+from kvmesh.checkpoint.compressed import Plan
+from kvmesh.checkpoint.files import weight_files, weights_id
+from kvmesh.checkpoint.formats import UNQUANTIZED_BITS, get_format
 from kvmesh.quant import evalset, fidelity, search
-from kvmesh.quant.checkpoint import Plan
-from kvmesh.quant.formats import UNQUANTIZED_BITS, get_format
 from kvmesh.quant.runner import HFRunner
 
 DEFAULT_CACHE = Path.home() / ".cache" / "kvmesh" / "quant"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from kvmesh.quant.checkpoint import Plan, linear_modules, load_hf_model
-from kvmesh.quant.formats import fake_quantize
+from kvmesh.checkpoint.compressed import Plan, linear_modules, load_hf_model
+from kvmesh.checkpoint.formats import fake_quantize
 
 
 class HFRunner:

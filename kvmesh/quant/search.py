@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.quant.checkpoint import Plan
-from kvmesh.quant.formats import UNQUANTIZED_BITS, get_format
+from kvmesh.checkpoint.compressed import Plan
+from kvmesh.checkpoint.formats import UNQUANTIZED_BITS, get_format
 
 Measure = Callable[[Plan], float]  # plan -> mean KL on the search set
 KEEP = "bf16"  # a group left unquantized

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from kvmesh.quant.checkpoint import load_hf_model
+from kvmesh.checkpoint.compressed import load_hf_model
 
 
 @dataclass

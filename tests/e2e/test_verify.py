@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvmesh.checkpoint.compressed import linear_modules, write_checkpoint
+from kvmesh.checkpoint.files import iter_tensors, weight_files
 from kvmesh.cli import main
 from kvmesh.engine.default_model import default_model_path
-from kvmesh.engine.weights import iter_tensors, weight_files
-from kvmesh.quant.checkpoint import linear_modules, write_checkpoint
 from tests.e2e.mesh_helpers import http_url, start_mesh
 
 pytestmark = pytest.mark.timeout(600)

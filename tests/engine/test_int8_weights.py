@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvmesh.checkpoint.compressed import write_checkpoint
+from kvmesh.checkpoint.files import iter_tensors, weight_files
 from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
-from kvmesh.engine.weights import iter_tensors, weight_files
 from kvmesh.errors import InvalidArgument
-from kvmesh.quant.checkpoint import write_checkpoint
 
 from .conftest import PROMPTS
 from .test_speculative import ScriptedProposer
@@ -83,7 +83,7 @@ def test_an_int8_lm_head_serves_what_the_checkpoint_with_an_int8_head_does(check
 
 def test_a_tied_int8_head_keeps_the_embedding_lookup_and_the_speculation_path(checkpoints):
     from kernels.quantized_linear import QuantizedLinear
-    from kvmesh.quant.formats import fake_quantize, get_format
+    from kvmesh.checkpoint.formats import fake_quantize, get_format
 
     path = checkpoints["qwen3-qknorm-tied"]
     plain = LLMEngine(path, EngineConfig(num_blocks=64))

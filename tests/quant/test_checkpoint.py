@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
+from kvmesh.checkpoint.compressed import load_hf_model, read_plan, state_dict, write_checkpoint
+from kvmesh.checkpoint.files import iter_tensors, weight_files
+from kvmesh.checkpoint.formats import fake_quantize
 from kvmesh.cli import main
 from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
-from kvmesh.engine.weights import iter_tensors, weight_files
-from kvmesh.quant.checkpoint import load_hf_model, read_plan, state_dict, write_checkpoint
-from kvmesh.quant.formats import fake_quantize
 from tests.e2e.mesh_helpers import write_model
 from tests.engine.conftest import write_checkpoint as write_hf
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmesh.quant.formats import FORMATS, e2m1_decode, e2m1_encode, fake_quantize, get_format
+from kvmesh.checkpoint.formats import FORMATS, e2m1_decode, e2m1_encode, fake_quantize, get_format
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 

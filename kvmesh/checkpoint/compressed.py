@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from kvmesh.engine.weights import iter_tensors, weight_files
+from kvmesh.checkpoint.files import iter_tensors, weight_files
+from kvmesh.checkpoint.formats import FORMATS, get_format
 from kvmesh.errors import ModelLoadError
-from kvmesh.quant.formats import FORMATS, get_format
 
 Plan = dict[str, str]
 CT_METHOD = "compressed-tensors"
