@@ -82,7 +82,9 @@ def chat_prompts(path: Path, n: int) -> list[list[int]]:
 def make_engine(
     path: Path, dtype: str, compile: bool = False, quantization: str | None = None, quantize_lm_head: bool = False
 ):
-    from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+    from kvmesh.engine.config import EngineConfig
+    from kvmesh.engine.engine import LLMEngine
+    from kvmesh.engine.sampling_params import SamplingParams
 
     # No prefix cache: every run computes its whole prompt, as the anchor does.
     engine = LLMEngine(
@@ -103,7 +105,7 @@ def make_engine(
 
 
 def run_kvmesh(engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-    from kvmesh.engine import SamplingParams
+    from kvmesh.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()

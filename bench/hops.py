@@ -42,8 +42,10 @@ from engine import chat_prompts  # noqa: E402
 from kvmesh.api.common.v1 import sampling_pb2  # noqa: E402
 from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc  # noqa: E402
 from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from kvmesh.engine.async_engine import AsyncEngine  # noqa: E402
+from kvmesh.engine.config import EngineConfig  # noqa: E402
+from kvmesh.engine.engine import LLMEngine  # noqa: E402
+from kvmesh.engine.sampling_params import SamplingParams  # noqa: E402
 from kvmesh.launcher.supervisor import Mesh  # noqa: E402
 from kvmesh.launcher.topology import MeshOptions, build_topology, free_port  # noqa: E402
 

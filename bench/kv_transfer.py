@@ -57,8 +57,11 @@ from kvmesh.api.common.v1 import sampling_pb2  # noqa: E402
 from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc  # noqa: E402
 from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc  # noqa: E402
 from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc  # noqa: E402
-from kvmesh.engine import EngineConfig, LLMEngine  # noqa: E402
-from kvmesh.engine.config import dtype_name  # noqa: E402
+from kvmesh.engine.config import (
+    EngineConfig,  # noqa: E402
+    dtype_name,  # noqa: E402
+)
+from kvmesh.engine.engine import LLMEngine  # noqa: E402
 from kvmesh.engine.kv_cache import BlockPayload  # noqa: E402
 from kvmesh.kv_wire import block_to_chunks  # noqa: E402
 from kvmesh.launcher.supervisor import Mesh  # noqa: E402

@@ -29,8 +29,8 @@ FORMATS = ("fp8-channel", "int8-channel", "nvfp4")
 def main() -> None:
     from kvmesh.checkpoint.compressed import linear_modules, write_checkpoint
     from kvmesh.checkpoint.files import iter_tensors, weight_files
-    from kvmesh.engine import SamplingParams
     from kvmesh.engine.default_model import default_model_path
+    from kvmesh.engine.sampling_params import SamplingParams
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path)

@@ -42,10 +42,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import cells, write_json  # noqa: E402
 from _table import print_table  # noqa: E402
 
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from kvmesh.engine.config import parse_draft_costs  # noqa: E402
+from kvmesh.engine.config import (
+    EngineConfig,  # noqa: E402
+    parse_draft_costs,  # noqa: E402
+)
 from kvmesh.engine.default_model import default_model_path  # noqa: E402
-from kvmesh.engine.engine import DraftProposer  # noqa: E402
+from kvmesh.engine.engine import (
+    DraftProposer,  # noqa: E402
+    LLMEngine,  # noqa: E402
+)
+from kvmesh.engine.sampling_params import SamplingParams  # noqa: E402
 from services.speculator.candidate import Source  # noqa: E402
 from services.speculator.core import SpeculatorConfig  # noqa: E402
 from services.speculator.eagle import EagleProposer  # noqa: E402

@@ -33,8 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import cells, write_json  # noqa: E402
 from _table import print_table  # noqa: E402
 
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from kvmesh.engine.config import EngineConfig  # noqa: E402
 from kvmesh.engine.default_model import default_model_path  # noqa: E402
+from kvmesh.engine.engine import LLMEngine  # noqa: E402
+from kvmesh.engine.sampling_params import SamplingParams  # noqa: E402
 from kvmesh.engine.sequence import Sequence, Status  # noqa: E402
 from services.speculator.client import SpeculatorProposer  # noqa: E402
 from services.speculator.eagle import EagleProposer  # noqa: E402

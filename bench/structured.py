@@ -36,8 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import cells, write_json  # noqa: E402
 from _table import print_table  # noqa: E402
 
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from kvmesh.engine.config import EngineConfig  # noqa: E402
+from kvmesh.engine.engine import LLMEngine  # noqa: E402
 from kvmesh.engine.grammar import GrammarCache  # noqa: E402
+from kvmesh.engine.sampling_params import SamplingParams  # noqa: E402
 from kvmesh.structured.spec import GrammarSpec  # noqa: E402
 from tests.structured.schemas import SCHEMAS  # noqa: E402
 

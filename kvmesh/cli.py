@@ -50,8 +50,10 @@ def _grammar(args: argparse.Namespace):
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+    from kvmesh.engine.config import EngineConfig
     from kvmesh.engine.default_model import default_model_path, model_label
+    from kvmesh.engine.engine import LLMEngine
+    from kvmesh.engine.sampling_params import SamplingParams
 
     model = args.model
     if model is None:

@@ -48,7 +48,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvmesh.engine import EngineConfig, LLMEngine
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.model import AttentionMetadata
 from kvmesh.errors import InvalidArgument
 from services.speculator.eagle import FORMAT, EagleBlock, HeadConfig, target_fingerprint

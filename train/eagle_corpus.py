@@ -22,7 +22,8 @@ import re
 import sys
 import time
 
-from kvmesh.engine import LLMEngine, SamplingParams
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.sampling_params import SamplingParams
 
 _OPENING = re.compile(r"^( {0,8})(def |class |async def )")
 

@@ -1,17 +1,5 @@
-"""The shared engine that prefill and decode both run: model, paged KV, scheduler, sampler."""
+"""The shared engine that prefill and decode both run: model, paged KV, scheduler, sampler.
 
-from kvmesh.engine.config import EngineConfig, ModelConfig
-from kvmesh.engine.engine import Completion, EngineStats, LLMEngine, RequestOutput
-from kvmesh.engine.kv_cache import BlockPayload
-from kvmesh.engine.sampling_params import SamplingParams
-
-__all__ = [
-    "BlockPayload",
-    "Completion",
-    "EngineConfig",
-    "EngineStats",
-    "LLMEngine",
-    "ModelConfig",
-    "RequestOutput",
-    "SamplingParams",
-]
+Import what you use from its modules (``kvmesh.engine.engine.LLMEngine``, ``kvmesh.engine.config``): this
+package imports nothing itself, so a torch-free module of it (the tokenizer) loads without torch.
+"""

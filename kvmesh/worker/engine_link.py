@@ -23,7 +23,7 @@ from kvmesh.worker.link_metrics import register_link_metrics
 from kvmesh.worker.router_link import RouterLink
 
 if TYPE_CHECKING:  # the kvstore imports this package without torch
-    from kvmesh.engine import LLMEngine
+    from kvmesh.engine.engine import LLMEngine
 
 
 def engine_load(engine: LLMEngine) -> worker_pb2.WorkerLoad:

@@ -6,8 +6,8 @@ import asyncio
 
 from kvmesh.api.common.v1 import kv_pb2, worker_pb2
 from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc
-from kvmesh.engine import LLMEngine
 from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.flags import ENGINE_FLAGS, engine_config, model_path
 from kvmesh.engine.metrics import EngineCollector
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run

@@ -7,8 +7,8 @@ import contextlib
 
 from kvmesh.api.common.v1 import kv_pb2, worker_pb2
 from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
-from kvmesh.engine import LLMEngine
 from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.flags import ENGINE_FLAGS, engine_config, model_path
 from kvmesh.engine.metrics import EngineCollector
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run

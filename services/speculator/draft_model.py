@@ -24,7 +24,9 @@ import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import Sequence
 
 

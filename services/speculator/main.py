@@ -41,7 +41,8 @@ def ngram_sizes(raw: str) -> tuple[int, ...]:
 def draft_model_folder(raw: str) -> str:
     """A model folder that loads into kvmesh's engine: config, tokenizer and every weight
     (names, shapes, readable files), loaded onto PyTorch's meta device, which allocates nothing."""
-    from kvmesh.engine import EngineConfig, LLMEngine  # torch: only a speculator with a draft model needs it
+    from kvmesh.engine.config import EngineConfig  # torch: only a speculator with a draft model needs it
+    from kvmesh.engine.engine import LLMEngine  # torch: only a speculator with a draft model needs it
 
     try:
         LLMEngine(raw, EngineConfig(device="meta", num_blocks=1))

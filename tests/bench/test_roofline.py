@@ -10,7 +10,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from roofline import linear_shapes, weight_bytes  # noqa: E402
 
-from kvmesh.engine import EngineConfig, LLMEngine  # noqa: E402
+from kvmesh.engine.config import EngineConfig  # noqa: E402
+from kvmesh.engine.engine import LLMEngine  # noqa: E402
 from tests.engine.conftest import write_checkpoint  # noqa: E402
 
 

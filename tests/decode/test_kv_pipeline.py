@@ -10,8 +10,10 @@ from dataclasses import replace
 import pytest
 
 from kvmesh.checksum import checksum
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
 from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import Unavailable
 from kvmesh.kv_wire import ReceivedBlock
 from services.decode import core as decode_core

@@ -20,7 +20,9 @@ import pytest
 from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc
 from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.launcher.supervisor import Mesh
 from kvmesh.launcher.topology import REPO_ROOT, ProcessSpec, Topology, free_port
 from kvmesh.worker.kv_nixl import load_nixl

@@ -9,7 +9,9 @@ import torch
 
 from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.sampling_params import SamplingParams
 from tests.e2e.mesh_helpers import BLOCK, metrics
 
 pytestmark = pytest.mark.timeout(300)

@@ -13,7 +13,9 @@ import pytest
 
 from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.structured.spec import GrammarSpec
 from tests.e2e.mesh_helpers import metrics
 from tests.structured.schemas import SCHEMAS

@@ -6,8 +6,10 @@ import asyncio
 
 import pytest
 
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
 from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidArgument
 
 from .conftest import PROMPTS

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
-from kvmesh.engine.config import parse_draft_costs
+from kvmesh.engine.config import EngineConfig, parse_draft_costs
 from kvmesh.engine.draft_length import DraftLengthPolicy, best_length, step_cost, tokens_per_step
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.sampling_params import SamplingParams
 
 from .conftest import PROMPTS
 from .test_speculative import ScriptedProposer

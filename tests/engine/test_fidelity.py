@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.sampling_params import SamplingParams
 
 from .conftest import ARCHS, PROMPTS
 from .hf_reference import hf_greedy

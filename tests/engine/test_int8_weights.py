@@ -9,7 +9,9 @@ import torch
 
 from kvmesh.checkpoint.compressed import write_checkpoint
 from kvmesh.checkpoint.files import iter_tensors, weight_files
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidArgument
 
 from .conftest import PROMPTS

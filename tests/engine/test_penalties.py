@@ -11,8 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.penalties import PenaltyState, adjust_row
+from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidArgument
 
 from .test_speculative import ScriptedProposer

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.sampler import filter_probs
+from kvmesh.engine.sampling_params import SamplingParams
 
 PROMPT = [17, 50, 60, 61, 62]
 

@@ -8,8 +8,10 @@ import torch
 
 from kernels import small_rows_linear
 from kernels.small_rows_linear import SmallRowsLinear
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.sampler import verify
+from kvmesh.engine.sampling_params import SamplingParams
 
 from .conftest import PROMPTS
 

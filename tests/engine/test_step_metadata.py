@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kernels.reference import DECODE_ROWS_MAX
-from kvmesh.engine import EngineConfig, LLMEngine
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.model import AttentionMetadata
 from kvmesh.engine.step_metadata import step_metadata
 

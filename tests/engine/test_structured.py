@@ -9,7 +9,9 @@ import re
 import jsonschema
 import pytest
 
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidArgument
 from kvmesh.structured.spec import GrammarSpec
 from tests.structured.schemas import SCHEMAS

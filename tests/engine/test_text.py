@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.tokenizer import Tokenizer
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidArgument
 from services.speculator.draft_model import DraftModelProposer, DraftRequest
 

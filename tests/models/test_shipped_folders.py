@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.sampling_params import SamplingParams
 
 from .conftest import CODE_PROMPTS, DRAFT, SMALL
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.default_model import default_model_path
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.sampling_params import SamplingParams
 
 from .smollm2_reference import LOGPROB_TOLERANCE, NEW_TOKENS, TOP, first_divergence, prompts, references
 

@@ -8,8 +8,10 @@ import asyncio
 import pytest
 
 from kvmesh.checksum import checksum
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
 from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import NotFound
 from services.prefill import core as prefill_core
 from services.prefill.core import PrefillWorker

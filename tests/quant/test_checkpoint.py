@@ -12,7 +12,9 @@ from kvmesh.checkpoint.compressed import load_hf_model, read_plan, state_dict, w
 from kvmesh.checkpoint.files import iter_tensors, weight_files
 from kvmesh.checkpoint.formats import fake_quantize
 from kvmesh.cli import main
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.sampling_params import SamplingParams
 from tests.e2e.mesh_helpers import write_model
 from tests.engine.conftest import write_checkpoint as write_hf
 

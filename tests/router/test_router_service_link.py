@@ -166,8 +166,8 @@ def checkpoint(tmp_path_factory) -> Path:
 
 async def test_the_routers_hashes_are_the_engines_block_names(redis_server, checkpoint) -> None:
     """A real engine caches a salted prompt; the router, hashing the same tokens, finds it all."""
-    from kvmesh.engine import LLMEngine
     from kvmesh.engine.config import EngineConfig
+    from kvmesh.engine.engine import LLMEngine
     from kvmesh.engine.sampling_params import SamplingParams
     from kvmesh.worker.engine_link import attach_router
 

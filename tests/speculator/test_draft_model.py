@@ -16,8 +16,10 @@ import grpc
 import pytest
 
 from kvmesh.api.speculator.v1 import speculator_pb2_grpc
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
 from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.runtime import common_flags, parse_flags
 from services.speculator import main
 from services.speculator.candidate import Source

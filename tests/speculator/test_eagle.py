@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.sampler import verify
+from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidArgument
 from services.speculator.eagle import EagleProposer, RemoteWithHead
 from services.speculator.local import LocalProposer

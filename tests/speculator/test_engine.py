@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.engine import EngineConfig, LLMEngine, SamplingParams
 from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.sampling_params import SamplingParams
 from services.speculator.local import LocalProposer
 from tests.engine.conftest import PROMPTS, write_checkpoint
 from tests.service_helpers import free_port

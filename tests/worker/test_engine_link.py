@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvmesh.api.common.v1 import kv_pb2, worker_pb2
-from kvmesh.engine import LLMEngine
 from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.runtime import serve
 from kvmesh.worker.engine_link import attach_router
