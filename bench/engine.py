@@ -84,7 +84,7 @@ def make_engine(
 ):
     from kvmesh.engine.config import EngineConfig
     from kvmesh.engine.engine import LLMEngine
-    from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh.sampling import SamplingParams
 
     # No prefix cache: every run computes its whole prompt, as the anchor does.
     engine = LLMEngine(
@@ -100,14 +100,16 @@ def make_engine(
             quantize_lm_head=quantize_lm_head,
         ),
     )
-    engine.generate([[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    engine.generate(
+        [[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    )  # warm-up
     return engine
 
 
 def run_kvmesh(engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-    from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh.sampling import SamplingParams
 
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     results = engine.generate(prompts, params)
     return time.perf_counter() - t0, [r.token_ids for r in results]

@@ -45,9 +45,9 @@ from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from kvmesh.engine.async_engine import AsyncEngine  # noqa: E402
 from kvmesh.engine.config import EngineConfig  # noqa: E402
 from kvmesh.engine.engine import LLMEngine  # noqa: E402
-from kvmesh.engine.sampling_params import SamplingParams  # noqa: E402
 from kvmesh.launcher.supervisor import Mesh  # noqa: E402
 from kvmesh.launcher.topology import MeshOptions, build_topology, free_port  # noqa: E402
+from kvmesh.sampling import SamplingParams  # noqa: E402
 
 DEPTHS = ("engine", "decode", "gateway", "http")
 _TICK_S = 1 / os.sysconf("SC_CLK_TCK")
@@ -111,7 +111,9 @@ class Depths:
         )
 
     async def engine_stream(self, prompt: list[int], t0: float) -> list[float]:
-        outs = self.engine.generate(prompt, SamplingParams(max_tokens=self.n, ignore_eos=True), self._rid())
+        outs = self.engine.generate(
+            prompt, SamplingParams(temperature=0.0, max_tokens=self.n, ignore_eos=True), self._rid()
+        )
         return await arrivals(outs, t0, lambda out: len(out.new_token_ids))
 
     async def decode_stream(self, prompt: list[int], t0: float) -> list[float]:

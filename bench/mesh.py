@@ -38,10 +38,10 @@ from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from kvmesh.engine.async_engine import AsyncEngine  # noqa: E402
 from kvmesh.engine.config import EngineConfig  # noqa: E402
 from kvmesh.engine.engine import LLMEngine  # noqa: E402
-from kvmesh.engine.sampling_params import SamplingParams  # noqa: E402
 from kvmesh.launcher.supervisor import Mesh  # noqa: E402
 from kvmesh.launcher.topology import MeshOptions, build_topology  # noqa: E402
 from kvmesh.models.bpe import train_tokenizer, write_tokenizer  # noqa: E402
+from kvmesh.sampling import SamplingParams  # noqa: E402
 
 NUM_BLOCKS = 512
 
@@ -92,7 +92,9 @@ async def engine_streams(model: Path, batch: list[list[int]], n: int) -> list[li
 
         async def one(i: int, p: list[int]) -> list[float]:
             t0, times = time.perf_counter(), []
-            async for out in engine.generate(p, SamplingParams(max_tokens=n, ignore_eos=True), f"r{i}"):
+            async for out in engine.generate(
+                p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), f"r{i}"
+            ):
                 times += [time.perf_counter() - t0] * len(out.new_token_ids)
             return times
 

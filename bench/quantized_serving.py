@@ -30,7 +30,7 @@ def main() -> None:
     from kvmesh.checkpoint.compressed import linear_modules, write_checkpoint
     from kvmesh.checkpoint.files import iter_tensors, weight_files
     from kvmesh.engine.default_model import default_model_path
-    from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh.sampling import SamplingParams
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path)
@@ -42,7 +42,7 @@ def main() -> None:
     src = args.model or default_model_path()
     prompts = chat_prompts(src, args.requests)
     modules = linear_modules([n for n, _ in iter_tensors(weight_files(src))])
-    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     rows, out = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         folders = {"unquantized (anchor)": src}

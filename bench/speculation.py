@@ -51,7 +51,7 @@ from kvmesh.engine.engine import (
     DraftProposer,  # noqa: E402
     LLMEngine,  # noqa: E402
 )
-from kvmesh.engine.sampling_params import SamplingParams  # noqa: E402
+from kvmesh.sampling import SamplingParams  # noqa: E402
 from services.speculator.candidate import Source  # noqa: E402
 from services.speculator.core import SpeculatorConfig  # noqa: E402
 from services.speculator.eagle import EagleProposer  # noqa: E402
@@ -120,7 +120,7 @@ def run(
         EngineConfig(dtype=dtype, num_blocks=512, num_speculative_tokens=k if proposer else 0, draft_costs=draft_costs),
         proposer=proposer,
     )
-    params = SamplingParams(max_tokens=max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     tokens: dict[str, list[int]] = {}
     seq_steps = 0
     t0 = time.perf_counter()

@@ -36,8 +36,8 @@ from _table import print_table  # noqa: E402
 from kvmesh.engine.config import EngineConfig  # noqa: E402
 from kvmesh.engine.default_model import default_model_path  # noqa: E402
 from kvmesh.engine.engine import LLMEngine  # noqa: E402
-from kvmesh.engine.sampling_params import SamplingParams  # noqa: E402
 from kvmesh.engine.sequence import Sequence, Status  # noqa: E402
+from kvmesh.sampling import SamplingParams  # noqa: E402
 from services.speculator.client import SpeculatorProposer  # noqa: E402
 from services.speculator.eagle import EagleProposer  # noqa: E402
 from tests.service_helpers import free_port  # noqa: E402
@@ -68,7 +68,9 @@ async def stream_round_trips(batch: int, steps: int, k: int) -> list[float]:
                 await asyncio.sleep(0.01)
         seqs = []
         for i in range(batch):
-            s = Sequence(f"r{i}", [100 + i + j % 50 for j in range(64)], SamplingParams(max_tokens=10_000))
+            s = Sequence(
+                f"r{i}", [100 + i + j % 50 for j in range(64)], SamplingParams(temperature=0.0, max_tokens=10_000)
+            )
             s.status = Status.RUNNING
             seqs.append(s)
         times = []
@@ -101,7 +103,10 @@ def main() -> None:
         engine = LLMEngine(model, EngineConfig(num_blocks=256, num_speculative_tokens=0), proposer=None)
         proposer.bind(engine.model)
         for i in range(batch):
-            engine.add_request([1 + i, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=args.steps + 8, ignore_eos=True))
+            engine.add_request(
+                [1 + i, 2, 3, 4, 5, 6, 7, 8],
+                SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True),
+            )
         step_times = []
         while engine.has_unfinished():
             t0 = time.perf_counter()

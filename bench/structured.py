@@ -39,7 +39,7 @@ from _table import print_table  # noqa: E402
 from kvmesh.engine.config import EngineConfig  # noqa: E402
 from kvmesh.engine.engine import LLMEngine  # noqa: E402
 from kvmesh.engine.grammar import GrammarCache  # noqa: E402
-from kvmesh.engine.sampling_params import SamplingParams  # noqa: E402
+from kvmesh.sampling import SamplingParams  # noqa: E402
 from kvmesh.structured.spec import GrammarSpec  # noqa: E402
 from tests.structured.schemas import SCHEMAS  # noqa: E402
 
@@ -107,10 +107,10 @@ def main() -> None:
     engine = LLMEngine(args.model, EngineConfig(num_blocks=1024))
     prompts = [engine.tokenizer.encode(t, add_special_tokens=False) for t in PROMPT_TEXTS]
     spec = GrammarSpec.json_schema(RECORDS)
-    constrained = [SamplingParams(max_tokens=400, grammar=spec) for _ in prompts]
+    constrained = [SamplingParams(temperature=0.0, max_tokens=400, grammar=spec) for _ in prompts]
     # The free runs' lengths: each request exactly as long as its constrained twin.
     lengths = [len(c.token_ids) for c in engine.generate(prompts, constrained)]
-    free = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+    free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
     best: dict[tuple[int, str], dict] = {}
     ratios: dict[int, list[float]] = {1: [], 16: []}
     for rep in range(args.repeats):

@@ -12,7 +12,11 @@ from kvmesh.launcher.cli import add_up_parser
 from kvmesh.launcher.health_cli import add_health_parser
 from kvmesh.models.cli import add_models_parser
 from kvmesh.quant.cli import add_quantize_parser
+from kvmesh.sampling import SamplingDefaults
 from kvmesh.verify.cli import add_verify_parser
+
+# What `kvmesh generate` runs with where its flags are unset: a look at the model's greedy text.
+GENERATE_DEFAULTS = SamplingDefaults(temperature=0.0, max_tokens=64)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -20,14 +24,15 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="local Hugging Face folder (default: the embedded default model)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    # Unset flags take generate's defaults (GENERATE_DEFAULTS: greedy, 64 tokens), else the API's.
+    p.add_argument("--max-tokens", type=int, help=f"default {GENERATE_DEFAULTS.max_tokens}")
+    p.add_argument("--temperature", type=float, help="default 0: greedy")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--min-p", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--repetition-limit", type=int, default=0)
+    p.add_argument("--repetition-limit", type=int, help="default 0: off")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: checkpoint's on CUDA, float32 on CPU)")
     p.add_argument("--quantization", choices=("fp8",), help="fp8 weights (CUDA only)")
@@ -53,7 +58,7 @@ def _generate(args: argparse.Namespace) -> int:
     from kvmesh.engine.config import EngineConfig
     from kvmesh.engine.default_model import default_model_path, model_label
     from kvmesh.engine.engine import LLMEngine
-    from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh.sampling import SamplingParams, admitted
 
     model = args.model
     if model is None:
@@ -66,17 +71,18 @@ def _generate(args: argparse.Namespace) -> int:
     if args.chat:
         text = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
     prompt_ids = engine.tokenizer.encode(text, add_special_tokens=not args.chat)
-    params = SamplingParams(
+    asked = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         min_p=args.min_p,
         seed=args.seed,
-        stop=args.stop,
+        stop=tuple(args.stop),
         repetition_limit=args.repetition_limit,
         grammar=_grammar(args),
     )
+    params = admitted(asked, prompt_ids, engine.model_config.vocab_size, engine.max_model_len, GENERATE_DEFAULTS)
     rid = engine.add_request(prompt_ids, params)
     token_ids: list[int] = []
     parts: list[str] = []

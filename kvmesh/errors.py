@@ -15,6 +15,8 @@ class KvmeshError(Exception):
 
     code = "INTERNAL"
     http_status = 500
+    # A finer machine-readable reason (the OpenAI error code, e.g. "context_length_exceeded"), or None.
+    reason: str | None = None
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -26,6 +28,16 @@ class InvalidArgument(KvmeshError):
 
     code = "INVALID_ARGUMENT"
     http_status = 400
+
+
+class InvalidField(InvalidArgument):
+    """One field of a request is wrong. ``field`` is its path in the gRPC request ("sampling.temperature",
+    "tools[1].parameters_json"): it travels with the status (trailing metadata ``kvmesh-field``), and the
+    HTTP API reports it as the OpenAI parameter it came from."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class NotFound(KvmeshError):

@@ -23,7 +23,7 @@ import sys
 import time
 
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.sampling import SamplingParams
 
 _OPENING = re.compile(r"^( {0,8})(def |class |async def )")
 
@@ -292,7 +292,7 @@ def code_prompts(n: int, seed: int) -> list[str]:
 def target_continuations(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Each prompt followed by the target's greedy continuation (what the target itself says)."""
     t0 = time.perf_counter()
-    done = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
+    done = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     new = sum(len(c.token_ids) for c in done)
     print(
         f"target wrote {new} tokens for {len(prompts)} prompts in {time.perf_counter() - t0:.0f}s",

@@ -11,7 +11,7 @@ from transformers import LlamaForCausalLM
 
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.sampling import SamplingParams
 
 SAMPLE_PROMPT = "def fibonacci(n):"
 
@@ -31,7 +31,7 @@ def greedy_completion(path: Path, prompt: str = SAMPLE_PROMPT, max_tokens: int =
     """What ``kvmesh generate --model path --prompt ...`` prints (greedy, float32 on CPU)."""
     engine = LLMEngine(path, EngineConfig(num_blocks=64))
     ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
-    return engine.generate([ids], SamplingParams(max_tokens=max_tokens))[0].text
+    return engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0].text
 
 
 def write_readme(path: Path, title: str, intro: str, facts: dict[str, str], command: str, sample: str) -> None:

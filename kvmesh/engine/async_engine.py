@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import structlog
 
 from kvmesh.engine.engine import LLMEngine, RequestOutput
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.sampling import SamplingParams
 
 T = TypeVar("T")
 log = structlog.get_logger(__name__)

@@ -20,9 +20,10 @@ import torch
 from kvmesh.blocks import BlockHash, block_hashes, model_fingerprint
 from kvmesh.checkpoint.compressed import dequantized_tensors
 from kvmesh.checkpoint.files import weight_files, weights_id
+from kvmesh.checkpoint.model_config import ModelConfig
 from kvmesh.engine.block_manager import BlockEventSink, BlockManager, OutOfBlocks
 from kvmesh.engine.compile import compile_decode
-from kvmesh.engine.config import EngineConfig, ModelConfig, dtype_name
+from kvmesh.engine.config import EngineConfig, dtype_name
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.draft_length import DraftLengthPolicy
 from kvmesh.engine.grammar import GrammarCache, GrammarStats, MaskRows, Masks, allowed_prefix
@@ -30,7 +31,6 @@ from kvmesh.engine.kv_cache import KV_LAYOUT, BlockPayload, KVCache
 from kvmesh.engine.model import CausalLM
 from kvmesh.engine.penalties import PenaltyState, adjust_row
 from kvmesh.engine.sampler import token_logprobs, verify
-from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import ScheduledBatch, Scheduler
 from kvmesh.engine.sequence import Sequence, TokenLogprob
 from kvmesh.engine.step_metadata import step_metadata
@@ -38,6 +38,7 @@ from kvmesh.engine.stop import check_stop, releasable_text
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.engine.verify_cost import measure_draft_costs
 from kvmesh.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvmesh.sampling import SamplingParams, admitted
 
 log = structlog.get_logger(__name__)
 
@@ -256,7 +257,7 @@ class LLMEngine:
         request_id = request_id or f"req-{arrival}"
         if request_id in self._seqs:
             raise InvalidArgument(f"request id {request_id!r} is already running")
-        self._validate(prompt_ids, params)
+        params = self._admissible(prompt_ids, params)
         seq = Sequence(
             request_id,
             list(prompt_ids),
@@ -313,26 +314,19 @@ class LLMEngine:
             # a given resume point, but not the text an unbroken run would have sampled.
             seq.generator = torch.Generator().manual_seed((p.seed + _RESUME_SEED_STEP * len(resume_ids)) % 2**63)
 
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        if not prompt_ids:
-            raise InvalidArgument("prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidArgument(
-                f"prompt has {len(prompt_ids)} tokens; this model's context is {self.max_model_len} "
-                "(room for at least one new token is needed)"
-            )
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise InvalidArgument(f"prompt has token ids outside the vocabulary [0, {vocab})")
-        params.validate(vocab)
+    def _admissible(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """``params`` resolved with the contract's defaults and checked with the prompt (kvmesh.sampling),
+        then against this engine: InvalidArgument naming what it could never serve."""
+        params = admitted(params, prompt_ids, self.model_config.vocab_size, self.max_model_len)
         if params.stop and self.tokenizer is None:
             raise InvalidArgument("stop strings need a tokenizer; this model folder has none")
-        longest = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        longest = len(prompt_ids) + params.max_tokens
         if -(-longest // self.config.block_size) > self.config.num_blocks:
             raise InvalidArgument(
                 f"request needs up to {longest} tokens of KV, more than this engine's pool "
                 f"({self.config.num_blocks} blocks of {self.config.block_size})"
             )
+        return params
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its blocks at once."""

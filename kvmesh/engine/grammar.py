@@ -25,6 +25,7 @@ import xgrammar as xgr
 
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import InvalidArgument
+from kvmesh.structured.grammar import build as build_grammar
 from kvmesh.structured.spec import GrammarSpec
 
 # Distinct constraints kept compiled (a compiled grammar holds per-token tables: ~KBs to MBs).
@@ -94,7 +95,7 @@ class GrammarCache:
         return grammar
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
-        grammar = spec.grammar()  # InvalidArgument for anything xgrammar would refuse or not enforce
+        grammar = build_grammar(spec)  # InvalidArgument for anything xgrammar would refuse or not enforce
         try:
             return self._compiler.compile_grammar(grammar)
         except (RuntimeError, ValueError) as e:

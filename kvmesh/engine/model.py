@@ -19,7 +19,7 @@ from kernels.errors import KernelUnavailable, UnknownScheme
 from kernels.quantized_linear import QuantizedLinear, get_scheme, quantize_model
 from kernels.small_rows_linear import SmallRowsLinear, use_small_rows_linears
 from kvmesh.checkpoint.files import iter_tensors
-from kvmesh.engine.config import ModelConfig
+from kvmesh.checkpoint.model_config import ModelConfig
 from kvmesh.engine.rope import rope_cos_sin_cache
 from kvmesh.errors import FailedPrecondition, InvalidArgument, ModelLoadError
 

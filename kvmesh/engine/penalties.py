@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.sampling import SamplingParams
 
 
 @dataclass

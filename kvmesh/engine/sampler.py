@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import TokenLogprob
+from kvmesh.sampling import SamplingParams
 
 
 def filter_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -11,7 +11,7 @@ import xgrammar as xgr
 from kvmesh.blocks import BlockHash
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.penalties import PenaltyState
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.sampling import SamplingParams
 
 
 class Status(enum.Enum):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import grpc
 
-from kvmesh.errors import KvmeshError, Unavailable
+from kvmesh.errors import InvalidArgument, InvalidField, KvmeshError, Unavailable
+from kvmesh.runtime.interceptor import FIELD_KEY, REASON_KEY
 
 # The peer failed rather than answered about the request: a caller may retry these
 # elsewhere. UNAVAILABLE covers both a peer that cannot be reached and one that says
@@ -50,4 +51,9 @@ def from_rpc_error(exc: grpc.aio.AioRpcError, peer: str = "", timeout_s: float |
     cls = _BY_CODE.get(code.name)
     if cls is None or cls is KvmeshError:
         return KvmeshError(f"{prefix}{code.name}: {details}")
-    return cls(details)  # the peer's own answer about the request: pass it on as it is
+    # The peer's own answer about the request: pass it on as it is, with the field and reason it named.
+    said = dict(exc.trailing_metadata() or ())
+    err = InvalidField(said[FIELD_KEY], details) if FIELD_KEY in said and cls is InvalidArgument else cls(details)
+    if REASON_KEY in said:
+        err.reason = said[REASON_KEY]
+    return err

@@ -25,11 +25,14 @@ from typing import Any
 import grpc
 import structlog
 
-from kvmesh.errors import KvmeshError, Unavailable
+from kvmesh.errors import InvalidField, KvmeshError, Unavailable
 from kvmesh.runtime.metrics import RpcMetrics
 from kvmesh.runtime.request_id import new_request_id, request_id_from_metadata
 
 log = structlog.get_logger("kvmesh.rpc")
+
+FIELD_KEY = "kvmesh-field"
+REASON_KEY = "kvmesh-reason"
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,17 @@ class _Call:
     method: str
     full_method: str
     request_id: str
+
+
+def error_metadata(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """What a domain error says beside its message, as trailing metadata a client reads back
+    (``client_errors.from_rpc_error``): the field it names, its machine-readable reason."""
+    pairs = []
+    if isinstance(exc, InvalidField):
+        pairs.append((FIELD_KEY, exc.field))
+    if isinstance(exc, KvmeshError) and exc.reason:
+        pairs.append((REASON_KEY, exc.reason))
+    return tuple(pairs)
 
 
 def status_for(exc: Exception, request_id: str) -> tuple[grpc.StatusCode, str]:
@@ -89,7 +103,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 except BaseException as exc:
                     code, message = self._outcome(call, exc, context)
                     if message is not None:
-                        await context.abort(code, message)  # raises AbortError: grpc sends the status
+                        await context.abort(code, message, error_metadata(exc))  # raises AbortError: grpc sends it
                     raise
                 finally:
                     self._end(call, code, start)
@@ -109,7 +123,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 except BaseException as exc:
                     code, message = self._outcome(call, exc, context)
                     if message is not None:
-                        await context.abort(code, message)  # raises AbortError: grpc sends the status
+                        await context.abort(code, message, error_metadata(exc))  # raises AbortError: grpc sends it
                     raise
                 finally:
                     self._end(call, code, start)

@@ -1,19 +1,22 @@
 """A request's output constraint: one value, carried from the API to the sampler.
 
-The gateway validates it (``check``, no tokenizer needed, so a bad grammar is a
-400 before anything is routed) and workers compile it against their vocabulary.
-The same ``GrammarSpec`` is the compile cache's key, so equal constraints from
-different requests share one compiled grammar.
+Torch-free (the gateway imports it, and xgrammar imports torch). The gateway checks what it can without
+a grammar compiler (``check``: JSON text, and JSON Schemas against the keywords the grammar enforces), so
+the common mistakes are a 400 before anything is routed; workers build the grammar
+(``kvmesh.structured.grammar``, which refuses a regular expression or EBNF grammar xgrammar cannot parse)
+and compile it against their vocabulary. The same ``GrammarSpec`` is the compile cache's key, so equal
+constraints from different requests share one compiled grammar.
+
+A structural tag's ``{"type": "json_schema", "json_schema": ...}`` contents (how the gateway writes the
+arguments of declared tools) are held to the same enforceable keywords as a ``json_schema`` constraint.
 """
 
 from __future__ import annotations
 
 import json
-import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
-
-import xgrammar as xgr
+from typing import Any, Literal
 
 from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.errors import InvalidArgument
@@ -49,56 +52,33 @@ class GrammarSpec:
             return None
         return GrammarSpec(kind, "" if kind == "any_json" else getattr(pb, kind))
 
-    def grammar(self) -> xgr.Grammar:
-        """The tokenizer-independent grammar; InvalidArgument says what is wrong with the spec."""
-        try:
-            if self.kind == "json_schema":
-                schema = _json(self.source, "json_schema")
-                check_schema(schema)
-                return _json_schema_grammar(self.source)
-            if self.kind == "any_json":
-                return xgr.Grammar.builtin_json_grammar()
-            if self.kind == "regex":
-                return xgr.Grammar.from_regex(self.source)
-            if self.kind == "ebnf":
-                return xgr.Grammar.from_ebnf(self.source)
-            if self.kind == "structural_tag":
-                _json(self.source, "structural_tag")
-                return xgr.Grammar.from_structural_tag(self.source)
-        except (RuntimeError, ValueError, TypeError) as e:
-            raise InvalidArgument(f"{self.kind}: {_xgrammar_message(e)}") from None
-        raise InvalidArgument(f"unknown structured output kind {self.kind!r}")
-
     def check(self) -> None:
-        """Raise InvalidArgument unless the constraint can be compiled and enforced."""
-        self.grammar()
+        """Raise InvalidArgument for what can be told wrong without building the grammar: text that is not
+        JSON where JSON is due, and JSON Schemas with keywords the grammar cannot enforce."""
+        if self.kind == "json_schema":
+            check_schema(parse_json(self.source, "json_schema"))
+        elif self.kind == "structural_tag":
+            for schema in tag_schemas(parse_json(self.source, "structural_tag")):
+                check_schema(schema)
+        elif self.kind not in ("any_json", "regex", "ebnf"):
+            raise InvalidArgument(f"unknown structured output kind {self.kind!r}")
 
 
-# xgrammar (0.2.8, 0.2.9) spells the characters of a length-bounded string as [^"\\\r\n], which lets
-# raw control characters through (U+0000-U+001F must be escaped in JSON); unbounded strings get it right.
-_LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
-_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
+def tag_schemas(tag: Any) -> Iterator[Any]:
+    """Every JSON Schema inside a structural tag (the contents of ``{"type": "json_schema"}`` nodes)."""
+    if isinstance(tag, dict):
+        if tag.get("type") == "json_schema" and "json_schema" in tag:
+            yield tag["json_schema"]
+            return
+        for value in tag.values():
+            yield from tag_schemas(value)
+    elif isinstance(tag, list):
+        for value in tag:
+            yield from tag_schemas(value)
 
 
-def _json_schema_grammar(source: str) -> xgr.Grammar:
-    grammar = xgr.Grammar.from_json_schema(source, any_whitespace=JSON_WHITESPACE, strict_mode=True)
-    ebnf = str(grammar)
-    if _LOOSE_STRING_CHAR not in ebnf:
-        return grammar
-    return xgr.Grammar.from_ebnf(ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
-
-
-def _json(text: str, what: str) -> dict | bool:
+def parse_json(text: str, what: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise InvalidArgument(f"{what} is not valid JSON: {e}") from None
-
-
-def _xgrammar_message(e: Exception) -> str:
-    """xgrammar's C++ errors start with '[time] path/file.cc:line: '; keep only what is wrong."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return _CPP_PREFIX.sub("", lines[0]) if lines else type(e).__name__
-
-
-_CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+\.cc:\d+:\s*")

@@ -24,10 +24,10 @@ import structlog
 from kvmesh.blocks import BlockHash
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.engine import RequestOutput
-from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import TokenLogprob
 from kvmesh.errors import KvmeshError
 from kvmesh.kv_wire import ReceivedBlock
+from kvmesh.sampling import SamplingParams
 from kvmesh.worker.kv_nixl import NixlBlocks
 from kvmesh.worker.kv_tiers import fetch_prefix_from_kvstore
 from kvmesh.worker.kvstore_client import KVStoreClient

@@ -9,8 +9,9 @@ import grpc
 
 from kvmesh.api.common.v1 import accounting_pb2
 from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc
-from kvmesh.convert import finish_to_pb, logprob_from_pb, logprob_to_pb, sampling_from_pb, timings_pb
+from kvmesh.convert import finish_to_pb, logprob_from_pb, logprob_to_pb, timings_pb
 from kvmesh.errors import InvalidArgument
+from kvmesh.sampling import SamplingParams, admitted
 from kvmesh.worker.kv_nixl import NixlBlocks
 from services.decode.core import DecodeWorker, RemotePrefill
 
@@ -19,18 +20,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     def __init__(self) -> None:
         self.worker: DecodeWorker
         self.max_model_len: int
+        self.vocab_size: int
 
-    def attach(self, worker: DecodeWorker, max_model_len: int) -> None:
+    def attach(self, worker: DecodeWorker, max_model_len: int, vocab_size: int) -> None:
         """Called once the model is loaded; health stays NOT_SERVING (no RPCs arrive) until then."""
         self.worker = worker
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
 
     async def Decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         t0 = time.perf_counter_ns()
         prompt = list(request.prompt_token_ids)
-        params = sampling_from_pb(request.sampling, len(prompt), self.max_model_len)
+        params = admitted(SamplingParams.from_pb(request.sampling), prompt, self.vocab_size, self.max_model_len)
         remote = None
         if request.WhichOneof("prefill") == "remote":
             r = request.remote

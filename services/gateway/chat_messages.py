@@ -12,8 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvmesh.api.gateway.v1 import gateway_pb2
-from kvmesh.errors import InvalidArgument
-from services.gateway.validation import InvalidField
+from kvmesh.errors import InvalidArgument, InvalidField
 
 
 def template_messages(messages: Sequence[gateway_pb2.ChatMessage]) -> list[dict[str, Any]]:

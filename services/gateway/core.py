@@ -44,6 +44,7 @@ from kvmesh.api.prefill.v1 import prefill_pb2
 from kvmesh.api.router.v1 import router_pb2
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.errors import InvalidArgument, KvmeshError, ResourceExhausted, Unavailable
+from kvmesh.sampling import SamplingParams, admitted
 from services.gateway.auth import ANONYMOUS, tenant_cache_salt
 from services.gateway.backends import Backends, RouterUnreachable
 from services.gateway.chat_messages import template_messages
@@ -55,7 +56,7 @@ from services.gateway.stream import Finish, Job, ResponseStream
 from services.gateway.tool_calls import DEFAULT_FORMAT, FORMATS, ToolCallFormat
 from services.gateway.tool_calls.reply import ChatReply
 from services.gateway.tool_calls.request import tool_use
-from services.gateway.validation import validate_prompt, validate_sampling, validate_structured_output
+from services.gateway.validation import validate_structured_output
 
 log = structlog.get_logger("kvmesh.gateway")
 
@@ -196,9 +197,9 @@ class Gateway:
         try:
             self.model.check_name(request.model)
             prepared = prepare()
-            prompt_ids, sampling = prepared.prompt_ids, self.model.defaults.apply(prepared.sampling)
-            validate_prompt(prompt_ids, sampling.max_tokens, self.model.vocab_size, self.model.max_model_len)
-            validate_sampling(sampling, self.model.vocab_size)
+            prompt_ids, m = prepared.prompt_ids, self.model
+            params = SamplingParams.from_pb(prepared.sampling)
+            sampling = admitted(params, prompt_ids, m.vocab_size, m.max_model_len, m.defaults).to_pb()
             prepare_ns = time.monotonic_ns() - received
             salt = tenant_cache_salt(tenant, request.cache_salt)
             job = Job(method, request_id, prompt_ids, sampling, salt, received, prepare_ns)

@@ -11,10 +11,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvmesh.engine.config import ModelConfig
+from kvmesh.checkpoint.model_config import ModelConfig
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import ModelLoadError, NotFound
-from services.gateway.generation_defaults import GenerationDefaults
+from kvmesh.sampling import CONTRACT_DEFAULTS, SamplingDefaults
+from services.gateway.generation_defaults import generation_defaults
 
 
 class UnknownModel(NotFound):
@@ -35,14 +36,14 @@ class ServedModel:
     label: str | None
     created: int  # unix seconds, when loaded
     # What requests get for the settings they leave unset.
-    defaults: GenerationDefaults = GenerationDefaults()
+    defaults: SamplingDefaults = CONTRACT_DEFAULTS
 
     @classmethod
     def load(
         cls, path: Path, name: str | None = None, max_model_len: int | None = None, **defaults: object
     ) -> ServedModel:
         """Read the folder's tokenizer and config; ``max_model_len`` may only lower the model's context.
-        ``defaults``: GenerationDefaults.for_model's options (none: the model's generation_config.json,
+        ``defaults``: generation_defaults' options (none: the model's generation_config.json,
         no default max tokens, no repetition guard)."""
         if not path.is_dir():
             raise ModelLoadError(f"{path}: not a model folder")
@@ -62,7 +63,7 @@ class ServedModel:
             max_model_len=context,
             label=config.raw.get("kvmesh_label"),
             created=int(time.time()),
-            defaults=GenerationDefaults.for_model(path, tokenizer, **defaults),
+            defaults=generation_defaults(path, tokenizer, **defaults),
         )
 
     def check_name(self, requested: str) -> None:

@@ -17,9 +17,8 @@ import re
 from aiohttp import web
 from pydantic import ValidationError
 
-from kvmesh.errors import InvalidArgument, KvmeshError
+from kvmesh.errors import InvalidArgument, InvalidField, KvmeshError
 from services.gateway.openai_responses import ErrorDetail, ErrorResponse
-from services.gateway.validation import InvalidField
 
 # OpenAI's error type and default code per status.
 _CLIENT = "invalid_request_error"
@@ -98,6 +97,9 @@ def _closest_members(problems: list[dict]) -> list[dict]:
 # gRPC request fields whose OpenAI parameter is spelled differently (after "[i]" became ".i").
 _RENAMED = (
     (re.compile(r"sampling\.structured_output"), "response_format"),
+    (re.compile(r"sampling\.repetition_guard\..+"), "repetition_guard"),
+    (re.compile(r"sampling\.logit_bias\..+"), "logit_bias"),
+    (re.compile(r"sampling\.(\w+)"), r"\1"),
     (re.compile(r"tool_choice\..+"), "tool_choice"),
     (re.compile(r"tools\.(\d+)\.parameters_json"), r"tools.\1.function.parameters"),
     (re.compile(r"tools\.(\d+)\.(\w+)"), r"tools.\1.function.\2"),
@@ -129,7 +131,7 @@ def error_body(exc: BaseException, request_id: str) -> tuple[int, ErrorResponse]
     if isinstance(exc, KvmeshError):
         message = exc.message
         # A finer machine-readable reason where the error has one (e.g. "context_length_exceeded").
-        code = getattr(exc, "reason", code)
+        code = exc.reason or code
     elif isinstance(exc, web.HTTPException):
         message = exc.text or exc.reason
     else:

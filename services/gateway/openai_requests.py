@@ -22,14 +22,18 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 from pydantic_core import PydanticCustomError
 
-from kvmesh.engine.sampling_params import LOGIT_BIAS_LIMIT, PENALTY_LIMIT, REPETITION_PENALTY_MAX
+from kvmesh.sampling import (
+    LOGIT_BIAS_LIMIT,
+    MAX_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
+    PENALTY_LIMIT,
+    REPETITION_PENALTY_MAX,
+)
 from services.gateway.tool_calls.request import NAME_PATTERN
-from services.gateway.validation import MAX_TOP_LOGPROBS
 
 UINT32_MAX = 2**32 - 1
 # OpenAI's limits.
 MAX_N = 128
-MAX_TEMPERATURE = 2.0
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # int64 like OpenAI, or any uint64 (the mesh's seed type)
 
 

@@ -23,9 +23,9 @@ from kvmesh.blocks import BlockHash
 from kvmesh.checksum import checksum
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.kv_cache import BlockPayload
-from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import TokenLogprob
 from kvmesh.errors import InvalidArgument, NotFound
+from kvmesh.sampling import SamplingParams
 from kvmesh.worker.kv_nixl import NixlBlocks, NixlEndpoint, block_checksums
 from kvmesh.worker.kv_tiers import fetch_prefix_from_kvstore, store_held_blocks
 from kvmesh.worker.kvstore_client import KVStoreClient

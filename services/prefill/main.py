@@ -48,7 +48,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
             kvstore = KVStoreClient(args.kvstore_address, nixl=nixl, layout=kv_pb2.KVLayout(**engine.kv_layout()))
         state["kvstore"] = kvstore
         worker = PrefillWorker(aengine, args.lease_ttl_ms, args.max_lease_ttl_ms, kvstore, nixl)
-        servicer.attach(worker, engine.max_model_len)
+        servicer.attach(worker, engine.max_model_len, engine.model_config.vocab_size)
         ctx.registry.register(EngineCollector(engine))
         ctx.registry.register(
             CountersCollector(

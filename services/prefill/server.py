@@ -9,9 +9,10 @@ import grpc
 
 from kvmesh.api.common.v1 import kv_pb2
 from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
-from kvmesh.convert import finish_to_pb, logprob_to_pb, sampling_from_pb, timings_pb
+from kvmesh.convert import finish_to_pb, logprob_to_pb, timings_pb
 from kvmesh.errors import FailedPrecondition, Unavailable
 from kvmesh.kv_wire import chunk_fields, keep_transfer_memory_mapped
+from kvmesh.sampling import SamplingParams, admitted
 from kvmesh.worker.kv_nixl import layout_mismatch
 from services.prefill.core import PrefillWorker
 
@@ -23,18 +24,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         keep_transfer_memory_mapped()  # process-wide malloc setting: PullKV streams need it (kv_wire)
         self.worker: PrefillWorker
         self.max_model_len: int
+        self.vocab_size: int
 
-    def attach(self, worker: PrefillWorker, max_model_len: int) -> None:
+    def attach(self, worker: PrefillWorker, max_model_len: int, vocab_size: int) -> None:
         """Called once the model is loaded; health stays NOT_SERVING (no RPCs arrive) until then."""
         self.worker = worker
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         mode = request.handoff_mode or kv_pb2.HANDOFF_MODE_PULL
         if mode == kv_pb2.HANDOFF_MODE_KVSTORE:
             raise FailedPrecondition("this prefill worker hands KV off by PULL only")
         prompt = list(request.token_ids)
-        params = sampling_from_pb(request.sampling, len(prompt), self.max_model_len)
+        params = admitted(SamplingParams.from_pb(request.sampling), prompt, self.vocab_size, self.max_model_len)
         res = await self.worker.prefill(
             request.request_id,
             prompt,

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import Sequence
+from kvmesh.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class DraftModelProposer:
                     continue
                 # A fresh id per call: the previous call's draft request has finished.
                 rid = f"{r.request_id}#{call}"
-                engine.add_request(r.context, SamplingParams(max_tokens=k, ignore_eos=True), rid)
+                engine.add_request(r.context, SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True), rid)
                 owners[rid] = r.request_id
         except Exception:
             # A context the draft model cannot take (e.g. ids outside its vocabulary):

@@ -40,8 +40,8 @@ from kvmesh.errors import InvalidArgument
 if TYPE_CHECKING:
     from kvmesh.engine.engine import DraftProposer
     from kvmesh.engine.model import CausalLM
-    from kvmesh.engine.sampling_params import SamplingParams
     from kvmesh.engine.sequence import Sequence
+    from kvmesh.sampling import SamplingParams
 
 FORMAT = "kvmesh-eagle-v1"
 

@@ -13,7 +13,7 @@ from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc
 from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.sampling import SamplingParams
 from kvmesh.worker.kv_nixl import load_nixl
 from services.decode import main as decode_main
 from services.prefill import main as prefill_main
@@ -33,7 +33,7 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def expected(model):
     engine = LLMEngine(model, EngineConfig(num_blocks=64))
-    return engine.generate([PROMPT], SamplingParams(max_tokens=N_NEW, ignore_eos=True))[0].token_ids
+    return engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True))[0].token_ids
 
 
 def greedy(n=N_NEW, **kw):

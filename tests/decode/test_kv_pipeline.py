@@ -13,9 +13,9 @@ from kvmesh.checksum import checksum
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import Unavailable
 from kvmesh.kv_wire import ReceivedBlock
+from kvmesh.sampling import SamplingParams
 from services.decode import core as decode_core
 from services.decode.core import DecodeWorker, RemotePrefill, StreamedKVSource
 from tests.engine.conftest import write_checkpoint
@@ -34,7 +34,7 @@ def model(tmp_path_factory):
 def prefilled(model):
     """What a prefill worker hands off: the first token and the prompt's blocks, exported."""
     engine = LLMEngine(model, EngineConfig(num_blocks=32))
-    engine.add_request(PROMPT, SamplingParams(max_tokens=1), "src", hold_prompt_blocks=True)
+    engine.add_request(PROMPT, SamplingParams(temperature=0.0, max_tokens=1), "src", hold_prompt_blocks=True)
     first = None
     while engine.has_unfinished():
         for out in engine.step():
@@ -42,7 +42,7 @@ def prefilled(model):
     blocks = engine.export_held("src")
     expected = (
         LLMEngine(model, EngineConfig(num_blocks=32))
-        .generate([PROMPT], SamplingParams(max_tokens=N_NEW, ignore_eos=True))[0]
+        .generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True))[0]
         .token_ids
     )
     return first, blocks, expected
@@ -104,7 +104,7 @@ async def cached_blocks(engine: AsyncEngine, blocks) -> dict[bytes, bytes]:
 
 async def decode_all(worker: DecodeWorker, prefilled) -> list[int]:
     tokens = []
-    params = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True)
     async for out, _ in worker.decode("r", PROMPT, params, remote=remote(prefilled)):
         tokens += out.new_token_ids
     return tokens

@@ -22,9 +22,9 @@ from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc
 from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.launcher.supervisor import Mesh
 from kvmesh.launcher.topology import REPO_ROOT, ProcessSpec, Topology, free_port
+from kvmesh.sampling import SamplingParams
 from kvmesh.worker.kv_nixl import load_nixl
 from tests.e2e.mesh_helpers import metrics
 
@@ -48,7 +48,9 @@ def colocated(e2e_model):
     engine = LLMEngine(e2e_model, EngineConfig(num_blocks=64))
 
     def expected(tokens: list[int]) -> list[int]:
-        return engine.generate([tokens], SamplingParams(max_tokens=N_NEW, ignore_eos=True))[0].token_ids
+        return engine.generate([tokens], SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True))[
+            0
+        ].token_ids
 
     return expected
 

@@ -11,7 +11,7 @@ from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.sampling import SamplingParams
 from tests.e2e.mesh_helpers import BLOCK, metrics
 
 pytestmark = pytest.mark.timeout(300)
@@ -34,7 +34,9 @@ async def generate(gateway, ids: list[int], n: int) -> tuple[list[int], gateway_
 
 def local_greedy(model, prompts, n):
     engine = LLMEngine(model, EngineConfig(num_blocks=128))
-    return [c.token_ids for c in engine.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))]
+    return [
+        c.token_ids for c in engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    ]
 
 
 async def test_greedy_through_the_mesh_equals_the_in_process_engine(mesh, gateway, e2e_model):

@@ -15,7 +15,7 @@ from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.sampling import SamplingParams
 from kvmesh.structured.spec import GrammarSpec
 from tests.e2e.mesh_helpers import metrics
 from tests.structured.schemas import SCHEMAS
@@ -44,7 +44,7 @@ async def test_constrained_output_with_speculation_equals_the_engine_without(mes
     prompt = list(range(60, 90))
     engine = LLMEngine(e2e_model, EngineConfig(num_blocks=256))
     expected = [c.token_ids for c in engine.generate(
-        [prompt] * len(SPECS), [SamplingParams(max_tokens=MAX_TOKENS, grammar=g) for g in SPECS]
+        [prompt] * len(SPECS), [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, grammar=g) for g in SPECS]
     )]  # fmt: skip
     before = metrics(mesh, "decode-0")["kvmesh_engine_draft_tokens_accepted_total"]
     # Twice: the speculator learns the first answers and drafts the second ones from them.

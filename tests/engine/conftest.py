@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvmesh.models.bpe import train_tokenizer, write_tokenizer
+from kvmesh.sampling import CONTRACT_DEFAULTS, SamplingParams
 
 VOCAB = 512
 _COMMON = dict(
@@ -97,3 +98,8 @@ PROMPTS = [
     list(range(40, 90)),
     [300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 311, 312, 313, 314, 315, 316],
 ]
+
+
+def resolved(**settings) -> SamplingParams:
+    """Settings as the engine hands them to its sampler and penalties: every unset one resolved."""
+    return SamplingParams(**settings).resolve(CONTRACT_DEFAULTS, 1, 1 << 20)

@@ -9,8 +9,8 @@ import pytest
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidArgument
+from kvmesh.sampling import SamplingParams
 
 from .conftest import PROMPTS
 
@@ -26,7 +26,7 @@ def aengine(checkpoints):
 
 async def _collect(ae, prompt, rid, n=16):
     toks = []
-    async for out in ae.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True), rid):
+    async for out in ae.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), rid):
         toks += out.new_token_ids
     return toks
 
@@ -34,7 +34,9 @@ async def _collect(ae, prompt, rid, n=16):
 async def test_concurrent_streams_match_the_synchronous_engine(aengine, checkpoints):
     got = await asyncio.gather(*(_collect(aengine, p, f"r{i}") for i, p in enumerate(PROMPTS)))
     sync = LLMEngine(checkpoints["llama-gqa"], EngineConfig(num_blocks=64))
-    expected = [c.token_ids for c in sync.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))]
+    expected = [
+        c.token_ids for c in sync.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    ]
     assert got == expected
 
 
@@ -45,7 +47,9 @@ async def test_bad_request_raises_in_the_caller(aengine):
 
 
 async def test_cancelled_stream_aborts_and_frees_blocks(aengine):
-    stream = aengine.generate(list(range(1, 60)), SamplingParams(max_tokens=1000, ignore_eos=True), "long")
+    stream = aengine.generate(
+        list(range(1, 60)), SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True), "long"
+    )
     await stream.__anext__()
     assert await aengine.call(lambda e: e.blocks.num_free) < 64
     await stream.aclose()
@@ -53,7 +57,7 @@ async def test_cancelled_stream_aborts_and_frees_blocks(aengine):
 
 
 async def test_task_cancellation_aborts_too(aengine):
-    task = asyncio.create_task(_collect(aengine, list(range(1, 60)), "cancel-me", n=1000))
+    task = asyncio.create_task(_collect(aengine, list(range(1, 60)), "cancel-me", n=400))
     while await aengine.call(lambda e: e.num_running) == 0:
         await asyncio.sleep(0.01)
     task.cancel()
@@ -81,7 +85,7 @@ async def test_started_builds_the_engine_on_its_step_loop_thread(checkpoints):
         assert built_on == [ae._thread] and ae._thread is not threading.main_thread()
         assert await _collect(ae, PROMPTS[0], "r") == (
             LLMEngine(checkpoints["llama-gqa"], EngineConfig(num_blocks=64))
-            .generate([PROMPTS[0]], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+            .generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
             .token_ids
         )
     finally:

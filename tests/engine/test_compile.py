@@ -11,7 +11,7 @@ import torch
 
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.sampling import SamplingParams
 
 from .conftest import PROMPTS
 from .hf_reference import hf_greedy
@@ -27,8 +27,10 @@ def test_compiled_decode_matches_transformers_and_never_recompiles(checkpoints, 
     engine = LLMEngine(path, EngineConfig(num_blocks=128, compile=True))
     graphs = counters["stats"]["unique_graphs"]
     # One alone, then all at once: decode batches of 1 and many, block tables of 2..4 blocks.
-    alone = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=N_NEW, ignore_eos=True))[0].token_ids
-    batched = engine.generate(PROMPTS, SamplingParams(max_tokens=N_NEW, ignore_eos=True))
+    alone = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True))[
+        0
+    ].token_ids
+    batched = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True))
     assert alone == hf_greedy(path, PROMPTS[0], N_NEW)[0]
     for prompt, res in zip(PROMPTS, batched):
         assert res.token_ids == hf_greedy(path, prompt, N_NEW)[0], f"{arch}: prompt {prompt[:4]}..."
@@ -45,7 +47,7 @@ def test_compiled_decode_with_speculation_matches_transformers(checkpoints):
     path = checkpoints["llama-gqa"]
     drafts = ScriptedProposer({"req-0": [7, 8, 9] * 4})
     engine = LLMEngine(path, EngineConfig(num_blocks=128, compile=True, num_speculative_tokens=3), proposer=drafts)
-    got = engine.generate(PROMPTS[:2], SamplingParams(max_tokens=N_NEW, ignore_eos=True))
+    got = engine.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True))
     for prompt, res in zip(PROMPTS, got):
         assert res.token_ids == hf_greedy(path, prompt, N_NEW)[0]
     assert engine.stats.draft_tokens_proposed > 0
@@ -54,7 +56,7 @@ def test_compiled_decode_with_speculation_matches_transformers(checkpoints):
 def test_compiled_steps_write_every_layers_kv(checkpoints):
     """Each layer's K/V lands in its own layer of the pool, as the eager step writes it."""
     path = checkpoints["llama-gqa"]
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     pools = []
     for compiled in (False, True):
         engine = LLMEngine(path, EngineConfig(num_blocks=32, enable_prefix_cache=False, compile=compiled))
@@ -74,7 +76,7 @@ def test_two_compiled_engines_of_one_architecture_keep_their_own_weights(checkpo
 
     paths = [checkpoints["llama-gqa"], write_checkpoint(tmp_path / "other", "llama-gqa", seed=1)]
     engines = [LLMEngine(path, EngineConfig(num_blocks=64, compile=True)) for path in paths]
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     for path, engine in zip(paths, engines):
         for prompts in ([PROMPTS[0]], PROMPTS[:3]):  # the one-sequence graph, then the batched one
             for prompt, res in zip(prompts, engine.generate(prompts, params)):
@@ -88,7 +90,7 @@ def test_a_compiled_bfloat16_engine_alone_decodes_as_eager(checkpoints):
     from torch._dynamo.utils import counters
 
     path = checkpoints["llama-gqa"]
-    params = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True)
     eager = LLMEngine(path, EngineConfig(num_blocks=128, dtype="bfloat16")).generate([PROMPTS[0]], params)
     engine = LLMEngine(path, EngineConfig(num_blocks=128, dtype="bfloat16", compile=True))
     graphs = counters["stats"]["unique_graphs"]
@@ -121,7 +123,9 @@ def test_float32_one_sequence_graph_runs_the_one_row_product_calibration_chose(
     assert ("_linear_pointwise" in alone_code) == (floor == 1 and streamed == 0)
     assert "mkl_linear" not in alone_code
     graphs = counters["stats"]["unique_graphs"]
-    alone = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=N_NEW, ignore_eos=True))[0].token_ids
+    alone = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True))[
+        0
+    ].token_ids
     assert alone == hf_greedy(path, PROMPTS[0], N_NEW)[0]
     assert counters["stats"]["unique_graphs"] == graphs  # serving's unmarked rows run the warm-up's graph
 
@@ -152,10 +156,10 @@ def test_verify_steps_run_a_graph_of_few_rows_on_streamed_products(checkpoints, 
     alone, few, batched = codes
     assert "streamed_mm" in alone and "streamed_mm" in few and "streamed_mm" not in batched
     graphs = counters["stats"]["unique_graphs"]
-    got = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=N_NEW, ignore_eos=True))[0]
+    got = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True))[0]
     assert got.token_ids == expected
     assert engine.stats.draft_tokens_accepted == engine.stats.draft_tokens_proposed > 0
     # A 3-token prompt alone: its prefill (one sampling row of three) stays eager, on the extend layout.
-    short = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    short = engine.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
     assert short.token_ids == hf_greedy(path, PROMPTS[1], 8)[0]
     assert counters["stats"]["unique_graphs"] == graphs

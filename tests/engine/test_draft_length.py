@@ -7,7 +7,7 @@ import pytest
 from kvmesh.engine.config import EngineConfig, parse_draft_costs
 from kvmesh.engine.draft_length import DraftLengthPolicy, best_length, step_cost, tokens_per_step
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.sampling import SamplingParams
 
 from .conftest import PROMPTS
 from .test_speculative import ScriptedProposer
@@ -58,7 +58,7 @@ def test_draft_costs_parse():
 
 def test_an_engine_drafts_less_for_drafts_that_miss_and_output_stays_identical(checkpoints):
     path = checkpoints["llama-gqa"]
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     plain = [c.token_ids for c in LLMEngine(path, EngineConfig(num_blocks=128)).generate(PROMPTS, params)]
     proposed = {}
     for costs in ((), COSTS):

@@ -6,7 +6,7 @@ import pytest
 
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.sampling import SamplingParams
 
 from .conftest import ARCHS, PROMPTS
 from .hf_reference import hf_greedy
@@ -15,7 +15,7 @@ N_NEW = 32
 
 
 def _greedy(max_tokens: int = N_NEW) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

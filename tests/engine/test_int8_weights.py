@@ -11,8 +11,8 @@ from kvmesh.checkpoint.compressed import write_checkpoint
 from kvmesh.checkpoint.files import iter_tensors, weight_files
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidArgument
+from kvmesh.sampling import SamplingParams
 
 from .conftest import PROMPTS
 from .test_speculative import ScriptedProposer
@@ -27,7 +27,10 @@ def _int8_checkpoint(src, out):
 
 
 def _greedy(engine: LLMEngine, prompts) -> list[list[int]]:
-    return [r.token_ids for r in engine.generate(prompts, SamplingParams(max_tokens=N_NEW, ignore_eos=True))]
+    return [
+        r.token_ids
+        for r in engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True))
+    ]
 
 
 @pytest.mark.parametrize("arch", ["llama-gqa", "qwen2-bias", "qwen3-qknorm-tied"])
@@ -61,7 +64,7 @@ def test_int8_verify_steps_keep_greedy_output(checkpoints, dtype):
     cfg = EngineConfig(num_blocks=64, dtype=dtype, quantization="int8", num_speculative_tokens=3, draft_costs=())
     oracle = ScriptedProposer({"r": plain[:20]})  # right for 20 tokens, then no drafts
     drafting = LLMEngine(path, cfg, proposer=oracle)
-    drafting.add_request(PROMPTS[0], SamplingParams(max_tokens=N_NEW, ignore_eos=True), request_id="r")
+    drafting.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True), request_id="r")
     tokens = []
     while drafting.has_unfinished():
         tokens += [t for o in drafting.step() for t in o.new_token_ids]

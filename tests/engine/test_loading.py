@@ -9,8 +9,8 @@ import pytest
 
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import ModelLoadError
+from kvmesh.sampling import SamplingParams
 
 from .conftest import write_checkpoint
 from .hf_reference import hf_greedy
@@ -29,7 +29,7 @@ def test_sharded_checkpoint_loads_and_matches(tmp_path):
     model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
     engine = LLMEngine(tmp_path / "sharded", EngineConfig(num_blocks=32))
-    out = engine.generate([[3, 4, 5]], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    out = engine.generate([[3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
     assert out.token_ids == hf_greedy(single, [3, 4, 5], 8)[0]
 
 

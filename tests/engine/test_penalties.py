@@ -14,9 +14,10 @@ import torch
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.penalties import PenaltyState, adjust_row
-from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidArgument
+from kvmesh.sampling import SamplingParams
 
+from .conftest import resolved
 from .test_speculative import ScriptedProposer
 
 V = 512
@@ -38,7 +39,7 @@ def test_repetition_penalty_matches_transformers(penalty):
     logits = torch.randn(V, generator=g) * 4
     expected = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([prompt + output]), logits.clone()[None])[0]
     got = logits.clone()
-    params = SamplingParams(repetition_penalty=penalty)
+    params = resolved(temperature=0.0, max_tokens=16, repetition_penalty=penalty)
     adjust_row(got, params, _state(prompt, output, params), [])
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
@@ -51,7 +52,7 @@ def test_logit_bias_matches_transformers_sequence_bias():
     proc = SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()})
     expected = proc(torch.tensor([[1, 2, 3]]), logits.clone()[None])[0]
     got = logits.clone()
-    params = SamplingParams(logit_bias=bias)
+    params = resolved(temperature=0.0, max_tokens=16, logit_bias=bias)
     adjust_row(got, params, _state([1, 2, 3], [], params), [])
     torch.testing.assert_close(got, expected)
 
@@ -63,7 +64,7 @@ def test_presence_and_frequency_are_openais_formula_over_generated_tokens():
     for tok in set(output):  # prompt tokens are not penalized (OpenAI counts the completion)
         expected[tok] -= output.count(tok) * 0.5 + 1.25
     got = logits.clone()
-    params = SamplingParams(presence_penalty=1.25, frequency_penalty=0.5)
+    params = resolved(temperature=0.0, max_tokens=16, presence_penalty=1.25, frequency_penalty=0.5)
     adjust_row(got, params, _state(prompt, output, params), [])
     torch.testing.assert_close(got, expected)
 
@@ -71,7 +72,7 @@ def test_presence_and_frequency_are_openais_formula_over_generated_tokens():
 def test_a_draft_row_counts_the_drafts_before_it():
     prompt, output, drafts = [1, 2], [3, 4], [4, 5]
     logits = torch.randn(V, generator=torch.Generator().manual_seed(3))
-    params = SamplingParams(frequency_penalty=1.0, repetition_penalty=1.5)
+    params = resolved(temperature=0.0, max_tokens=16, frequency_penalty=1.0, repetition_penalty=1.5)
     got = logits.clone()
     adjust_row(got, params, _state(prompt, output, params), drafts)
     expected = logits.clone()
@@ -95,9 +96,9 @@ def test_greedy_with_repetition_penalty_and_bias_identical_to_transformers(check
         _hf_greedy(path, p, 24, repetition_penalty=1.4, sequence_bias={(t,): b for t, b in bias.items()})
         for p in PROMPTS
     ]
-    params = SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=1.4, logit_bias=bias)
+    params = resolved(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.4, logit_bias=bias)
     engine = LLMEngine(path, EngineConfig(num_blocks=128))
-    plain = engine.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
+    plain = engine.generate(PROMPTS, resolved(temperature=0.0, max_tokens=24, ignore_eos=True))
     got = engine.generate(PROMPTS, params)
     assert [c.token_ids for c in got] == expected
     assert [c.token_ids for c in plain] != expected  # the penalty changed something
@@ -114,9 +115,10 @@ def test_frequency_penalty_breaks_a_collapse(checkpoints):
     engine = LLMEngine(checkpoints["llama-mha-tied"], EngineConfig(num_blocks=64))
     with torch.no_grad():
         engine.model.embed_tokens.weight[7] *= 8  # tied head: token 7 dominates
-    collapsed = engine.generate([[7, 7, 7]], SamplingParams(max_tokens=40, ignore_eos=True))[0].token_ids
+    collapsed = engine.generate([[7, 7, 7]], resolved(temperature=0.0, max_tokens=40, ignore_eos=True))[0].token_ids
     penalized = engine.generate(
-        [[7, 7, 7]], SamplingParams(max_tokens=40, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0)
+        [[7, 7, 7]],
+        resolved(temperature=0.0, max_tokens=40, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0),
     )[0].token_ids
     assert collapsed == [7] * 40 and penalized.count(7) < 20
 
@@ -124,11 +126,20 @@ def test_frequency_penalty_breaks_a_collapse(checkpoints):
 @pytest.mark.parametrize(
     "params, message",
     [
-        (SamplingParams(presence_penalty=2.5), "presence_penalty must be in"),
-        (SamplingParams(frequency_penalty=-3), "frequency_penalty must be in"),
-        (SamplingParams(repetition_penalty=0), "repetition_penalty must be in"),
-        (SamplingParams(logit_bias={V: 1.0}), "logit_bias: 512 is outside"),
-        (SamplingParams(logit_bias={3: 101.0}), r"logit_bias\[3\] must be in"),
+        (resolved(temperature=0.0, max_tokens=16, presence_penalty=2.5), "presence_penalty must be a finite number in"),
+        (
+            resolved(temperature=0.0, max_tokens=16, frequency_penalty=-3),
+            "frequency_penalty must be a finite number in",
+        ),
+        (
+            resolved(temperature=0.0, max_tokens=16, repetition_penalty=0),
+            "repetition_penalty must be a finite number in",
+        ),
+        (resolved(temperature=0.0, max_tokens=16, logit_bias={V: 1.0}), "logit_bias: token id 512 is outside"),
+        (
+            resolved(temperature=0.0, max_tokens=16, logit_bias={3: 101.0}),
+            r"logit_bias\[3\] must be a finite number in",
+        ),
     ],
 )
 def test_bad_values_are_refused(params, message):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.sampling import SamplingParams
 
 from .conftest import PROMPTS
 from .hf_reference import hf_greedy
@@ -13,7 +13,7 @@ BS = 16
 
 
 def _greedy(n: int = 24) -> SamplingParams:
-    return SamplingParams(max_tokens=n, ignore_eos=True)
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
 def test_second_request_with_shared_prefix_computes_only_new_tokens(checkpoints):
@@ -87,7 +87,7 @@ def test_held_prompt_blocks_survive_pressure_until_released(checkpoints):
     """A prefill worker's lease: the prompt's blocks stay exportable until released."""
     engine = LLMEngine(checkpoints["llama-gqa"], EngineConfig(num_blocks=8))
     prompt = list(range(1, 1 + 2 * BS + 3))
-    engine.add_request(prompt, SamplingParams(max_tokens=1), "held", hold_prompt_blocks=True)
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1), "held", hold_prompt_blocks=True)
     while engine.has_unfinished():
         engine.step()
     hashes = engine.held_hashes("held")

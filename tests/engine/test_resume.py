@@ -9,8 +9,8 @@ import pytest
 
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidArgument
+from kvmesh.sampling import SamplingParams
 from kvmesh.structured.spec import GrammarSpec
 
 
@@ -46,7 +46,7 @@ def _delivered_text(engine: LLMEngine, prompt: list[int], params: SamplingParams
 @pytest.mark.parametrize("cut", [1, 7, 19])
 def test_greedy_resume_continues_with_exactly_the_unbroken_tokens_and_text(engine, cut) -> None:
     prompt = engine.tokenizer.encode("def main():\n")
-    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     full, text, reason = _stream(engine, prompt, params)
     before = _delivered_text(engine, prompt, params, cut)
 
@@ -60,7 +60,12 @@ def test_greedy_resume_continues_with_exactly_the_unbroken_tokens_and_text(engin
 def test_penalties_count_the_resumed_tokens_as_output(engine) -> None:
     prompt = engine.tokenizer.encode("def main():\n")
     params = SamplingParams(
-        max_tokens=32, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3
+        temperature=0.0,
+        max_tokens=32,
+        ignore_eos=True,
+        frequency_penalty=1.5,
+        presence_penalty=0.5,
+        repetition_penalty=1.3,
     )
     full, _, _ = _stream(engine, prompt, params)
 
@@ -71,11 +76,11 @@ def test_penalties_count_the_resumed_tokens_as_output(engine) -> None:
 
 def test_a_stop_string_held_back_at_the_cut_is_released_or_cut_as_unbroken(engine) -> None:
     prompt = engine.tokenizer.encode("class A:\n")
-    free, free_text, _ = _stream(engine, prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+    free, free_text, _ = _stream(engine, prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
     # A stop string whose first characters end the text of token 4: the first worker held them back.
     head = engine.tokenizer.decode(free[:4])
     stop = free_text[len(head) - 1 : len(head) + 3]
-    params = SamplingParams(max_tokens=30, ignore_eos=True, stop=[stop])
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop])
     _, text, reason = _stream(engine, prompt, params)
     before = _delivered_text(engine, prompt, params, 4)
     assert len(before) < len(head)  # the first worker held the stop string's beginning back
@@ -92,7 +97,7 @@ def test_a_resumed_structured_output_starts_with_its_grammar_advanced(engine) ->
         "required": ["name", "n"],
     }
     prompt = engine.tokenizer.encode("Answer in JSON: ")
-    params = SamplingParams(max_tokens=120, grammar=GrammarSpec.json_schema(schema))
+    params = SamplingParams(temperature=0.0, max_tokens=120, grammar=GrammarSpec.json_schema(schema))
     full, text, reason = _stream(engine, prompt, params)
     assert reason == "stop"
     cut = len(full) // 2
@@ -117,6 +122,6 @@ def test_a_seeded_resume_is_reproducible_and_valid(engine) -> None:
 def test_resume_refuses_what_leaves_no_room(engine) -> None:
     prompt = engine.tokenizer.encode("x = ")
     with pytest.raises(InvalidArgument, match="leave no room"):
-        engine.add_request(prompt, SamplingParams(max_tokens=3), resume_ids=[5, 6, 7])
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=3), resume_ids=[5, 6, 7])
     with pytest.raises(InvalidArgument, match="cannot also carry a first token"):
-        engine.add_request(prompt, SamplingParams(max_tokens=8), resume_ids=[5], first_token=6)
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=8), resume_ids=[5], first_token=6)

@@ -11,9 +11,9 @@ from kernels.small_rows_linear import SmallRowsLinear
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.sampler import verify
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.sampling import SamplingParams
 
-from .conftest import PROMPTS
+from .conftest import PROMPTS, resolved
 
 
 class ScriptedProposer:
@@ -40,7 +40,7 @@ class ScriptedProposer:
 
 
 def _greedy(n=24):
-    return SamplingParams(max_tokens=n, ignore_eos=True)
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
 def test_greedy_output_identical_with_oracle_and_garbage_drafts(checkpoints):
@@ -68,7 +68,7 @@ def test_greedy_output_identical_with_oracle_and_garbage_drafts(checkpoints):
 
 def test_speculation_with_tiny_pool_and_logprobs(checkpoints):
     path = checkpoints["qwen3-qknorm-tied"]
-    params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
     plain = LLMEngine(path, EngineConfig(num_blocks=64)).generate(PROMPTS, params)
     oracle = ScriptedProposer({f"req-{i}": c.token_ids for i, c in enumerate(plain)})
     spec = LLMEngine(path, EngineConfig(num_blocks=10, num_speculative_tokens=4), proposer=oracle)
@@ -84,7 +84,7 @@ def test_rejection_sampling_preserves_the_target_distribution():
     torch.manual_seed(0)
     v = 5
     rows = torch.randn(3, v) * 1.5
-    params = SamplingParams(temperature=1.0)
+    params = resolved(max_tokens=16, temperature=1.0)
     p0 = torch.softmax(rows[0], -1)
     p1 = torch.softmax(rows[1], -1)  # row 1 = distribution after drafts[0]
     drafts = [int(p0.argmax()), 2]

@@ -11,8 +11,8 @@ import pytest
 
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidArgument
+from kvmesh.sampling import SamplingParams
 from kvmesh.structured.spec import GrammarSpec
 from tests.structured.schemas import SCHEMAS
 
@@ -31,12 +31,12 @@ def _prompt(engine: LLMEngine) -> list[int]:
 
 
 def _constrained(schema: dict, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=MAX_TOKENS, grammar=GrammarSpec.json_schema(schema), **kw)
+    return SamplingParams(max_tokens=MAX_TOKENS, grammar=GrammarSpec.json_schema(schema), **({"temperature": 0.0} | kw))
 
 
 def test_every_schema_output_validates_in_one_batch_with_free_requests(engine):
     prompt = _prompt(engine)
-    free = SamplingParams(max_tokens=24, ignore_eos=True)
+    free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     alone = engine.generate([prompt], free)[0].token_ids
     params = [_constrained(s) for _, s in SCHEMAS] + [free, free]
     outs = engine.generate([prompt] * len(params), params)
@@ -63,7 +63,9 @@ def test_regex_ebnf_and_any_json(engine):
         GrammarSpec("ebnf", 'root ::= "(" item (", " item){0,3} ")"\nitem ::= [a-z] [0-9]?'),
         GrammarSpec("any_json"),
     ]
-    outs = engine.generate([prompt] * 3, [SamplingParams(max_tokens=MAX_TOKENS, grammar=g) for g in specs])
+    outs = engine.generate(
+        [prompt] * 3, [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, grammar=g) for g in specs]
+    )
     assert re.fullmatch(r"[A-Z][a-z]{2,6} (is|was) [0-9]{1,3}", outs[0].text)
     assert re.fullmatch(r"\([a-z][0-9]?(, [a-z][0-9]?){0,3}\)", outs[1].text)
     json.loads(outs[2].text)
@@ -73,7 +75,9 @@ def test_regex_ebnf_and_any_json(engine):
 def test_the_grammar_end_finishes_the_request_even_with_ignore_eos(engine):
     out = engine.generate(
         [_prompt(engine)],
-        SamplingParams(max_tokens=50, ignore_eos=True, grammar=GrammarSpec.json_schema({"enum": ["yes", "no"]})),
+        SamplingParams(
+            temperature=0.0, max_tokens=50, ignore_eos=True, grammar=GrammarSpec.json_schema({"enum": ["yes", "no"]})
+        ),
     )[0]
     assert out.finish_reason == "stop"
     assert out.text in ('"yes"', '"no"')
@@ -94,7 +98,7 @@ def test_speculation_gives_identical_constrained_output(llama_with_tokenizer, ga
     plain = LLMEngine(llama_with_tokenizer, EngineConfig(num_blocks=512))
     prompt = _prompt(plain)
     schemas = [s for _, s in SCHEMAS[:6]]
-    params = [_constrained(s) for s in schemas] + [SamplingParams(max_tokens=40)]
+    params = [_constrained(s) for s in schemas] + [SamplingParams(temperature=0.0, max_tokens=40)]
     expected = [c.token_ids for c in plain.generate([prompt] * len(params), params)]
 
     # The oracle proposes the true continuation; garbage proposes tokens the grammar mostly forbids.
@@ -146,11 +150,13 @@ def test_bad_constraints_are_refused_at_admission(engine):
     with pytest.raises(InvalidArgument, match="keyword 'not'"):
         engine.add_request(_prompt(engine), _constrained({"not": {"type": "string"}}))
     with pytest.raises(InvalidArgument, match="regex: "):
-        engine.add_request(_prompt(engine), SamplingParams(grammar=GrammarSpec("regex", "(")))
+        engine.add_request(
+            _prompt(engine), SamplingParams(temperature=0.0, max_tokens=16, grammar=GrammarSpec("regex", "("))
+        )
     assert not engine.has_unfinished()
 
 
 def test_constraints_need_a_tokenizer(checkpoints):
     engine = LLMEngine(checkpoints["llama-gqa"], EngineConfig(num_blocks=64))
     with pytest.raises(InvalidArgument, match="need a tokenizer"):
-        engine.add_request([1, 2, 3], SamplingParams(grammar=GrammarSpec("any_json")))
+        engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=16, grammar=GrammarSpec("any_json")))

@@ -7,8 +7,8 @@ import pytest
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -32,19 +32,19 @@ def test_streamed_deltas_concatenate_to_the_full_decode(tokenizer_files):
 
 def test_stop_string_is_cut_and_not_emitted(engine):
     prompt = engine.tokenizer.encode("def main():\n")
-    free = engine.generate([prompt], SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    free = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
     assert len(free.text) > 6
     stop = free.text[3:6]
-    res = engine.generate([prompt], SamplingParams(max_tokens=30, ignore_eos=True, stop=[stop]))[0]
+    res = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop]))[0]
     assert res.finish_reason == "stop"
     assert res.text == free.text[: free.text.index(stop)]
 
 
 def test_streaming_never_leaks_part_of_a_stop_string(engine):
     prompt = engine.tokenizer.encode("class A:\n")
-    free = engine.generate([prompt], SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    free = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
     stop = free.text[4:9]
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=30, ignore_eos=True, stop=[stop]))
+    rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop]))
     streamed = ""
     while engine.has_unfinished():
         for out in engine.step():

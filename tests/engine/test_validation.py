@@ -6,8 +6,8 @@ import pytest
 
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidArgument, NotFound
+from kvmesh.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -18,16 +18,16 @@ def engine(checkpoints):
 @pytest.mark.parametrize(
     "prompt, params, message",
     [
-        ([], SamplingParams(), "prompt is empty"),
-        ([1, 2], SamplingParams(max_tokens=0), "max_tokens"),
-        ([1, 2], SamplingParams(max_tokens=-3), "max_tokens"),
-        ([1, 2], SamplingParams(top_p=0.0), "top_p"),
-        ([1, 2], SamplingParams(top_p=1.5), "top_p"),
-        ([1, 2], SamplingParams(temperature=-1), "temperature"),
-        ([1, 2], SamplingParams(min_p=1.0), "min_p"),
-        ([1] * 512, SamplingParams(), "context"),
-        ([1, 10_000], SamplingParams(), "vocabulary"),
-        ([1, 2], SamplingParams(stop=["x"]), "tokenizer"),
+        ([], SamplingParams(temperature=0.0, max_tokens=16), "prompt is empty"),
+        ([1, 2], SamplingParams(temperature=0.0, max_tokens=0), "max_tokens"),
+        ([1, 2], SamplingParams(temperature=0.0, max_tokens=-3), "max_tokens"),
+        ([1, 2], SamplingParams(temperature=0.0, max_tokens=16, top_p=0.0), "top_p"),
+        ([1, 2], SamplingParams(temperature=0.0, max_tokens=16, top_p=1.5), "top_p"),
+        ([1, 2], SamplingParams(max_tokens=16, temperature=-1), "temperature"),
+        ([1, 2], SamplingParams(temperature=0.0, max_tokens=16, min_p=1.0), "min_p"),
+        ([1] * 512, SamplingParams(temperature=0.0, max_tokens=16), "context"),
+        ([1, 10_000], SamplingParams(temperature=0.0, max_tokens=16), "vocabulary"),
+        ([1, 2], SamplingParams(temperature=0.0, max_tokens=16, stop=["x"]), "tokenizer"),
     ],
 )
 def test_bad_input_raises_invalid_argument(engine, prompt, params, message):
@@ -39,7 +39,7 @@ def test_bad_input_raises_invalid_argument(engine, prompt, params, message):
 def test_request_larger_than_the_whole_pool_is_refused(checkpoints):
     small = LLMEngine(checkpoints["llama-gqa"], EngineConfig(num_blocks=4))
     with pytest.raises(InvalidArgument, match="pool"):
-        small.add_request([1] * 60, SamplingParams(max_tokens=10))
+        small.add_request([1] * 60, SamplingParams(temperature=0.0, max_tokens=10))
 
 
 def test_abort_unknown_request_is_not_found(engine):

@@ -6,8 +6,8 @@ import pytest
 
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.verify_cost import costs_from_seconds
+from kvmesh.sampling import SamplingParams
 
 from .conftest import PROMPTS
 from .test_speculative import ScriptedProposer
@@ -50,7 +50,7 @@ def test_a_cpu_engine_measures_its_verifies_and_prices_the_proposers_drafting(ch
     costs = engine.draft_costs[1]
     assert costs[0] > 50 and costs[2] > 2 * costs[0]
     # The probe wrote pool blocks before any request held one: output is the plain engine's.
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     plain = LLMEngine(path, EngineConfig(num_blocks=64)).generate(PROMPTS, params)
     assert [c.token_ids for c in engine.generate(PROMPTS, params)] == [c.token_ids for c in plain]
     # So priced, a sequence asks for one draft a step.

@@ -68,7 +68,12 @@ async def _post(url: str, path: str, body: object) -> tuple[int, dict]:
             "prompt.0: Input should be greater than or equal to 0",
         ),
         ("/v1/completions", COMPLETION | {"n": 1.5}, "n", "n: Input should be a valid integer"),
-        ("/v1/completions", COMPLETION | {"prompt": [1, 100_000]}, None, "token id 100000 is outside the vocabulary"),
+        (
+            "/v1/completions",
+            COMPLETION | {"prompt": [1, 100_000]},
+            "prompt",
+            "token id 100000 is outside the vocabulary",
+        ),
         ("/v1/completions", COMPLETION | {"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
         ("/v1/completions", COMPLETION | {"frequency_penalty": -3}, "frequency_penalty", "greater than or equal to -2"),
         ("/v1/completions", COMPLETION | {"logit_bias": {"x": 1}}, "logit_bias", "keys must be token ids"),
@@ -76,7 +81,7 @@ async def _post(url: str, path: str, body: object) -> tuple[int, dict]:
         (
             "/v1/completions",
             COMPLETION | {"logit_bias": {"100000": 1}},
-            None,
+            "logit_bias",
             "token id 100000 is outside the vocabulary",
         ),
         ("/v1/completions", COMPLETION | {"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),

@@ -135,7 +135,7 @@ async def test_tools_tool_choice_and_earlier_calls_reach_the_core(roomy) -> None
     tag = json.loads(sent_grammar(mesh).source)["format"]
     assert [t["begin"] for t in tag["tags"]] == ['<tool_call>\n{"name": "get_time", "arguments": ']
     # Declared without parameters: any object.
-    assert tag["tags"][0]["content"]["grammar"] == str(GrammarSpec.json_schema({"type": "object"}).grammar())
+    assert tag["tags"][0]["content"] == {"type": "json_schema", "json_schema": {"type": "object"}}
     prompt = roomy.tokenizer.decode(list(mesh.routes[0].tokens.token_ids), skip_special_tokens=False)
     assert '"name": "get_time"' in prompt and "<tool_response>\n20 C\n</tool_response>" in prompt
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt

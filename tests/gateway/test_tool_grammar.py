@@ -9,6 +9,7 @@ import pytest
 import xgrammar as xgr
 
 from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.structured.grammar import build as build_grammar
 from kvmesh.structured.spec import GrammarSpec
 from services.gateway.tool_calls import FORMATS
 from services.gateway.tool_calls.hermes import CALL_SUFFIX, HermesParser, call_prefix
@@ -49,7 +50,7 @@ def grammar(choice: gateway_pb2.ToolChoice | None = None, parallel: bool | None 
 
 def accepts(spec: GrammarSpec, text: str) -> bool:
     """Whether the whole of ``text`` is a complete output under ``spec`` (no tokenizer: strings only)."""
-    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([]), cache_enabled=False).compile_grammar(spec.grammar())
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([]), cache_enabled=False).compile_grammar(build_grammar(spec))
     matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
     return matcher.accept_string(text) and matcher.is_terminated()
 

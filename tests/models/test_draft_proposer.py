@@ -7,15 +7,15 @@ import pytest
 
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidArgument
+from kvmesh.sampling import SamplingParams
 from services.speculator.draft_model import DraftModelProposer, DraftRequest
 
 from .conftest import CODE_PROMPTS, DRAFT, SMALL
 
 
 def test_draft_model_speculation_keeps_greedy_output_and_accepts_drafts():
-    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     plain = LLMEngine(SMALL, EngineConfig(num_blocks=128))
     prompts = [plain.tokenizer.encode(p, add_special_tokens=False) for p in CODE_PROMPTS]
     expected = [c.token_ids for c in plain.generate(prompts, params)]

@@ -11,7 +11,7 @@ import torch
 
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.sampling import SamplingParams
 
 from .conftest import CODE_PROMPTS, DRAFT, SMALL
 
@@ -44,7 +44,7 @@ def test_kvmesh_and_transformers_greedy_outputs_match(path: Path):
     engine = LLMEngine(path, EngineConfig(dtype="float32", num_blocks=64))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = [engine.tokenizer.encode(p, add_special_tokens=False) for p in CODE_PROMPTS]
-    ours = engine.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
+    ours = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
     for prompt, got in zip(prompts, ours):
         assert got.token_ids == hf_greedy(hf, prompt, 32)
     assert engine.blocks.num_free == 64

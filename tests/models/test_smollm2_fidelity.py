@@ -9,7 +9,7 @@ import pytest
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.default_model import default_model_path
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.sampling import SamplingParams
 
 from .smollm2_reference import LOGPROB_TOLERANCE, NEW_TOKENS, TOP, first_divergence, prompts, references
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(900)
 
 def test_greedy_tokens_and_logprobs_match_transformers():
     engine = LLMEngine(default_model_path(), EngineConfig(dtype="float32", num_blocks=256))
-    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP)
     results = engine.generate(prompts(), params)
     diverged = []
     for ref, got in zip(references(), results):

@@ -11,8 +11,8 @@ from kvmesh.checksum import checksum
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import NotFound
+from kvmesh.sampling import SamplingParams
 from services.prefill import core as prefill_core
 from services.prefill.core import PrefillWorker
 from tests.engine.conftest import write_checkpoint
@@ -39,7 +39,7 @@ async def worker(model, monkeypatch):
 
 
 async def handed_off(worker: PrefillWorker):
-    res = await worker.prefill("r", PROMPT, SamplingParams(max_tokens=4))
+    res = await worker.prefill("r", PROMPT, SamplingParams(temperature=0.0, max_tokens=4))
     assert res.lease is not None and len(res.block_hashes) == 9
     return res
 

@@ -14,7 +14,7 @@ from kvmesh.checkpoint.formats import fake_quantize
 from kvmesh.cli import main
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.sampling import SamplingParams
 from tests.e2e.mesh_helpers import write_model
 from tests.engine.conftest import write_checkpoint as write_hf
 
@@ -23,7 +23,7 @@ PROMPT = [3, 14, 15, 92, 65]
 
 def _greedy_engine(path, n=16) -> list[int]:
     engine = LLMEngine(path, EngineConfig(num_blocks=16))
-    return engine.generate([PROMPT], SamplingParams(max_tokens=n, ignore_eos=True))[0].token_ids
+    return engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0].token_ids
 
 
 def _greedy_hf(path, n=16) -> list[int]:

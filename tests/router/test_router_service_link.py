@@ -168,13 +168,13 @@ async def test_the_routers_hashes_are_the_engines_block_names(redis_server, chec
     """A real engine caches a salted prompt; the router, hashing the same tokens, finds it all."""
     from kvmesh.engine.config import EngineConfig
     from kvmesh.engine.engine import LLMEngine
-    from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh.sampling import SamplingParams
     from kvmesh.worker.engine_link import attach_router
 
     engine = LLMEngine(checkpoint, EngineConfig(device="cpu", block_size=16, num_blocks=32, max_num_seqs=2))
     tokens = list(range(1, 1 + 3 * 16 + 7))  # three full blocks and a partial one
     salt = b"tenant-a"
-    engine.add_request(tokens, SamplingParams(max_tokens=1), cache_salt=salt)
+    engine.add_request(tokens, SamplingParams(temperature=0.0, max_tokens=1), cache_salt=salt)
     while engine.has_unfinished():
         engine.step()
     assert len(engine.blocks.hash_to_block) == 3

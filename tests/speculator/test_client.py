@@ -14,8 +14,8 @@ import threading
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import Sequence, Status
+from kvmesh.sampling import SamplingParams
 from services.speculator.client import SpeculatorProposer
 from tests.service_helpers import free_port
 
@@ -29,7 +29,7 @@ async def propose(proposer: SpeculatorProposer, *wants: tuple[Sequence, int]) ->
 
 
 def sequence(request_id: str, prompt: list[int]) -> Sequence:
-    seq = Sequence(request_id, list(prompt), SamplingParams(max_tokens=100))
+    seq = Sequence(request_id, list(prompt), SamplingParams(temperature=0.0, max_tokens=100))
     seq.status = Status.RUNNING
     return seq
 

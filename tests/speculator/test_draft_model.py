@@ -19,8 +19,8 @@ from kvmesh.api.speculator.v1 import speculator_pb2_grpc
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.runtime import common_flags, parse_flags
+from kvmesh.sampling import SamplingParams
 from services.speculator import main
 from services.speculator.candidate import Source
 from services.speculator.core import DRAFT_MODEL_MATCH_TOKENS, Speculator, SpeculatorConfig
@@ -187,7 +187,7 @@ async def test_the_service_drafts_with_the_model_where_ngrams_cannot(monkeypatch
 async def test_a_decode_engine_speculating_through_the_service_keeps_its_output_and_accepts_model_drafts():
     """The decode worker's wiring against the shipped target model: its greedy output is the
     same as without speculation, and drafts from the service's draft model get accepted."""
-    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
     def plain() -> tuple[list[list[int]], list[list[int]]]:
         engine = LLMEngine(SMALL, EngineConfig(num_blocks=128))

@@ -21,11 +21,11 @@ import torch
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.sampler import verify
-from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidArgument
+from kvmesh.sampling import SamplingParams
 from services.speculator.eagle import EagleProposer, RemoteWithHead
 from services.speculator.local import LocalProposer
-from tests.engine.conftest import PROMPTS, write_checkpoint
+from tests.engine.conftest import PROMPTS, resolved, write_checkpoint
 from tests.service_helpers import free_port
 from train import eagle as train_eagle
 
@@ -46,7 +46,7 @@ def traffic(target, tmp_path_factory) -> Path:
     engine = LLMEngine(target, EngineConfig(num_blocks=256))
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, 500, (8,), generator=gen).tolist() for _ in range(48)] + PROMPTS
-    done = engine.generate(prompts, SamplingParams(max_tokens=56, ignore_eos=True))
+    done = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=56, ignore_eos=True))
     path = tmp_path_factory.mktemp("eagle-traffic") / "traffic.jsonl"
     path.write_text("".join(json.dumps({"token_ids": c.prompt_ids + c.token_ids}) + "\n" for c in done))
     return path
@@ -100,7 +100,7 @@ def layered_head(target, traffic, tmp_path_factory) -> Path:
 
 
 def _greedy(n: int = 24) -> SamplingParams:
-    return SamplingParams(max_tokens=n, ignore_eos=True)
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
 def test_the_head_folder_holds_its_config_and_no_target_weights(head):
@@ -239,7 +239,7 @@ def test_rejection_sampling_with_a_draft_distribution_keeps_the_target_distribut
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 1.5], [0.0] * 6])
     q = torch.softmax(torch.tensor([0.0, 2.0, 1.0, 1.0, 0.5, -1.0]), dim=0)
     p = torch.softmax(logits[0], dim=0)
-    params = SamplingParams(temperature=1.0, max_tokens=2)
+    params = resolved(temperature=1.0, max_tokens=2)
     n = 20_000
     for use_q in (True, False):
         counts = Counter()

@@ -16,7 +16,7 @@ import pytest
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.sampling import SamplingParams
 from services.speculator.local import LocalProposer
 from tests.engine.conftest import PROMPTS, write_checkpoint
 from tests.service_helpers import free_port
@@ -25,7 +25,7 @@ from .conftest import connected, eventually, proposer_for, server_stats, specula
 
 REPETITIVE = [7, 8, 9, 10] * 8
 BATCH = [REPETITIVE, *PROMPTS]
-GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")

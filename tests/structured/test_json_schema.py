@@ -10,6 +10,7 @@ import xgrammar as xgr
 from kvmesh.engine.grammar import GrammarCache
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import InvalidArgument
+from kvmesh.structured.grammar import build as build_grammar
 from kvmesh.structured.json_schema import ENFORCED
 from kvmesh.structured.spec import GrammarSpec
 from tests.structured.schemas import SCHEMAS
@@ -39,7 +40,7 @@ from tests.structured.schemas import SCHEMAS
 )  # fmt: skip
 def test_unenforceable_or_invalid_schemas_are_refused_with_what_and_where(schema, says):
     with pytest.raises(InvalidArgument) as e:
-        GrammarSpec.json_schema(schema).check()
+        build_grammar(GrammarSpec.json_schema(schema))
     assert says in e.value.message
 
 
@@ -59,9 +60,29 @@ def test_unenforceable_or_invalid_schemas_are_refused_with_what_and_where(schema
 )
 def test_bad_grammars_are_refused_without_a_cpp_trace(spec, says):
     with pytest.raises(InvalidArgument) as e:
-        spec.check()
+        build_grammar(spec)
     assert e.value.message.startswith(says)
     assert ".cc:" not in e.value.message
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        (GrammarSpec("structural_tag", "not json"), "structural_tag is not valid JSON"),
+        (GrammarSpec("json_schema", "[1,"), "json_schema is not valid JSON"),
+        (GrammarSpec.json_schema({"type": "array", "uniqueItems": True}), "keyword 'uniqueItems' is not supported"),
+        (
+            GrammarSpec("structural_tag", json.dumps({"type": "json_schema", "json_schema": {"not": {}}})),
+            "keyword 'not' is not supported",
+        ),
+    ],
+)
+def test_the_gateway_check_refuses_what_it_can_tell_without_a_grammar_compiler(spec, says):
+    with pytest.raises(InvalidArgument) as e:
+        spec.check()
+    assert e.value.message.startswith(says) or says in e.value.message
+    for parsed_by_workers in (GrammarSpec("regex", "[a-"), GrammarSpec("ebnf", "root ::= foo")):
+        parsed_by_workers.check()  # no xgrammar here: the worker that builds it refuses it
 
 
 @pytest.fixture(scope="module")

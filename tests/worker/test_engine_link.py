@@ -11,8 +11,8 @@ import pytest
 from kvmesh.api.common.v1 import kv_pb2, worker_pb2
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.runtime import serve
+from kvmesh.sampling import SamplingParams
 from kvmesh.worker.engine_link import attach_router
 from tests.engine.conftest import write_checkpoint
 from tests.worker.fake_router import RouterState, build_fake_router
@@ -33,7 +33,7 @@ def args(router_address: str | None) -> argparse.Namespace:
 async def test_engine_blocks_are_published_and_snapshotted(checkpoint: Path) -> None:
     engine = LLMEngine(checkpoint, EngineConfig(device="cpu", block_size=16, num_blocks=8, max_num_seqs=4))
     prompt = list(range(1, 41))  # two full blocks and a partial one
-    engine.generate([prompt], SamplingParams(max_tokens=2))  # cached before the link exists
+    engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2))  # cached before the link exists
     held_before = set(engine.blocks.hash_to_block)
     assert len(held_before) == 2
 
@@ -52,7 +52,7 @@ async def test_engine_blocks_are_published_and_snapshotted(checkpoint: Path) -> 
 
         # The engine steps on its own thread; a second prompt evicts the first one's cached blocks.
         other = list(range(100, 180))
-        await asyncio.to_thread(engine.generate, [other], SamplingParams(max_tokens=2))
+        await asyncio.to_thread(engine.generate, [other], SamplingParams(temperature=0.0, max_tokens=2))
         held = set(engine.blocks.hash_to_block)
         assert held != held_before
         await until(lambda: state.blocks(link.worker_id, GPU) == held, "the index to follow the engine")

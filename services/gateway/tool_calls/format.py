@@ -26,10 +26,9 @@ class Tool:
 
     name: str
     description: str
-    parameters: dict[str, Any]  # JSON Schema of the arguments object
-    # EBNF (xgrammar's dialect, start rule ``root``) of the arguments: compact JSON that validates
-    # against ``parameters``, exactly as a response_format of that schema is constrained.
-    arguments_grammar: str
+    # JSON Schema of the arguments object. The workers constrain the arguments to compact JSON that
+    # validates against it, exactly as a response_format of that schema (kvmesh.structured.grammar).
+    parameters: dict[str, Any]
 
     def for_template(self) -> dict[str, Any]:
         """As transformers passes a tool to chat templates (the OpenAI shape); no description: none shown."""

@@ -50,7 +50,7 @@ class HermesFormat:
             {
                 "type": "tag",
                 "begin": call_prefix(tool.name),
-                "content": {"type": "grammar", "grammar": tool.arguments_grammar},
+                "content": {"type": "json_schema", "json_schema": tool.parameters},
                 "end": CALL_SUFFIX,
             }
             for tool in policy.tools

@@ -9,17 +9,16 @@ an undeclared tool or set without tools, and tools together with
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.api.gateway.v1 import gateway_pb2
-from kvmesh.errors import InvalidArgument
+from kvmesh.errors import InvalidArgument, InvalidField
 from kvmesh.structured.spec import GrammarSpec
 from services.gateway.tool_calls.format import CallPolicy, Tool, ToolCallFormat
-from services.gateway.validation import InvalidField, check_grammar
+from services.gateway.validation import check_grammar
 
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 _NAME = re.compile(NAME_PATTERN)
@@ -88,18 +87,11 @@ def _tools(declared: list[gateway_pb2.Tool]) -> tuple[Tool, ...]:
             raise InvalidField(f"tools[{i}].name", f"tool name {t.name!r} is declared twice")
         schema = _parameters(i, t)
         try:
-            arguments = _ebnf(GrammarSpec.json_schema(schema))
+            check_grammar(GrammarSpec.json_schema(schema))
         except InvalidArgument as e:
             raise InvalidField(f"tools[{i}].parameters_json", f"tool {t.name!r} parameters: {e.message}") from None
-        tools.append(Tool(t.name, t.description, schema, arguments))
+        tools.append(Tool(t.name, t.description, schema))
     return tuple(tools)
-
-
-@functools.lru_cache(maxsize=1024)
-def _ebnf(spec: GrammarSpec) -> str:
-    """The grammar of ``spec`` as EBNF. Cached: clients send the same tools with every turn, and checking
-    and converting a schema takes milliseconds on the event loop."""
-    return str(spec.grammar())
 
 
 def _parameters(i: int, tool: gateway_pb2.Tool) -> dict[str, Any]:

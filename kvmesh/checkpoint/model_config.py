@@ -1,0 +1,114 @@
+"""What the engine and the gateway need from a Hugging Face ``config.json``: ``ModelConfig``.
+
+Read the same way for Llama, Mistral, Qwen2 and Qwen3 and for both config dialects transformers writes
+(``rope_theta``/``rope_scaling`` before v5, ``rope_parameters`` after). Torch-free: the gateway reads it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvmesh.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+# transformers' own config classes write model_type even when "architectures" is absent.
+_MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    rope: dict[str, Any]
+    # The checkpoint's dtype name ("bfloat16"): what the engine runs on a GPU unless told otherwise.
+    dtype: str
+    eos_token_ids: tuple[int, ...]
+    raw: dict[str, Any] = field(repr=False, compare=False)
+
+    @classmethod
+    def from_dir(cls, path: Path) -> ModelConfig:
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ModelLoadError(f"{cfg_file}: missing (a model folder needs config.json)")
+        try:
+            raw = json.loads(cfg_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{cfg_file}: not valid JSON ({e})") from None
+        return cls.from_dict(raw, source=str(cfg_file))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        archs = raw.get("architectures") or [_MODEL_TYPE_TO_ARCH.get(raw.get("model_type", ""), "")]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"{source}: unsupported architecture {arch or raw.get('model_type')!r}; "
+                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        try:
+            hidden = int(raw["hidden_size"])
+            heads = int(raw["num_attention_heads"])
+            eos = raw.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            family = SUPPORTED_ARCHITECTURES[arch]
+            return cls(
+                architecture=arch,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                # Qwen2 always has qkv bias; Llama/Mistral only when attention_bias says so.
+                qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+                qk_norm=family == "qwen3",
+                rope=_rope_params(raw),
+                dtype=_dtype_name(raw.get("dtype") or raw.get("torch_dtype") or "float32", source),
+                eos_token_ids=eos_ids,
+                raw=raw,
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"{source}: missing field {e.args[0]!r}") from None
+
+
+def _rope_params(raw: dict[str, Any]) -> dict[str, Any]:
+    """One RoPE description from either config dialect: {'rope_type', 'rope_theta', ...}."""
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    params.update(scaling)
+    params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    params["rope_type"] = rope_type
+    return params
+
+
+def _dtype_name(name: str, source: str) -> str:
+    key = str(name).removeprefix("torch.")
+    if key not in DTYPE_NAMES:
+        raise ModelLoadError(f"{source}: unsupported dtype {name!r}; choose one of {sorted(DTYPE_NAMES)}")
+    return key
