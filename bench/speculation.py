@@ -6,15 +6,15 @@ Greedy decoding of held-out prompts on the installed default model
 (chat-templated questions with nothing to copy) — at batch 1 (one request at
 a time; the first ``--batch1-prompts`` of a kind) and batch 8 (a kind's eight
 prompts in flight), k = 2 and 4 (at most: the engine asks a sequence whose
-drafts miss for fewer, ``kvmesh.engine.draft_length``; ``--draft-costs free``
+drafts miss for fewer, ``kvmesh.speculation.draft_length``; ``--draft-costs free``
 always asks for k), with
 drafts from:
   none   — no speculation, the anchor;
   ngram  — prompt lookup in the request's own context (the speculator core in-process);
   suffix — the shared suffix index alone (it learns each pass's finished requests);
   eagle  — the EAGLE head (``--head``, default models/smollm2-eagle) beside the target;
-  merged — all three under the core's per-step rule (``services.speculator.local``).
-None of the prompts is in the head's training data (``train/eagle.py``).
+  merged — all three under the core's per-step rule (``kvmesh.speculation.local``).
+None of the prompts is in the head's training data (``kvmesh/training/eagle.py``).
 
 Reports per (source, k, batch, kind): mean accepted length (tokens a sequence
 gains per target step it takes part in, the bonus token included; and per decode
@@ -42,20 +42,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import cells, write_json  # noqa: E402
 from _table import print_table  # noqa: E402
 
-from kvmesh.engine.config import (
-    EngineConfig,  # noqa: E402
-    parse_draft_costs,  # noqa: E402
-)
+from kvmesh.engine.config import EngineConfig  # noqa: E402
 from kvmesh.engine.default_model import default_model_path  # noqa: E402
-from kvmesh.engine.engine import (
-    DraftProposer,  # noqa: E402
-    LLMEngine,  # noqa: E402
-)
+from kvmesh.engine.engine import LLMEngine  # noqa: E402
 from kvmesh.sampling import SamplingParams  # noqa: E402
-from services.speculator.candidate import Source  # noqa: E402
-from services.speculator.core import SpeculatorConfig  # noqa: E402
-from services.speculator.eagle import EagleProposer  # noqa: E402
-from services.speculator.local import EAGLE_MATCH_TOKENS, LocalProposer  # noqa: E402
+from kvmesh.speculation.candidate import Source  # noqa: E402
+from kvmesh.speculation.draft_length import parse_draft_costs  # noqa: E402
+from kvmesh.speculation.drafter import Drafter, DraftProposer  # noqa: E402
+from kvmesh.speculation.eagle import EagleProposer  # noqa: E402
+from kvmesh.speculation.local import EAGLE_MATCH_TOKENS, LocalProposer  # noqa: E402
+from kvmesh.speculation.speculator import SpeculatorConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CODE = [
@@ -117,8 +113,8 @@ def run(
     """One timed pass over the prompts, ``batch`` at a time, on a fresh engine and proposer."""
     engine = LLMEngine(
         model,
-        EngineConfig(dtype=dtype, num_blocks=512, num_speculative_tokens=k if proposer else 0, draft_costs=draft_costs),
-        proposer=proposer,
+        EngineConfig(dtype=dtype, num_blocks=512),
+        drafter=Drafter(proposer, k, draft_costs) if proposer else None,
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     tokens: dict[str, list[int]] = {}
@@ -146,7 +142,7 @@ def run(
         "accepted": stats.draft_tokens_accepted,
         # What the engine priced a verify of 1, 2, ... drafts at, per batch size (measured at
         # start-up unless --draft-costs says); [] = always k.
-        "draft_costs": {str(b): list(c) for b, c in engine.draft_costs.items()},
+        "draft_costs": {str(b): list(c) for b, c in (engine.drafter.costs if engine.drafter else {1: ()}).items()},
     }
 
 
@@ -173,7 +169,7 @@ def main() -> None:
     p.add_argument(
         "--draft-costs",
         default=None,
-        help="EngineConfig.draft_costs, e.g. 1.2,1.3 (default: measured by each engine; 'free': always k drafts)",
+        help="the Drafter's costs, e.g. 1.2,1.3 (default: measured by each engine; 'free': always k drafts)",
     )
     p.add_argument("--repeats", type=int, default=1, help="passes per configuration, interleaved; the fastest counts")
     p.add_argument("--threads", type=int, default=2)

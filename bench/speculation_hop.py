@@ -38,8 +38,9 @@ from kvmesh.engine.default_model import default_model_path  # noqa: E402
 from kvmesh.engine.engine import LLMEngine  # noqa: E402
 from kvmesh.engine.sequence import Sequence, Status  # noqa: E402
 from kvmesh.sampling import SamplingParams  # noqa: E402
+from kvmesh.speculation.drafter import Drafter
+from kvmesh.speculation.eagle import EagleProposer  # noqa: E402
 from services.speculator.client import SpeculatorProposer  # noqa: E402
-from services.speculator.eagle import EagleProposer  # noqa: E402
 from tests.service_helpers import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,7 +101,7 @@ def main() -> None:
     rows, results = [], []
     for batch in (1, 8):
         proposer = EagleProposer(args.head)
-        engine = LLMEngine(model, EngineConfig(num_blocks=256, num_speculative_tokens=0), proposer=None)
+        engine = LLMEngine(model, EngineConfig(num_blocks=256), drafter=Drafter(None, 0))
         proposer.bind(engine.model)
         for i in range(batch):
             engine.add_request(

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in SERVICES:
         return _run_service(argv[0], argv[1:])
     if argv and argv[0] == "train-speculator":
-        from train.eagle import main as train_speculator
+        from kvmesh.training.eagle import main as train_speculator
 
         return train_speculator(argv[1:])
     args = build_parser().parse_args(argv)

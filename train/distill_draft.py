@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from train.corpus import random_windows, split_files, stdlib_files, tiled_windows, token_stream
+from kvmesh.training.corpus import random_windows, split_files, stdlib_files, tiled_windows, token_stream
 from train.loop import Budget, adamw, heldout_loss, lr_at, set_lr
 from train.model_card import greedy_completion, param_count, save_bf16, write_readme
 
@@ -238,7 +238,7 @@ def main(args: argparse.Namespace) -> None:
         "The draft model for speculative decoding with `models/pycode-small` (same tokenizer), "
         "distilled on the teacher's own outputs (KL to its next-token distribution on teacher-generated "
         "and real code), its embedding initialised from the teacher's principal directions. "
-        "Use it with `services/speculator/draft_model.py` (`DraftModelProposer`).",
+        "Use it with `kvmesh/speculation/draft_model.py` (`DraftModelProposer`).",
         {
             "architecture": f"LlamaForCausalLM, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
             f"{cfg.num_attention_heads} heads ({cfg.num_key_value_heads} KV heads), MLP {cfg.intermediate_size}, "

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvmesh.models.bpe import train_tokenizer, write_tokenizer
-from train.corpus import random_windows, split_files, stdlib_files, tiled_windows, token_stream
+from kvmesh.training.corpus import random_windows, split_files, stdlib_files, tiled_windows, token_stream
 from train.loop import Budget, adamw, heldout_loss, lr_at, set_lr
 from train.model_card import greedy_completion, param_count, save_bf16, write_readme
 

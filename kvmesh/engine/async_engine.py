@@ -19,7 +19,9 @@ from typing import Any, TypeVar
 
 import structlog
 
+from kvmesh.blocks import BlockHash
 from kvmesh.engine.engine import LLMEngine, RequestOutput
+from kvmesh.engine.kv_cache import KVCache
 from kvmesh.sampling import SamplingParams
 
 T = TypeVar("T")
@@ -77,6 +79,26 @@ class AsyncEngine:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+
+    # -- what never changes once the engine is built: safe to read from any thread -----------------
+
+    @property
+    def kv(self) -> KVCache:
+        """The engine's KV pool: its layout and memory are fixed; its blocks change on the engine thread."""
+        return self.engine.kv
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.config.block_size
+
+    def kv_layout(self) -> dict:
+        return self.engine.kv_layout()
+
+    def prompt_block_hashes(self, prompt_ids: list[int], cache_salt: bytes = b"") -> list[BlockHash]:
+        """The names of a prompt's full blocks (a pure function of the prompt, salt and model)."""
+        return self.engine.prompt_block_hashes(prompt_ids, cache_salt)
+
+    # -- the engine thread ---------------------------------------------------------------------------
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps and return its result."""

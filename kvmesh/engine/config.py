@@ -32,18 +32,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def parse_draft_costs(text: str | None) -> tuple[float, ...] | None:
-    """``"1.2,1.3"`` -> (1.2, 1.3); ``"free"`` -> () (always k drafts); None -> None (the default)."""
-    if text is None:
-        return None
-    if text.strip() == "free":
-        return ()
-    costs = tuple(float(x) for x in text.split(","))
-    if any(c < 1.0 for c in costs) or list(costs) != sorted(costs):
-        raise ValueError(f"draft costs must be >= 1 and non-decreasing, got {text!r}")
-    return costs
-
-
 @dataclass
 class EngineConfig:
     """Knobs of one engine instance. Defaults suit a small model on CPU."""
@@ -65,12 +53,6 @@ class EngineConfig:
     # With a quantization: the LM head's product in 8 bits too (the embedding lookup keeps the
     # checkpoint's weights). Off by default: its errors go straight into the logits.
     quantize_lm_head: bool = False
-    # Draft tokens verified per decode step when a proposer is attached (0 = no speculation).
-    num_speculative_tokens: int = 0
-    # A verify of 1, 2, ... drafts in decode steps' time (kvmesh.engine.draft_length): fewer
-    # drafts for sequences whose drafts miss. None: measured at start-up on CPU
-    # (kvmesh.engine.verify_cost), () (drafts free: always k) elsewhere.
-    draft_costs: tuple[float, ...] | None = None
     # Run few-row products (up to 64 rows: decode steps, verifies) on oneDNN-reordered copies of
     # the weights (kernels.small_rows_linear; CPU, float32 and bfloat16). Costs a second copy of
     # the weights; False keeps only the checkpoint's (MKL's products).

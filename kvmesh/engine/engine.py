@@ -9,35 +9,27 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import structlog
 import torch
 
-from kvmesh.blocks import BlockHash, block_hashes, model_fingerprint
-from kvmesh.checkpoint.compressed import dequantized_tensors
-from kvmesh.checkpoint.files import weight_files, weights_id
+from kvmesh.blocks import BlockHash
 from kvmesh.checkpoint.model_config import ModelConfig
-from kvmesh.engine.block_manager import BlockEventSink, BlockManager, OutOfBlocks
-from kvmesh.engine.compile import compile_decode
-from kvmesh.engine.config import EngineConfig, dtype_name
+from kvmesh.engine.block_manager import BlockEventSink, BlockManager
+from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
-from kvmesh.engine.draft_length import DraftLengthPolicy
-from kvmesh.engine.grammar import GrammarCache, GrammarStats, MaskRows, Masks, allowed_prefix
-from kvmesh.engine.kv_cache import KV_LAYOUT, BlockPayload, KVCache
-from kvmesh.engine.model import CausalLM
-from kvmesh.engine.penalties import PenaltyState, adjust_row
+from kvmesh.engine.draft_source import DraftSource
+from kvmesh.engine.grammar import GrammarCache, GrammarStats
+from kvmesh.engine.kv_handoff import KVHandoff
+from kvmesh.engine.model_runner import ModelRunner
 from kvmesh.engine.sampler import token_logprobs, verify
-from kvmesh.engine.scheduler import ScheduledBatch, Scheduler
+from kvmesh.engine.scheduler import Scheduler
 from kvmesh.engine.sequence import Sequence, TokenLogprob
-from kvmesh.engine.step_metadata import step_metadata
 from kvmesh.engine.stop import check_stop, releasable_text
 from kvmesh.engine.tokenizer import Tokenizer
-from kvmesh.engine.verify_cost import measure_draft_costs
-from kvmesh.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvmesh.errors import InvalidArgument, NotFound
 from kvmesh.sampling import SamplingParams, admitted
 
 log = structlog.get_logger(__name__)
@@ -91,34 +83,13 @@ class Completion:
     num_cached_tokens: int = 0
 
 
-class DraftProposer(Protocol):
-    """Where speculative drafts come from (the speculator service, or a local n-gram).
-
-    A proposer that reads the target (an EAGLE head) has a ``bind(model)`` method, called
-    once the model is loaded, and a true ``wants_features``: it then finds each sequence's
-    target feature in ``seq.feature``, the final hidden state of the row that sampled its
-    last token, or the outputs of the target's layers it names in ``feature_layers``
-    (read after ``bind``), concatenated. One whose drafting takes time on the engine thread
-    says how much with ``draft_seconds(k)`` (k drafts for one sequence, read after ``bind``),
-    so the draft-length policy prices it (``kvmesh.engine.verify_cost``).
-    """
-
-    def propose(self, wants: list[tuple[Sequence, int]]) -> dict[str, list[int]]:
-        """Up to k draft tokens per (sequence, k); may return fewer or none (late answers)."""
-        ...
-
-    def finished(self, seq: Sequence) -> None:
-        """A sequence ended: its output can teach the proposer."""
-        ...
-
-
-class LLMEngine:
+class LLMEngine(KVHandoff):
     def __init__(
         self,
         model_path: str | Path,
         config: EngineConfig | None = None,
         on_block_event: BlockEventSink | None = None,
-        proposer: DraftProposer | None = None,
+        drafter: DraftSource | None = None,
     ):
         self.config = cfg = config or EngineConfig()
         path = Path(model_path)
@@ -126,46 +97,9 @@ class LLMEngine:
             raise InvalidArgument(f"model path {path} is not a directory")
         self.model_config = mc = ModelConfig.from_dir(path)
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
-        self.device = torch.device(cfg.device)
-        self.dtype = cfg.resolve_dtype(mc.dtype)
-        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        files = weight_files(path)
-        self.model = CausalLM(mc, self.dtype, self.device, self.max_model_len)
-        # A compressed-tensors checkpoint (kvmesh quantize) is dequantized on load.
-        self.model.load_weights(files, dequantized_tensors(mc.raw, files))
-        self.model.to(self.device).eval()
-        if cfg.quantization is not None:
-            # Before the KV pool is allocated, so the freed weight memory can go to it.
-            # InvalidArgument for an unknown scheme; FailedPrecondition where it cannot run.
-            self.model.quantize(cfg.quantization, head=cfg.quantize_lm_head)
-        elif cfg.quantize_lm_head:
-            raise InvalidArgument("quantize_lm_head needs a quantization (fp8 or int8)")
-        if cfg.wants_small_rows_linears(self.dtype):
-            # Decode and verify steps multiply a few rows, where MKL repacks every weight per call
-            # (or, on some processors, runs one row at half memory speed); a reordered copy of the
-            # weights avoids that (kernels.small_rows_linear, which says where and by how much).
-            self.model.use_small_rows_linears()
-        self.fingerprint = model_fingerprint(
-            # Quantized weights give different KV: such workers must never share blocks with others.
-            {
-                **mc.raw,
-                "weights_id": weights_id(files),
-                "quantization": cfg.quantization,
-                **({"quantize_lm_head": True} if cfg.quantize_lm_head else {}),
-            },
-            dtype_name(self.dtype),
-            cfg.block_size,
-        )
-        if hasattr(proposer, "bind"):
-            # Before the decode step is compiled: the features it returns are traced with it.
-            proposer.bind(self.model)
-            self.model.feature_layers = tuple(getattr(proposer, "feature_layers", ()))
-        self.kv = KVCache(
-            mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
-        )
-        if cfg.compile:
-            compile_decode(self.model, self.kv.tensor)  # before any block holds KV
-        self._draft_length = DraftLengthPolicy(cfg.num_speculative_tokens, self._draft_costs(proposer))
+        self.runner = ModelRunner(path, cfg, mc, drafter)
+        self.model, self.kv, self.fingerprint = self.runner.model, self.runner.kv, self.runner.fingerprint
+        self.device, self.dtype, self.max_model_len = self.runner.device, self.runner.dtype, self.runner.max_model_len
         self.blocks = BlockManager(cfg.num_blocks, cfg.enable_prefix_cache, on_block_event)
         self.scheduler = Scheduler(
             self.blocks, cfg.block_size, self.fingerprint, cfg.max_num_seqs, cfg.max_num_batched_tokens
@@ -175,8 +109,7 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.stats = EngineStats()
-        self.proposer = proposer
-        self._wants_features = bool(getattr(proposer, "wants_features", False))
+        self.drafter = drafter
         # Outputs produced outside a step (a handed-off first token), delivered with the next one.
         self._pending: list[RequestOutput] = []
         # request id -> (hash, block id) of prompt blocks held for a hand-off.
@@ -186,30 +119,6 @@ class LLMEngine:
         self._default_gen = torch.Generator().manual_seed(cfg.seed)
         self._grammars: GrammarCache | None = None
         self._grammars_lock = threading.Lock()
-
-    def _draft_costs(self, proposer: DraftProposer | None) -> dict[int, tuple[float, ...]]:
-        """The draft-length policy's prices per batch size: the configured table (at every size);
-        else measured on CPU, where a verify row costs what the processor makes it (before any
-        block holds KV: the probe writes pool blocks); free on a GPU, where verify rows are
-        nearly free at small batch."""
-        cfg = self.config
-        if cfg.draft_costs is not None:
-            return {1: tuple(cfg.draft_costs)}
-        if proposer is None or cfg.num_speculative_tokens == 0 or self.device.type != "cpu":
-            return {1: ()}
-        return measure_draft_costs(
-            self.model,
-            self.kv.tensor,
-            cfg.num_speculative_tokens,
-            self.max_model_len,
-            getattr(proposer, "draft_seconds", None),
-        )
-
-    @property
-    def draft_costs(self) -> dict[int, tuple[float, ...]]:
-        """Per batch size, a verify of 1, 2, ... drafts in decode steps' time, as the draft-length
-        policy prices it (a step of n sequences: the table of the largest size <= n)."""
-        return self._draft_length.costs
 
     @property
     def grammars(self) -> GrammarCache:
@@ -334,8 +243,8 @@ class LLMEngine:
         if seq is None:
             raise NotFound(f"no running request {request_id!r}")
         self.scheduler.finish(seq, "abort")
-        if self.proposer is not None:
-            self.proposer.finished(seq)
+        if self.drafter is not None:
+            self.drafter.finished(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -361,14 +270,19 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
-        if self.proposer is not None and self.config.num_speculative_tokens:
-            self._propose_drafts()
+        if self.drafter is not None:
+            decoding = [seq for seq in self.scheduler.running if seq.is_decoding]
+            # Room under max_tokens and the context, beside the bonus token every verify adds.
+            rooms = [
+                min(s.params.max_tokens - len(s.output_ids), self.max_model_len - s.num_tokens) - 1 for s in decoding
+            ]
+            self.drafter.draft(list(zip(decoding, rooms)), self.model_config.vocab_size)
         batch = self.scheduler.schedule()
         self.stats.preemptions = self.scheduler.num_preemptions
         self.stats.cached_prompt_tokens = self.scheduler.num_cached_prompt_tokens
         if not batch:
             return outputs
-        sampling, logits, hidden = self._forward(batch)
+        sampling, logits, hidden = self.runner.forward(batch, self.stats)
         self.scheduler.after_forward(batch)
         self.stats.steps += 1
         self.stats.computed_tokens += sum(batch.num_new)
@@ -395,7 +309,7 @@ class LLMEngine:
                 seq.num_draft_proposed += k
                 seq.num_draft_accepted += len(tokens) - 1
                 seq.num_draft_missed += len(tokens) - 1 < k
-                self._draft_length.record(k, len(tokens) - 1)
+                self.drafter.verified(k, len(tokens) - 1)
                 self.stats.draft_tokens_proposed += k
                 self.stats.draft_tokens_accepted += len(tokens) - 1
             if seq.params.logprobs is not None:
@@ -404,98 +318,6 @@ class LLMEngine:
             if k and not seq.is_finished:
                 self.scheduler.accept_drafts(seq, len(tokens) - 1)
         return outputs
-
-    def _propose_drafts(self) -> None:
-        want = {}
-        decoding = [seq for seq in self.scheduler.running if seq.is_decoding]
-        for seq in decoding:
-            # Room left under max_tokens and the context: the bonus token needs a slot too.
-            room = min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_tokens) - 1
-            if room > 0:
-                k = self._draft_length.choose(seq.num_draft_accepted, seq.num_draft_missed, room, len(decoding))
-                want[seq.request_id] = (seq, k)
-        if not want:
-            return
-        for rid, drafts in self.proposer.propose([(s, k) for s, k in want.values()]).items():
-            seq, k = want.get(rid, (None, 0))
-            if seq is not None:
-                # Drafts sampled from a distribution (an EAGLE head's) carry it as ``probs``.
-                probs = getattr(drafts, "probs", None)
-                kept = [t for t in drafts[:k] if 0 <= t < self.model_config.vocab_size]
-                seq.draft_ids = allowed_prefix(seq.grammar, kept) if seq.grammar is not None else kept
-                # Rows stay aligned only if no token was dropped before the kept ones; otherwise
-                # the point-mass rule verifies them (exact for any draft, see sampler.verify).
-                aligned = probs is not None and seq.draft_ids == list(drafts[: len(seq.draft_ids)])
-                seq.draft_probs = probs[: len(seq.draft_ids)] if aligned else None
-
-    def _forward(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor, torch.Tensor | None]:
-        bs = self.config.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts = [0]
-        seq_lens = []
-        logits_idx: list[int] = []
-        sampling = []
-        for seq, n in zip(batch.seqs, batch.num_new):
-            a, b = seq.num_computed, seq.num_computed + n
-            ids.extend((seq.all_ids + seq.draft_ids)[a:b])
-            positions.extend(range(a, b))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(a, b))
-            starts.append(starts[-1] + n)
-            seq_lens.append(b)
-            k = len(seq.draft_ids)
-            if b == seq.num_tokens + k:  # the whole context is in cache: these rows sample
-                logits_idx.extend(range(starts[-1] - 1 - k, starts[-1]))
-                sampling.append(seq)
-        # At least 2 columns (padding is masked by seq_lens): a width of 1 would be one more
-        # shape for a compiled step to specialize on (kvmesh.engine.compile).
-        max_blocks = max(2, max(len(s.block_table) for s in batch.seqs))
-        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
-        dev = self.device
-        meta = step_metadata(slots, tables, seq_lens, batch.num_new, dev, every_row_samples=len(logits_idx) == len(ids))
-        out = self.model(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            self.kv.tensor,
-            meta,
-            torch.tensor(logits_idx, dtype=torch.long, device=dev),
-            return_hidden=self._wants_features,
-        )
-        logits, hidden = out if self._wants_features else (out, None)
-        self._adjust_logits(sampling, logits)
-        # Launched (on a GPU still running): fill the grammar masks meanwhile, apply them on the
-        # device, and only then wait for the logits.
-        t0 = time.perf_counter()
-        masks = self._grammar_masks(sampling, len(logits_idx))
-        if masks is not None:
-            self.stats.grammar_masked_rows += masks.apply(logits)
-            self.stats.grammar_mask_seconds += time.perf_counter() - t0
-        return sampling, logits.cpu(), hidden
-
-    @torch.inference_mode()  # the logits are inference tensors: adjusting them in place needs it
-    def _adjust_logits(self, sampling: list[Sequence], logits: torch.Tensor) -> None:
-        """logit_bias and penalties on the rows of the sequences that ask for them (in place)."""
-        row = 0
-        for seq in sampling:
-            k = len(seq.draft_ids)
-            if seq.params.adjusts_logits:
-                if seq.penalties is None:
-                    seq.penalties = PenaltyState.new(seq.prompt_ids, seq.params, logits.shape[1], logits.device)
-                seq.penalties.catch_up(seq.output_ids)
-                for i in range(k + 1):
-                    adjust_row(logits[row + i], seq.params, seq.penalties, seq.draft_ids[:i])
-            row += k + 1
-
-    def _grammar_masks(self, sampling: list[Sequence], num_rows: int) -> Masks | None:
-        """The grammar masks of the constrained sequences' rows (None if there are none)."""
-        rows, row = [], 0
-        for seq in sampling:
-            if seq.grammar is not None:
-                rows.append(MaskRows(seq.grammar, row, list(seq.draft_ids)))
-            row += len(seq.draft_ids) + 1
-        return Masks(rows, num_rows, self.model_config.vocab_size) if rows else None
 
     def _append_tokens(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
         """Append tokens one by one until a stop condition; returns what the caller sees."""
@@ -526,8 +348,8 @@ class LLMEngine:
             if held:
                 self._held[seq.request_id] = held
             del self._seqs[seq.request_id]
-            if self.proposer is not None:
-                self.proposer.finished(seq)
+            if self.drafter is not None:
+                self.drafter.finished(seq)
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=appended,
@@ -565,101 +387,3 @@ class LLMEngine:
                         out.num_cached_tokens,
                     )
         return [done[r] for r in rids]
-
-    # -- KV export / import ------------------------------------------------------
-
-    def kv_layout(self) -> dict:
-        mc = self.model_config
-        return {
-            "block_size": self.config.block_size,
-            "dtype": dtype_name(self.dtype),
-            "layout": KV_LAYOUT,
-            "num_layers": mc.num_layers,
-            "num_kv_heads": mc.num_kv_heads,
-            "head_dim": mc.head_dim,
-            "model_fingerprint": self.fingerprint,
-        }
-
-    def prompt_block_hashes(self, prompt_ids: list[int], cache_salt: bytes = b"") -> list[BlockHash]:
-        return block_hashes(prompt_ids, self.config.block_size, self.fingerprint, cache_salt)
-
-    def export_blocks(self, hashes: list[BlockHash]) -> list[tuple[BlockHash, BlockPayload]]:
-        """The KV of each named block this engine holds (missing ones are skipped)."""
-        out = []
-        for h in hashes:
-            b = self.blocks.hash_to_block.get(h)
-            if b is not None:
-                out.append((h, self.kv.export_block(b)))
-        self.stats.exported_blocks += len(out)
-        return out
-
-    def held_hashes(self, request_id: str) -> list[BlockHash]:
-        """Names of the prompt blocks a finished ``hold_prompt_blocks`` request still holds."""
-        return [h for h, _ in self._held.get(request_id, [])]
-
-    def export_held(
-        self, request_id: str, hashes: list[BlockHash] | None = None
-    ) -> list[tuple[BlockHash, BlockPayload]]:
-        """KV of held blocks (all, or those named, in the order named); unknown names skipped."""
-        by_hash = dict(self._held.get(request_id, []))
-        wanted = hashes if hashes is not None else list(by_hash)
-        out = [(h, self.kv.export_block(by_hash[h])) for h in wanted if h in by_hash]
-        self.stats.exported_blocks += len(out)
-        return out
-
-    def release_held(self, request_id: str) -> int:
-        """Drop a hand-off's hold; the blocks stay cached until evicted. Returns how many."""
-        held = self._held.pop(request_id, [])
-        self.blocks.release([b for _, b in held])
-        return len(held)
-
-    def held_block_ids(self, request_id: str) -> list[int]:
-        """Pool block of each held block, in ``held_hashes`` order (a NIXL reader addresses them)."""
-        return [b for _, b in self._held.get(request_id, [])]
-
-    def pin_held(self, request_id: str, hashes: list[BlockHash]) -> list[tuple[BlockHash, int]]:
-        """One more reference on each named held block (in the order named; unknown names
-        skipped), so a peer can read it after the hold ends; ``release_reserved`` drops it."""
-        by_hash = dict(self._held.get(request_id, []))
-        pinned = [(h, by_hash[h]) for h in hashes if h in by_hash]
-        self.blocks.acquire([b for _, b in pinned])
-        return pinned
-
-    def reserve_blocks(self, n: int) -> list[int]:
-        """Fresh blocks for KV written into the pool from outside (a NIXL READ): referenced and
-        unnamed until ``adopt_reserved`` names them or ``release_reserved`` hands them back."""
-        try:
-            return self.blocks.allocate(n)
-        except OutOfBlocks as e:
-            raise ResourceExhausted(f"no room for {n} incoming KV blocks: {e}") from None
-
-    def adopt_reserved(self, blocks: list[tuple[BlockHash, int]]) -> int:
-        """Name reserved blocks whose KV has arrived (and been verified) as cached blocks, as
-        ``import_block`` does; one whose name another block took meanwhile is dropped. Returns
-        how many were adopted."""
-        adopted = 0
-        for h, b in blocks:
-            if self.blocks.register(b, h):
-                adopted += 1
-        self.blocks.release([b for _, b in blocks])
-        self.stats.imported_blocks += adopted
-        return adopted
-
-    def release_reserved(self, block_ids: list[int]) -> None:
-        """Hand back reserved blocks whose KV never arrived whole."""
-        self.blocks.release(block_ids)
-
-    def import_block(self, h: BlockHash, payload: BlockPayload) -> bool:
-        """Adopt a block computed elsewhere as a cached block. False if already held."""
-        if h in self.blocks.hash_to_block:
-            return False
-        (b,) = self.blocks.allocate(1)
-        try:
-            self.kv.import_block(b, payload)
-        except Exception:
-            self.blocks.release([b])
-            raise
-        self.blocks.register(b, h)
-        self.blocks.release([b])  # cached-free: reusable by the next request with this prefix
-        self.stats.imported_blocks += 1
-        return True

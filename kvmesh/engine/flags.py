@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kernels.quantized_linear import SCHEMES as QUANTIZATION_SCHEMES
-from kvmesh.engine.config import EngineConfig, parse_draft_costs
+from kvmesh.engine.config import EngineConfig
 from kvmesh.runtime import Flag
 
 ENGINE_FLAGS = [
@@ -43,12 +43,6 @@ ENGINE_FLAGS = [
         default=True,
         type=bool,
     ),
-    Flag("--num-speculative-tokens", "draft tokens verified per decode step (0: no speculation)", default=0, type=int),
-    Flag(
-        "--draft-costs",
-        "a verify of 1,2,... drafts in decode steps' time, comma-separated: sequences whose "
-        "drafts miss get fewer ('free': always the full count; default: measured on CPU, free elsewhere)",
-    ),
     Flag("--worker-id", "this worker's id in the router (default: <role>-<host>:<port>)"),
     Flag("--router-address", "router host:port (unset: run without a router)"),
     Flag("--kvstore-address", "kvstore host:port: fetch cached prefixes from it, write new blocks to it (unset: none)"),
@@ -64,8 +58,6 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
-        num_speculative_tokens=args.num_speculative_tokens,
-        draft_costs=parse_draft_costs(args.draft_costs),
         quantization=args.quantization,
         quantize_lm_head=args.quantize_lm_head,
         compile=args.compile,

@@ -58,7 +58,7 @@ class Sequence:
     draft_probs: torch.Tensor | None = None
     num_draft_proposed: int = 0
     num_draft_accepted: int = 0
-    # Verifies that ended in a rejected draft (kvmesh.engine.draft_length estimates from these).
+    # Verifies that ended in a rejected draft (kvmesh.speculation.draft_length estimates from these).
     num_draft_missed: int = 0
     # The target's final hidden state at the row that sampled the last token (set only for a
     # proposer that wants features: an EAGLE head drafts from it).

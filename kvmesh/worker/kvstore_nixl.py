@@ -128,7 +128,7 @@ class KVStoreNixl:
                 raise InvalidArgument("the kvstore's GetNixl answer does not match its request")
             n = CHECKSUM_BYTES
             want = [resp.checksums[i * n : (i + 1) * n] for i in range(found)]
-            got = await block_checksums(engine.engine.kv, dst[:found])
+            got = await block_checksums(engine.kv, dst[:found])
             bad = [h for h, a, b in zip(hashes, got, want) if a != b]
             if bad:
                 raise InvalidArgument(
@@ -147,7 +147,7 @@ class KVStoreNixl:
         """Have the kvstore READ and store pinned blocks; unpins them in every case."""
         ids = [b for _, b in pinned]
         try:
-            sums = await block_checksums(engine.engine.kv, ids)
+            sums = await block_checksums(engine.kv, ids)
             request = kvstore_pb2.PutNixlRequest(
                 agent_name=self._endpoint.name,
                 block_hashes=[h for h, _ in pinned],

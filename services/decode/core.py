@@ -135,7 +135,7 @@ class DecodeWorker:
                 options = {"first_token": remote.first_token, "first_logprob": remote.first_logprob}
             else:
                 self.counters.local_prefills += 1
-                hashes = self.engine.engine.prompt_block_hashes(prompt_ids, cache_salt)
+                hashes = self.engine.prompt_block_hashes(prompt_ids, cache_salt)
                 self.counters.kvstore_fetched_blocks += await fetch_prefix_from_kvstore(
                     self.engine, self.kvstore, hashes
                 )

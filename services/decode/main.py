@@ -12,6 +12,11 @@ from kvmesh.engine.flags import ENGINE_FLAGS, engine_config, model_path
 from kvmesh.engine.metrics import EngineCollector
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
 from kvmesh.runtime.counters import CountersCollector
+from kvmesh.speculation.draft_length import parse_draft_costs
+from kvmesh.speculation.drafter import Drafter
+from kvmesh.speculation.eagle import EagleProposer, RemoteWithHead
+from kvmesh.speculation.local import LocalProposer
+from kvmesh.speculation.metrics import SpeculatorCollector
 from kvmesh.worker.engine_link import attach_router
 from kvmesh.worker.kv_transport import KV_TRANSPORT_FLAGS, open_endpoint
 from kvmesh.worker.kvstore_client import KVStoreClient
@@ -20,15 +25,18 @@ from services.decode.nixl_source import NixlKVSource
 from services.decode.prefill_client import GrpcKVSource
 from services.decode.server import DecodeServicer
 from services.speculator.client import SpeculatorProposer
-from services.speculator.eagle import EagleProposer, RemoteWithHead
-from services.speculator.local import LocalProposer
-from services.speculator.metrics import SpeculatorCollector
 
 FLAGS = [
     *ENGINE_FLAGS,
     *KV_TRANSPORT_FLAGS,
     Flag("--advertise-address", "host:port the gateway uses to reach this worker (default: host:port)"),
     Flag("--speculator-address", "speculator host:port (unset: drafts from an in-process prompt lookup)"),
+    Flag("--num-speculative-tokens", "draft tokens verified per decode step (0: no speculation)", default=0, type=int),
+    Flag(
+        "--draft-costs",
+        "a verify of 1,2,... drafts in decode steps' time, comma-separated: sequences whose "
+        "drafts miss get fewer ('free': always the full count; default: measured on CPU, free elsewhere)",
+    ),
     Flag(
         "--kv-pull-timeout-seconds",
         "deadline of pulling a prompt's KV from a prefill worker (past it, decode computes what did not arrive)",
@@ -59,7 +67,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
     async def start() -> None:
         config = engine_config(args)
         proposer = None
-        if config.num_speculative_tokens:
+        if args.num_speculative_tokens:
             head = EagleProposer(args.eagle_head) if args.eagle_head else None
             if args.speculator_address:
                 remote = SpeculatorProposer(
@@ -71,7 +79,10 @@ def build(ctx: ServiceContext) -> ServiceDef:
             else:
                 proposer = LocalProposer(head=head)
                 ctx.registry.register(SpeculatorCollector(proposer.speculator))
-        aengine = await AsyncEngine.started(lambda: LLMEngine(model_path(args), config, proposer=proposer))
+        drafter = None
+        if proposer is not None:
+            drafter = Drafter(proposer, args.num_speculative_tokens, parse_draft_costs(args.draft_costs))
+        aengine = await AsyncEngine.started(lambda: LLMEngine(model_path(args), config, drafter=drafter))
         engine = aengine.engine
         endpoint = await asyncio.to_thread(open_endpoint, args, engine.kv.tensor, "decode")
         layout = kv_pb2.KVLayout(**engine.kv_layout())

@@ -67,7 +67,7 @@ class NixlKVSource:
         sums = [remote.nixl.checksums[position[h]] for h in missing]
         t_reserve = time.perf_counter()
         dst = sorted(await engine.call(lambda e: e.reserve_blocks(len(missing))))
-        kv = engine.engine.kv
+        kv = engine.kv
         read = BlockRead(self._endpoint, agent, src, dst, lambda ids: [kv.block_checksum(b) for b in ids])
         adopted = False
         try:

@@ -91,7 +91,7 @@ class PrefillWorker:
         self.default_ttl_ms = default_ttl_ms
         self.max_ttl_ms = max_ttl_ms
         self.counters = PrefillCounters()
-        self._block_nbytes = engine.engine.kv.block_nbytes  # a constant of the pool's layout
+        self._block_nbytes = engine.kv.block_nbytes  # a constant of the pool's layout
 
     async def prefill(
         self,
@@ -103,7 +103,7 @@ class PrefillWorker:
         lease_ttl_ms: int = 0,
     ) -> PrefillResult:
         t0 = time.perf_counter_ns()
-        hashes = self.engine.engine.prompt_block_hashes(token_ids, cache_salt)  # pure: no engine state
+        hashes = self.engine.prompt_block_hashes(token_ids, cache_salt)
         self.counters.kvstore_fetched_blocks += await fetch_prefix_from_kvstore(self.engine, self.kvstore, hashes)
         one_token = dataclasses.replace(params, max_tokens=1)
         out = None
@@ -120,7 +120,7 @@ class PrefillWorker:
                 lambda e: (e.held_hashes(request_id), e.held_block_ids(request_id))
             )
             # Blocks computed here (not reused) go to the cluster-wide tier, behind the request.
-            computed_from = out.num_cached_tokens // self.engine.engine.config.block_size
+            computed_from = out.num_cached_tokens // self.engine.block_size
             await store_held_blocks(self.engine, self.kvstore, request_id, hashes[computed_from:])
             if reason is None and hand_off and hashes:
                 if self.nixl is not None:
@@ -150,7 +150,7 @@ class PrefillWorker:
     async def _nixl_blocks(self, block_ids: list[int]) -> NixlBlocks:
         """The held blocks' places in the pool and their checksums (on worker threads; held
         blocks are pinned and no longer written)."""
-        sums = await block_checksums(self.engine.engine.kv, block_ids)
+        sums = await block_checksums(self.engine.kv, block_ids)
         return NixlBlocks(self.nixl.name, block_ids, sums)
 
     async def pull(self, lease_id: str, hashes: list[BlockHash]) -> AsyncIterator[ExportedBlock]:

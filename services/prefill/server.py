@@ -91,7 +91,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         nixl = self.worker.nixl
         if nixl is None:
             raise Unavailable("this prefill worker moves KV over gRPC only (--kv-transport grpc, or NIXL did not load)")
-        mine = kv_pb2.KVLayout(**self.worker.engine.engine.kv_layout())
+        mine = kv_pb2.KVLayout(**self.worker.engine.kv_layout())
         mismatch = layout_mismatch(mine, request.layout)
         if mismatch:
             raise FailedPrecondition(f"KV layout mismatch with peer {request.agent_name or '?'}: {mismatch}")

@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvmesh.api.speculator.v1 import speculator_pb2, speculator_pb2_grpc
 from kvmesh.runtime import create_channel
-from services.speculator.tracking import ContextTracker
+from kvmesh.speculation.tracking import ContextTracker
 
 if TYPE_CHECKING:
     from kvmesh.engine.sequence import Sequence
@@ -84,7 +84,7 @@ class _Step:
 
 
 class SpeculatorProposer:
-    """The engine's ``DraftProposer`` backed by the speculator service at ``address``.
+    """A ``DraftProposer`` (kvmesh.speculation.drafter) backed by the speculator service at ``address``.
 
     ``await start()`` on the loop that will carry the stream (it returns at
     once; connecting happens in the background), ``await close()`` on the

@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 
 from kvmesh.errors import InvalidArgument
-from services.speculator.core import DraftPlan
-from services.speculator.draft_model import DraftModelProposer, DraftRequest, draft_engine_config
+from kvmesh.speculation.draft_model import DraftModelProposer, DraftRequest, draft_engine_config
+from kvmesh.speculation.speculator import DraftPlan
 
 log = structlog.get_logger(__name__)
 

@@ -22,9 +22,9 @@ import argparse
 
 from kvmesh.api.speculator.v1 import speculator_pb2, speculator_pb2_grpc
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
-from services.speculator.core import DRAFT_MODEL_MATCH_TOKENS, Speculator, SpeculatorConfig
+from kvmesh.speculation.metrics import SpeculatorCollector
+from kvmesh.speculation.speculator import DRAFT_MODEL_MATCH_TOKENS, Speculator, SpeculatorConfig
 from services.speculator.maintenance import IndexMaintainer
-from services.speculator.metrics import SpeculatorCollector
 from services.speculator.server import SpeculatorServicer
 
 _DEFAULTS = SpeculatorConfig()

@@ -12,7 +12,7 @@ import asyncio
 
 import structlog
 
-from services.speculator.core import Speculator
+from kvmesh.speculation.speculator import Speculator
 
 log = structlog.get_logger(__name__)
 

@@ -31,7 +31,7 @@ import grpc
 from kvmesh.api.common.v1 import accounting_pb2
 from kvmesh.api.speculator.v1 import speculator_pb2, speculator_pb2_grpc
 from kvmesh.errors import InvalidArgument
-from services.speculator.core import Session, Speculator
+from kvmesh.speculation.speculator import Session, Speculator
 from services.speculator.maintenance import IndexMaintainer
 
 if TYPE_CHECKING:  # it pulls in torch, which a speculator without a draft model never loads

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.engine.config import EngineConfig, parse_draft_costs
-from kvmesh.engine.draft_length import DraftLengthPolicy, best_length, step_cost, tokens_per_step
+from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.sampling import SamplingParams
+from kvmesh.speculation.draft_length import (
+    DraftLengthPolicy,
+    best_length,
+    parse_draft_costs,
+    step_cost,
+    tokens_per_step,
+)
+from kvmesh.speculation.drafter import Drafter
 
 from .conftest import PROMPTS
 from .test_speculative import ScriptedProposer
@@ -64,8 +71,8 @@ def test_an_engine_drafts_less_for_drafts_that_miss_and_output_stays_identical(c
     for costs in ((), COSTS):
         spec = LLMEngine(
             path,
-            EngineConfig(num_blocks=128, num_speculative_tokens=4, draft_costs=costs),
-            proposer=ScriptedProposer(garbage=True),
+            EngineConfig(num_blocks=128),
+            drafter=Drafter(ScriptedProposer(garbage=True), 4, costs),
         )
         assert [c.token_ids for c in spec.generate(PROMPTS, params)] == plain
         proposed[costs] = spec.stats.draft_tokens_proposed

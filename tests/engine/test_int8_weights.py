@@ -13,6 +13,7 @@ from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.errors import InvalidArgument
 from kvmesh.sampling import SamplingParams
+from kvmesh.speculation.drafter import Drafter
 
 from .conftest import PROMPTS
 from .test_speculative import ScriptedProposer
@@ -61,16 +62,16 @@ def test_int8_verify_steps_keep_greedy_output(checkpoints, dtype):
     alone, so drafts (right ones, then wrong ones) change no token, in bf16 too."""
     path = checkpoints["llama-gqa"]
     plain = _greedy(LLMEngine(path, EngineConfig(num_blocks=64, dtype=dtype, quantization="int8")), [PROMPTS[0]])[0]
-    cfg = EngineConfig(num_blocks=64, dtype=dtype, quantization="int8", num_speculative_tokens=3, draft_costs=())
+    cfg = EngineConfig(num_blocks=64, dtype=dtype, quantization="int8")
     oracle = ScriptedProposer({"r": plain[:20]})  # right for 20 tokens, then no drafts
-    drafting = LLMEngine(path, cfg, proposer=oracle)
+    drafting = LLMEngine(path, cfg, drafter=Drafter(oracle, 3, ()))
     drafting.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True), request_id="r")
     tokens = []
     while drafting.has_unfinished():
         tokens += [t for o in drafting.step() for t in o.new_token_ids]
     assert tokens == plain
     assert drafting.stats.draft_tokens_accepted >= 15
-    garbage = LLMEngine(path, cfg, proposer=ScriptedProposer(garbage=True))
+    garbage = LLMEngine(path, cfg, drafter=Drafter(ScriptedProposer(garbage=True), 3, ()))
     assert _greedy(garbage, [PROMPTS[0]])[0] == plain
     assert garbage.stats.draft_tokens_proposed > garbage.stats.draft_tokens_accepted
 
@@ -92,8 +93,8 @@ def test_a_tied_int8_head_keeps_the_embedding_lookup_and_the_speculation_path(ch
 
     path = checkpoints["qwen3-qknorm-tied"]
     plain = LLMEngine(path, EngineConfig(num_blocks=64))
-    cfg = EngineConfig(num_blocks=64, quantization="int8", quantize_lm_head=True, num_speculative_tokens=2)
-    int8 = LLMEngine(path, cfg, proposer=ScriptedProposer(garbage=True))
+    cfg = EngineConfig(num_blocks=64, quantization="int8", quantize_lm_head=True)
+    int8 = LLMEngine(path, cfg, drafter=Drafter(ScriptedProposer(garbage=True), 2))
     head = int8.model.head_proj
     assert isinstance(head, QuantizedLinear)  # the small-row linears (speculation) left it in place
     embedding = plain.model.embed_tokens.weight

@@ -16,6 +16,7 @@ from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.penalties import PenaltyState, adjust_row
 from kvmesh.errors import InvalidArgument
 from kvmesh.sampling import SamplingParams
+from kvmesh.speculation.drafter import Drafter
 
 from .conftest import resolved
 from .test_speculative import ScriptedProposer
@@ -106,7 +107,7 @@ def test_greedy_with_repetition_penalty_and_bias_identical_to_transformers(check
 
     # Speculation with oracle and garbage drafts: the same tokens.
     for proposer in (ScriptedProposer({f"req-{i}": t for i, t in enumerate(expected)}), ScriptedProposer(garbage=True)):
-        spec = LLMEngine(path, EngineConfig(num_blocks=128, num_speculative_tokens=3), proposer=proposer)
+        spec = LLMEngine(path, EngineConfig(num_blocks=128), drafter=Drafter(proposer, 3))
         assert [c.token_ids for c in spec.generate(PROMPTS, params)] == expected
         assert spec.stats.draft_tokens_proposed > 0
 

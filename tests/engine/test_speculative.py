@@ -12,6 +12,7 @@ from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.sampler import verify
 from kvmesh.sampling import SamplingParams
+from kvmesh.speculation.drafter import Drafter
 
 from .conftest import PROMPTS, resolved
 
@@ -49,7 +50,7 @@ def test_greedy_output_identical_with_oracle_and_garbage_drafts(checkpoints):
     expected = [c.token_ids for c in plain]
 
     oracle = ScriptedProposer({f"req-{i}": toks for i, toks in enumerate(expected)})
-    spec = LLMEngine(path, EngineConfig(num_blocks=128, num_speculative_tokens=4), proposer=oracle)
+    spec = LLMEngine(path, EngineConfig(num_blocks=128), drafter=Drafter(oracle, 4))
     got = spec.generate(PROMPTS, _greedy())
     assert [c.token_ids for c in got] == expected
     # Its verify steps ran on the few-row linears (float32 on CPU): output identical all the same.
@@ -58,9 +59,7 @@ def test_greedy_output_identical_with_oracle_and_garbage_drafts(checkpoints):
     assert spec.stats.steps < plain[0].token_ids.__len__() + 5  # ~5 tokens per step
     assert sorted(oracle.finished_ids) == sorted(f"req-{i}" for i in range(len(PROMPTS)))
 
-    bad = LLMEngine(
-        path, EngineConfig(num_blocks=128, num_speculative_tokens=3), proposer=ScriptedProposer(garbage=True)
-    )
+    bad = LLMEngine(path, EngineConfig(num_blocks=128), drafter=Drafter(ScriptedProposer(garbage=True), 3))
     assert [c.token_ids for c in bad.generate(PROMPTS, _greedy())] == expected
     assert bad.stats.draft_tokens_proposed > 0
     assert bad.blocks.num_free == 128
@@ -71,7 +70,7 @@ def test_speculation_with_tiny_pool_and_logprobs(checkpoints):
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
     plain = LLMEngine(path, EngineConfig(num_blocks=64)).generate(PROMPTS, params)
     oracle = ScriptedProposer({f"req-{i}": c.token_ids for i, c in enumerate(plain)})
-    spec = LLMEngine(path, EngineConfig(num_blocks=10, num_speculative_tokens=4), proposer=oracle)
+    spec = LLMEngine(path, EngineConfig(num_blocks=10), drafter=Drafter(oracle, 4))
     got = spec.generate(PROMPTS, params)
     for a, b in zip(plain, got):
         assert a.token_ids == b.token_ids
@@ -123,13 +122,15 @@ def test_handed_off_first_token_continues_exactly(checkpoints):
 def test_small_rows_linears_are_on_by_default_on_cpu_unless_turned_off(checkpoints):
     path = checkpoints["llama-gqa"]
 
-    def swapped(**cfg) -> bool:
-        return isinstance(LLMEngine(path, EngineConfig(num_blocks=16, **cfg)).model.layers[0].qkv_proj, SmallRowsLinear)
+    def swapped(drafts: bool = False, **cfg) -> bool:
+        drafter = Drafter(ScriptedProposer(garbage=True), 2) if drafts else None
+        engine = LLMEngine(path, EngineConfig(num_blocks=16, **cfg), drafter=drafter)
+        return isinstance(engine.model.layers[0].qkv_proj, SmallRowsLinear)
 
     assert swapped()
-    assert swapped(num_speculative_tokens=2, dtype="bfloat16")
+    assert swapped(drafts=True, dtype="bfloat16")
     assert not swapped(small_rows_linears=False)
-    assert not swapped(num_speculative_tokens=2, small_rows_linears=False)
+    assert not swapped(drafts=True, small_rows_linears=False)
     assert not swapped(dtype="float16")  # float32 and bfloat16 only
 
 

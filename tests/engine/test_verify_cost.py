@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.verify_cost import costs_from_seconds
 from kvmesh.sampling import SamplingParams
+from kvmesh.speculation.drafter import Drafter
+from kvmesh.speculation.verify_cost import costs_from_seconds
 
 from .conftest import PROMPTS
 from .test_speculative import ScriptedProposer
@@ -35,19 +37,19 @@ class PricedProposer(ScriptedProposer):
 
 def test_a_cpu_engine_measures_its_verifies_and_prices_the_proposers_drafting(checkpoints):
     path = checkpoints["llama-gqa"]
-    free = LLMEngine(path, EngineConfig(num_blocks=64, num_speculative_tokens=3), proposer=ScriptedProposer())
-    assert set(free.draft_costs) == {1, 8}  # 8 sequences of 4 blocks fit in 64
-    for costs in free.draft_costs.values():
+    free = LLMEngine(path, EngineConfig(num_blocks=64), drafter=Drafter(ScriptedProposer(), 3))
+    assert set(free.drafter.costs) == {1, 8}  # 8 sequences of 4 blocks fit in 64
+    for costs in free.drafter.costs.values():
         assert len(costs) == 3 and 1.0 <= costs[0] <= costs[1] <= costs[2]
     # A pool too small for 8 probe sequences is measured alone.
-    small = LLMEngine(path, EngineConfig(num_blocks=16, num_speculative_tokens=3), proposer=ScriptedProposer())
-    assert set(small.draft_costs) == {1}
+    small = LLMEngine(path, EngineConfig(num_blocks=16), drafter=Drafter(ScriptedProposer(), 3))
+    assert set(small.drafter.costs) == {1}
 
     priced = PricedProposer()
-    engine = LLMEngine(path, EngineConfig(num_blocks=64, num_speculative_tokens=3), proposer=priced)
+    engine = LLMEngine(path, EngineConfig(num_blocks=64), drafter=Drafter(priced, 3))
     assert priced.asked == [1, 2, 3]
     # Seconds of drafting against a tiny model's millisecond decode: each draft costs many decodes.
-    costs = engine.draft_costs[1]
+    costs = engine.drafter.costs[1]
     assert costs[0] > 50 and costs[2] > 2 * costs[0]
     # The probe wrote pool blocks before any request held one: output is the plain engine's.
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -62,13 +64,18 @@ def test_configured_costs_are_taken_as_given_and_nothing_is_timed(checkpoints, c
     priced = PricedProposer()
     engine = LLMEngine(
         checkpoints["llama-gqa"],
-        EngineConfig(num_blocks=64, num_speculative_tokens=2, draft_costs=costs),
-        proposer=priced,
+        EngineConfig(num_blocks=64),
+        drafter=Drafter(priced, 2, costs),
     )
-    assert engine.draft_costs == {1: costs} and priced.asked == []
+    assert engine.drafter.costs == {1: costs} and priced.asked == []
 
 
-def test_no_speculation_no_probe(checkpoints):
+def test_a_gpu_pool_is_not_probed(checkpoints):
+    """Verify rows are nearly free on a GPU at small batch: no table is measured there (one is on CPU)."""
     priced = PricedProposer()
-    assert LLMEngine(checkpoints["llama-gqa"], EngineConfig(num_blocks=64), proposer=priced).draft_costs == {1: ()}
-    assert priced.asked == []
+    drafter = Drafter(priced, 2)
+    engine = LLMEngine(checkpoints["llama-gqa"], EngineConfig(num_blocks=64), drafter=drafter)
+    assert engine.drafter.costs != {1: ()}  # measured on this CPU
+    drafter = Drafter(priced, 2)
+    drafter.calibrate(engine.model, torch.empty(0, device="meta"), engine.max_model_len)
+    assert drafter.costs == {1: ()}

@@ -9,7 +9,8 @@ from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.errors import InvalidArgument
 from kvmesh.sampling import SamplingParams
-from services.speculator.draft_model import DraftModelProposer, DraftRequest
+from kvmesh.speculation.draft_model import DraftModelProposer, DraftRequest
+from kvmesh.speculation.drafter import Drafter
 
 from .conftest import CODE_PROMPTS, DRAFT, SMALL
 
@@ -21,7 +22,7 @@ def test_draft_model_speculation_keeps_greedy_output_and_accepts_drafts():
     expected = [c.token_ids for c in plain.generate(prompts, params)]
 
     proposer = DraftModelProposer(DRAFT, EngineConfig(num_blocks=128))
-    spec = LLMEngine(SMALL, EngineConfig(num_blocks=128, num_speculative_tokens=4), proposer=proposer)
+    spec = LLMEngine(SMALL, EngineConfig(num_blocks=128), drafter=Drafter(proposer, 4))
     got = [c.token_ids for c in spec.generate(prompts, params)]
 
     assert got == expected

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from kvmesh.errors import InvalidArgument
-from services.speculator.candidate import MAX_MATCH_TOKENS, Candidate, Source, better
-from services.speculator.core import Speculator, SpeculatorConfig
+from kvmesh.speculation.candidate import MAX_MATCH_TOKENS, Candidate, Source, better
+from kvmesh.speculation.speculator import Speculator, SpeculatorConfig
 
 PASSAGE = [101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112]
 

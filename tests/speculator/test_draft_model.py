@@ -21,10 +21,11 @@ from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.runtime import common_flags, parse_flags
 from kvmesh.sampling import SamplingParams
+from kvmesh.speculation.candidate import Source
+from kvmesh.speculation.draft_model import DraftModelProposer, DraftRequest
+from kvmesh.speculation.drafter import Drafter
+from kvmesh.speculation.speculator import DRAFT_MODEL_MATCH_TOKENS, Speculator, SpeculatorConfig
 from services.speculator import main
-from services.speculator.candidate import Source
-from services.speculator.core import DRAFT_MODEL_MATCH_TOKENS, Speculator, SpeculatorConfig
-from services.speculator.draft_model import DraftModelProposer, DraftRequest
 from services.speculator.draft_worker import DraftModelWorker
 from tests.models.conftest import CODE_PROMPTS, DRAFT, SMALL
 from tests.service_helpers import serve_main
@@ -197,9 +198,7 @@ async def test_a_decode_engine_speculating_through_the_service_keeps_its_output_
     prompts, expected = await asyncio.to_thread(plain)
     async with serve_main("speculator", main, ["--draft-model", str(DRAFT)]) as rt, proposer_for(rt.port) as (p, _):
         await connected(p)
-        engine = await asyncio.to_thread(
-            LLMEngine, SMALL, EngineConfig(num_blocks=128, num_speculative_tokens=K), proposer=p
-        )
+        engine = await asyncio.to_thread(LLMEngine, SMALL, EngineConfig(num_blocks=128), drafter=Drafter(p, K))
         aengine = AsyncEngine(engine)
         aengine.start()
         try:

@@ -23,8 +23,9 @@ from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.sampler import verify
 from kvmesh.errors import InvalidArgument
 from kvmesh.sampling import SamplingParams
-from services.speculator.eagle import EagleProposer, RemoteWithHead
-from services.speculator.local import LocalProposer
+from kvmesh.speculation.drafter import Drafter
+from kvmesh.speculation.eagle import EagleProposer, RemoteWithHead
+from kvmesh.speculation.local import LocalProposer
 from tests.engine.conftest import PROMPTS, resolved, write_checkpoint
 from tests.service_helpers import free_port
 from train import eagle as train_eagle
@@ -122,7 +123,7 @@ def test_greedy_output_identical_with_every_source(target, head):
         ("ngram", LocalProposer()),
         ("merged", LocalProposer(head=EagleProposer(head))),
     ]:
-        engine = LLMEngine(target, EngineConfig(num_blocks=128, num_speculative_tokens=4), proposer=proposer)
+        engine = LLMEngine(target, EngineConfig(num_blocks=128), drafter=Drafter(proposer, 4))
         assert [c.token_ids for c in engine.generate(PROMPTS, _greedy())] == expected, name
         if name != "ngram":
             assert engine.stats.draft_tokens_proposed > 0, name
@@ -137,7 +138,7 @@ def test_a_layered_head_drafts_from_the_target_layers_it_names(target, layered_h
         ("eagle", EagleProposer(layered_head)),
         ("merged", LocalProposer(head=EagleProposer(layered_head))),
     ]:
-        engine = LLMEngine(target, EngineConfig(num_blocks=128, num_speculative_tokens=4), proposer=proposer)
+        engine = LLMEngine(target, EngineConfig(num_blocks=128), drafter=Drafter(proposer, 4))
         assert engine.model.feature_layers == (0, 1)
         assert [c.token_ids for c in engine.generate(PROMPTS, _greedy())] == expected, name
         assert engine.stats.draft_tokens_accepted > 0, name
@@ -151,13 +152,13 @@ def test_a_compiled_target_traces_the_layers_a_head_drafts_from(target, layered_
     # Always 4 drafts: each engine measures its own verify costs, and a compiled one's differ.
     eager = LLMEngine(
         target,
-        EngineConfig(num_blocks=128, num_speculative_tokens=4, draft_costs=()),
-        proposer=EagleProposer(layered_head),
+        EngineConfig(num_blocks=128),
+        drafter=Drafter(EagleProposer(layered_head), 4, ()),
     )
     compiled = LLMEngine(
         target,
-        EngineConfig(num_blocks=128, num_speculative_tokens=4, draft_costs=(), compile=True),
-        proposer=EagleProposer(layered_head),
+        EngineConfig(num_blocks=128, compile=True),
+        drafter=Drafter(EagleProposer(layered_head), 4, ()),
     )
     for engine in (eager, compiled):
         assert [c.token_ids for c in engine.generate(PROMPTS, _greedy())] == expected
@@ -171,13 +172,13 @@ def test_a_head_naming_layers_the_target_lacks_is_refused(target, layered_head, 
     meta["head"]["feature_layers"] = [0, 5]
     (bad / "config.json").write_text(json.dumps(meta))
     with pytest.raises(InvalidArgument, match="past the target's 2 layers"):
-        LLMEngine(target, EngineConfig(num_blocks=32, num_speculative_tokens=2), proposer=EagleProposer(bad))
+        LLMEngine(target, EngineConfig(num_blocks=32), drafter=Drafter(EagleProposer(bad), 2))
 
 
 def test_the_last_layers_output_normed_is_the_final_hidden_state(target):
     """The layer taps are the residual stream after each layer: the last one, through the final
     norm, is what the LM head reads (the feature a head without layers drafts from)."""
-    engine = LLMEngine(target, EngineConfig(num_blocks=32, num_speculative_tokens=2), proposer=LocalProposer())
+    engine = LLMEngine(target, EngineConfig(num_blocks=32), drafter=Drafter(LocalProposer(), 2))
     model = engine.model
     ids = torch.tensor(PROMPTS[0])
     n = len(ids)
@@ -201,7 +202,7 @@ def test_the_last_layers_output_normed_is_the_final_hidden_state(target):
 
 def test_merged_acceptance_is_counted_per_source(target, head):
     proposer = LocalProposer(head=EagleProposer(head))
-    engine = LLMEngine(target, EngineConfig(num_blocks=128, num_speculative_tokens=4), proposer=proposer)
+    engine = LLMEngine(target, EngineConfig(num_blocks=128), drafter=Drafter(proposer, 4))
     engine.generate([list(range(300, 320)) * 3, *PROMPTS], _greedy(32))
     stats = proposer.speculator.stats()
     assert stats.proposed_by_source["eagle"] > 0
@@ -212,7 +213,7 @@ def test_merged_acceptance_is_counted_per_source(target, head):
 def test_a_head_for_another_target_is_refused(head, tmp_path):
     other = write_checkpoint(tmp_path / "other", "llama-gqa", seed=7)  # same shapes, other weights
     with pytest.raises(InvalidArgument, match="another target"):
-        LLMEngine(other, EngineConfig(num_blocks=32, num_speculative_tokens=2), proposer=EagleProposer(head))
+        LLMEngine(other, EngineConfig(num_blocks=32), drafter=Drafter(EagleProposer(head), 2))
 
 
 def _chi_square_p(a: Counter, b: Counter) -> float:
@@ -260,9 +261,7 @@ def test_sampled_output_distributed_as_without_speculation(target, head):
     n = 300
 
     def samples(proposer) -> dict[int, Counter]:
-        engine = LLMEngine(
-            target, EngineConfig(num_blocks=512, num_speculative_tokens=3 if proposer else 0), proposer=proposer
-        )
+        engine = LLMEngine(target, EngineConfig(num_blocks=512), drafter=Drafter(proposer, 3 if proposer else 0))
         params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=6, seed=s, ignore_eos=True) for s in range(n)]
         out = engine.generate([prompt] * n, params)
         if proposer is not None:
@@ -280,7 +279,7 @@ async def test_speculator_down_mid_stream_decode_continues_with_the_head(target,
     port = free_port()
     async with proposer_for(port) as (remote, _):
         proposer = RemoteWithHead(remote, EagleProposer(head))
-        engine = LLMEngine(target, EngineConfig(num_blocks=128, num_speculative_tokens=3), proposer=proposer)
+        engine = LLMEngine(target, EngineConfig(num_blocks=128), drafter=Drafter(proposer, 3))
         for p in PROMPTS:
             engine.add_request(p, _greedy(40))
         got: dict[str, list[int]] = {}

@@ -17,7 +17,8 @@ from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.sampling import SamplingParams
-from services.speculator.local import LocalProposer
+from kvmesh.speculation.drafter import Drafter
+from kvmesh.speculation.local import LocalProposer
 from tests.engine.conftest import PROMPTS, write_checkpoint
 from tests.service_helpers import free_port
 
@@ -39,7 +40,7 @@ def reference(path: Path) -> list[list[int]]:
 
 
 def speculating(path: Path, proposer) -> LLMEngine:
-    return LLMEngine(path, EngineConfig(num_blocks=128, num_speculative_tokens=4), proposer=proposer)
+    return LLMEngine(path, EngineConfig(num_blocks=128), drafter=Drafter(proposer, 4))
 
 
 def test_prompt_lookup_on_a_repetitive_prompt_keeps_greedy_output_identical(checkpoints):

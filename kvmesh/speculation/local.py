@@ -2,10 +2,10 @@
 
 For an engine with no speculator service to talk to (tests, ``kvmesh
 generate --speculate``, a decode worker started without an address). It is
-the engine's ``DraftProposer``, called on the engine thread; the core works
+a ``DraftProposer`` (kvmesh.speculation.drafter), called on the engine thread; the core works
 in microseconds, so drafts are always on time.
 
-With an EAGLE head (``services.speculator.eagle``) it merges three sources per
+With an EAGLE head (``kvmesh.speculation.eagle``) it merges three sources per
 step under the core's rule: the request's own context, the shared suffix
 index, and the head, whose drafts count as a match of
 ``draft_model_match_tokens`` (``EAGLE_MATCH_TOKENS`` unless configured): a
@@ -18,14 +18,14 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from services.speculator.candidate import Source
-from services.speculator.core import Speculator, SpeculatorConfig
-from services.speculator.tracking import ContextTracker
+from kvmesh.speculation.candidate import Source
+from kvmesh.speculation.speculator import Speculator, SpeculatorConfig
+from kvmesh.speculation.tracking import ContextTracker
 
 if TYPE_CHECKING:
     from kvmesh.engine.model import CausalLM
     from kvmesh.engine.sequence import Sequence
-    from services.speculator.eagle import EagleProposer
+    from kvmesh.speculation.eagle import EagleProposer
 
 # The n-gram match length an EAGLE draft counts as: shorter matches are likelier chance
 # than a repeated passage. Not tuned yet: on bench/speculation.py's held-out prompts

@@ -6,7 +6,7 @@ writer said: its greedy continuations of code, its answers to instructions.
 This module builds those prompts and has the target answer them:
 
 - ``code_prompts``: openings of code cut from the Python standard library
-  (train split of ``train.corpus``): a ``def``/``class`` line and up to four
+  (train split of ``kvmesh.training.corpus``): a ``def``/``class`` line and up to four
   lines after it, or a file's first lines. The target continues each.
 - ``instruction_prompts``: chat questions from templates (tasks x phrasings,
   Python and general topics), chat-templated; the target answers each.
@@ -268,7 +268,7 @@ def instruction_prompts() -> list[str]:
 
 def code_prompts(n: int, seed: int) -> list[str]:
     """``n`` code openings from the stdlib's train split, files and cut points in a seeded order."""
-    from train.corpus import split_files, stdlib_files
+    from kvmesh.training.corpus import split_files, stdlib_files
 
     rng = random.Random(seed)
     files = split_files(stdlib_files()).train

@@ -13,7 +13,7 @@ accepted tokens) recomputes only the last partial block and the new tokens,
 not the whole context. Blocks of requests that ended are simply the least
 recently used ones and are evicted first.
 
-Use it in-process as an engine ``DraftProposer`` (``propose``/``finished``),
+Use it in-process as a ``DraftProposer`` (kvmesh.speculation.drafter) (``propose``/``finished``),
 or from the speculator service with plain token lists (``draft``).
 Not thread-safe: call it from one thread (the engine's, or the service's).
 """
@@ -77,7 +77,7 @@ class DraftModelProposer:
                 drafts[owners[out.request_id]].extend(out.new_token_ids)
         return drafts
 
-    # -- the engine's DraftProposer protocol ------------------------------------
+    # -- the DraftProposer protocol (kvmesh.speculation.drafter) ----------------
 
     def propose(self, wants: list[tuple[Sequence, int]]) -> dict[str, list[int]]:
         return self.draft([DraftRequest(seq.request_id, seq.all_ids, k) for seq, k in wants])

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import structlog
 
 from kvmesh.errors import InvalidArgument
-from services.speculator.candidate import MAX_MATCH_TOKENS, Candidate, Source, better
-from services.speculator.prompt_lookup import RequestContext
-from services.speculator.suffix_index import SuffixIndex
+from kvmesh.speculation.candidate import MAX_MATCH_TOKENS, Candidate, Source, better
+from kvmesh.speculation.prompt_lookup import RequestContext
+from kvmesh.speculation.suffix_index import SuffixIndex
 
 log = structlog.get_logger(__name__)
 

@@ -2,7 +2,7 @@
 
     kvmesh train-speculator --model PATH --data code,chat,stdlib --out DIR
 
-1. Corpus (``--data``, comma-separated; ``train.eagle_corpus`` builds it):
+1. Corpus (``--data``, comma-separated; ``kvmesh.training.eagle_corpus`` builds it):
    ``code`` — ``--code-prompts`` openings of code cut from the Python standard
    library (train split), each continued greedily by the target for
    ``--code-tokens``; ``chat`` — templated instruction prompts answered
@@ -23,7 +23,7 @@
    are cached under ``--cache`` so epochs and reruns never recompute them.
 3. Draft vocabulary: the ``--draft-vocab`` ids the target predicts most often
    on that corpus (a draft step then costs hidden x draft_vocab).
-4. The head (``services.speculator.eagle.EagleBlock``) is trained with the
+4. The head (``kvmesh.speculation.eagle.EagleBlock``) is trained with the
    target's embedding and LM head frozen, unrolled ``--unroll`` steps the way
    it drafts (step j>1 takes its own predicted feature): cross-entropy on the
    target's next token over the draft vocabulary plus a smooth-L1 regression
@@ -37,9 +37,7 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import random
 import sys
 import time
 from collections import Counter
@@ -52,80 +50,8 @@ from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.model import AttentionMetadata
 from kvmesh.errors import InvalidArgument
-from services.speculator.eagle import FORMAT, EagleBlock, HeadConfig, target_fingerprint
-
-
-def parse_data(spec: str) -> list[tuple[str, str | None]]:
-    out = []
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        name, _, arg = part.partition("=")
-        if name not in ("code", "chat", "stdlib", "traffic") or (name == "traffic") != bool(arg):
-            raise SystemExit(f"--data: unknown source {part!r} (code, chat, stdlib, traffic=PATH)")
-        out.append((name, arg or None))
-    if not out:
-        raise SystemExit("--data names no source")
-    return out
-
-
-def stdlib_sequences(engine: LLMEngine, n_tokens: int, window: int, seed: int) -> list[list[int]]:
-    from train.corpus import split_files, stdlib_files
-
-    files = split_files(stdlib_files()).train
-    random.Random(seed).shuffle(files)
-    seqs, total = [], 0
-    for f in files:
-        ids = engine.tokenizer.encode(f.text, add_special_tokens=False)
-        for i in range(0, len(ids) - 32, window):  # drop scraps too short to teach much
-            chunk = ids[i : i + window]
-            seqs.append(chunk)
-            total += len(chunk)
-            if total >= n_tokens:
-                return seqs
-    return seqs
-
-
-def generated_sequences(args: argparse.Namespace, names: set[str]) -> list[list[int]]:
-    """The target's own continuations of code openings (``code``) and answers to instructions (``chat``)."""
-    from train.eagle_corpus import code_prompts, instruction_prompts, target_continuations
-
-    engine = LLMEngine(args.model, EngineConfig(dtype=args.gen_dtype, compile=args.gen_compile, num_blocks=1024))
-    tok = engine.tokenizer
-    seqs: list[list[int]] = []
-    if "code" in names:
-        prompts = [tok.encode(t, add_special_tokens=False) for t in code_prompts(args.code_prompts, args.seed)]
-        seqs += target_continuations(engine, prompts, args.code_tokens)
-    if "chat" in names:
-        prompts = [
-            tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
-            for q in instruction_prompts()
-        ]
-        seqs += target_continuations(engine, prompts, args.answer_tokens)
-    return seqs
-
-
-def corpus(args: argparse.Namespace, sources: list[tuple[str, str | None]], engine: LLMEngine) -> list[list[int]]:
-    """Every training window's token ids, from the ``--data`` sources in order."""
-    names = {name for name, _ in sources}
-    seqs = generated_sequences(args, names) if names & {"code", "chat"} else []
-    for name, arg in sources:
-        if name == "stdlib":
-            seqs += stdlib_sequences(engine, args.stdlib_tokens, args.window, args.seed)
-        elif name == "traffic":
-            seqs += traffic_sequences(Path(arg), args.window)
-    return seqs
-
-
-def _key(parts: list) -> str:
-    return hashlib.blake2b(json.dumps(parts).encode(), digest_size=8).hexdigest()
-
-
-def traffic_sequences(path: Path, window: int) -> list[list[int]]:
-    seqs = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            ids = json.loads(line)["token_ids"]
-            seqs.extend(ids[i : i + window] for i in range(0, len(ids), window))
-    return [s for s in seqs if len(s) > 8]
+from kvmesh.speculation.eagle import FORMAT, EagleBlock, HeadConfig, target_fingerprint
+from kvmesh.training.eagle_data import cache_key, corpus, parse_data
 
 
 def parse_layers(spec: str) -> tuple[int, ...]:
@@ -295,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         args.window,
         args.seed,
     ]
-    corpus_cache = args.cache / f"corpus-{_key(corpus_args)}.pt"
-    cache = args.cache / f"{_key([*corpus_args, args.feature_dtype, feature_layers])}.pt"
+    corpus_cache = args.cache / f"corpus-{cache_key(corpus_args)}.pt"
+    cache = args.cache / f"{cache_key([*corpus_args, args.feature_dtype, feature_layers])}.pt"
     if cache.exists():
         data = torch.load(cache)
         print(f"features: cached {cache}", file=sys.stderr)

@@ -14,7 +14,7 @@ class Source(StrEnum):
     PROMPT = "prompt"  # the request's own context (prompt lookup)
     SUFFIX = "suffix"  # the shared index of finished sequences
     DRAFT_MODEL = "draft_model"  # a draft model's greedy continuation (the service's --draft-model)
-    EAGLE = "eagle"  # an EAGLE head's drafts from the target's own features (services/speculator/eagle.py)
+    EAGLE = "eagle"  # an EAGLE head's drafts from the target's own features (kvmesh/speculation/eagle.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from services.speculator.core import Speculator
+from kvmesh.speculation.speculator import Speculator
 
 
 class SpeculatorCollector(Collector):

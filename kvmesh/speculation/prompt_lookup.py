@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from services.speculator.candidate import MAX_MATCH_TOKENS, Candidate, Source
-from services.speculator.ngram import NgramIndex, match_length
+from kvmesh.speculation.candidate import MAX_MATCH_TOKENS, Candidate, Source
+from kvmesh.speculation.ngram import NgramIndex, match_length
 
 
 class RequestContext:

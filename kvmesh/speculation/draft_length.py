@@ -75,3 +75,15 @@ class DraftLengthPolicy:
         """A verify of ``proposed`` drafts accepted ``accepted`` of them."""
         self.accepted += accepted
         self.missed += accepted < proposed
+
+
+def parse_draft_costs(text: str | None) -> tuple[float, ...] | None:
+    """``"1.2,1.3"`` -> (1.2, 1.3); ``"free"`` -> () (always k drafts); None -> None (the default)."""
+    if text is None:
+        return None
+    if text.strip() == "free":
+        return ()
+    costs = tuple(float(x) for x in text.split(","))
+    if any(c < 1.0 for c in costs) or list(costs) != sorted(costs):
+        raise ValueError(f"draft costs must be >= 1 and non-decreasing, got {text!r}")
+    return costs

@@ -27,8 +27,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from services.speculator.candidate import MAX_MATCH_TOKENS, Candidate, Source
-from services.speculator.ngram import NgramIndex, match_length
+from kvmesh.speculation.candidate import MAX_MATCH_TOKENS, Candidate, Source
+from kvmesh.speculation.ngram import NgramIndex, match_length
 
 _SEPARATOR = -1
 

@@ -38,10 +38,10 @@ from kvmesh.engine.sampler import filter_probs
 from kvmesh.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from kvmesh.engine.engine import DraftProposer
     from kvmesh.engine.model import CausalLM
     from kvmesh.engine.sequence import Sequence
     from kvmesh.sampling import SamplingParams
+    from kvmesh.speculation.drafter import DraftProposer
 
 FORMAT = "kvmesh-eagle-v1"
 
@@ -230,14 +230,14 @@ class EagleHead:
 
     def draft_seconds(self, k: int, repeats: int = 5) -> float:
         """Time to draft k tokens for one sequence (best of ``repeats``): what the engine adds to
-        a verify's price (``kvmesh.engine.verify_cost``)."""
+        a verify's price (``kvmesh.speculation.verify_cost``)."""
         features = torch.zeros(1, self.block.cfg.hidden_size * max(1, len(self.feature_layers)))
         tokens = torch.zeros(1, dtype=torch.long)
         return best_seconds(repeats, lambda: self.draft(features, tokens, k))
 
 
 class EagleProposer:
-    """The engine's ``DraftProposer`` from an EAGLE head, in the decode process beside the target
+    """A ``DraftProposer`` (kvmesh.speculation.drafter) from an EAGLE head, in the decode process beside the target
     (placement (a): no hop; see docs/speculation.md for why it stays here)."""
 
     wants_features = True

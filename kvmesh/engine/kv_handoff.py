@@ -1,0 +1,130 @@
+"""The engine's KV hand-off: blocks out to another worker or the kvstore, and blocks in from them.
+
+``KVHandoff`` is the part of ``LLMEngine`` that moves KV between workers (prefill -> decode, the kvstore):
+it exports named blocks, holds a finished prompt's blocks for a hand-off until they are read, reserves
+pool blocks for KV written in from outside (a NIXL READ) and adopts them once verified, and imports blocks
+copied in. Everything here runs on the engine thread like the rest of the engine.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvmesh.blocks import BlockHash, block_hashes
+from kvmesh.checkpoint.model_config import ModelConfig
+from kvmesh.engine.block_manager import BlockManager, OutOfBlocks
+from kvmesh.engine.config import EngineConfig, dtype_name
+from kvmesh.engine.kv_cache import KV_LAYOUT, BlockPayload, KVCache
+from kvmesh.errors import ResourceExhausted
+
+if TYPE_CHECKING:
+    from kvmesh.engine.engine import EngineStats
+
+
+class KVHandoff:
+    """Mixed into ``LLMEngine``, whose pool, blocks and stats it works on."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    fingerprint: str
+    kv: KVCache
+    blocks: BlockManager
+    stats: EngineStats
+    # request id -> (hash, block id) of the prompt blocks a finished request holds for a hand-off.
+    _held: dict[str, list[tuple[BlockHash, int]]]
+
+    def kv_layout(self) -> dict:
+        mc = self.model_config
+        return {
+            "block_size": self.config.block_size,
+            "dtype": dtype_name(self.kv.dtype),
+            "layout": KV_LAYOUT,
+            "num_layers": mc.num_layers,
+            "num_kv_heads": mc.num_kv_heads,
+            "head_dim": mc.head_dim,
+            "model_fingerprint": self.fingerprint,
+        }
+
+    def prompt_block_hashes(self, prompt_ids: list[int], cache_salt: bytes = b"") -> list[BlockHash]:
+        return block_hashes(prompt_ids, self.config.block_size, self.fingerprint, cache_salt)
+
+    def export_blocks(self, hashes: list[BlockHash]) -> list[tuple[BlockHash, BlockPayload]]:
+        """The KV of each named block this engine holds (missing ones are skipped)."""
+        out = []
+        for h in hashes:
+            b = self.blocks.hash_to_block.get(h)
+            if b is not None:
+                out.append((h, self.kv.export_block(b)))
+        self.stats.exported_blocks += len(out)
+        return out
+
+    def held_hashes(self, request_id: str) -> list[BlockHash]:
+        """Names of the prompt blocks a finished ``hold_prompt_blocks`` request still holds."""
+        return [h for h, _ in self._held.get(request_id, [])]
+
+    def export_held(
+        self, request_id: str, hashes: list[BlockHash] | None = None
+    ) -> list[tuple[BlockHash, BlockPayload]]:
+        """KV of held blocks (all, or those named, in the order named); unknown names skipped."""
+        by_hash = dict(self._held.get(request_id, []))
+        wanted = hashes if hashes is not None else list(by_hash)
+        out = [(h, self.kv.export_block(by_hash[h])) for h in wanted if h in by_hash]
+        self.stats.exported_blocks += len(out)
+        return out
+
+    def release_held(self, request_id: str) -> int:
+        """Drop a hand-off's hold; the blocks stay cached until evicted. Returns how many."""
+        held = self._held.pop(request_id, [])
+        self.blocks.release([b for _, b in held])
+        return len(held)
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """Pool block of each held block, in ``held_hashes`` order (a NIXL reader addresses them)."""
+        return [b for _, b in self._held.get(request_id, [])]
+
+    def pin_held(self, request_id: str, hashes: list[BlockHash]) -> list[tuple[BlockHash, int]]:
+        """One more reference on each named held block (in the order named; unknown names
+        skipped), so a peer can read it after the hold ends; ``release_reserved`` drops it."""
+        by_hash = dict(self._held.get(request_id, []))
+        pinned = [(h, by_hash[h]) for h in hashes if h in by_hash]
+        self.blocks.acquire([b for _, b in pinned])
+        return pinned
+
+    def reserve_blocks(self, n: int) -> list[int]:
+        """Fresh blocks for KV written into the pool from outside (a NIXL READ): referenced and
+        unnamed until ``adopt_reserved`` names them or ``release_reserved`` hands them back."""
+        try:
+            return self.blocks.allocate(n)
+        except OutOfBlocks as e:
+            raise ResourceExhausted(f"no room for {n} incoming KV blocks: {e}") from None
+
+    def adopt_reserved(self, blocks: list[tuple[BlockHash, int]]) -> int:
+        """Name reserved blocks whose KV has arrived (and been verified) as cached blocks, as
+        ``import_block`` does; one whose name another block took meanwhile is dropped. Returns
+        how many were adopted."""
+        adopted = 0
+        for h, b in blocks:
+            if self.blocks.register(b, h):
+                adopted += 1
+        self.blocks.release([b for _, b in blocks])
+        self.stats.imported_blocks += adopted
+        return adopted
+
+    def release_reserved(self, block_ids: list[int]) -> None:
+        """Hand back reserved blocks whose KV never arrived whole."""
+        self.blocks.release(block_ids)
+
+    def import_block(self, h: BlockHash, payload: BlockPayload) -> bool:
+        """Adopt a block computed elsewhere as a cached block. False if already held."""
+        if h in self.blocks.hash_to_block:
+            return False
+        (b,) = self.blocks.allocate(1)
+        try:
+            self.kv.import_block(b, payload)
+        except Exception:
+            self.blocks.release([b])
+            raise
+        self.blocks.register(b, h)
+        self.blocks.release([b])  # cached-free: reusable by the next request with this prefix
+        self.stats.imported_blocks += 1
+        return True

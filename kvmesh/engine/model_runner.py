@@ -1,0 +1,156 @@
+"""The model runner: the model on its device, its paged KV pool, and one batched forward pass.
+
+``ModelRunner`` loads a checkpoint (quantized or not) into ``CausalLM``, allocates the KV pool, compiles the
+decode step when asked, and for each scheduled batch lays out the inputs (token ids, positions, KV slots,
+block tables), runs the forward and returns the logits of the rows that sample, with each request's logit
+adjustments (bias, penalties) and grammar masks applied. The engine (``kvmesh.engine.engine``) decides what
+runs; this file only runs it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvmesh.blocks import model_fingerprint
+from kvmesh.checkpoint.compressed import dequantized_tensors
+from kvmesh.checkpoint.files import weight_files, weights_id
+from kvmesh.checkpoint.model_config import ModelConfig
+from kvmesh.engine.compile import compile_decode
+from kvmesh.engine.config import EngineConfig, dtype_name
+from kvmesh.engine.grammar import MaskRows, Masks
+from kvmesh.engine.kv_cache import KVCache
+from kvmesh.engine.model import CausalLM
+from kvmesh.engine.penalties import PenaltyState, adjust_row
+from kvmesh.engine.scheduler import ScheduledBatch
+from kvmesh.engine.sequence import Sequence
+from kvmesh.engine.step_metadata import step_metadata
+from kvmesh.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from kvmesh.engine.draft_source import DraftSource
+    from kvmesh.engine.engine import EngineStats
+
+
+class ModelRunner:
+    def __init__(self, path: Path, cfg: EngineConfig, mc: ModelConfig, drafter: DraftSource | None) -> None:
+        self.config = cfg
+        self.vocab_size = mc.vocab_size
+        self.device = torch.device(cfg.device)
+        self.dtype = cfg.resolve_dtype(mc.dtype)
+        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        files = weight_files(path)
+        self.model = CausalLM(mc, self.dtype, self.device, self.max_model_len)
+        # A compressed-tensors checkpoint (kvmesh quantize) is dequantized on load.
+        self.model.load_weights(files, dequantized_tensors(mc.raw, files))
+        self.model.to(self.device).eval()
+        if cfg.quantization is not None:
+            # Before the KV pool is allocated, so the freed weight memory can go to it.
+            # InvalidArgument for an unknown scheme; FailedPrecondition where it cannot run.
+            self.model.quantize(cfg.quantization, head=cfg.quantize_lm_head)
+        elif cfg.quantize_lm_head:
+            raise InvalidArgument("quantize_lm_head needs a quantization (fp8 or int8)")
+        if cfg.wants_small_rows_linears(self.dtype):
+            # Decode and verify steps multiply a few rows, where MKL repacks every weight per call
+            # (or, on some processors, runs one row at half memory speed); a reordered copy of the
+            # weights avoids that (kernels.small_rows_linear, which says where and by how much).
+            self.model.use_small_rows_linears()
+        self.fingerprint = model_fingerprint(
+            # Quantized weights give different KV: such workers must never share blocks with others.
+            {
+                **mc.raw,
+                "weights_id": weights_id(files),
+                "quantization": cfg.quantization,
+                **({"quantize_lm_head": True} if cfg.quantize_lm_head else {}),
+            },
+            dtype_name(self.dtype),
+            cfg.block_size,
+        )
+        self.wants_features = drafter is not None and drafter.wants_features
+        if drafter is not None:
+            # Before the decode step is compiled: the features it returns are traced with it.
+            drafter.bind(self.model)
+            self.model.feature_layers = drafter.feature_layers
+        self.kv = KVCache(
+            mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
+        )
+        if cfg.compile:
+            compile_decode(self.model, self.kv.tensor)  # before any block holds KV
+        if drafter is not None:
+            drafter.calibrate(self.model, self.kv.tensor, self.max_model_len)  # likewise
+
+    def forward(
+        self, batch: ScheduledBatch, stats: EngineStats
+    ) -> tuple[list[Sequence], torch.Tensor, torch.Tensor | None]:
+        """One forward pass over ``batch``: (the sequences whose rows sample, in row order; their logits
+        [rows, vocab] on the CPU; the hidden states of those rows, when the drafter reads features)."""
+        bs = self.config.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens = []
+        logits_idx: list[int] = []
+        sampling = []
+        for seq, n in zip(batch.seqs, batch.num_new):
+            a, b = seq.num_computed, seq.num_computed + n
+            ids.extend((seq.all_ids + seq.draft_ids)[a:b])
+            positions.extend(range(a, b))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(a, b))
+            starts.append(starts[-1] + n)
+            seq_lens.append(b)
+            k = len(seq.draft_ids)
+            if b == seq.num_tokens + k:  # the whole context is in cache: these rows sample
+                logits_idx.extend(range(starts[-1] - 1 - k, starts[-1]))
+                sampling.append(seq)
+        # At least 2 columns (padding is masked by seq_lens): a width of 1 would be one more
+        # shape for a compiled step to specialize on (kvmesh.engine.compile).
+        max_blocks = max(2, max(len(s.block_table) for s in batch.seqs))
+        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
+        dev = self.device
+        meta = step_metadata(slots, tables, seq_lens, batch.num_new, dev, every_row_samples=len(logits_idx) == len(ids))
+        out = self.model(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            self.kv.tensor,
+            meta,
+            torch.tensor(logits_idx, dtype=torch.long, device=dev),
+            return_hidden=self.wants_features,
+        )
+        logits, hidden = out if self.wants_features else (out, None)
+        self._adjust_logits(sampling, logits)
+        # Launched (on a GPU still running): fill the grammar masks meanwhile, apply them on the
+        # device, and only then wait for the logits.
+        t0 = time.perf_counter()
+        masks = self._grammar_masks(sampling, len(logits_idx))
+        if masks is not None:
+            stats.grammar_masked_rows += masks.apply(logits)
+            stats.grammar_mask_seconds += time.perf_counter() - t0
+        return sampling, logits.cpu(), hidden
+
+    @torch.inference_mode()  # the logits are inference tensors: adjusting them in place needs it
+    def _adjust_logits(self, sampling: list[Sequence], logits: torch.Tensor) -> None:
+        """logit_bias and penalties on the rows of the sequences that ask for them (in place)."""
+        row = 0
+        for seq in sampling:
+            k = len(seq.draft_ids)
+            if seq.params.adjusts_logits:
+                if seq.penalties is None:
+                    seq.penalties = PenaltyState.new(seq.prompt_ids, seq.params, logits.shape[1], logits.device)
+                seq.penalties.catch_up(seq.output_ids)
+                for i in range(k + 1):
+                    adjust_row(logits[row + i], seq.params, seq.penalties, seq.draft_ids[:i])
+            row += k + 1
+
+    def _grammar_masks(self, sampling: list[Sequence], num_rows: int) -> Masks | None:
+        """The grammar masks of the constrained sequences' rows (None if there are none)."""
+        rows, row = [], 0
+        for seq in sampling:
+            if seq.grammar is not None:
+                rows.append(MaskRows(seq.grammar, row, list(seq.draft_ids)))
+            row += len(seq.draft_ids) + 1
+        return Masks(rows, num_rows, self.vocab_size) if rows else None
