@@ -57,7 +57,7 @@ from kvmesh.api.common.v1 import sampling_pb2  # noqa: E402
 from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc  # noqa: E402
 from kvmesh.launcher import Mesh, MeshOptions, RestartPolicy, build_topology  # noqa: E402
-from kvmesh.launcher.topology import REPO_ROOT  # noqa: E402
+from kvmesh.launcher.compose import REPO_ROOT  # noqa: E402
 
 MODEL = REPO_ROOT / "models" / "pycode-small"
 PROMPTS = [

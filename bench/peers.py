@@ -258,8 +258,9 @@ class Peers:
 
     @contextlib.contextmanager
     def _mesh(self, precision: str) -> Iterator[str]:
+        from kvmesh.launcher.spec import MeshOptions
         from kvmesh.launcher.supervisor import Mesh
-        from kvmesh.launcher.topology import MeshOptions, build_topology
+        from kvmesh.launcher.topology import build_topology
 
         dtype = {"KVMESH_DTYPE": KVMESH_DTYPE[precision]}
         if precision in KVMESH_QUANTIZATION:

@@ -35,8 +35,9 @@ from kv_transfer import VOCAB, write_model  # noqa: E402
 
 from kvmesh.api.common.v1 import sampling_pb2  # noqa: E402
 from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
+from kvmesh.launcher.spec import MeshOptions  # noqa: E402
 from kvmesh.launcher.supervisor import Mesh  # noqa: E402
-from kvmesh.launcher.topology import MeshOptions, build_topology  # noqa: E402
+from kvmesh.launcher.topology import build_topology  # noqa: E402
 from kvmesh.models.bpe import train_tokenizer, write_tokenizer  # noqa: E402
 
 TRANSPORTS = {

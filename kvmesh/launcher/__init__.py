@@ -10,8 +10,9 @@ with backoff until they crash-loop).
 
 from kvmesh.launcher.compose import COMPOSE_FILE, ComposeError
 from kvmesh.launcher.restart import RestartPolicy
+from kvmesh.launcher.spec import MeshOptions, ProcessSpec, Topology, free_port
 from kvmesh.launcher.supervisor import Mesh, MeshError, RunningProcess, StartInterrupted
-from kvmesh.launcher.topology import MeshOptions, ProcessSpec, Topology, build_topology, free_port
+from kvmesh.launcher.topology import build_topology
 
 __all__ = [
     "COMPOSE_FILE",

@@ -19,8 +19,9 @@ from pathlib import Path
 from kvmesh.errors import ModelLoadError
 from kvmesh.launcher.compose import COMPOSE_FILE, compose_variables
 from kvmesh.launcher.restart import RestartPolicy
+from kvmesh.launcher.spec import MeshOptions, describe
 from kvmesh.launcher.supervisor import Mesh, MeshError, StartInterrupted
-from kvmesh.launcher.topology import MeshOptions, build_topology, compose_model_path, describe
+from kvmesh.launcher.topology import build_topology, compose_model_path
 
 
 def add_up_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

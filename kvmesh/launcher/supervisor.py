@@ -42,7 +42,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.launcher.restart import CrashRecord, RestartPolicy
-from kvmesh.launcher.topology import ProcessSpec, Topology
+from kvmesh.launcher.spec import ProcessSpec, Topology
 
 EXEC_CHILD = Path(__file__).with_name("exec_child.py")
 DEFAULT_STOP_TIMEOUT_S = 20.0

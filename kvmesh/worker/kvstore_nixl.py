@@ -31,7 +31,8 @@ from kvmesh.checksum import CHECKSUM_BYTES
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.errors import InvalidArgument
 from kvmesh.runtime.client_errors import from_rpc_error
-from kvmesh.worker.kv_nixl import NixlEndpoint, block_checksums, layout_mismatch
+from kvmesh.worker.kv_nixl import NixlEndpoint, block_checksums
+from kvmesh.worker.nixl_layout import layout_mismatch
 
 log = structlog.get_logger(__name__)
 

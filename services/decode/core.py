@@ -28,9 +28,9 @@ from kvmesh.engine.sequence import TokenLogprob
 from kvmesh.errors import KvmeshError
 from kvmesh.kv_wire import ReceivedBlock
 from kvmesh.sampling import SamplingParams
-from kvmesh.worker.kv_nixl import NixlBlocks
 from kvmesh.worker.kv_tiers import fetch_prefix_from_kvstore
 from kvmesh.worker.kvstore_client import KVStoreClient
+from kvmesh.worker.nixl_layout import NixlBlocks
 
 log = structlog.get_logger(__name__)
 

@@ -26,8 +26,9 @@ from kvmesh.blocks import BlockHash
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvmesh.runtime.client_errors import from_rpc_error
-from kvmesh.worker.kv_nixl import BlockRead, NixlEndpoint, PoolRegion, layout_mismatch
+from kvmesh.worker.kv_nixl import BlockRead, NixlEndpoint
 from kvmesh.worker.kv_transport import read_timeout_s
+from kvmesh.worker.nixl_layout import PoolRegion, layout_mismatch
 from services.decode.core import RemotePrefill, Tally
 from services.decode.prefill_client import GrpcKVSource
 

@@ -12,7 +12,7 @@ from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc
 from kvmesh.convert import finish_to_pb, logprob_from_pb, logprob_to_pb, timings_pb
 from kvmesh.errors import InvalidArgument
 from kvmesh.sampling import SamplingParams, admitted
-from kvmesh.worker.kv_nixl import NixlBlocks
+from kvmesh.worker.nixl_layout import NixlBlocks
 from services.decode.core import DecodeWorker, RemotePrefill
 
 

@@ -37,7 +37,8 @@ from kvmesh.checksum import checksum
 from kvmesh.engine.config import parse_dtype
 from kvmesh.engine.kv_cache import host_zeros_on_huge_pages
 from kvmesh.errors import FailedPrecondition, InvalidArgument
-from kvmesh.worker.kv_nixl import BlockRead, NixlEndpoint, NixlRead, PoolRegion, layout_mismatch
+from kvmesh.worker.kv_nixl import BlockRead, NixlEndpoint, NixlRead
+from kvmesh.worker.nixl_layout import PoolRegion, layout_mismatch
 from services.kvstore.block import Block
 from services.kvstore.core import KvStore
 

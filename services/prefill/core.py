@@ -26,9 +26,10 @@ from kvmesh.engine.kv_cache import BlockPayload
 from kvmesh.engine.sequence import TokenLogprob
 from kvmesh.errors import InvalidArgument, NotFound
 from kvmesh.sampling import SamplingParams
-from kvmesh.worker.kv_nixl import NixlBlocks, NixlEndpoint, block_checksums
+from kvmesh.worker.kv_nixl import NixlEndpoint, block_checksums
 from kvmesh.worker.kv_tiers import fetch_prefix_from_kvstore, store_held_blocks
 from kvmesh.worker.kvstore_client import KVStoreClient
+from kvmesh.worker.nixl_layout import NixlBlocks
 from services.prefill.leases import Lease, LeaseTable
 
 log = structlog.get_logger(__name__)

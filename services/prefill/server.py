@@ -13,7 +13,7 @@ from kvmesh.convert import finish_to_pb, logprob_to_pb, timings_pb
 from kvmesh.errors import FailedPrecondition, Unavailable
 from kvmesh.kv_wire import chunk_fields, keep_transfer_memory_mapped
 from kvmesh.sampling import SamplingParams, admitted
-from kvmesh.worker.kv_nixl import layout_mismatch
+from kvmesh.worker.nixl_layout import layout_mismatch
 from services.prefill.core import PrefillWorker
 
 

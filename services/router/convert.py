@@ -16,9 +16,9 @@ from kvmesh.api.router.v1 import router_pb2
 from kvmesh.blocks import HASH_BYTES, BlockHash
 from kvmesh.errors import InvalidArgument
 
-from .core import Registration, WorkerStatus
 from .events import EventKind, KVEvent, PublishResult
 from .index import Tier
+from .membership import Registration, WorkerStatus
 from .policy import RoutePlan
 from .worker import KVLayout, Role, WorkerCapacity, WorkerInfo, WorkerLoad
 

@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 from kvmesh.launcher import MeshOptions, build_topology
-from kvmesh.launcher.compose import COMPOSE_FILE, load_compose, load_raw
+from kvmesh.launcher.compose import COMPOSE_FILE, REPO_ROOT, load_compose, load_raw
 from kvmesh.launcher.compose_cpu import CPU_COMPOSE_FILE, render
-from kvmesh.launcher.topology import REPO_ROOT, role_of
+from kvmesh.launcher.topology import role_of
 from kvmesh.runtime.flags import common_flags
 
 COMPOSE = REPO_ROOT / "compose"

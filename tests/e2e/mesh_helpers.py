@@ -12,8 +12,9 @@ from typing import TypeVar
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.launcher.restart import RestartPolicy
+from kvmesh.launcher.spec import MeshOptions, free_port
 from kvmesh.launcher.supervisor import Mesh
-from kvmesh.launcher.topology import MeshOptions, build_topology, free_port
+from kvmesh.launcher.topology import build_topology
 from kvmesh.models.bpe import train_tokenizer, write_tokenizer
 from tests.engine.conftest import VOCAB, write_checkpoint
 

@@ -22,8 +22,9 @@ from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc
 from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
+from kvmesh.launcher.compose import REPO_ROOT
+from kvmesh.launcher.spec import ProcessSpec, Topology, free_port
 from kvmesh.launcher.supervisor import Mesh
-from kvmesh.launcher.topology import REPO_ROOT, ProcessSpec, Topology, free_port
 from kvmesh.sampling import SamplingParams
 from kvmesh.worker.kv_nixl import load_nixl
 from tests.e2e.mesh_helpers import metrics

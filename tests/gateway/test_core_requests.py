@@ -9,7 +9,7 @@ import pytest
 from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.errors import InvalidArgument, NotFound
-from services.gateway.core import _cut_at_stop
+from services.gateway.worker_calls import _cut_at_stop
 from tests.gateway.conftest import CONTEXT, LABEL
 from tests.gateway.fakes import FakeMesh
 from tests.gateway.helpers import collect, make_gateway, request

@@ -18,7 +18,7 @@ from kvmesh.api.kvstore.v1 import kvstore_pb2
 from kvmesh.api.router.v1 import router_pb2
 from kvmesh.runtime import serve
 from tests.kvstore.test_kvstore_service_grpc import blobs, kvstore, put_stream
-from tests.router.test_router_service_grpc import LAYOUT, router_service, stub_for
+from tests.router.service_helpers import LAYOUT, router_service, stub_for
 from tests.worker.fake_router import RouterState, build_fake_router
 from tests.worker.polling import until
 

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from kvmesh.launcher import ProcessSpec, free_port
-from kvmesh.launcher.topology import REPO_ROOT
+from kvmesh.launcher.compose import REPO_ROOT
 
 
 def child(name: str, role: str, **settings: object) -> ProcessSpec:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvmesh.launcher.cli import add_up_parser
-from kvmesh.launcher.topology import REPO_ROOT
+from kvmesh.launcher.compose import REPO_ROOT
 from tests.launcher.helpers import alive, kill_if_alive, read_pid, wait_gone
 
 

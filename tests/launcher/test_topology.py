@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvmesh.launcher import ComposeError, MeshOptions, build_topology
-from kvmesh.launcher.compose import load_compose
-from kvmesh.launcher.topology import REPO_ROOT, compose_model_path, describe
+from kvmesh.launcher.compose import REPO_ROOT, load_compose
+from kvmesh.launcher.spec import describe
+from kvmesh.launcher.topology import compose_model_path
 
 MODEL = Path("/models/tiny")
 CONTAINER_ADDRESS = re.compile(r"\b(redis|router|kvstore|speculator|prefill|decode|gateway):\d")

@@ -19,7 +19,7 @@ from kvmesh.api.common.v1 import kv_pb2, worker_pb2
 from kvmesh.api.router.v1 import router_pb2
 from kvmesh.worker import RouterLink
 from services.router.server import RouterServicer
-from tests.router.test_router_service_grpc import (
+from tests.router.service_helpers import (
     GPU,
     KVSTORE_TIER,
     LAYOUT,

@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.api.router.v1 import router_pb2
-from tests.router.test_router_service_grpc import (
+from tests.router.service_helpers import (
     GPU,
     PREFILL,
     Worker,

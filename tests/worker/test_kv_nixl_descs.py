@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy
 import torch
 
-from kvmesh.worker.kv_nixl import PoolRegion, block_runs
+from kvmesh.worker.nixl_layout import PoolRegion, block_runs
 
 
 def test_runs_break_where_either_side_stops_being_consecutive():
