@@ -6,7 +6,7 @@
   ``kvmesh.api``).
 - No cycle between top-level packages, nor between the library's parts (``kvmesh.engine``,
   ``kvmesh.speculation``, ``kvmesh.blocks`` ...).
-- The gateway's process never imports torch.
+- A service's ``core.py`` never imports grpc; the gateway's process never imports torch.
 
 Imports under ``if TYPE_CHECKING:`` are annotations, not dependencies: they count for no rule.
 The checks run on the repository and, to show they can fail, on a tree with planted violations.
@@ -148,6 +148,14 @@ def test_the_tree_keeps_its_layers() -> None:
     assert layer_violations(edges) == []
     assert service_violations(edges) == []
     assert cycles(edges) == []
+
+
+def test_service_cores_do_not_import_grpc() -> None:
+    """A service's core is its logic; the servicer (server.py) is what speaks gRPC."""
+    for core in sorted(REPO.glob("services/*/core.py")):
+        module = module_name(REPO, core)
+        imported = imports_of(ast.parse(core.read_text()), module, set())
+        assert not {m for m in imported if m.split(".")[0] == "grpc"}, f"{module} imports grpc"
 
 
 def test_the_gateway_process_never_imports_torch() -> None:
