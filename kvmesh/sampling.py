@@ -159,7 +159,7 @@ class SamplingParams:
             max_tokens = min(max_tokens, room)  # a server default never makes a request refused
         elif max_tokens > room:
             raise ContextExceeded(
-                "max_tokens",
+                "sampling.max_tokens",
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model's context of "
                 f"{context} tokens",
             )

@@ -26,9 +26,9 @@ from kvmesh.sampling import SamplingParams
 from kvmesh.speculation.drafter import Drafter
 from kvmesh.speculation.eagle import EagleProposer, RemoteWithHead
 from kvmesh.speculation.local import LocalProposer
+from kvmesh.training import eagle as train_eagle
 from tests.engine.conftest import PROMPTS, resolved, write_checkpoint
 from tests.service_helpers import free_port
-from train import eagle as train_eagle
 
 from .conftest import connected, eventually, proposer_for, speculator_on
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
+from kvmesh.training import eagle as train_eagle
 from kvmesh.training.eagle_corpus import code_prompts, instruction_prompts
 from tests.engine.conftest import llama_with_tokenizer, tokenizer_files  # noqa: F401 (fixtures)
-from train import eagle as train_eagle
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import speculation as bench_speculation  # noqa: E402
