@@ -160,7 +160,7 @@ class SamplingParams:
         elif max_tokens > room:
             raise ContextExceeded(
                 "sampling.max_tokens",
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model's context of "
+                f"prompt ({prompt_len} tokens) + sampling.max_tokens ({max_tokens}) exceeds the model's context of "
                 f"{context} tokens",
             )
         guard_unset = self.repetition_limit is None

@@ -19,6 +19,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import grpc
@@ -40,13 +41,17 @@ Hook = Callable[[], Awaitable[None]]
 
 @dataclass(frozen=True)
 class GrpcService:
-    """A servicer and how to register it, e.g.
-    ``GrpcService(kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"],
-    kvstore_pb2_grpc.add_KVStoreServiceServicer_to_server, KVStoreServicer(store))``."""
+    """A servicer and how to register it (``of`` reads both from the generated modules)."""
 
     descriptor: ServiceDescriptor
     add_to_server: Callable[[Any, grpc.aio.Server], None]
     servicer: object
+
+    @classmethod
+    def of(cls, pb2: ModuleType, pb2_grpc: ModuleType, name: str, servicer: object) -> GrpcService:
+        """Service ``name`` of the generated ``pb2``/``pb2_grpc`` modules, served by ``servicer``, e.g.
+        ``GrpcService.of(kvstore_pb2, kvstore_pb2_grpc, "KVStoreService", KVStoreServicer(store))``."""
+        return cls(pb2.DESCRIPTOR.services_by_name[name], getattr(pb2_grpc, f"add_{name}Servicer_to_server"), servicer)
 
 
 @dataclass(frozen=True)

@@ -125,13 +125,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
             await state["proposer"].close()
 
     return ServiceDef(
-        services=[
-            GrpcService(
-                decode_pb2.DESCRIPTOR.services_by_name["DecodeService"],
-                decode_pb2_grpc.add_DecodeServiceServicer_to_server,
-                servicer,
-            )
-        ],
+        services=[GrpcService.of(decode_pb2, decode_pb2_grpc, "DecodeService", servicer)],
         start=start,
         drain=drain,
         stop=stop,

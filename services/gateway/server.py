@@ -63,8 +63,9 @@ def _request_id() -> str:
 
 def gateway_service(gateway: Gateway, keys: ApiKeys) -> GrpcService:
     """The servicer registered the way ``ServiceDef`` wants it."""
-    return GrpcService(
-        gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"],
-        gateway_pb2_grpc.add_GatewayServiceServicer_to_server,
+    return GrpcService.of(
+        gateway_pb2,
+        gateway_pb2_grpc,
+        "GatewayService",
         GatewayServicer(gateway, keys),
     )

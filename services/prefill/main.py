@@ -84,13 +84,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
             state["engine"].stop()
 
     return ServiceDef(
-        services=[
-            GrpcService(
-                prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"],
-                prefill_pb2_grpc.add_PrefillServiceServicer_to_server,
-                servicer,
-            )
-        ],
+        services=[GrpcService.of(prefill_pb2, prefill_pb2_grpc, "PrefillService", servicer)],
         start=start,
         drain=drain,
         stop=stop,

@@ -9,7 +9,8 @@ stay in the core.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from typing import TypeVar
 
 from kvmesh.api.common.v1 import accounting_pb2, kv_pb2, worker_pb2
 from kvmesh.api.router.v1 import router_pb2
@@ -21,6 +22,8 @@ from .index import Tier
 from .membership import Registration, WorkerStatus
 from .policy import RoutePlan
 from .worker import KVLayout, Role, WorkerCapacity, WorkerInfo, WorkerLoad
+
+T = TypeVar("T")
 
 _ROLE_FROM_PB = {
     worker_pb2.WORKER_ROLE_PREFILL: Role.PREFILL,
@@ -68,28 +71,17 @@ def hashes_from_pb(hashes: Sequence[bytes]) -> list[BlockHash]:
     return list(hashes)
 
 
+def _same_fields(cls: type[T], message: object) -> T:
+    """A flat dataclass from a message whose fields it names alike (KVLayout, WorkerLoad)."""
+    return cls(**{f.name: getattr(message, f.name) for f in fields(cls)})
+
+
 def layout_from_pb(layout: kv_pb2.KVLayout) -> KVLayout:
-    return KVLayout(
-        block_size=layout.block_size,
-        dtype=layout.dtype,
-        layout=layout.layout,
-        num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim,
-        model_fingerprint=layout.model_fingerprint,
-    )
+    return _same_fields(KVLayout, layout)
 
 
 def layout_to_pb(layout: KVLayout) -> kv_pb2.KVLayout:
-    return kv_pb2.KVLayout(
-        block_size=layout.block_size,
-        dtype=layout.dtype,
-        layout=layout.layout,
-        num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim,
-        model_fingerprint=layout.model_fingerprint,
-    )
+    return kv_pb2.KVLayout(**asdict(layout))
 
 
 def worker_info_from_pb(req: router_pb2.RegisterWorkerRequest) -> WorkerInfo:
@@ -116,23 +108,11 @@ def worker_info_from_pb(req: router_pb2.RegisterWorkerRequest) -> WorkerInfo:
 
 
 def load_from_pb(load: worker_pb2.WorkerLoad) -> WorkerLoad:
-    return WorkerLoad(
-        queued_requests=load.queued_requests,
-        active_sequences=load.active_sequences,
-        free_kv_blocks=load.free_kv_blocks,
-        total_kv_blocks=load.total_kv_blocks,
-        tokens_in_flight=load.tokens_in_flight,
-    )
+    return _same_fields(WorkerLoad, load)
 
 
 def load_to_pb(load: WorkerLoad) -> worker_pb2.WorkerLoad:
-    return worker_pb2.WorkerLoad(
-        queued_requests=load.queued_requests,
-        active_sequences=load.active_sequences,
-        free_kv_blocks=load.free_kv_blocks,
-        total_kv_blocks=load.total_kv_blocks,
-        tokens_in_flight=load.tokens_in_flight,
-    )
+    return worker_pb2.WorkerLoad(**asdict(load))
 
 
 def registration_to_pb(reg: Registration) -> router_pb2.RegisterWorkerResponse:

@@ -313,13 +313,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
         await client.aclose()
 
     return ServiceDef(
-        services=[
-            GrpcService(
-                router_pb2.DESCRIPTOR.services_by_name["RouterService"],
-                router_pb2_grpc.add_RouterServiceServicer_to_server,
-                servicer,
-            )
-        ],
+        services=[GrpcService.of(router_pb2, router_pb2_grpc, "RouterService", servicer)],
         start=start,
         stop=stop,
     )

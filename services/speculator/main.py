@@ -140,13 +140,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
             await draft_model.close()
 
     return ServiceDef(
-        services=[
-            GrpcService(
-                speculator_pb2.DESCRIPTOR.services_by_name["SpeculatorService"],
-                speculator_pb2_grpc.add_SpeculatorServiceServicer_to_server,
-                servicer,
-            )
-        ],
+        services=[GrpcService.of(speculator_pb2, speculator_pb2_grpc, "SpeculatorService", servicer)],
         start=start,
         drain=servicer.drain,
         stop=stop,

@@ -100,21 +100,9 @@ def build_mesh(mesh: Mesh):
     def build(ctx: ServiceContext) -> ServiceDef:
         return ServiceDef(
             services=[
-                GrpcService(
-                    router_pb2.DESCRIPTOR.services_by_name["RouterService"],
-                    router_pb2_grpc.add_RouterServiceServicer_to_server,
-                    mesh,
-                ),
-                GrpcService(
-                    prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"],
-                    prefill_pb2_grpc.add_PrefillServiceServicer_to_server,
-                    mesh,
-                ),
-                GrpcService(
-                    decode_pb2.DESCRIPTOR.services_by_name["DecodeService"],
-                    decode_pb2_grpc.add_DecodeServiceServicer_to_server,
-                    mesh,
-                ),
+                GrpcService.of(router_pb2, router_pb2_grpc, "RouterService", mesh),
+                GrpcService.of(prefill_pb2, prefill_pb2_grpc, "PrefillService", mesh),
+                GrpcService.of(decode_pb2, decode_pb2_grpc, "DecodeService", mesh),
             ]
         )
 

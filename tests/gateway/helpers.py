@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
 from services.gateway.core import Gateway
@@ -30,3 +32,11 @@ async def collect(gateway: Gateway, req: gateway_pb2.GenerateRequest) -> list[ga
 def sample(gateway: Gateway, name: str, **labels: str) -> float:
     value = gateway._metrics.registry.get_sample_value(name, labels)  # noqa: SLF001 - tests read the metrics
     return 0.0 if value is None else value
+
+
+def gateway_argv(router_address: str, model_dir: Path, http_port: int | str, *flags: str) -> list[str]:
+    """The gateway's flags for a test: the fake mesh's router, the test model served as "tiny"."""
+    return [
+        *("--router-address", router_address, "--model", str(model_dir), "--model-name", "tiny"),
+        *("--http-port", str(http_port), *flags),
+    ]

@@ -23,7 +23,10 @@ from tests.gateway.helpers import collect, make_gateway, request
         (request([]), "prompt is empty"),
         (request([1, 2, 100_000]), "prompt: token id 100000 is outside the vocabulary"),
         (request(list(range(CONTEXT))), f"prompt has {CONTEXT} tokens; the model's context is {CONTEXT}"),
-        (request(max_tokens=CONTEXT), f"+ max_tokens ({CONTEXT}) exceeds the model's context of {CONTEXT} tokens"),
+        (
+            request(max_tokens=CONTEXT),
+            f"+ sampling.max_tokens ({CONTEXT}) exceeds the model's context of {CONTEXT} tokens",
+        ),
         (request(temperature=-0.5), "sampling.temperature must be a finite number in [0, 2], got -0.5"),
         (request(temperature=math.nan), "sampling.temperature must be a finite number in [0, 2], got nan"),
         (request(temperature=-0.0), "sampling.temperature must be a finite number in [0, 2], got -0.0"),

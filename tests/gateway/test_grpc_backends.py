@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import grpc
 import pytest
@@ -64,7 +66,9 @@ async def test_a_router_that_cannot_be_asked_is_unreachable_but_its_own_unavaila
         await dead.close()
 
 
-async def test_a_decode_stream_whose_server_stops_is_unavailable() -> None:
+@asynccontextmanager
+async def held_decode_stream() -> AsyncIterator[tuple[Mesh, Runtime, AsyncIterator]]:
+    """A decode stream through the backends that got its first message; the server holds the rest."""
     mesh = Mesh()
     mesh.hold_decode_after = 1
     rt = Runtime("decode", build_mesh(mesh), metrics_port=None)
@@ -74,27 +78,21 @@ async def test_a_decode_stream_whose_server_stops_is_unavailable() -> None:
         stream = backends.decode(f"127.0.0.1:{rt.port}", decode_pb2.DecodeRequest())
         await anext(stream)
         await mesh.decode_held.wait()
+        yield mesh, rt, stream
+    finally:
+        await rt.stop()
+        await backends.close()
+
+
+async def test_a_decode_stream_whose_server_stops_is_unavailable() -> None:
+    async with held_decode_stream() as (_, rt, stream):
         stopping = asyncio.create_task(rt.stop(grace_seconds=0))
         with pytest.raises(Unavailable):
             await anext(stream)
         await stopping
-    finally:
-        await rt.stop()
-        await backends.close()
 
 
 async def test_closing_a_decode_stream_cancels_it_on_the_server() -> None:
-    mesh = Mesh()
-    mesh.hold_decode_after = 1
-    rt = Runtime("decode", build_mesh(mesh), metrics_port=None)
-    await rt.start()
-    backends = GrpcBackends(f"127.0.0.1:{rt.port}")
-    try:
-        stream = backends.decode(f"127.0.0.1:{rt.port}", decode_pb2.DecodeRequest())
-        await anext(stream)
-        await mesh.decode_held.wait()
+    async with held_decode_stream() as (mesh, _, stream):
         await stream.aclose()
         await asyncio.wait_for(mesh.decode_cancelled.wait(), 10)
-    finally:
-        await rt.stop()
-        await backends.close()

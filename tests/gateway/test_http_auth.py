@@ -14,7 +14,7 @@ from services.gateway.auth import ApiKeys, tenant_cache_salt
 from services.gateway.main import FLAGS, build
 from tests.gateway.fakes import FakeMesh
 from tests.gateway.grpc_fakes import TOKENS, Mesh, build_mesh
-from tests.gateway.helpers import PROMPT
+from tests.gateway.helpers import PROMPT, gateway_argv
 from tests.gateway.test_http_api import http_gateway
 from tests.service_helpers import free_port
 
@@ -100,18 +100,7 @@ async def test_grpc_uses_the_same_keys(model_dir) -> None:
     mesh = Mesh()
     async with serve("mesh", build_mesh(mesh), metrics_port=None) as mesh_rt:
         mesh.address = f"127.0.0.1:{mesh_rt.port}"
-        argv = [
-            "--router-address",
-            mesh.address,
-            "--model",
-            str(model_dir),
-            "--model-name",
-            "tiny",
-            "--http-port",
-            str(free_port()),
-            "--api-keys",
-            "k-alice alice",
-        ]
+        argv = gateway_argv(mesh.address, model_dir, free_port(), "--api-keys", "k-alice alice")
         async with serve("gateway", build, parse_flags("kvmesh-gateway", FLAGS, argv, environ={})) as rt:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{rt.port}") as channel:
                 stub = gateway_pb2_grpc.GatewayServiceStub(channel)

@@ -13,7 +13,7 @@ from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from kvmesh.runtime import common_flags, parse_flags, serve
 from services.gateway.main import FLAGS, build
 from tests.gateway.grpc_fakes import Mesh, build_mesh
-from tests.gateway.helpers import PROMPT
+from tests.gateway.helpers import PROMPT, gateway_argv
 from tests.service_helpers import free_port
 
 
@@ -26,18 +26,7 @@ async def mesh():
 
 
 def _args(mesh: Mesh, model_dir, http_port: int):
-    argv = [
-        "--router-address",
-        mesh.address,
-        "--model",
-        str(model_dir),
-        "--model-name",
-        "tiny",
-        "--http-port",
-        str(http_port),
-        "--grace-seconds",
-        "0.5",
-    ]
+    argv = gateway_argv(mesh.address, model_dir, http_port, "--grace-seconds", "0.5")
     return parse_flags("kvmesh-gateway", [*common_flags(0, 0), *FLAGS], argv, environ={})
 
 

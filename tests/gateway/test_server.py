@@ -17,6 +17,7 @@ from kvmesh.runtime import Runtime, parse_flags, serve
 from services.gateway.main import FLAGS, build
 from tests.gateway.conftest import LABEL
 from tests.gateway.grpc_fakes import TOKENS, Mesh, build_mesh
+from tests.gateway.helpers import gateway_argv
 
 PROMPT = gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=list(range(40, 60))))
 
@@ -33,17 +34,7 @@ async def mesh() -> AsyncIterator[Mesh]:
 async def running_gateway(
     model_dir: Path, mesh: Mesh, *flags: str
 ) -> AsyncIterator[tuple[gateway_pb2_grpc.GatewayServiceStub, Runtime]]:
-    argv = [
-        "--router-address",
-        mesh.address,
-        "--model",
-        str(model_dir),
-        "--model-name",
-        "tiny",
-        "--http-port",
-        "0",
-        *flags,
-    ]
+    argv = gateway_argv(mesh.address, model_dir, 0, *flags)
     async with serve("gateway", build, parse_flags("kvmesh-gateway", FLAGS, argv, environ={})) as rt:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{rt.port}") as channel:
             yield gateway_pb2_grpc.GatewayServiceStub(channel), rt

@@ -24,13 +24,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
         log.info("demo stop hook")
 
     return ServiceDef(
-        services=[
-            GrpcService(
-                kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"],
-                kvstore_pb2_grpc.add_KVStoreServiceServicer_to_server,
-                servicer,
-            )
-        ],
+        services=[GrpcService.of(kvstore_pb2, kvstore_pb2_grpc, "KVStoreService", servicer)],
         start=start,
         stop=stop,
     )

@@ -153,9 +153,10 @@ def build_fake_router(state: RouterState) -> Callable[[ServiceContext], ServiceD
     def build(ctx: ServiceContext) -> ServiceDef:
         return ServiceDef(
             services=[
-                GrpcService(
-                    router_pb2.DESCRIPTOR.services_by_name["RouterService"],
-                    router_pb2_grpc.add_RouterServiceServicer_to_server,
+                GrpcService.of(
+                    router_pb2,
+                    router_pb2_grpc,
+                    "RouterService",
                     FakeRouter(state),
                 )
             ]
