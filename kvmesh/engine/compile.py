@@ -95,7 +95,8 @@ class CompiledDecode:
         # Steps of 2 to this many rows run the few-rows graph (0: none); set by compile_decode.
         self.few_rows = 0
         # Set by compile_decode only while the one-sequence graph compiles: once built, an
-        # unbacked graph takes one row unmarked, and marking cost ~0.13 ms a step.
+        # unbacked graph takes one row unmarked, and marking costs time on every step
+        # (docs/measurements.md).
         self.mark_rows_unbacked = False
         # Likewise while the few-rows graph compiles: its rows get the range 2..few_rows.
         self.mark_few_rows = False
@@ -144,8 +145,8 @@ def compile_decode(model: CausalLM, kv_cache: torch.Tensor) -> None:
     torch._dynamo.mark_static(kv_cache)  # the pool's shape never changes
     # Sizes become symbols here. Without duck shaping, two sizes that happen to be equal in the
     # warm-up (batch and width, or either and a model dimension) do not become one symbol.
-    # cpp_wrapper: the graph's calls between kernels run in generated C++, not Python (~1 ms a
-    # step at 30 layers: 1.10x at both 1 and 16 sequences, bf16).
+    # cpp_wrapper: the graph's calls between kernels run in generated C++, not Python, which saves
+    # a step the Python calls' time (docs/measurements.md).
     # The graphs of one row and of a few: frozen in bf16 and where one float32 row runs reordered.
     freeze_small = kv_cache.dtype == torch.bfloat16 or reordered_alone
     # One sequence on 3 free pool blocks; new_tokens picks the graph (1, 2..few_rows, more rows).

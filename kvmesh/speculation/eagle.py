@@ -157,8 +157,8 @@ class EagleHead:
         self.draft_lm_head.weight = nn.Parameter(rows, requires_grad=False)
         if rows.device.type == "cpu":
             # A draft step multiplies one row a sequence, which MKL runs at half memory speed on
-            # some processors (Zen 5: 4 drafts 5.8 -> 3.1 ms on reordered weights); the swap
-            # keeps MKL where the calibration says it is the faster (kernels.small_rows_linear).
+            # some processors (docs/measurements.md); the swap keeps MKL where the calibration
+            # says it is the faster (kernels.small_rows_linear).
             modules = nn.ModuleList([self.block, self.draft_lm_head])
             use_small_rows_linears(modules)
             self.draft_lm_head = modules[1]

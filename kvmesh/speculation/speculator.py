@@ -44,11 +44,8 @@ log = structlog.get_logger(__name__)
 
 
 # The n-gram match length a draft model's draft counts as, unless configured
-# (SpeculatorConfig.draft_model_match_tokens). Measured with models/pycode-draft
-# on models/pycode-small's greedy continuations of 12 code prompts (k=4): its
-# drafts were accepted more often than n-gram drafts matching up to 8 tokens,
-# less often than those matching 9-15 and those at the 32-token cap (a verbatim
-# repeat: 97% vs 89%), with no clear winner between.
+# (SpeculatorConfig.draft_model_match_tokens): where its acceptance fell between
+# the n-gram drafts' by match length (docs/measurements.md).
 DRAFT_MODEL_MATCH_TOKENS = 9
 
 

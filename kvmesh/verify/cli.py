@@ -15,8 +15,8 @@ def add_verify_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", help="Bearer token for the endpoint")
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
     # Greedy agreement is exact only on identical weights and arithmetic; faithful quantization
-    # still flips near-ties (SmolLM2's fp8 plan: ~40% of tokens before the first divergence, every
-    # divergence a near-tie), so the default bound is loose and the KL bound is the tight check.
+    # still flips near-ties (docs/measurements.md), so the default bound is loose and the KL
+    # bound is the tight check.
     p.add_argument(
         "--min-agreement",
         type=float,

@@ -54,22 +54,21 @@ log = structlog.get_logger(__name__)
 #   READ stalled, its reader killed meanwhile) UCX aborts the whole process ("Fatal: unexpected
 #   error: Endpoint timeout", reproduced here over TCP). Dead peers are this code's to notice
 #   anyway: a READ has a deadline, a lease a TTL, and a socket error still fails a transfer.
-# - TCP segments of 256 KiB rather than 8 KiB: a READ over TCP (the cross-host mode) moved
-#   ~1.0 -> ~1.3-1.5 GB/s here with them (two noisy runs of a 96 MiB READ, both the same way).
+# - TCP segments of 256 KiB rather than 8 KiB: a READ over TCP (the cross-host mode) moves
+#   faster with them (docs/measurements.md).
 _UCX_DEFAULTS = {
     "UCX_RCACHE_MAX_UNRELEASED": "1024",
     "UCX_KEEPALIVE_INTERVAL": "inf",
     "UCX_TCP_TX_SEG_SIZE": "256k",
     "UCX_TCP_RX_SEG_SIZE": "256k",
 }
-# How often a waiting READ asks whether it is done (the progress thread moves its bytes):
-# from 0.2 ms (a small READ is done at once) doubling up to 1 ms.
+# How often a waiting READ asks whether it is done (the progress thread moves its bytes): soon
+# at first (a small READ is done at once), then less often.
 _POLL_FIRST_S = 0.0002
 _POLL_MAX_S = 0.001
 # A BlockRead's chunks: at least this many bytes each, at most this many chunks. More chunks
 # hide more of the checksum behind the copy, but each costs a transfer request and a thread
-# (0.5-1 ms here): a 12 MiB READ (64 blocks of 192 KiB) went from 0.83x raw TCP in 3 chunks
-# to 1.04x in one, in the same run; 96 MiB stayed at 1.22x in 6 chunks rather than 8.
+# (docs/measurements.md).
 _READ_CHUNK_BYTES = 16 << 20
 _MAX_READ_CHUNKS = 8
 # Chunks posted at once: over shared memory each post copies in its thread, and two at once

@@ -28,10 +28,8 @@ log = structlog.get_logger(__name__)
 KV_TRANSPORTS = ("nixl", "grpc")
 
 # NIXL's progress thread pauses this long between rounds (kv_nixl._agent_with_paced_progress).
-# Each round wakes a thread on the cores the engine's OpenMP team runs on: measured on 2 cores
-# (bf16, 16 streams), an engine beside an agent paced at 100 us ran 5-9% slower than without
-# one, and the whole mesh's HTTP streams 389 -> 411 tok/s at 2 ms, while READs of 64 and 512
-# blocks moved as fast as at 100 us (bench/kv_transfer.py, within its noise).
+# Each round wakes a thread on the cores the engine's OpenMP team runs on, slowing its steps; at
+# this pause READs move as fast as with a busier thread (docs/measurements.md).
 DEFAULT_PROGRESS_PAUSE_US = 2000
 
 KV_TRANSPORT_FLAGS = [

@@ -30,7 +30,7 @@ from .registry_store import RegistryStore
 
 log = structlog.get_logger()
 
-# Hash prompts longer than this off the event loop (12,500 blocks take ~10 ms).
+# Hash prompts longer than this off the event loop: a long one's hashing would hold it (docs/measurements.md).
 _HASH_INLINE_MAX_BLOCKS = 256
 
 

@@ -16,7 +16,7 @@ from kvmesh.speculation.speculator import Speculator
 
 log = structlog.get_logger(__name__)
 
-# ~1-2 ms of work per chunk at the default n-gram sizes.
+# Small enough a chunk that indexing it never holds the event loop long (docs/measurements.md).
 CHUNK_TOKENS = 1024
 
 
