@@ -40,6 +40,14 @@ class InvalidField(InvalidArgument):
         self.field = field
 
 
+class RequestFailed(KvmeshError):
+    """One request failed inside the engine (its sampling, grammar, penalties, a token it made); the
+    worker and every other request go on."""
+
+    code = "INTERNAL"
+    http_status = 500
+
+
 class NotFound(KvmeshError):
     code = "NOT_FOUND"
     http_status = 404

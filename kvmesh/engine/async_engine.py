@@ -22,6 +22,7 @@ import structlog
 from kvmesh.blocks import BlockHash
 from kvmesh.engine.engine import LLMEngine, RequestOutput
 from kvmesh.engine.kv_cache import KVCache
+from kvmesh.errors import Unavailable
 from kvmesh.sampling import SamplingParams
 
 T = TypeVar("T")
@@ -31,9 +32,14 @@ _IDLE_WAIT_S = 0.5  # how long the idle thread blocks before re-checking for shu
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine | None) -> None:
-        """Wrap a built engine; services use ``started`` instead, which builds it on the loop thread."""
+    def __init__(self, engine: LLMEngine | None, on_fatal: Callable[[str], None] | None = None) -> None:
+        """Wrap a built engine; services use ``started`` instead, which builds it on the loop thread.
+
+        ``on_fatal(reason)`` is called (on the engine thread) when the step loop dies of a failure no single
+        request owns: every stream has been failed with UNAVAILABLE by then; a service stops serving and exits, so
+        its supervisor restarts it (never a live process with a dead engine)."""
         self.engine = engine
+        self._on_fatal = on_fatal
         self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], concurrent.futures.Future]] = (
             queue.SimpleQueue()
         )
@@ -50,7 +56,9 @@ class AsyncEngine:
         self._thread.start()
 
     @classmethod
-    async def started(cls, build: Callable[[], LLMEngine]) -> AsyncEngine:
+    async def started(
+        cls, build: Callable[[], LLMEngine], on_fatal: Callable[[str], None] | None = None
+    ) -> AsyncEngine:
         """Build the engine on the step-loop thread itself, start the loop, return once built.
 
         Why its own thread: libgomp throttles its spin-waiting once a process holds more OpenMP
@@ -61,7 +69,7 @@ class AsyncEngine:
         raises here.
         """
         built: concurrent.futures.Future = concurrent.futures.Future()
-        self = cls(None)
+        self = cls(None, on_fatal)
         self._start_thread(self._build_and_run, build, built)
         await asyncio.wrap_future(built)
         return self
@@ -103,7 +111,7 @@ class AsyncEngine:
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps and return its result."""
         if self._fatal is not None:
-            raise RuntimeError("engine thread died") from self._fatal
+            raise Unavailable("this worker's engine failed; it is restarting") from self._fatal
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, fut))
         return await asyncio.wrap_future(fut)
@@ -159,12 +167,14 @@ class AsyncEngine:
                 if not engine.has_unfinished():
                     continue
                 for out in engine.step():
-                    self._deliver(out.request_id, out, out.finished)
+                    self._deliver(out.request_id, out.error or out, out.finished)
         except BaseException as e:  # a dead step loop must fail every waiter, not hang them
             self._fatal = e
-            log.exception("engine step loop died")
+            log.exception("engine step loop died: failing every request, the worker stops serving")
             for rid in list(self._streams):
-                self._deliver(rid, RuntimeError(f"engine failed: {e}"), True)
+                self._deliver(rid, Unavailable(f"this worker's engine failed ({type(e).__name__}: {e})"), True)
+            if self._on_fatal is not None:
+                self._on_fatal(f"the engine's step loop died: {type(e).__name__}: {e}")
 
     def _drain_commands(self, block: bool) -> None:
         try:

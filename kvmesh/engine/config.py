@@ -60,6 +60,9 @@ class EngineConfig:
     seed: int = 0
     # torch.compile the decode step's layers (kvmesh.engine.compile): start-up pays the compile.
     compile: bool = False
+    # Fault injection (tests, chaos drills): the step loop fails, with a failure no request owns,
+    # once this many steps ran (0: never). docs/faults.md says what a worker then does.
+    fault_after_steps: int = 0
 
     def wants_small_rows_linears(self, dtype: torch.dtype) -> bool:
         return self.small_rows_linears and self.device == "cpu" and dtype in SMALL_ROWS_DTYPES

@@ -29,13 +29,17 @@ from kvmesh.engine.scheduler import Scheduler
 from kvmesh.engine.sequence import Sequence, TokenLogprob
 from kvmesh.engine.stop import check_stop, releasable_text
 from kvmesh.engine.tokenizer import Tokenizer
-from kvmesh.errors import InvalidArgument, NotFound
+from kvmesh.errors import InvalidArgument, KvmeshError, NotFound, RequestFailed
 from kvmesh.sampling import SamplingParams, admitted
 
 log = structlog.get_logger(__name__)
 
 # Mixes the resume point into a resumed request's seed (an odd 63-bit constant: the golden ratio).
 _RESUME_SEED_STEP = 0x4F1BBCDCBFA53E0B
+
+
+class InjectedFault(RuntimeError):
+    """The failure ``EngineConfig.fault_after_steps`` injects: one no request owns."""
 
 
 @dataclass
@@ -52,6 +56,8 @@ class RequestOutput:
     num_cached_tokens: int
     # Of new_token_ids, how many were speculator drafts the model accepted.
     num_draft_accepted: int = 0
+    # Set when the request failed (finish_reason "error"): what its caller gets instead of tokens.
+    error: KvmeshError | None = None
 
 
 @dataclass
@@ -68,6 +74,7 @@ class EngineStats:
     draft_tokens_accepted: int = 0
     grammar_masked_rows: int = 0  # logits rows masked by a request's grammar
     grammar_mask_seconds: float = 0.0  # engine-thread time spent filling and applying those masks
+    failed_requests: int = 0  # requests a failure of their own ended (the step went on for the others)
 
 
 @dataclass
@@ -269,6 +276,8 @@ class LLMEngine(KVHandoff):
     # -- stepping ------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.config.fault_after_steps and self.stats.steps >= self.config.fault_after_steps:
+            raise InjectedFault(f"injected engine fault after {self.stats.steps} steps")
         outputs, self._pending = self._pending, []
         if self.drafter is not None:
             decoding = [seq for seq in self.scheduler.running if seq.is_decoding]
@@ -289,35 +298,67 @@ class LLMEngine(KVHandoff):
         greedy = logits.argmax(dim=-1).tolist()
         row = 0
         for seq in sampling:
-            drafts, seq.draft_ids = seq.draft_ids, []
-            draft_probs, seq.draft_probs = seq.draft_probs, None
-            k = len(drafts)
-            gen = seq.generator or self._default_gen
-            rows = logits[row : row + k + 1]
-            tokens = verify(
-                rows,
-                drafts,
-                seq.params,
-                gen,
-                greedy[row : row + k + 1],
-                draft_probs[:k] if k and draft_probs is not None else None,
-            )
-            if hidden is not None:  # the row that sampled the last token
-                seq.feature = hidden[row + len(tokens) - 1]
+            k = len(seq.draft_ids)
+            # A failure that belongs to one sequence (its penalties, grammar, sampling, a token it
+            # makes) fails that request alone; the step goes on for every other one.
+            try:
+                if seq.error is not None:  # in the runner's part of the step (kvmesh.engine.model_runner)
+                    raise seq.error
+                outputs.append(self._sample(seq, logits[row : row + k + 1], greedy[row : row + k + 1], hidden, row))
+            except Exception as e:
+                outputs.append(self._fail(seq, e))
             row += k + 1
-            if k:
-                seq.num_draft_proposed += k
-                seq.num_draft_accepted += len(tokens) - 1
-                seq.num_draft_missed += len(tokens) - 1 < k
-                self.drafter.verified(k, len(tokens) - 1)
-                self.stats.draft_tokens_proposed += k
-                self.stats.draft_tokens_accepted += len(tokens) - 1
-            if seq.params.logprobs is not None:
-                seq.logprobs.extend(token_logprobs(rows, tokens, seq.params.logprobs))
-            outputs.append(self._append_tokens(seq, tokens))
-            if k and not seq.is_finished:
-                self.scheduler.accept_drafts(seq, len(tokens) - 1)
         return outputs
+
+    def _sample(
+        self, seq: Sequence, rows: torch.Tensor, greedy: list[int], hidden: torch.Tensor | None, row: int
+    ) -> RequestOutput:
+        """Verify ``seq``'s drafts on its logits ``rows`` (one more than drafts), sample what follows, append."""
+        drafts, seq.draft_ids = seq.draft_ids, []
+        draft_probs, seq.draft_probs = seq.draft_probs, None
+        k = len(drafts)
+        gen = seq.generator or self._default_gen
+        probs = draft_probs[:k] if k and draft_probs is not None else None
+        tokens = verify(rows, drafts, seq.params, gen, greedy, probs)
+        if hidden is not None:  # the row that sampled the last token
+            seq.feature = hidden[row + len(tokens) - 1]
+        if k:
+            seq.num_draft_proposed += k
+            seq.num_draft_accepted += len(tokens) - 1
+            seq.num_draft_missed += len(tokens) - 1 < k
+            self.drafter.verified(k, len(tokens) - 1)
+            self.stats.draft_tokens_proposed += k
+            self.stats.draft_tokens_accepted += len(tokens) - 1
+        if seq.params.logprobs is not None:
+            seq.logprobs.extend(token_logprobs(rows, tokens, seq.params.logprobs))
+        out = self._append_tokens(seq, tokens)
+        if k and not seq.is_finished:
+            self.scheduler.accept_drafts(seq, len(tokens) - 1)
+        return out
+
+    def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
+        """End ``seq`` now, its blocks freed, with ``error`` for its caller (a domain error as it is,
+        anything else as RequestFailed: the request's failure, not the worker's)."""
+        log.error("request failed in the engine; the others go on", request_id=seq.request_id, exc_info=error)
+        if not isinstance(error, KvmeshError):
+            error = RequestFailed(f"request {seq.request_id} failed in the engine: {type(error).__name__}: {error}")
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "error")
+        self._seqs.pop(seq.request_id, None)
+        if self.drafter is not None:
+            self.drafter.finished(seq)
+        self.stats.failed_requests += 1
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[],
+            text_delta="",
+            finished=True,
+            finish_reason="error",
+            new_logprobs=[],
+            num_prompt_tokens=len(seq.prompt_ids),
+            num_cached_tokens=seq.num_cached_prompt,
+            error=error,
+        )
 
     def _append_tokens(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
         """Append tokens one by one until a stop condition; returns what the caller sees."""

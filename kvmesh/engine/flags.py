@@ -43,6 +43,13 @@ ENGINE_FLAGS = [
         default=True,
         type=bool,
     ),
+    Flag(
+        "--inject-engine-fault-after-steps",
+        "fault injection (tests, chaos drills): the engine's step loop fails, with a failure no request owns, "
+        "after this many steps (0: never); the worker then stops serving and exits (docs/faults.md)",
+        default=0,
+        type=int,
+    ),
     Flag("--worker-id", "this worker's id in the router (default: <role>-<host>:<port>)"),
     Flag("--router-address", "router host:port (unset: run without a router)"),
     Flag("--kvstore-address", "kvstore host:port: fetch cached prefixes from it, write new blocks to it (unset: none)"),
@@ -62,6 +69,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         quantize_lm_head=args.quantize_lm_head,
         compile=args.compile,
         small_rows_linears=args.small_rows_linears,
+        fault_after_steps=args.inject_engine_fault_after_steps,
         **overrides,
     )
 

@@ -140,14 +140,13 @@ class Masks:
     CPU the fill is a few microseconds a row.
     """
 
-    def __init__(self, rows: list[MaskRows], num_rows: int, vocab_size: int) -> None:
+    def __init__(self, num_rows: int, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self._mask = xgr.allocate_token_bitmask(num_rows, vocab_size)
         self._indices: list[int] = []
-        for r in rows:
-            self._fill(r)
 
-    def _fill(self, r: MaskRows) -> None:
+    def fill(self, r: MaskRows) -> None:
+        """Fill one constrained sequence's rows."""
         m = r.matcher
         accepted = 0
         for i in range(len(r.drafts) + 1):

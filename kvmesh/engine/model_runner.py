@@ -134,23 +134,33 @@ class ModelRunner:
 
     @torch.inference_mode()  # the logits are inference tensors: adjusting them in place needs it
     def _adjust_logits(self, sampling: list[Sequence], logits: torch.Tensor) -> None:
-        """logit_bias and penalties on the rows of the sequences that ask for them (in place)."""
+        """logit_bias and penalties on the rows of the sequences that ask for them (in place). A
+        sequence whose adjustment fails keeps the error (``seq.error``): the engine fails it alone."""
         row = 0
         for seq in sampling:
             k = len(seq.draft_ids)
             if seq.params.adjusts_logits:
-                if seq.penalties is None:
-                    seq.penalties = PenaltyState.new(seq.prompt_ids, seq.params, logits.shape[1], logits.device)
-                seq.penalties.catch_up(seq.output_ids)
-                for i in range(k + 1):
-                    adjust_row(logits[row + i], seq.params, seq.penalties, seq.draft_ids[:i])
+                try:
+                    if seq.penalties is None:
+                        seq.penalties = PenaltyState.new(seq.prompt_ids, seq.params, logits.shape[1], logits.device)
+                    seq.penalties.catch_up(seq.output_ids)
+                    for i in range(k + 1):
+                        adjust_row(logits[row + i], seq.params, seq.penalties, seq.draft_ids[:i])
+                except Exception as e:
+                    seq.error = e
             row += k + 1
 
     def _grammar_masks(self, sampling: list[Sequence], num_rows: int) -> Masks | None:
-        """The grammar masks of the constrained sequences' rows (None if there are none)."""
-        rows, row = [], 0
+        """The grammar masks of the constrained sequences' rows (None if there are none); a sequence
+        whose mask cannot be filled keeps the error, as in ``_adjust_logits``."""
+        if not any(seq.grammar is not None and seq.error is None for seq in sampling):
+            return None
+        masks, row = Masks(num_rows, self.vocab_size), 0
         for seq in sampling:
-            if seq.grammar is not None:
-                rows.append(MaskRows(seq.grammar, row, list(seq.draft_ids)))
+            if seq.grammar is not None and seq.error is None:
+                try:
+                    masks.fill(MaskRows(seq.grammar, row, list(seq.draft_ids)))
+                except Exception as e:
+                    seq.error = e
             row += len(seq.draft_ids) + 1
-        return Masks(rows, num_rows, self.vocab_size) if rows else None
+        return masks

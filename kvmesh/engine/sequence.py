@@ -63,6 +63,9 @@ class Sequence:
     # The target's final hidden state at the row that sampled the last token (set only for a
     # proposer that wants features: an EAGLE head drafts from it).
     feature: torch.Tensor | None = None
+    # A failure of this sequence's own in the runner's part of a step (its penalties, its grammar
+    # mask): the engine fails the request after the forward (LLMEngine._fail).
+    error: Exception | None = None
     # Where the output is in the request's grammar (None: unconstrained).
     grammar: xgr.GrammarMatcher | None = None
     # Text already handed to the caller (stop strings are held back until resolved).

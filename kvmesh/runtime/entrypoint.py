@@ -3,7 +3,9 @@
 Flags (with env twins) -> JSON logs -> uvloop -> serve until SIGTERM/SIGINT
 -> graceful stop -> exit 0. A start-up failure exits 1; bad flags exit 2.
 A second signal during the drain exits at once, for an operator who does not
-want to wait out the grace period.
+want to wait out the grace period. A service that fails while serving
+(``ServiceContext.fail``: its engine died) stops at once and exits 70, so its
+supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from kvmesh.runtime.logs import configure_logging
 from kvmesh.runtime.server import Build, Runtime
 
 log = structlog.get_logger("kvmesh.runtime")
+
+EXIT_FAILED = 70  # EX_SOFTWARE: the service failed while serving
+# How long the stop after a failure may take before the process goes anyway.
+FAILED_STOP_S = 1.5
 
 
 def run(
@@ -70,7 +76,18 @@ async def _serve_until_signal(name: str, build: Build, args: argparse.Namespace)
         log.error("start-up failed", exc_info=starting.exception())
         signalled.cancel()
         return 1
-    await signalled
+    failed = asyncio.create_task(runtime.failed.wait())
+    await asyncio.wait({signalled, failed}, return_when=asyncio.FIRST_COMPLETED)
+    if runtime.failure is not None:
+        signalled.cancel()
+        # Health says NOT_SERVING at once; the rest of shutdown gets a bound, then the process goes
+        # anyway, so its supervisor (or Kubernetes) restarts it within seconds.
+        try:
+            await asyncio.wait_for(runtime.stop(grace_seconds=0), timeout=FAILED_STOP_S)
+        except TimeoutError:
+            log.error("shutdown after a failure outlasted its bound; exiting now", bound_s=FAILED_STOP_S)
+        return EXIT_FAILED
+    failed.cancel()
     await runtime.stop()
     return 0
 

@@ -68,11 +68,14 @@ class ServiceDef:
 
 @dataclass(frozen=True)
 class ServiceContext:
-    """What ``build`` gets: its parsed flags and the registry for its own metrics."""
+    """What ``build`` gets: its parsed flags, the registry for its own metrics, and ``fail(reason)``: the
+    service cannot go on (its engine died), so it stops serving now and its process exits non-zero (safe
+    to call from any thread)."""
 
     name: str
     args: argparse.Namespace
     registry: CollectorRegistry
+    fail: Callable[[str], None]
 
 
 Build = Callable[[ServiceContext], ServiceDef]
@@ -105,6 +108,10 @@ class Runtime:
         self._service: ServiceDef | None = None
         self._health: Health | None = None
         self._stopping: asyncio.Future[None] | None = None
+        # Set by ``fail``: why the service cannot go on (an entry point then stops and exits non-zero).
+        self.failure: str | None = None
+        self.failed = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
         """Serve; returns once the service is ready. On failure everything started is torn down."""
@@ -116,7 +123,8 @@ class Runtime:
 
     async def _start(self) -> None:
         registry = new_registry()
-        self._service = service = self._build(ServiceContext(self.name, self._args, registry))
+        self._loop = asyncio.get_running_loop()
+        self._service = service = self._build(ServiceContext(self.name, self._args, registry, self.fail))
         names = [s.descriptor.full_name for s in service.services]
         interceptor = ServerInterceptor(names, RpcMetrics(registry), lambda: self.ready)
         self._server = server = grpc.aio.server(interceptors=[interceptor], options=SERVER_OPTIONS)
@@ -137,6 +145,18 @@ class Runtime:
         self.ready = True
         await self._health.set_serving(True)
         log.info("serving", service=self.name, port=self.port)
+
+    def fail(self, reason: str) -> None:
+        """The service cannot go on: refuse new calls now and set ``failed`` (from any thread)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._failed, reason)
+
+    def _failed(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason
+            self.ready = False  # the interceptor answers UNAVAILABLE from now on
+            log.error("service failed: it stops serving and exits", service=self.name, reason=reason)
+            self.failed.set()
 
     def servicer_of(self, full_name: str) -> object:
         """The servicer registered for ``full_name`` (e.g. "kvmesh.api.decode.v1.DecodeService"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+import structlog
 import torch
 
 from kvmesh.engine.grammar import allowed_prefix
@@ -20,6 +21,8 @@ from kvmesh.speculation.verify_cost import measure_draft_costs
 if TYPE_CHECKING:
     from kvmesh.engine.model import CausalLM
     from kvmesh.engine.sequence import Sequence
+
+log = structlog.get_logger(__name__)
 
 
 class DraftProposer(Protocol):
@@ -95,18 +98,30 @@ class Drafter:
                 wants[seq.request_id] = (seq, k)
         if not wants:
             return
-        for rid, drafts in self.proposer.propose(list(wants.values())).items():
+        try:
+            proposed = self.proposer.propose(list(wants.values()))
+        except Exception:  # drafts are an optimization: a failing proposer costs this step's, no request
+            log.exception("the draft proposer failed; this step runs without drafts")
+            return
+        for rid, drafts in proposed.items():
             seq, k = wants.get(rid, (None, 0))
             if seq is None:
                 continue
-            # Drafts sampled from a distribution (an EAGLE head's) carry it as ``probs``.
-            probs = getattr(drafts, "probs", None)
-            kept = [t for t in drafts[:k] if 0 <= t < vocab_size]
-            seq.draft_ids = allowed_prefix(seq.grammar, kept) if seq.grammar is not None else kept
-            # Rows stay aligned only if no token was dropped before the kept ones; otherwise the point-mass
-            # rule verifies them (exact for any draft, see kvmesh.engine.sampler.verify).
-            aligned = probs is not None and seq.draft_ids == list(drafts[: len(seq.draft_ids)])
-            seq.draft_probs = probs[: len(seq.draft_ids)] if aligned else None
+            try:
+                self._take(seq, drafts, k, vocab_size)
+            except Exception:
+                log.exception("drafts a sequence could not take; it runs without", request_id=rid)
+                seq.draft_ids, seq.draft_probs = [], None
+
+    def _take(self, seq: Sequence, drafts: list[int], k: int, vocab_size: int) -> None:
+        # Drafts sampled from a distribution (an EAGLE head's) carry it as ``probs``.
+        probs = getattr(drafts, "probs", None)
+        kept = [t for t in drafts[:k] if 0 <= t < vocab_size]
+        seq.draft_ids = allowed_prefix(seq.grammar, kept) if seq.grammar is not None else kept
+        # Rows stay aligned only if no token was dropped before the kept ones; otherwise the point-mass
+        # rule verifies them (exact for any draft, see kvmesh.engine.sampler.verify).
+        aligned = probs is not None and seq.draft_ids == list(drafts[: len(seq.draft_ids)])
+        seq.draft_probs = probs[: len(seq.draft_ids)] if aligned else None
 
     def verified(self, proposed: int, accepted: int) -> None:
         """A verify of ``proposed`` drafts accepted ``accepted`` of them (the policy learns the rate)."""

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from kvmesh.errors import DeadlineExceeded, Unavailable
+from kvmesh.errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable
 from kvmesh.worker.kv_transport import DEFAULT_PROGRESS_PAUSE_US
 from kvmesh.worker.nixl_layout import PoolRegion, block_runs
 
@@ -223,6 +223,13 @@ class NixlEndpoint:
         self._peers[name] = _Peer(name, region)
         return name
 
+    def peer_region(self, agent_name: str) -> PoolRegion:
+        """The pool a peer shook hands with (NotFound before its handshake)."""
+        peer = self._peers.get(agent_name)
+        if peer is None:
+            raise NotFound(f"no NIXL peer {agent_name!r}: it has not shaken hands with this worker")
+        return peer.region
+
     def forget_peer(self, agent_name: str) -> None:
         if self._peers.pop(agent_name, None) is not None:
             self.agent.remove_remote_agent(agent_name)
@@ -231,15 +238,19 @@ class NixlEndpoint:
         """Post one ``op`` ("READ": peer's blocks into ours, "WRITE": ours into the peer's) of whole
         blocks. Over shared memory UCX copies inside this call (it releases the GIL): call it off
         the event loop."""
-        peer = self._peers[agent_name]
-        if peer.region.piece_bytes != self.region.piece_bytes or peer.region.num_layers != self.region.num_layers:
+        peer = self.peer_region(agent_name)
+        if len(remote_blocks) != len(local_blocks):
+            raise InvalidArgument(f"{len(remote_blocks)} remote blocks for {len(local_blocks)} local ones")
+        peer.check_blocks(remote_blocks, f"peer {agent_name}'s")
+        self.region.check_blocks(local_blocks, "this worker's")
+        if peer.piece_bytes != self.region.piece_bytes or peer.num_layers != self.region.num_layers:
             raise Unavailable(f"peer {agent_name} has another block shape")  # the handshake refuses this first
         src, dst, lengths = block_runs(remote_blocks, local_blocks)
         mem = self.region.mem_type
         handle = self.agent.initialize_xfer(
             op,
             self.agent.get_xfer_descs(self.region.run_descs(dst, lengths), mem),
-            self.agent.get_xfer_descs(peer.region.run_descs(src, lengths), peer.region.mem_type),
+            self.agent.get_xfer_descs(peer.run_descs(src, lengths), peer.mem_type),
             agent_name,
         )
         read = NixlRead(self.agent, handle, len(local_blocks) * self.region.block_nbytes)

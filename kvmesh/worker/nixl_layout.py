@@ -15,6 +15,7 @@ import numpy
 
 from kvmesh.api.common.v1 import kv_pb2
 from kvmesh.checksum import CHECKSUM_BYTES
+from kvmesh.errors import InvalidArgument
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +62,13 @@ class PoolRegion:
             mem_type="VRAM" if on_device else "DRAM",
             device_id=tensor.device.index or 0,
         )
+
+    def check_blocks(self, block_ids: list[int], whose: str) -> None:
+        """InvalidArgument unless every id names a block of this pool: ids come from the network, and a
+        descriptor built from one past the pool would address memory that is not KV."""
+        bad = next((b for b in block_ids if not 0 <= b < self.num_blocks), None)
+        if bad is not None:
+            raise InvalidArgument(f"block id {bad} is outside {whose} pool of {self.num_blocks} blocks")
 
     @classmethod
     def from_pb(cls, pb: kv_pb2.NixlPoolRegion) -> PoolRegion:

@@ -25,7 +25,7 @@ from kvmesh.blocks import BlockHash
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.engine import RequestOutput
 from kvmesh.engine.sequence import TokenLogprob
-from kvmesh.errors import KvmeshError
+from kvmesh.errors import InvalidField, KvmeshError
 from kvmesh.kv_wire import ReceivedBlock
 from kvmesh.sampling import SamplingParams
 from kvmesh.worker.kv_tiers import fetch_prefix_from_kvstore
@@ -154,6 +154,8 @@ class DecodeWorker:
             if missing:
                 await self.kv_source.fetch(self.engine, remote, missing, self._tally)
             ok = True
+        except InvalidField:
+            raise  # the hand-off the request names is wrong: the caller's error, refused
         except (KvmeshError, OSError) as e:
             # Not fatal: whatever did not arrive is recomputed here.
             self.counters.transfer_failures += 1

@@ -82,7 +82,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
         drafter = None
         if proposer is not None:
             drafter = Drafter(proposer, args.num_speculative_tokens, parse_draft_costs(args.draft_costs))
-        aengine = await AsyncEngine.started(lambda: LLMEngine(model_path(args), config, drafter=drafter))
+        aengine = await AsyncEngine.started(lambda: LLMEngine(model_path(args), config, drafter=drafter), ctx.fail)
         engine = aengine.engine
         endpoint = await asyncio.to_thread(open_endpoint, args, engine.kv.tensor, "decode")
         layout = kv_pb2.KVLayout(**engine.kv_layout())

@@ -24,7 +24,7 @@ from kvmesh.api.common.v1 import kv_pb2
 from kvmesh.api.prefill.v1 import prefill_pb2
 from kvmesh.blocks import BlockHash
 from kvmesh.engine.async_engine import AsyncEngine
-from kvmesh.errors import FailedPrecondition, InvalidArgument, Unavailable
+from kvmesh.errors import FailedPrecondition, InvalidArgument, InvalidField, Unavailable
 from kvmesh.runtime.client_errors import from_rpc_error
 from kvmesh.worker.kv_nixl import BlockRead, NixlEndpoint
 from kvmesh.worker.kv_transport import read_timeout_s
@@ -63,6 +63,10 @@ class NixlKVSource:
             raise InvalidArgument("the hand-off's NIXL descriptors do not match its block hashes")
         # In the holder's pool order, into our reserved blocks in ascending order: runs of blocks
         # consecutive on both sides then go as one descriptor per plane (kv_nixl.block_runs).
+        try:
+            self._endpoint.peer_region(agent).check_blocks(remote.nixl.block_ids, "the prefill worker's")
+        except InvalidArgument as e:  # the request's own descriptors: its caller's error, not a transfer's
+            raise InvalidField("remote.handoff.nixl.block_ids", e.message) from None
         missing = sorted(missing, key=lambda h: remote.nixl.block_ids[position[h]])
         src = [remote.nixl.block_ids[position[h]] for h in missing]
         sums = [remote.nixl.checksums[position[h]] for h in missing]

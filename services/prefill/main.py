@@ -40,7 +40,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
     servicer = PrefillServicer(address)
 
     async def start() -> None:
-        aengine = await AsyncEngine.started(lambda: LLMEngine(model_path(args), engine_config(args)))
+        aengine = await AsyncEngine.started(lambda: LLMEngine(model_path(args), engine_config(args)), ctx.fail)
         engine = aengine.engine
         nixl = state["nixl"] = await asyncio.to_thread(open_endpoint, args, engine.kv.tensor, "prefill")
         kvstore = None

@@ -14,11 +14,14 @@ import grpc
 import pytest
 from google.protobuf.internal.encoder import _VarintBytes
 
-from kvmesh.api.common.v1 import sampling_pb2
+from kvmesh.api.common.v1 import kv_pb2, sampling_pb2
 from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc
 from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from kvmesh.runtime.interceptor import FIELD_KEY
 from tests.e2e.test_mesh import generate, local_greedy
+from tests.engine.conftest import VOCAB
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -92,3 +95,96 @@ async def test_the_gateway_answers_the_same_settings_with_the_same_field(gateway
                 pass
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, info.value.details())
         assert field in info.value.details(), (name, info.value.details())
+
+
+def _decode(prompt: list[int], max_tokens: int = 4, **fields: object) -> decode_pb2.DecodeRequest:
+    fields.setdefault("sampling", sampling_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    return decode_pb2.DecodeRequest(request_id="edge", prompt_token_ids=prompt, **fields)
+
+
+async def _refused(call) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in call:
+            pass
+    return info.value
+
+
+async def test_each_bad_request_straight_to_a_worker_is_refused_and_the_next_one_served(mesh, e2e_model):
+    """The boundary cases of the internal APIs, each followed by a normal request on the same worker."""
+    vocab, context = VOCAB, 512  # tests.e2e.mesh_helpers.write_model's
+    local = decode_pb2.LocalPrefill()
+    block = kv_pb2.KVBlockChunk(block_hash=b"\x07" * 16, num_chunks=1, total_bytes=4, data=b"abcd")
+    cases = {
+        "min_p NaN": ("decode", _decode(PROMPT, local=local, sampling=sampling_pb2.SamplingParams(min_p=math.nan))),
+        "token past the vocabulary": ("decode", _decode([*PROMPT, vocab], local=local)),
+        "empty prompt": ("decode", _decode([], local=local)),
+        "prompt of context + 1": ("decode", _decode(list(range(1, context + 2)), local=local)),
+        "resume longer than max_tokens": ("decode", _decode(PROMPT, 4, local=local, resume_token_ids=[5] * 6)),
+        "put of a wrong size": ("kvstore", kv_pb2.KVBlockChunk(**_fields(block, total_bytes=8))),
+        "put of a wrong checksum": ("kvstore", kv_pb2.KVBlockChunk(**_fields(block, checksum=b"\x00\x00\x00\x00"))),
+        "pull of an unknown lease": ("prefill", prefill_pb2.PullKVRequest(lease_id="no-such-lease")),
+    }
+    expected = local_greedy(e2e_model, [PROMPT], 4)[0]
+    async with (
+        grpc.aio.insecure_channel(mesh.address("decode-0")) as dch,
+        grpc.aio.insecure_channel(mesh.address("prefill-0")) as pch,
+        grpc.aio.insecure_channel(mesh.address("kvstore")) as kch,
+    ):
+        decode = decode_pb2_grpc.DecodeServiceStub(dch)
+        prefill = prefill_pb2_grpc.PrefillServiceStub(pch)
+        kvstore = kvstore_pb2_grpc.KVStoreServiceStub(kch)
+        for name, (service, request) in cases.items():
+            if service == "decode":
+                err = await _refused(decode.Decode(request))
+                answered = [t async for m in decode.Decode(_decode(PROMPT, local=local)) for t in m.token_ids]
+                assert answered == expected, name
+            elif service == "kvstore":
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await kvstore.Put(iter([kvstore_pb2.PutRequest(chunk=request)]))
+                err = info.value
+                assert (await kvstore.Stats(kvstore_pb2.StatsRequest())) is not None, name
+            else:
+                err = await _refused(prefill.PullKV(request))
+                greedy = sampling_pb2.SamplingParams(temperature=0.0, max_tokens=4)
+                ok = await prefill.Prefill(
+                    prefill_pb2.PrefillRequest(request_id="ok", token_ids=PROMPT, sampling=greedy)
+                )
+                assert ok.first_token_id == expected[0], name
+                await prefill.ReleaseLease(prefill_pb2.ReleaseLeaseRequest(lease_id=ok.handoff.lease_id))
+            wanted = grpc.StatusCode.NOT_FOUND if "unknown lease" in name else grpc.StatusCode.INVALID_ARGUMENT
+            assert err.code() == wanted, (name, err.code(), err.details())
+
+
+def _fields(chunk: kv_pb2.KVBlockChunk, **changed: object) -> dict:
+    return {f.name: getattr(chunk, f.name) for f, _ in chunk.ListFields()} | changed
+
+
+async def test_a_nixl_descriptor_outside_the_prefill_pool_is_refused(mesh, e2e_model):
+    """A hand-off whose NIXL block ids point past the prefill worker's pool: refused before any READ."""
+    async with (
+        grpc.aio.insecure_channel(mesh.address("decode-0")) as dch,
+        grpc.aio.insecure_channel(mesh.address("prefill-0")) as pch,
+    ):
+        prefill = prefill_pb2_grpc.PrefillServiceStub(pch)
+        prompt = list(range(100, 140))
+        sampling = sampling_pb2.SamplingParams(temperature=0.0, max_tokens=4)
+        done = await prefill.Prefill(
+            prefill_pb2.PrefillRequest(
+                request_id="nixl-bad", token_ids=prompt, sampling=sampling, handoff_mode=kv_pb2.HANDOFF_MODE_PULL
+            )
+        )
+        if not done.handoff.HasField("nixl"):
+            pytest.skip("this mesh hands KV off over gRPC (NIXL did not load)")
+        handoff = kv_pb2.KVHandoff()
+        handoff.CopyFrom(done.handoff)
+        handoff.nixl.block_ids[:] = [10**6 + i for i in range(len(handoff.nixl.block_ids))]
+        remote = decode_pb2.RemotePrefill(first_token_id=done.first_token_id, handoff=handoff)
+        request = decode_pb2.DecodeRequest(
+            request_id="nixl-bad", prompt_token_ids=prompt, sampling=sampling, remote=remote
+        )
+        err = await _refused(decode_pb2_grpc.DecodeServiceStub(dch).Decode(request))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+        assert "outside the prefill worker's pool" in err.details()
+        local = _decode(PROMPT, local=decode_pb2.LocalPrefill())
+        answered = [t async for m in decode_pb2_grpc.DecodeServiceStub(dch).Decode(local) for t in m.token_ids]
+        assert answered == local_greedy(e2e_model, [PROMPT], 4)[0]
