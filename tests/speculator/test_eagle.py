@@ -261,7 +261,7 @@ def test_sampled_output_distributed_as_without_speculation(target, head):
     n = 300
 
     def samples(proposer) -> dict[int, Counter]:
-        engine = LLMEngine(target, EngineConfig(num_blocks=512), drafter=Drafter(proposer, 3 if proposer else 0))
+        engine = LLMEngine(target, EngineConfig(num_blocks=512), drafter=Drafter(proposer, 3) if proposer else None)
         params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=6, seed=s, ignore_eos=True) for s in range(n)]
         out = engine.generate([prompt] * n, params)
         if proposer is not None:
