@@ -36,7 +36,7 @@ class AsyncEngine:
         """Wrap a built engine; services use ``started`` instead, which builds it on the loop thread.
 
         ``on_fatal(reason)`` is called (on the engine thread) when the step loop dies of a failure no single
-        request owns: every stream has been failed with UNAVAILABLE by then; a service stops serving and exits, so
+        request owns, before every stream is failed with UNAVAILABLE; a service stops serving and exits, so
         its supervisor restarts it (never a live process with a dead engine)."""
         self.engine = engine
         self._on_fatal = on_fatal
@@ -114,7 +114,19 @@ class AsyncEngine:
             raise Unavailable("this worker's engine failed; it is restarting") from self._fatal
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, fut))
+        if self._fatal is not None:  # died meanwhile: nothing will run it
+            self._fail_pending()
         return await asyncio.wrap_future(fut)
+
+    def _fail_pending(self) -> None:
+        """Fail every queued command (the engine thread is gone)."""
+        while True:
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(Unavailable("this worker's engine failed; it is restarting"))
 
     async def generate(
         self,
@@ -136,11 +148,12 @@ class AsyncEngine:
             grammar = params.grammar
             await asyncio.to_thread(lambda: self.engine.grammars.compiled(grammar))
 
-        def add(engine: LLMEngine) -> None:
-            engine.add_request(prompt_ids, params, request_id, cache_salt, **add_options)
-            self._streams[request_id] = (loop, out_q)
+        def add(engine: LLMEngine) -> str:
+            rid = engine.add_request(prompt_ids, params, request_id, cache_salt, **add_options)
+            self._streams[rid] = (loop, out_q)
+            return rid
 
-        await self.call(add)
+        request_id = await self.call(add)  # the engine names an unnamed request
         finished = False
         try:
             while not finished:
@@ -171,10 +184,11 @@ class AsyncEngine:
         except BaseException as e:  # a dead step loop must fail every waiter, not hang them
             self._fatal = e
             log.exception("engine step loop died: failing every request, the worker stops serving")
+            if self._on_fatal is not None:  # first: no new call may arrive between
+                self._on_fatal(f"the engine's step loop died: {type(e).__name__}: {e}")
             for rid in list(self._streams):
                 self._deliver(rid, Unavailable(f"this worker's engine failed ({type(e).__name__}: {e})"), True)
-            if self._on_fatal is not None:
-                self._on_fatal(f"the engine's step loop died: {type(e).__name__}: {e}")
+            self._fail_pending()
 
     def _drain_commands(self, block: bool) -> None:
         try:

@@ -173,6 +173,8 @@ class LLMEngine(KVHandoff):
         request_id = request_id or f"req-{arrival}"
         if request_id in self._seqs:
             raise InvalidArgument(f"request id {request_id!r} is already running")
+        if request_id in self._held:
+            raise InvalidArgument(f"request id {request_id!r} still holds its prompt's blocks for a hand-off")
         params = self._admissible(prompt_ids, params)
         seq = Sequence(
             request_id,

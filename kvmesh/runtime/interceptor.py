@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 import structlog
 
-from kvmesh.errors import InvalidField, KvmeshError, Unavailable
+from kvmesh.errors import InvalidArgument, InvalidField, KvmeshError, Unavailable
 from kvmesh.runtime.metrics import RpcMetrics
 from kvmesh.runtime.request_id import new_request_id, request_id_from_metadata
 
@@ -63,6 +63,55 @@ def status_for(exc: Exception, request_id: str) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error (request_id={request_id})"
 
 
+@dataclass(frozen=True)
+class _Undecodable:
+    """A request whose bytes are not the method's message (grpc's own deserializer would answer INTERNAL)."""
+
+    problem: str
+
+    def refuse(self) -> InvalidArgument:
+        return InvalidArgument(f"the request is not a valid message of this method: {self.problem}")
+
+
+def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as e:  # DecodeError, and anything a malformed payload makes the parser raise
+            return _Undecodable(f"{type(e).__name__}: {e}")
+
+    return parse
+
+
+def _parsed(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    """``behavior`` for a single request, refusing one that did not parse."""
+
+    def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Undecodable):
+            raise request.refuse()
+        return behavior(request, context)
+
+    return call
+
+
+def _parsed_each(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    """``behavior`` for a request stream, refusing the first message that did not parse."""
+
+    async def checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        async for request in requests:
+            if isinstance(request, _Undecodable):
+                raise request.refuse()
+            yield request
+
+    def call(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+        return behavior(checked(requests), context)
+
+    return call
+
+
 class ServerInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, service_names: Collection[str], metrics: RpcMetrics, is_ready: Callable[[], bool]) -> None:
         self._services = frozenset(service_names)  # health and reflection pass through untouched
@@ -81,14 +130,17 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             return handler
         rid = request_id_from_metadata(handler_call_details.invocation_metadata) or new_request_id()
         call = _Call(service, method, full_method, rid)
-        kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+        kw = {
+            "request_deserializer": _lenient(handler.request_deserializer),
+            "response_serializer": handler.response_serializer,
+        }
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(self._unary(call, handler.unary_unary), **kw)
+            return grpc.unary_unary_rpc_method_handler(self._unary(call, _parsed(handler.unary_unary)), **kw)
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(self._unary(call, handler.stream_unary), **kw)
+            return grpc.stream_unary_rpc_method_handler(self._unary(call, _parsed_each(handler.stream_unary)), **kw)
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(self._stream(call, handler.unary_stream), **kw)
-        return grpc.stream_stream_rpc_method_handler(self._stream(call, handler.stream_stream), **kw)
+            return grpc.unary_stream_rpc_method_handler(self._stream(call, _parsed(handler.unary_stream)), **kw)
+        return grpc.stream_stream_rpc_method_handler(self._stream(call, _parsed_each(handler.stream_stream)), **kw)
 
     def _unary(self, call: _Call, behavior: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -10,7 +10,7 @@ import grpc
 from kvmesh.api.common.v1 import accounting_pb2
 from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc
 from kvmesh.convert import finish_to_pb, logprob_from_pb, logprob_to_pb, timings_pb
-from kvmesh.errors import InvalidArgument
+from kvmesh.errors import InvalidArgument, InvalidField
 from kvmesh.sampling import SamplingParams, admitted
 from kvmesh.worker.nixl_layout import NixlBlocks
 from services.decode.core import DecodeWorker, RemotePrefill
@@ -32,6 +32,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         t0 = time.perf_counter_ns()
+        if not request.request_id:  # streams, leases and migrations are keyed by it
+            raise InvalidField("request_id", "request_id is empty: a request must be named")
         prompt = list(request.prompt_token_ids)
         params = admitted(SamplingParams.from_pb(request.sampling), prompt, self.vocab_size, self.max_model_len)
         remote = None

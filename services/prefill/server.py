@@ -10,7 +10,7 @@ import grpc
 from kvmesh.api.common.v1 import kv_pb2
 from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from kvmesh.convert import finish_to_pb, logprob_to_pb, timings_pb
-from kvmesh.errors import FailedPrecondition, Unavailable
+from kvmesh.errors import FailedPrecondition, InvalidField, Unavailable
 from kvmesh.kv_wire import chunk_fields, keep_transfer_memory_mapped
 from kvmesh.sampling import SamplingParams, admitted
 from kvmesh.worker.nixl_layout import layout_mismatch
@@ -33,6 +33,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self.vocab_size = vocab_size
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        if not request.request_id:  # its hold on the prompt's blocks and its lease are keyed by it
+            raise InvalidField("request_id", "request_id is empty: a request must be named")
         mode = request.handoff_mode or kv_pb2.HANDOFF_MODE_PULL
         if mode == kv_pb2.HANDOFF_MODE_KVSTORE:
             raise FailedPrecondition("this prefill worker hands KV off by PULL only")

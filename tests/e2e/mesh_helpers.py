@@ -6,13 +6,14 @@ import shutil
 import time
 import urllib.request
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.launcher.restart import RestartPolicy
-from kvmesh.launcher.spec import MeshOptions, free_port
+from kvmesh.launcher.spec import MeshOptions, Topology, free_port
 from kvmesh.launcher.supervisor import Mesh
 from kvmesh.launcher.topology import build_topology
 from kvmesh.models.bpe import train_tokenizer, write_tokenizer
@@ -42,7 +43,9 @@ def start_mesh(
     *,
     prefill_workers: int = 1,
     restart: RestartPolicy | None = None,
+    process_env: dict[str, dict[str, str]] | None = None,
 ) -> Mesh:
+    """``role_env``: settings for every process of a role; ``process_env``: for one process (e.g. "decode-0")."""
     env = {
         # Never prefill on decode, so the tests see the disaggregated path every time.
         "router": {"KVMESH_LOCAL_PREFILL_MAX_UNCACHED_TOKENS": "0", "KVMESH_LOCAL_PREFILL_MIN_HIT_FRACTION": "2"},
@@ -56,7 +59,10 @@ def start_mesh(
     options = MeshOptions(
         model=model, prefill=prefill_workers, decode=decode_workers, gateway_port=0, grace_seconds=3.0, role_env=env
     )
-    return Mesh(build_topology(options, run_dir), run_dir, restart=restart).start()
+    topology = build_topology(options, run_dir)
+    if process_env:
+        topology = Topology(tuple(replace(p, env={**p.env, **process_env.get(p.name, {})}) for p in topology.processes))
+    return Mesh(topology, run_dir, restart=restart).start()
 
 
 def http_url(mesh: Mesh) -> str:

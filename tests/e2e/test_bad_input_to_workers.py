@@ -123,6 +123,7 @@ async def test_each_bad_request_straight_to_a_worker_is_refused_and_the_next_one
         "put of a wrong size": ("kvstore", kv_pb2.KVBlockChunk(**_fields(block, total_bytes=8))),
         "put of a wrong checksum": ("kvstore", kv_pb2.KVBlockChunk(**_fields(block, checksum=b"\x00\x00\x00\x00"))),
         "pull of an unknown lease": ("prefill", prefill_pb2.PullKVRequest(lease_id="no-such-lease")),
+        "unnamed decode request": ("decode", decode_pb2.DecodeRequest(prompt_token_ids=PROMPT, local=local)),
     }
     expected = local_greedy(e2e_model, [PROMPT], 4)[0]
     async with (

@@ -12,7 +12,7 @@ from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.grammar import Masks
-from kvmesh.errors import RequestFailed, Unavailable
+from kvmesh.errors import InvalidArgument, RequestFailed, Unavailable
 from kvmesh.sampling import SamplingParams
 from kvmesh.structured.spec import GrammarSpec
 
@@ -121,3 +121,26 @@ async def test_a_failure_no_request_owns_fails_every_stream_unavailable_and_tell
 async def _drain(ae: AsyncEngine, prompt: list[int], rid: str) -> None:
     async for _ in ae.generate(prompt, _params(40), rid):
         pass
+
+
+def test_a_request_id_that_still_holds_a_hand_off_is_not_taken_again(checkpoints):
+    """A second request under the id would overwrite the first's hold on its blocks, which then leak."""
+    engine = LLMEngine(checkpoints["llama-gqa"], EngineConfig(num_blocks=64))
+    engine.add_request(PROMPTS[0], _params(1), request_id="p", hold_prompt_blocks=True)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.held_hashes("p")
+    with pytest.raises(InvalidArgument, match="still holds its prompt's blocks"):
+        engine.add_request(PROMPTS[1], _params(1), request_id="p", hold_prompt_blocks=True)
+    engine.release_held("p")
+    engine.add_request(PROMPTS[1], _params(1), request_id="p")  # free again once released
+
+
+async def test_an_unnamed_request_streams_under_the_name_the_engine_gives_it(checkpoints):
+    ae = AsyncEngine(LLMEngine(checkpoints["llama-gqa"], EngineConfig(num_blocks=64)))
+    ae.start()
+    try:
+        outs = [out async for out in ae.generate(PROMPTS[0], _params(3), "")]
+        assert sum(len(o.new_token_ids) for o in outs) == 3 and outs[-1].request_id.startswith("req-")
+    finally:
+        ae.stop()

@@ -88,3 +88,23 @@ async def test_bidi_streaming_ok_and_error(kvstore: Runtime) -> None:
             async for _ in stub.Propose(iter([update("r1"), update("crash")])):
                 pass
         assert info.value.code() == grpc.StatusCode.INTERNAL and SECRET not in info.value.details()
+
+
+@pytest.mark.parametrize("method", ["Lookup", "Get", "Put"])
+async def test_a_request_that_is_no_message_is_invalid_argument(kvstore: Runtime, method: str) -> None:
+    """grpc's own deserializer would answer INTERNAL; bytes from the network are the caller's error."""
+    garbage = b"\x0a\xff\xff\xff\xff\x0f"  # field 1, length-delimited, a length past the end
+    path = f"/kvmesh.api.kvstore.v1.KVStoreService/{method}"
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{kvstore.port}") as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            if method == "Lookup":
+                await channel.unary_unary(path)(garbage)
+            elif method == "Get":
+                async for _ in channel.unary_stream(path)(garbage):
+                    pass
+            else:
+                await channel.stream_unary(path)(iter([garbage]))
+        stub = kvstore_pb2_grpc.KVStoreServiceStub(channel)
+        assert (await stub.Stats(kvstore_pb2.StatsRequest())).ram_blocks == 7  # and it serves on
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid message of this method" in info.value.details()
