@@ -20,8 +20,9 @@ from typing import Any, TypeVar
 import structlog
 
 from kvmesh.blocks import BlockHash
-from kvmesh.engine.engine import LLMEngine, RequestOutput
+from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.kv_cache import KVCache
+from kvmesh.engine.outputs import RequestOutput
 from kvmesh.errors import Unavailable
 from kvmesh.sampling import SamplingParams
 

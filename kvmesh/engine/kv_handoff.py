@@ -18,7 +18,7 @@ from kvmesh.engine.kv_cache import KV_LAYOUT, BlockPayload, KVCache
 from kvmesh.errors import ResourceExhausted
 
 if TYPE_CHECKING:
-    from kvmesh.engine.engine import EngineStats
+    from kvmesh.engine.outputs import EngineStats
 
 
 class KVHandoff:

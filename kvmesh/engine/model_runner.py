@@ -32,7 +32,7 @@ from kvmesh.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from kvmesh.engine.draft_source import DraftSource
-    from kvmesh.engine.engine import EngineStats
+    from kvmesh.engine.outputs import EngineStats
 
 
 class ModelRunner:

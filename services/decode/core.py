@@ -23,7 +23,7 @@ import structlog
 
 from kvmesh.blocks import BlockHash
 from kvmesh.engine.async_engine import AsyncEngine
-from kvmesh.engine.engine import RequestOutput
+from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sequence import TokenLogprob
 from kvmesh.errors import InvalidField, KvmeshError
 from kvmesh.kv_wire import ReceivedBlock
