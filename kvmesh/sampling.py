@@ -29,6 +29,9 @@ PENALTY_LIMIT = 2.0
 LOGIT_BIAS_LIMIT = 100.0
 REPETITION_PENALTY_MAX = 100.0
 MAX_TOP_LOGPROBS = 20
+# Temperatures below this sample greedily (as vLLM's do): dividing logits by a denormal one overflows
+# them to inf, and the distribution it stands for is the argmax anyway.
+MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 class ContextExceeded(InvalidField):
@@ -71,7 +74,7 @@ class SamplingParams:
     """How to pick each next token and when to stop. ``None`` is unset (``resolve`` fills it in)."""
 
     max_tokens: int | None = None
-    temperature: float | None = None  # 0: greedy
+    temperature: float | None = None  # 0 (or below MIN_SAMPLING_TEMPERATURE): greedy
     top_k: int | None = None  # 0: off
     top_p: float | None = None
     min_p: float | None = None
@@ -97,7 +100,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
     @property
     def adjusts_logits(self) -> bool:

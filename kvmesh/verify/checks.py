@@ -54,8 +54,11 @@ class Check:
 
 
 class Endpoint:
+    """An OpenAI-compatible server at ``url``: its root (http://host:8000) or the base URL OpenAI clients
+    take (http://host:8000/v1), either."""
+
     def __init__(self, url: str, api_key: str | None, timeout: float = 120.0) -> None:
-        self.url, self.api_key, self.timeout = url.rstrip("/"), api_key, timeout
+        self.url, self.api_key, self.timeout = url.rstrip("/").removesuffix("/v1"), api_key, timeout
 
     def _req(self, path: str, body: dict | None) -> tuple[int, dict]:
         headers = {"Content-Type": "application/json"}

@@ -9,7 +9,11 @@ from pathlib import Path
 
 def add_verify_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="check a served OpenAI-compatible endpoint against transformers on the weights")
-    p.add_argument("--endpoint", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--endpoint",
+        required=True,
+        help="the server: the base URL OpenAI clients take (http://127.0.0.1:8000/v1) or its root",
+    )
     p.add_argument("--model", help="the golden weights' folder (default: the default model)")
     p.add_argument("--served-model", help="model name to request (default: the first of GET /v1/models)")
     p.add_argument("--api-key", help="Bearer token for the endpoint")

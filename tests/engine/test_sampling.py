@@ -94,3 +94,10 @@ def test_repetition_guard_finishes_a_collapsed_sequence(checkpoints):
     assert guarded.token_ids == [7] * 5
     allowed = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, repetition_limit=4, repetition_allow=[7])
     assert _run(engine, allowed, [[7, 7, 7]])[0].finish_reason == "length"
+
+
+def test_a_denormal_temperature_samples_greedily_rather_than_overflowing(engine):
+    """Logits divided by 1.4e-45 are inf and the probabilities NaN; such a temperature means argmax."""
+    greedy = _run(engine, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].token_ids
+    for t in (1.4e-45, 3.4e-41, 1e-6):
+        assert _run(engine, SamplingParams(temperature=t, max_tokens=8, ignore_eos=True))[0].token_ids == greedy

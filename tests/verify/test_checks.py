@@ -36,3 +36,10 @@ def test_agreement_counts_tokens_before_the_first_differing_bytes():
     assert agreed_tokens(golden, [0, 1, 2, 3], [b"a", b"b", "\ufffd".encode(), b"d"]) == 4  # text-rendered partial
     assert agreed_tokens(golden, [0, 1, 3], [b"a", b"c", b"d"]) == 1
     assert agreed_tokens(golden, [0, 1], [b"a"]) == 1  # the served reply ended early
+
+
+def test_the_endpoint_takes_the_openai_base_url_or_the_servers_root():
+    from kvmesh.verify.checks import Endpoint
+
+    for url in ("http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"):
+        assert Endpoint(url, None).url == "http://h:8000", url
