@@ -58,6 +58,7 @@ from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc  # noqa: E402
 from kvmesh.launcher import Mesh, MeshOptions, RestartPolicy, build_topology  # noqa: E402
 from kvmesh.launcher.compose import REPO_ROOT  # noqa: E402
+from kvmesh.runtime import create_channel
 
 MODEL = REPO_ROOT / "models" / "pycode-small"
 PROMPTS = [
@@ -137,7 +138,7 @@ class Bench:
             except OSError:
                 return False
         try:
-            async with grpc.aio.insecure_channel(spec.address) as ch:
+            async with create_channel(spec.address, spec.health_identity) as ch:
                 reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.aio.AioRpcError:
@@ -145,7 +146,7 @@ class Bench:
 
     async def registered(self) -> set[str]:
         try:
-            async with grpc.aio.insecure_channel(self.mesh.address("router")) as ch:
+            async with create_channel(self.mesh.address("router"), self.mesh.identity("operator")) as ch:
                 resp = await router_pb2_grpc.RouterServiceStub(ch).ListWorkers(
                     router_pb2.ListWorkersRequest(), timeout=2
                 )

@@ -48,6 +48,7 @@ from kvmesh.engine.engine import LLMEngine  # noqa: E402
 from kvmesh.launcher.spec import MeshOptions, free_port  # noqa: E402
 from kvmesh.launcher.supervisor import Mesh  # noqa: E402
 from kvmesh.launcher.topology import build_topology  # noqa: E402
+from kvmesh.runtime import create_channel
 from kvmesh.sampling import SamplingParams  # noqa: E402
 
 DEPTHS = ("engine", "decode", "gateway", "http")
@@ -121,7 +122,7 @@ class Depths:
         req = decode_pb2.DecodeRequest(
             request_id=self._rid(), prompt_token_ids=prompt, sampling=self._sampling(), local=decode_pb2.LocalPrefill()
         )
-        async with grpc.aio.insecure_channel(self.mesh.address("decode-0")) as ch:
+        async with create_channel(self.mesh.address("decode-0"), self.mesh.identity("gateway")) as ch:
             return await arrivals(decode_pb2_grpc.DecodeServiceStub(ch).Decode(req), t0, lambda m: len(m.token_ids))
 
     async def gateway_stream(self, prompt: list[int], t0: float) -> list[float]:

@@ -45,7 +45,6 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -67,6 +66,7 @@ from kvmesh.kv_wire import block_to_chunks  # noqa: E402
 from kvmesh.launcher.compose import REPO_ROOT  # noqa: E402
 from kvmesh.launcher.spec import ProcessSpec, Topology, free_port  # noqa: E402
 from kvmesh.launcher.supervisor import Mesh  # noqa: E402
+from kvmesh.runtime import create_channel
 
 VOCAB = 2048
 TRANSPORTS = ("grpc", "nixl", "nixl_tcp")
@@ -239,8 +239,8 @@ async def measure_block_size(
     block_size, block_nbytes = engine.config.block_size, engine.kv.block_nbytes
     channels = []
 
-    def stub(kind, name):
-        channels.append(grpc.aio.insecure_channel(mesh.address(name)))
+    def stub(kind, name, role="gateway"):
+        channels.append(create_channel(mesh.address(name), mesh.identity(role)))
         return kind(channels[-1])
 
     pairs = [
@@ -251,7 +251,7 @@ async def measure_block_size(
         )
         for t in TRANSPORTS
     ]
-    store = stub(kvstore_pb2_grpc.KVStoreServiceStub, "kvstore")
+    store = stub(kvstore_pb2_grpc.KVStoreServiceStub, "kvstore", "decode")
     try:
         warm = torch.randint(1, VOCAB, (4 * block_size + 1,)).tolist()
         for pair in pairs:  # handshakes, connections, first-call costs

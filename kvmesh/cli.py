@@ -8,6 +8,7 @@ import json
 import sys
 
 from kvmesh.errors import KvmeshError
+from kvmesh.launcher.certs_cli import add_certs_parser
 from kvmesh.launcher.cli import add_up_parser
 from kvmesh.launcher.health_cli import add_health_parser
 from kvmesh.models.cli import add_models_parser
@@ -121,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     add_up_parser(sub)
     add_health_parser(sub)
+    add_certs_parser(sub)
     add_models_parser(sub)
     add_quantize_parser(sub)
     add_verify_parser(sub)

@@ -84,6 +84,13 @@ class Unauthenticated(KvmeshError):
     http_status = 401
 
 
+class PermissionDenied(KvmeshError):
+    """An authenticated caller whose role may not call this method (kvmesh.runtime.authz)."""
+
+    code = "PERMISSION_DENIED"
+    http_status = 403
+
+
 class DeadlineExceeded(KvmeshError):
     code = "DEADLINE_EXCEEDED"
     http_status = 504

@@ -97,6 +97,12 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     p.add_argument(
         "--speculator", action=argparse.BooleanOptionalAction, default=True, help="run the speculator (default on)"
     )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext between the services and no Redis password (debugging; default: mutual TLS "
+        "with a CA and certificates made in the run folder, docs/security.md)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address every service binds to")
     p.add_argument(
         "--gateway-port",
@@ -158,6 +164,7 @@ def run_up(args: argparse.Namespace) -> int:
             prefill=args.prefill,
             decode=args.decode,
             speculator=args.speculator,
+            tls=not args.insecure,
             host=args.host,
             gateway_port=args.gateway_port,
             publish=args.publish,

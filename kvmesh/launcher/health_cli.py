@@ -4,8 +4,10 @@ The container health check of every kvmesh service (compose/Dockerfile,
 compose/docker-compose.yml): with no ``--address`` it checks the service in
 its own container, ``127.0.0.1:$KVMESH_PORT``. Exit 0: SERVING; 1: anything
 else (NOT_SERVING while loading or draining, unreachable, unknown service
-name); 2: nothing to check. ``kvmesh/cli.py`` wires it in with
-``add_health_parser(subparsers)``.
+name); 2: nothing to check. With the service's mutual TLS settings (``--tls-*``
+or its own ``KVMESH_TLS_*``) it asks as that service; a service whose
+certificate names a plaintext role (the gateway) is asked in plaintext.
+``kvmesh/cli.py`` wires it in with ``add_health_parser(subparsers)``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ from collections.abc import Mapping
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvmesh.runtime.channel import create_blocking_channel
+from kvmesh.runtime.identity import PLAINTEXT_ROLES, certificate_role
+from kvmesh.runtime.tls import TlsFiles
 
 _WILDCARDS = {"", "0.0.0.0", "::", "[::]"}
 
@@ -34,6 +40,9 @@ def add_health_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         help="a gRPC service name, e.g. kvmesh.api.router.v1.RouterService (default: the whole server)",
     )
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
+    for name, what in (("ca", "the mesh's CA"), ("cert", "a mesh certificate"), ("key", "its key")):
+        var = f"KVMESH_TLS_{name.upper()}"
+        p.add_argument(f"--tls-{name}", default=os.environ.get(var) or None, help=f"{what} (default: ${var})")
     p.set_defaults(func=run_health)
     return p
 
@@ -48,9 +57,19 @@ def default_address(environ: Mapping[str, str]) -> str | None:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def check_health(address: str, service: str = "", timeout_s: float = 3.0) -> tuple[bool, str]:
+def health_identity(args: argparse.Namespace) -> TlsFiles | None:
+    """How to ask: as the given certificate, or in plaintext (none, or a role that serves in plaintext)."""
+    identity = TlsFiles.from_args(args)
+    if identity is None or certificate_role(identity.cert.read_bytes()) in PLAINTEXT_ROLES:
+        return None
+    return identity
+
+
+def check_health(
+    address: str, service: str = "", timeout_s: float = 3.0, identity: TlsFiles | None = None
+) -> tuple[bool, str]:
     """(SERVING?, what was seen, for people)."""
-    with grpc.insecure_channel(address) as channel:
+    with create_blocking_channel(address, identity) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
@@ -66,7 +85,7 @@ def run_health(args: argparse.Namespace) -> int:
     if address is None:
         print("kvmesh health: give --address host:port or set KVMESH_PORT", file=sys.stderr)
         return 2
-    serving, seen = check_health(address, args.service, args.timeout)
+    serving, seen = check_health(address, args.service, args.timeout, health_identity(args))
     what = f"{address}" + (f" {args.service}" if args.service else "")
     print(f"{what}: {seen}", file=sys.stdout if serving else sys.stderr)
     return 0 if serving else 1

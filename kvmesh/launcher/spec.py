@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh.launcher.compose import COMPOSE_FILE, ComposeFile, compose_variables, load_compose
+from kvmesh.runtime.tls import TlsFiles
 
 # Start levels of hand-built specs (tests, benchmarks); a compose plan takes its own from depends_on.
 LEVELS = {"redis": 0, "router": 1, "kvstore": 2, "speculator": 2, "prefill": 3, "decode": 3, "gateway": 4}
@@ -35,6 +36,9 @@ class ProcessSpec:
     workdir: Path | None = None  # created before start; the process runs there
     start_level: int | None = None  # None: LEVELS[role]
     stop_grace_s: float | None = None  # SIGTERM to SIGKILL (None: the supervisor's default)
+    # How the supervisor's health check gets in: its mesh identity (mutual TLS) and Redis's password.
+    health_identity: TlsFiles | None = None
+    redis_password_file: Path | None = None
 
     @property
     def level(self) -> int:
@@ -48,6 +52,8 @@ class ProcessSpec:
 @dataclass(frozen=True)
 class Topology:
     processes: tuple[ProcessSpec, ...]
+    # The mesh's CA and role certificates (kvmesh.runtime.certs), made before anything starts; None: plaintext.
+    certs: Path | None = None
 
     def __post_init__(self) -> None:
         names = [p.name for p in self.processes]
@@ -77,6 +83,9 @@ class MeshOptions:
     prefill: int | None = None  # workers; None: the compose file's replicas (0: decode prefills)
     decode: int | None = None
     speculator: bool = True
+    # Mutual TLS between the services and a password on Redis, as the compose file sets them up
+    # (its certs service); False (`kvmesh up --insecure`): plaintext, for debugging.
+    tls: bool = True
     host: str = "127.0.0.1"
     gateway_port: int | None = None  # None: the compose file's published port; 0: a free port
     # True: ports the compose file publishes keep their host port here (gateway gRPC 50051, HTTP 8000);
@@ -131,6 +140,8 @@ def local_gpu_count() -> int:
 def describe(topology: Topology, run_dir: Path) -> Sequence[str]:
     """The endpoints, one line per process, for people."""
     lines = []
+    if topology.certs is not None:
+        lines.append(f"  mutual TLS between services; CA and role certificates in {topology.certs}")
     for p in topology.processes:
         where = f"redis://{p.address}/0" if p.health == "redis" else f"gRPC {p.address}"
         others = "".join(

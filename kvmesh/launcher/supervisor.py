@@ -43,6 +43,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.launcher.restart import CrashRecord, RestartPolicy
 from kvmesh.launcher.spec import ProcessSpec, Topology
+from kvmesh.runtime.certs import ensure_mesh_certs, role_paths
+from kvmesh.runtime.channel import create_blocking_channel
+from kvmesh.runtime.tls import TlsFiles
 
 EXEC_CHILD = Path(__file__).with_name("exec_child.py")
 DEFAULT_STOP_TIMEOUT_S = 20.0
@@ -104,6 +107,8 @@ class Mesh:
     def start(self) -> Mesh:
         """Start every level and wait until it is healthy; on any failure stop everything and raise."""
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        if self.topology.certs is not None:
+            ensure_mesh_certs(self.topology.certs)  # kept across restarts of the same run folder
         plan = [asdict(p) | {"level": p.level} for p in self.topology.processes]
         (self.run_dir / "topology.json").write_text(json.dumps(plan, indent=2, default=str))
         deadline = time.monotonic() + self._start_timeout_s
@@ -184,6 +189,13 @@ class Mesh:
 
     def process(self, name: str) -> RunningProcess:
         return self._procs[name]
+
+    def identity(self, role: str) -> TlsFiles | None:
+        """``role``'s certificate in this mesh, to call its services as that role (None: a plaintext mesh)."""
+        if self.topology.certs is None:
+            return None
+        cert, key = role_paths(self.topology.certs, role)
+        return TlsFiles(self.topology.certs / "ca.pem", cert, key)
 
     def address(self, name: str) -> str:
         return self.topology.get(name).address
@@ -336,9 +348,9 @@ class Mesh:
 
 def _healthy(spec: ProcessSpec, channels: dict[str, grpc.Channel]) -> bool:
     if spec.health == "redis":
-        return _redis_answers(spec.host, spec.port)
+        return _redis_answers(spec.host, spec.port, spec.redis_password_file)
     if spec.name not in channels:
-        channels[spec.name] = grpc.insecure_channel(spec.address)
+        channels[spec.name] = create_blocking_channel(spec.address, spec.health_identity)
     try:
         reply = health_pb2_grpc.HealthStub(channels[spec.name]).Check(
             health_pb2.HealthCheckRequest(service=""), timeout=1.0
@@ -348,9 +360,14 @@ def _healthy(spec: ProcessSpec, channels: dict[str, grpc.Channel]) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _redis_answers(host: str, port: int) -> bool:
+def _redis_answers(host: str, port: int, password_file: Path | None) -> bool:
     try:
         with socket.create_connection((host, port), timeout=0.5) as s:
+            if password_file is not None:
+                password = password_file.read_bytes().strip()
+                s.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(password), password))
+                if not s.recv(16).startswith(b"+OK"):
+                    return False
             s.sendall(b"PING\r\n")
             return s.recv(16).startswith(b"+PONG")
     except OSError:

@@ -7,7 +7,10 @@ drift apart:
 - services: every service without a ``profiles`` entry (profiles are
   optional extras such as monitoring); ``redis`` runs the local
   ``redis-server``, every other service is ``python -m services.<command[0]>.main``
-  with the rest of its ``command``;
+  with the rest of its ``command``, except ``certs`` (``kvmesh certs --out DIR``),
+  which the launcher does itself before starting anything;
+- mutual TLS: as the compose file sets it up (``KVMESH_TLS_*``, Redis's ACL file);
+  ``MeshOptions.tls=False`` drops it all for a plaintext mesh;
 - start order: ``depends_on`` (a service starts once everything it depends on
   is healthy); stop goes in reverse;
 - environment: the service's ``environment``, with what only makes sense in a
@@ -58,12 +61,20 @@ from kvmesh.launcher.spec import (
     free_port,
     local_gpu_count,
 )
+from kvmesh.runtime.certs import REDIS_PASSWORD_FILE, role_paths
+from kvmesh.runtime.identity import PLAINTEXT_ROLES
+from kvmesh.runtime.tls import TlsFiles
+
+# What only a mesh with mutual TLS sets; a plaintext mesh (MeshOptions.tls=False) drops them.
+TLS_SETTINGS = ("KVMESH_TLS_CA", "KVMESH_TLS_CERT", "KVMESH_TLS_KEY", "KVMESH_REDIS_PASSWORD_FILE")
 
 
 def role_of(service: ComposeService) -> str | None:
-    """``redis``, a kvmesh service name (``command: [<service>, ...]``), or None."""
+    """``redis``, ``certs``, a kvmesh service name (``command: [<service>, ...]``), or None."""
     if service.command[:1] == ("redis-server",) or (service.image or "").split("/")[-1].startswith("redis"):
         return "redis"
+    if service.command[:1] == ("certs",):
+        return "certs"
     if service.command and service.command[0] in KVMESH_ROLES:
         return service.command[0]
     return None
@@ -125,6 +136,7 @@ class _Plan:
         self.run_dir = run_dir
         self.allocate_port = allocate_port
         self._gpu_count = gpu_count
+        self.certs: Path | None = None  # the certs service's folder, here
 
     # -- which processes -------------------------------------------------------
 
@@ -153,6 +165,9 @@ class _Plan:
                     f"service {s.name}: kvmesh up runs redis and kvmesh services (command: [<service>, ...]); "
                     "give anything else a profile"
                 )
+            if role == "certs":
+                self._certs_service(s)
+                continue
             count = self._count(s, role)
             for i in range(count):
                 name = f"{s.name}-{i}" if role in SCALED_ROLES else s.name
@@ -160,6 +175,28 @@ class _Plan:
         if not any(i.role == "decode" for i in out):
             raise ComposeError(f"{self.compose.path}: no decode service")
         return out
+
+    def _certs_service(self, service: ComposeService) -> None:
+        args = service.command[1:]
+        if len(args) != 2 or args[0] != "--out":
+            raise ComposeError(f"service {service.name}: expected command [certs, --out, <dir in a volume>]")
+        folder = local_path(args[1], service, self.compose.path.parent, self.run_dir)
+        if folder is None:
+            raise ComposeError(f"service {service.name}: {args[1]} is in none of its volumes")
+        if self.options.tls:
+            self.certs = Path(folder)
+
+    def _tls_settings(self, env: dict[str, str]) -> None:
+        """Keep the TLS settings only when this mesh makes its certificates (else drop them all)."""
+        if self.certs is None:
+            for key in TLS_SETTINGS:
+                env.pop(key, None)
+
+    def _health_identity(self, role: str, env: Mapping[str, str]) -> TlsFiles | None:
+        if self.certs is None or role in PLAINTEXT_ROLES or "KVMESH_TLS_CA" not in env:
+            return None
+        cert, key = role_paths(self.certs, "operator")
+        return TlsFiles(Path(env["KVMESH_TLS_CA"]), cert, key)
 
     # -- ports -----------------------------------------------------------------
 
@@ -255,12 +292,19 @@ class _Plan:
             else:
                 specs.append(self._service(inst, level, self._device(inst, role_index), addresses, absent))
         check_distinct_ports(specs)
-        return Topology(tuple(specs))
+        return Topology(tuple(specs), certs=self.certs)
 
     def _redis(self, inst: _Instance, level: int) -> ProcessSpec:
         o = self.options
         settings = redis_settings(inst.service.command[1:])
         settings |= {"port": [str(inst.port)], "bind": [o.host], "dir": ["."]}
+        if "aclfile" in settings:
+            # In the certs volume: its local stand-in, or no password in a plaintext mesh.
+            acl = local_path(settings["aclfile"][0], inst.service, self.compose.path.parent, self.run_dir)
+            if self.certs is None or acl is None:
+                del settings["aclfile"]
+            else:
+                settings["aclfile"] = [acl]
         if not o.redis_persistence:
             settings |= {"save": [""], "appendonly": ["no"]}
         argv = [o.redis_server]
@@ -277,6 +321,7 @@ class _Plan:
             workdir=self.run_dir / "redis",
             start_level=level,
             stop_grace_s=inst.service.stop_grace_s,
+            redis_password_file=None if "aclfile" not in settings else self.certs / REDIS_PASSWORD_FILE,
         )
 
     def _service(
@@ -298,6 +343,7 @@ class _Plan:
                 continue  # it points at a service that is not running here (e.g. --no-speculator)
             path = local_path(local, s, compose_dir, self.run_dir)
             env[key] = path if path is not None else local
+        self._tls_settings(env)
         env |= {"KVMESH_HOST": o.host, **{key: str(port) for key, port in inst.ports.items()}}
         if inst.role in SCALED_ROLES:
             env["KVMESH_WORKER_ID"] = inst.name
@@ -329,4 +375,5 @@ class _Plan:
             workdir=REPO_ROOT,
             start_level=level,
             stop_grace_s=s.stop_grace_s,
+            health_identity=self._health_identity(inst.role, env),
         )

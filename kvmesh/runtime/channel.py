@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from kvmesh.runtime import tls
 from kvmesh.runtime.request_id import client_interceptors
 
 # A 1M-token prompt is ~5 MB of token ids; KV moves in chunks of at most 1 MiB,
@@ -40,6 +41,22 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def create_channel(address: str) -> grpc.aio.Channel:
-    """A channel to another kvmesh service that carries the current request id on every call."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=client_interceptors())
+def create_channel(address: str, identity: tls.TlsFiles | None = None) -> grpc.aio.Channel:
+    """A channel to another kvmesh service that carries the current request id on every call, over mutual
+    TLS as ``identity`` (default: this process's own, ``tls.use_client_tls``; none: plaintext)."""
+    identity = identity or tls.client_tls()
+    if identity is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=client_interceptors())
+    return grpc.aio.secure_channel(
+        address,
+        tls.channel_credentials(identity),
+        options=[*CHANNEL_OPTIONS, *tls.CHANNEL_OPTIONS],
+        interceptors=client_interceptors(),
+    )
+
+
+def create_blocking_channel(address: str, identity: tls.TlsFiles | None) -> grpc.Channel:
+    """A synchronous channel (the supervisor's and ``kvmesh health``'s checks), over mutual TLS as ``identity``."""
+    if identity is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, tls.channel_credentials(identity), options=list(tls.CHANNEL_OPTIONS))

@@ -24,6 +24,7 @@ import uvloop
 from kvmesh.runtime.flags import Flag, common_flags, parse_flags
 from kvmesh.runtime.logs import configure_logging
 from kvmesh.runtime.server import Build, Runtime
+from kvmesh.runtime.tls import TlsFiles, use_client_tls
 
 log = structlog.get_logger("kvmesh.runtime")
 
@@ -43,7 +44,12 @@ def run(
 ) -> NoReturn:
     """Parse flags, then serve ``build``'s service until a signal; never returns."""
     args = parse_flags(f"kvmesh-{name}", [*common_flags(default_port, default_metrics_port), *flags], argv)
+    try:
+        tls = TlsFiles.from_args(args)
+    except ValueError as e:
+        sys.exit(f"kvmesh-{name}: error: {e}")  # exit 2 like any other bad flag
     configure_logging(args.log_level)
+    use_client_tls(tls)
     sys.exit(uvloop.run(_serve_until_signal(name, build, args)))
 
 
@@ -57,6 +63,7 @@ async def _serve_until_signal(name: str, build: Build, args: argparse.Namespace)
         port=args.port,
         metrics_port=args.metrics_port,
         grace_seconds=args.grace_seconds,
+        tls=TlsFiles.from_args(args),
     )
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -16,6 +16,8 @@ class Health:
     def __init__(self, service_names: Sequence[str]) -> None:
         self.servicer = health.aio.HealthServicer()
         self._names = [OVERALL, *service_names]
+        self.serving = False  # what the overall status says (also served as /healthz)
+        self._draining = False
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
@@ -24,7 +26,10 @@ class Health:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in self._names:
             await self.servicer.set(name, status)
+        self.serving = serving and not self._draining
 
     async def drain(self) -> None:
         """NOT_SERVING for good: later set_serving calls are ignored, so nothing flips it back."""
+        self._draining = True
+        self.serving = False
         await self.servicer.enter_graceful_shutdown()

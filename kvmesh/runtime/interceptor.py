@@ -3,6 +3,8 @@
 For each call to one of the service's own RPCs it:
 - takes the request id from ``x-request-id`` metadata (or makes one) and binds
   it, with the method, into structlog's contextvars for the whole call;
+- with mutual TLS, refuses a caller whose certificate's role may not call the method
+  (PERMISSION_DENIED, ``kvmesh.runtime.authz``);
 - refuses calls with UNAVAILABLE until the service is ready;
 - maps exceptions to gRPC status: a ``KvmeshError`` to its code with its
   message, ``NotImplementedError`` to UNIMPLEMENTED, anything else to INTERNAL with a generic message (the traceback is
@@ -26,6 +28,8 @@ import grpc
 import structlog
 
 from kvmesh.errors import InvalidArgument, InvalidField, KvmeshError, Unavailable
+from kvmesh.runtime.authz import authorize
+from kvmesh.runtime.identity import peer_role
 from kvmesh.runtime.metrics import RpcMetrics
 from kvmesh.runtime.request_id import new_request_id, request_id_from_metadata
 
@@ -113,10 +117,18 @@ def _parsed_each(behavior: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class ServerInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, service_names: Collection[str], metrics: RpcMetrics, is_ready: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        service_names: Collection[str],
+        metrics: RpcMetrics,
+        is_ready: Callable[[], bool],
+        *,
+        authorize: bool = False,
+    ) -> None:
         self._services = frozenset(service_names)  # health and reflection pass through untouched
         self._metrics = metrics
         self._is_ready = is_ready
+        self._authorize = authorize  # the server is mutual TLS: check each caller's role
 
     async def intercept_service(
         self,
@@ -148,7 +160,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             code = grpc.StatusCode.OK
             with structlog.contextvars.bound_contextvars(request_id=call.request_id, rpc=call.full_method):
                 try:
-                    self._check_ready(call)
+                    self._admit(call, context)
                     response = await behavior(request, context)
                     code = context.code() or grpc.StatusCode.OK
                     return response
@@ -168,7 +180,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             code = grpc.StatusCode.OK
             with structlog.contextvars.bound_contextvars(request_id=call.request_id, rpc=call.full_method):
                 try:
-                    self._check_ready(call)
+                    self._admit(call, context)
                     async for response in behavior(request, context):
                         yield response
                     code = context.code() or grpc.StatusCode.OK
@@ -182,7 +194,10 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
 
         return handle
 
-    def _check_ready(self, call: _Call) -> None:
+    def _admit(self, call: _Call, context: grpc.aio.ServicerContext) -> None:
+        # The role first: a caller that may not call the method learns nothing, readiness included.
+        if self._authorize:
+            authorize(call.service, call.method, peer_role(context.auth_context()))
         if not self._is_ready():
             raise Unavailable(f"{call.service} is not ready")
 

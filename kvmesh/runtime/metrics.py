@@ -1,4 +1,4 @@
-"""Prometheus metrics: one registry per service, served over HTTP on its own port.
+"""Prometheus metrics: one registry per service, served over HTTP on its own port, beside ``/healthz``.
 
 A registry per service (not the process-global default) lets tests run several
 services in one process without duplicate-registration errors; a service adds
@@ -8,7 +8,7 @@ its own metrics to ``ServiceContext.registry``.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -66,13 +66,33 @@ def new_registry() -> CollectorRegistry:
     return registry
 
 
-class MetricsServer:
-    """The /metrics HTTP endpoint (prometheus_client's server, on its own thread)."""
+WsgiApp = Callable[[dict, Callable], Iterable[bytes]]
 
-    def __init__(self, host: str, port: int, registry: CollectorRegistry) -> None:
+
+def _with_healthz(metrics: WsgiApp, is_ready: Callable[[], bool]) -> WsgiApp:
+    """``/healthz``: 200 while the service serves, 503 otherwise. A probe that cannot speak mutual TLS
+    (Kubernetes' own gRPC probe) asks here instead of the gRPC health service."""
+
+    def app(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != "/healthz":
+            return metrics(environ, start_response)
+        ready = is_ready()
+        start_response("200 OK" if ready else "503 Service Unavailable", [("Content-Type", "text/plain")])
+        return [b"SERVING\n" if ready else b"NOT_SERVING\n"]
+
+    return app
+
+
+class MetricsServer:
+    """The /metrics and /healthz HTTP endpoints (prometheus_client's server, on its own thread)."""
+
+    def __init__(
+        self, host: str, port: int, registry: CollectorRegistry, is_ready: Callable[[], bool] = lambda: True
+    ) -> None:
         self._httpd: WSGIServer
         self._thread: threading.Thread
         self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        self._httpd.set_app(_with_healthz(self._httpd.get_app(), is_ready))
         self.port: int = self._httpd.server_port
 
     def close(self) -> None:

@@ -29,10 +29,12 @@ from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from kvmesh.runtime.authz import is_public
 from kvmesh.runtime.channel import SERVER_OPTIONS
 from kvmesh.runtime.health import Health
 from kvmesh.runtime.interceptor import ServerInterceptor
 from kvmesh.runtime.metrics import MetricsServer, RpcMetrics, new_registry
+from kvmesh.runtime.tls import TlsFiles, server_credentials
 
 log = structlog.get_logger("kvmesh.runtime")
 
@@ -92,8 +94,10 @@ class Runtime:
         port: int = 0,
         metrics_port: int | None = 0,
         grace_seconds: float = 30.0,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.name = name
+        self._tls = tls
         self._build = build
         self._args = args or argparse.Namespace()
         self._host = host
@@ -126,7 +130,10 @@ class Runtime:
         self._loop = asyncio.get_running_loop()
         self._service = service = self._build(ServiceContext(self.name, self._args, registry, self.fail))
         names = [s.descriptor.full_name for s in service.services]
-        interceptor = ServerInterceptor(names, RpcMetrics(registry), lambda: self.ready)
+        # A service only the public calls (the gateway's client API) serves in plaintext behind its API keys
+        # and ingress, like its HTTP port; every other one is mutual TLS when given certificates.
+        mtls = self._tls is not None and not all(is_public(n) for n in names)
+        interceptor = ServerInterceptor(names, RpcMetrics(registry), lambda: self.ready, authorize=mtls)
         self._server = server = grpc.aio.server(interceptors=[interceptor], options=SERVER_OPTIONS)
         for s in service.services:
             s.add_to_server(s.servicer, server)
@@ -134,17 +141,27 @@ class Runtime:
         self._health.add_to_server(server)
         await self._health.set_serving(False)
         reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-        self.port = server.add_insecure_port(f"{self._host}:{self._requested_port}")
+        address = f"{self._host}:{self._requested_port}"
+        if mtls:
+            assert self._tls is not None
+            self.port = server.add_secure_port(address, server_credentials(self._tls))
+        else:
+            self.port = server.add_insecure_port(address)
         await server.start()
         if self._requested_metrics_port is not None:
-            self._metrics = MetricsServer(self._host, self._requested_metrics_port, registry)
+            self._metrics = MetricsServer(self._host, self._requested_metrics_port, registry, self._serving)
             self.metrics_port = self._metrics.port
-        log.info("listening", service=self.name, host=self._host, port=self.port, metrics_port=self.metrics_port)
+        log.info(
+            "listening", service=self.name, host=self._host, port=self.port, metrics_port=self.metrics_port, mtls=mtls
+        )
         if service.start is not None:
             await service.start()
         self.ready = True
         await self._health.set_serving(True)
         log.info("serving", service=self.name, port=self.port)
+
+    def _serving(self) -> bool:
+        return self.ready and self._health is not None and self._health.serving
 
     def fail(self, reason: str) -> None:
         """The service cannot go on: refuse new calls now and set ``failed`` (from any thread)."""
@@ -217,12 +234,15 @@ async def serve(
     port: int = 0,
     metrics_port: int | None = 0,
     grace_seconds: float = 5.0,
+    tls: TlsFiles | None = None,
 ) -> AsyncIterator[Runtime]:
     """Run a service in this process for the block (tests): ``async with serve(...) as rt: rt.port``.
 
     Ports default to free ones on 127.0.0.1; ``metrics_port=None`` skips /metrics.
     """
-    runtime = Runtime(name, build, args, host=host, port=port, metrics_port=metrics_port, grace_seconds=grace_seconds)
+    runtime = Runtime(
+        name, build, args, host=host, port=port, metrics_port=metrics_port, grace_seconds=grace_seconds, tls=tls
+    )
     await runtime.start()
     try:
         yield runtime

@@ -20,6 +20,7 @@ import inspect
 import time
 from collections import Counter as Tally
 from collections.abc import Iterator
+from pathlib import Path
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -44,6 +45,7 @@ _W = CostWeights()
 
 FLAGS = [
     Flag("--redis-url", "Redis holding the shared prefix index and registry", default="redis://127.0.0.1:6379/0"),
+    Flag("--redis-password-file", "file holding Redis's password (kvmesh certs makes one; unset: none)"),
     Flag("--redis-key-prefix", "prefix of every Redis key; replicas sharing an index use the same", default=KEY_PREFIX),
     Flag(
         "--redis-timeout-ms",
@@ -266,7 +268,8 @@ def build(ctx: ServiceContext) -> ServiceDef:
         block_size=args.block_size,
     )
     metrics = RouteMetrics(ctx.registry)
-    client = connect(args.redis_url, timeout_s=args.redis_timeout_ms / 1000)
+    password = Path(args.redis_password_file).read_text().strip() if args.redis_password_file else None
+    client = connect(args.redis_url, timeout_s=args.redis_timeout_ms / 1000, password=password)
     index = TimedIndex(RedisPrefixIndex(client, prefix=args.redis_key_prefix), metrics.index_seconds)
     weights = CostWeights(
         local_max_uncached_tokens=args.local_prefill_max_uncached_tokens,

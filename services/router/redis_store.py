@@ -25,10 +25,13 @@ class StoreUnavailable(Unavailable):
     """Redis could not be reached or failed a command."""
 
 
-def connect(url: str, *, timeout_s: float = 0.5) -> aioredis.Redis:
-    """A client for the shared index: ``timeout_s`` per attempt, one immediate retry."""
+def connect(url: str, *, timeout_s: float = 0.5, password: str | None = None) -> aioredis.Redis:
+    """A client for the shared index: ``timeout_s`` per attempt, one immediate retry; ``password``
+    (from a file, so it is in no command line or URL) overrides one in the URL."""
+    extra = {} if password is None else {"password": password}
     return aioredis.Redis.from_url(
         url,
+        **extra,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         retry=Retry(NoBackoff(), 1),

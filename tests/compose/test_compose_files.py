@@ -93,16 +93,14 @@ def test_health_checks_and_start_order(tmp_path, compose_file) -> None:
     config = docker_compose_config(tmp_path, compose_file)
     services = config["services"]
 
-    assert set(services) == {"redis", *KVMESH_SERVICES, "prometheus", "grafana"}
+    assert set(services) == {"certs", "redis", *KVMESH_SERVICES, "prometheus", "grafana"}
     for name in KVMESH_SERVICES:
         assert services[name]["healthcheck"]["test"] == ["CMD", "kvmesh", "health"]  # grpc.health.v1 on KVMESH_PORT
         assert services[name]["command"] == [name]
         assert services[name]["stop_grace_period"] == "30s"
         assert float(services[name]["environment"]["KVMESH_GRACE_SECONDS"]) < 30
-    assert (
-        services["redis"]["healthcheck"]["test"][:2] == ["CMD", "redis-cli"]
-        and "ping" in services["redis"]["healthcheck"]["test"]
-    )
+    redis_check = services["redis"]["healthcheck"]["test"]
+    assert redis_check[0] == "CMD-SHELL" and "redis-cli" in redis_check[1] and "ping" in redis_check[1]
     # Every dependency waits for health, not just for a started container.
     assert {(n, d) for n, s in services.items() for d in s.get("depends_on", {})} >= {
         ("router", "redis"),
@@ -114,8 +112,17 @@ def test_health_checks_and_start_order(tmp_path, compose_file) -> None:
         ("gateway", "prefill"),
         ("gateway", "decode"),
     }
-    for s in services.values():
-        assert {d["condition"] for d in s.get("depends_on", {}).values()} <= {"service_healthy"}
+    # The one-shot certs service is waited for until it exited 0; everything else until healthy.
+    for name, s in services.items():
+        for dep, d in s.get("depends_on", {}).items():
+            want = "service_completed_successfully" if dep == "certs" else "service_healthy"
+            assert d["condition"] == want, (name, dep)
+    assert services["certs"]["command"] == ["certs", "--out", "/certs"]
+    for name in ("redis", *KVMESH_SERVICES):
+        assert "certs:/certs:ro" in services[name]["volumes"], name
+    for name in KVMESH_SERVICES:
+        env = services[name]["environment"]
+        assert (env["KVMESH_TLS_CERT"], env["KVMESH_TLS_KEY"]) == (f"/certs/{name}.pem", f"/certs/{name}.key")
 
 
 @needs_docker_compose
@@ -128,7 +135,7 @@ def test_persistence_volumes_and_the_monitoring_profile(tmp_path) -> None:
     redis = services["redis"]["command"]
     assert redis[redis.index("--appendonly") + 1] == "yes" and "--save" in redis
     assert "redis-data:/data:rw" in services["redis"]["volumes"]
-    assert set(config["volumes"]) == {"redis-data", "kvstore-data", "prometheus-data"}
+    assert set(config["volumes"]) == {"certs", "redis-data", "kvstore-data", "prometheus-data"}
     assert services["prometheus"]["profiles"] == ["monitoring"] and services["grafana"]["profiles"] == ["monitoring"]
     assert not any(services[n].get("profiles") for n in ("redis", *KVMESH_SERVICES))
 
@@ -271,7 +278,9 @@ def test_kvmesh_up_plans_exactly_the_compose_files_mesh(tmp_path) -> None:
     compose = load_compose(COMPOSE_FILE, {})
     topology = build_topology(MeshOptions(model=tmp_path, compose_vars={}), tmp_path, gpu_count=0)
 
-    assert {p.role for p in topology.processes} == {role_of(s) for s in compose.services if not s.profiles}
+    # Every service but the certs one is a process; the certs are made by the launcher itself.
+    assert {p.role for p in topology.processes} == {role_of(s) for s in compose.services if not s.profiles} - {"certs"}
+    assert topology.certs == tmp_path / "volumes" / "certs"
     for p in topology.processes:
         if p.role in KVMESH_SERVICES:
             service = compose.service(p.name.rsplit("-", 1)[0] if p.role in ("prefill", "decode") else p.name)

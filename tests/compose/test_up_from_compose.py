@@ -26,6 +26,8 @@ from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.launcher import free_port
 from kvmesh.launcher.compose import REPO_ROOT
 from kvmesh.launcher.health_cli import check_health
+from kvmesh.runtime import create_channel
+from kvmesh.runtime.tls import TlsFiles
 from tests.e2e.mesh_helpers import write_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -51,6 +53,11 @@ class Up:
 
     def metrics_port(self, name: str) -> int:
         return self.plan[name]["metrics_port"]
+
+    def identity(self, role: str) -> TlsFiles:
+        """``role``'s certificate from the CA ``kvmesh up`` made in its run folder."""
+        certs = self.run_dir / "volumes" / "certs"
+        return TlsFiles(certs / "ca.pem", certs / f"{role}.pem", certs / f"{role}.key")
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +135,12 @@ async def test_kvmesh_up_runs_the_compose_files_mesh_and_streams_a_completion(up
     assert decode["env"]["KVMESH_SPECULATOR_ADDRESS"] == up.address("speculator")
     assert up.plan["kvstore"]["env"]["KVMESH_DISK_DIR"] == str(up.run_dir / "volumes" / "kvstore-data")
     assert up.plan["router"]["env"]["KVMESH_REDIS_URL"] == f"redis://{up.address('redis')}/0"
+    # Mutual TLS by default: each service with its role's certificate; plaintext is refused inside.
+    assert decode["env"]["KVMESH_TLS_CERT"] == str(up.identity("decode").cert)
+    async with grpc.aio.insecure_channel(up.address("router")) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await router_pb2_grpc.RouterServiceStub(channel).ListWorkers(router_pb2.ListWorkersRequest(), timeout=5)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
     async with grpc.aio.insecure_channel(up.address("gateway")) as channel:
         gateway = gateway_pb2_grpc.GatewayServiceStub(channel)
@@ -164,17 +177,23 @@ async def test_a_decode_worker_added_to_the_running_mesh_takes_requests_then_dra
         "128",
         "--grace-seconds",
         "20",
+        "--tls-ca",
+        str(up.identity("decode").ca),
+        "--tls-cert",
+        str(up.identity("decode").cert),
+        "--tls-key",
+        str(up.identity("decode").key),
     ]
     with open(up.run_dir / "decode-extra.log", "w") as log:
         extra = subprocess.Popen(argv, cwd=REPO_ROOT, env=_clean_env(), stdout=log, stderr=subprocess.STDOUT)
     try:
         async with (
             grpc.aio.insecure_channel(up.address("gateway")) as gch,
-            grpc.aio.insecure_channel(up.address("router")) as rch,
+            create_channel(up.address("router"), up.identity("operator")) as rch,
         ):
             gateway = gateway_pb2_grpc.GatewayServiceStub(gch)
             router = router_pb2_grpc.RouterServiceStub(rch)
-            await _wait_for_worker(extra, port, router)
+            await _wait_for_worker(extra, port, router, up.identity("operator"))
 
             # The router starts using it: fresh prompts (nobody holds their prefix) reach both workers.
             for i in range(20):
@@ -217,10 +236,10 @@ async def test_a_decode_worker_added_to_the_running_mesh_takes_requests_then_dra
 _LONG = 300
 
 
-async def _wait_for_worker(proc: subprocess.Popen, port: int, router) -> None:
+async def _wait_for_worker(proc: subprocess.Popen, port: int, router, identity: TlsFiles) -> None:
     for _ in range(1200):
         assert proc.poll() is None, f"the added decode worker exited with code {proc.returncode}"
-        serving, _ = await asyncio.to_thread(check_health, f"127.0.0.1:{port}", "", 1.0)
+        serving, _ = await asyncio.to_thread(check_health, f"127.0.0.1:{port}", "", 1.0, identity)
         if serving and "decode-extra" in await _decode_workers(router):
             return
         await asyncio.sleep(0.1)

@@ -13,7 +13,7 @@ from typing import TypeVar
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.launcher.restart import RestartPolicy
-from kvmesh.launcher.spec import MeshOptions, Topology, free_port
+from kvmesh.launcher.spec import MeshOptions, free_port
 from kvmesh.launcher.supervisor import Mesh
 from kvmesh.launcher.topology import build_topology
 from kvmesh.models.bpe import train_tokenizer, write_tokenizer
@@ -61,7 +61,8 @@ def start_mesh(
     )
     topology = build_topology(options, run_dir)
     if process_env:
-        topology = Topology(tuple(replace(p, env={**p.env, **process_env.get(p.name, {})}) for p in topology.processes))
+        processes = tuple(replace(p, env={**p.env, **process_env.get(p.name, {})}) for p in topology.processes)
+        topology = replace(topology, processes=processes)
     return Mesh(topology, run_dir, restart=restart).start()
 
 

@@ -19,6 +19,7 @@ from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc
 from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from kvmesh.runtime import create_channel
 from kvmesh.runtime.interceptor import FIELD_KEY
 from tests.e2e.test_mesh import generate, local_greedy
 from tests.engine.conftest import VOCAB
@@ -64,7 +65,7 @@ async def test_bad_settings_straight_to_decode_are_refused_and_other_streams_fin
     prompts = [list(range(70 + 7 * i, 100 + 7 * i)) for i in range(3)]
     expected = local_greedy(e2e_model, prompts, 48)
 
-    async with grpc.aio.insecure_channel(mesh.address("decode-0")) as channel:
+    async with create_channel(mesh.address("decode-0"), mesh.identity("gateway")) as channel:
         raw = channel.unary_stream(DECODE_METHOD, response_deserializer=decode_pb2.DecodeResponse.FromString)
         streams = [asyncio.create_task(generate(gateway, p, 48)) for p in prompts]
         for name, body, field in BAD:
@@ -127,13 +128,18 @@ async def test_each_bad_request_straight_to_a_worker_is_refused_and_the_next_one
     }
     expected = local_greedy(e2e_model, [PROMPT], 4)[0]
     async with (
-        grpc.aio.insecure_channel(mesh.address("decode-0")) as dch,
-        grpc.aio.insecure_channel(mesh.address("prefill-0")) as pch,
-        grpc.aio.insecure_channel(mesh.address("kvstore")) as kch,
+        create_channel(mesh.address("decode-0"), mesh.identity("gateway")) as dch,
+        # Each method as the role the mesh lets call it (kvmesh.runtime.authz).
+        create_channel(mesh.address("prefill-0"), mesh.identity("decode")) as pch,
+        create_channel(mesh.address("prefill-0"), mesh.identity("gateway")) as gpch,
+        create_channel(mesh.address("kvstore"), mesh.identity("decode")) as kch,
+        create_channel(mesh.address("kvstore"), mesh.identity("operator")) as och,
     ):
         decode = decode_pb2_grpc.DecodeServiceStub(dch)
-        prefill = prefill_pb2_grpc.PrefillServiceStub(pch)
+        puller = prefill_pb2_grpc.PrefillServiceStub(pch)
+        prefill = prefill_pb2_grpc.PrefillServiceStub(gpch)
         kvstore = kvstore_pb2_grpc.KVStoreServiceStub(kch)
+        kvstore_stats = kvstore_pb2_grpc.KVStoreServiceStub(och).Stats
         for name, (service, request) in cases.items():
             if service == "decode":
                 err = await _refused(decode.Decode(request))
@@ -143,9 +149,9 @@ async def test_each_bad_request_straight_to_a_worker_is_refused_and_the_next_one
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await kvstore.Put(iter([kvstore_pb2.PutRequest(chunk=request)]))
                 err = info.value
-                assert (await kvstore.Stats(kvstore_pb2.StatsRequest())) is not None, name
+                assert (await kvstore_stats(kvstore_pb2.StatsRequest())) is not None, name
             else:
-                err = await _refused(prefill.PullKV(request))
+                err = await _refused(puller.PullKV(request))
                 greedy = sampling_pb2.SamplingParams(temperature=0.0, max_tokens=4)
                 ok = await prefill.Prefill(
                     prefill_pb2.PrefillRequest(request_id="ok", token_ids=PROMPT, sampling=greedy)
@@ -163,8 +169,8 @@ def _fields(chunk: kv_pb2.KVBlockChunk, **changed: object) -> dict:
 async def test_a_nixl_descriptor_outside_the_prefill_pool_is_refused(mesh, e2e_model):
     """A hand-off whose NIXL block ids point past the prefill worker's pool: refused before any READ."""
     async with (
-        grpc.aio.insecure_channel(mesh.address("decode-0")) as dch,
-        grpc.aio.insecure_channel(mesh.address("prefill-0")) as pch,
+        create_channel(mesh.address("decode-0"), mesh.identity("gateway")) as dch,
+        create_channel(mesh.address("prefill-0"), mesh.identity("gateway")) as pch,
     ):
         prefill = prefill_pb2_grpc.PrefillServiceStub(pch)
         prompt = list(range(100, 140))

@@ -26,6 +26,7 @@ from kvmesh.api.common.v1 import sampling_pb2, worker_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.launcher import RestartPolicy
+from kvmesh.runtime import create_channel
 from kvmesh.structured.spec import GrammarSpec
 from tests.e2e.mesh_helpers import metrics, poll, start_mesh
 
@@ -69,7 +70,7 @@ def faults_mesh(e2e_model, tmp_path_factory):
 async def stubs(faults_mesh):
     async with (
         grpc.aio.insecure_channel(faults_mesh.address("gateway")) as gch,
-        grpc.aio.insecure_channel(faults_mesh.address("router")) as rch,
+        create_channel(faults_mesh.address("router"), faults_mesh.identity("operator")) as rch,
     ):
         yield gateway_pb2_grpc.GatewayServiceStub(gch), router_pb2_grpc.RouterServiceStub(rch)
 
@@ -152,7 +153,7 @@ async def _healed(mesh, router, victim: str, restarts: int) -> None:
     for _ in range(600):
         if mesh.restarts(victim) == restarts and await _live_decode_workers(router) == set(DECODE):
             try:
-                async with grpc.aio.insecure_channel(spec.address) as channel:
+                async with create_channel(spec.address, spec.health_identity) as channel:
                     reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return

@@ -25,6 +25,7 @@ from kvmesh.engine.engine import LLMEngine
 from kvmesh.launcher.compose import REPO_ROOT
 from kvmesh.launcher.spec import ProcessSpec, Topology, free_port
 from kvmesh.launcher.supervisor import Mesh
+from kvmesh.runtime import create_channel
 from kvmesh.sampling import SamplingParams
 from kvmesh.worker.kv_nixl import load_nixl
 from tests.e2e.mesh_helpers import metrics
@@ -109,7 +110,7 @@ def start_pair(e2e_model, tmp_path):
 class Pair:
     def __init__(self, mesh: Mesh) -> None:
         self.mesh = mesh
-        self._channels = [grpc.aio.insecure_channel(mesh.address(n)) for n in ("prefill", "decode")]
+        self._channels = [create_channel(mesh.address(n), mesh.identity("gateway")) for n in ("prefill", "decode")]
         self.prefill = prefill_pb2_grpc.PrefillServiceStub(self._channels[0])
         self.decode = decode_pb2_grpc.DecodeServiceStub(self._channels[1])
 

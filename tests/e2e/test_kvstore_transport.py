@@ -14,7 +14,6 @@ from __future__ import annotations
 import signal
 import sys
 
-import grpc
 import pytest
 
 from kvmesh.api.common.v1 import kv_pb2
@@ -25,6 +24,7 @@ from kvmesh.kv_wire import BlockAssembler
 from kvmesh.launcher.compose import REPO_ROOT
 from kvmesh.launcher.spec import ProcessSpec, Topology, free_port
 from kvmesh.launcher.supervisor import Mesh
+from kvmesh.runtime import create_channel
 from kvmesh.worker.kv_nixl import load_nixl
 from tests.e2e.mesh_helpers import metrics
 from tests.e2e.test_kv_transport import BLOCKS, BS, Pair, _spec, colocated, eventually, greedy, prompt  # noqa: F401
@@ -112,7 +112,7 @@ async def pulled_bytes(pair: Pair, tokens: list[int]) -> dict[bytes, bytes]:
 
 
 async def kvstore_bytes(mesh: Mesh, hashes: list[bytes]) -> dict[bytes, bytes]:
-    async with grpc.aio.insecure_channel(mesh.address("kvstore")) as ch:
+    async with create_channel(mesh.address("kvstore"), mesh.identity("decode")) as ch:
         assembler, out = BlockAssembler(), {}
         async for msg in kvstore_pb2_grpc.KVStoreServiceStub(ch).Get(kvstore_pb2.GetRequest(block_hashes=hashes)):
             if msg.WhichOneof("item") == "chunk":
@@ -205,7 +205,7 @@ async def test_a_worker_with_another_layout_is_refused_at_the_handshake(start_me
     try:
         await prefill_only(pair, "p", prompt(3))  # the first worker's layout shapes the arena
         assert await eventually(lambda: stored_blocks(mesh) == BLOCKS)
-        async with grpc.aio.insecure_channel(mesh.address("prefill-2")) as ch:
+        async with create_channel(mesh.address("prefill-2"), mesh.identity("gateway")) as ch:
             other = prefill_pb2_grpc.PrefillServiceStub(ch)
             await other.Prefill(
                 prefill_pb2.PrefillRequest(

@@ -30,6 +30,9 @@ from kvmesh.api.prefill.v1 import prefill_pb2
 from kvmesh.api.router.v1 import router_pb2
 from kvmesh.api.speculator.v1 import speculator_pb2
 from kvmesh.launcher.supervisor import Mesh
+from kvmesh.runtime.authz import PUBLIC, allowed
+from kvmesh.runtime.channel import create_blocking_channel
+from kvmesh.runtime.tls import TlsFiles
 from tests.e2e.mesh_helpers import metrics
 from tests.fuzz.messages import messages, mutations, raw_bytes
 
@@ -98,7 +101,7 @@ class Fuzzer:
     def fuzz(self, process: str, service: ServiceDescriptor, method: MethodDescriptor, examples: int, at: int) -> None:
         """``examples`` calls of ``method``: messages of its request type, and raw bytes (seeded by ``at``)."""
         where = f"{service.name}/{method.name}"
-        with grpc.insecure_channel(self.mesh.address(process)) as channel:
+        with create_blocking_channel(self.mesh.address(process), self._caller_identity(service, method)) as channel:
             call = _caller(channel, service, method)
             drawn = messages(method.input_type)
             if where in TEMPLATES:
@@ -120,6 +123,11 @@ class Fuzzer:
 
             one()
 
+    def _caller_identity(self, service: ServiceDescriptor, method: MethodDescriptor) -> TlsFiles | None:
+        """A role the mesh lets call ``method`` (so the fuzz reaches its validation, not the authorization)."""
+        roles = allowed(service.full_name, method.name)
+        return None if roles == PUBLIC else self.mesh.identity(sorted(roles)[0])
+
     def check_mesh(self, normal_request: Callable[[], None], settle_s: float) -> None:
         """Everything alive and SERVING, nothing left held once ``settle_s`` (a lease's TTL) passed, and
         ``normal_request`` (which asserts its own answer) served."""
@@ -127,7 +135,7 @@ class Fuzzer:
         for spec in self.mesh.topology.processes:
             assert self.mesh.process(spec.name).popen.poll() is None, f"{spec.name} exited"
             if spec.health != "redis":
-                assert _serving(spec.address), f"{spec.name} is not SERVING"
+                assert _serving(spec.address, spec.health_identity), f"{spec.name} is not SERVING"
         deadline = time.monotonic() + settle_s
         while True:
             held = {
@@ -167,8 +175,8 @@ def _caller(
     return call
 
 
-def _serving(address: str) -> bool:
-    with grpc.insecure_channel(address) as channel:
+def _serving(address: str, identity: TlsFiles | None) -> bool:
+    with create_blocking_channel(address, identity) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
         except grpc.RpcError:

@@ -113,8 +113,12 @@ def test_the_topologys_redis_starts_and_answers(tmp_path) -> None:
     topology = build_topology(MeshOptions(model=tmp_path, redis_server=exe, gateway_port=0), tmp_path)
     redis = topology.get("redis")
 
-    with Mesh(Topology((redis,)), tmp_path) as mesh:
+    with Mesh(Topology((redis,), certs=topology.certs), tmp_path) as mesh:
         with socket.create_connection((redis.host, redis.port), timeout=5) as s:
+            s.sendall(b"CONFIG GET save\r\n")
+            assert s.recv(256).startswith(b"-NOAUTH")  # the mesh's Redis wants its password
+            s.sendall(b"AUTH %s\r\n" % redis.redis_password_file.read_bytes().strip())
+            assert s.recv(16) == b"+OK\r\n"
             s.sendall(b"CONFIG GET save\r\n")
             assert b"save" in s.recv(256)
         pid = mesh.process("redis").pid

@@ -49,7 +49,8 @@ def test_the_default_mesh_is_the_compose_files_services_in_its_order() -> None:
     compose_names = [
         s.name for s in load_compose(REPO_ROOT / "compose" / "docker-compose.yml", {}).services if not s.profiles
     ]
-    assert compose_names == ["redis", "router", "kvstore", "speculator", "prefill", "decode", "gateway"]
+    assert compose_names == ["certs", "redis", "router", "kvstore", "speculator", "prefill", "decode", "gateway"]
+    # The certs service is no process: the launcher makes the certificates before anything starts.
     assert [p.name for p in topo.processes] == [
         "redis",
         "router",
@@ -73,6 +74,17 @@ def test_the_default_mesh_is_the_compose_files_services_in_its_order() -> None:
     assert gateway.env["KVMESH_ROUTER_ADDRESS"] == topo.get("router").address
     assert gateway.env["KVMESH_MODEL"] == str(MODEL) and "KVMESH_MODEL_NAME" not in gateway.env
     assert gateway.env["KVMESH_PORT"] == "50051"
+    # Mutual TLS by default, each service with its own role's certificate from the run folder's CA.
+    certs = topo.certs
+    assert certs is not None and certs.name == "certs"
+    for p in topo.processes:
+        if p.role != "redis":
+            assert p.env["KVMESH_TLS_CERT"] == str(certs / f"{p.role}.pem")
+            assert p.env["KVMESH_TLS_CA"] == str(certs / "ca.pem")
+    assert gateway.health_identity is None  # the public API serves in plaintext
+    assert topo.get("router").health_identity.cert == certs / "operator.pem"
+    assert topo.get("router").env["KVMESH_REDIS_PASSWORD_FILE"] == str(certs / "redis-password")
+    assert topo.get("redis").argv[topo.get("redis").argv.index("--aclfile") + 1] == str(certs / "redis-users.acl")
     assert all(p.stop_grace_s == 30.0 for p in topo.processes if p.name != "redis")  # stop_grace_period: 30s
 
 
@@ -143,6 +155,16 @@ def test_no_speculator_drops_it_and_every_setting_that_points_at_it() -> None:
     assert "speculator" not in [p.name for p in topo.processes]
     assert "KVMESH_SPECULATOR_ADDRESS" not in topo.get("decode-0").env
     assert topo.get("decode-0").level == topo.get("prefill-0").level
+
+
+def test_an_insecure_mesh_drops_every_tls_setting_and_redis_password() -> None:
+    topo = _plan(_options(tls=False))
+
+    assert topo.certs is None
+    for p in topo.processes:
+        assert not {"KVMESH_TLS_CA", "KVMESH_TLS_CERT", "KVMESH_TLS_KEY", "KVMESH_REDIS_PASSWORD_FILE"} & set(p.env)
+        assert p.health_identity is None and p.redis_password_file is None
+    assert "--aclfile" not in topo.get("redis").argv
 
 
 def test_no_prefill_workers() -> None:
@@ -248,6 +270,8 @@ def test_describe_lists_every_endpoint() -> None:
     topo = _plan()
     lines = describe(topo, RUN)
 
+    assert lines[0] == f"  mutual TLS between services; CA and role certificates in {RUN / 'volumes' / 'certs'}"
+    lines = lines[1:]
     assert len(lines) == len(topo.processes)
     assert (
         "gateway" in lines[-1]

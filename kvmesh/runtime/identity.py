@@ -1,0 +1,49 @@
+"""Who a peer is in the mesh: its role, read from the certificate it presented in the TLS handshake.
+
+A role's certificate carries the URI SAN ``spiffe://kvmesh/<role>`` (kvmesh.runtime.certs, the Helm
+chart's certificates); nothing else in a certificate grants a role.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+# The six services, and "operator": people and tools (kvmesh health, the supervisor's health checks,
+# admin calls such as ListWorkers). See docs/security.md.
+SERVICE_ROLES = ("gateway", "router", "prefill", "decode", "kvstore", "speculator")
+ROLES = (*SERVICE_ROLES, "operator")
+# Roles whose server serves only the public client API (kvmesh.runtime.authz.PUBLIC): plaintext behind
+# API keys and the ingress, like the HTTP port; their calls into the mesh are mutual TLS all the same.
+PLAINTEXT_ROLES = frozenset({"gateway"})
+SPIFFE_PREFIX = "spiffe://kvmesh/"
+# The DNS name in every mesh certificate that clients verify: peers are reached by IP or by names the
+# certificate cannot know (a pod IP, a compose service), and what matters is the CA and the role.
+MESH_SERVER_NAME = "kvmesh.mesh"
+
+
+def spiffe_id(role: str) -> str:
+    return SPIFFE_PREFIX + role
+
+
+def certificate_role(pem: bytes) -> str | None:
+    """The role a PEM certificate names in its URI SAN (None: no kvmesh role)."""
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(pem)
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return None
+    uris = sans.get_values_for_type(x509.UniformResourceIdentifier)
+    return peer_role({"x509_subject_alternative_name": [u.encode() for u in uris]})
+
+
+def peer_role(auth_context: Mapping[str, Sequence[bytes]]) -> str | None:
+    """The role a verified peer certificate names, or None (no TLS, no certificate, no kvmesh role).
+    ``auth_context`` is grpc's ``ServicerContext.auth_context()``: grpc only fills the SANs once the
+    chain was verified against the server's CA."""
+    for uri in auth_context.get("x509_subject_alternative_name", ()):
+        text = uri.decode(errors="replace")
+        if text.startswith(SPIFFE_PREFIX) and text[len(SPIFFE_PREFIX) :] in ROLES:
+            return text[len(SPIFFE_PREFIX) :]
+    return None

@@ -1,0 +1,92 @@
+"""Mutual TLS in the service runtime: who gets in, who is refused and how, and a rotated certificate served live."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from kvmesh.runtime import create_channel, serve
+from kvmesh.runtime.certs import ensure_mesh_certs, renew, role_paths, self_signed
+from kvmesh.runtime.tls import TlsFiles
+from tests.runtime import fakes
+
+
+def identity(folder: Path, role: str) -> TlsFiles:
+    cert, key = role_paths(folder, role)
+    return TlsFiles(folder / "ca.pem", cert, key)
+
+
+@pytest.fixture(scope="module")
+def mesh_ca(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_mesh_certs(tmp_path_factory.mktemp("certs"))
+
+
+async def _lookup(address: str, identity: TlsFiles | None) -> kvstore_pb2.LookupResponse:
+    async with create_channel(address, identity) as channel:
+        stub = kvstore_pb2_grpc.KVStoreServiceStub(channel)
+        return await stub.Lookup(kvstore_pb2.LookupRequest(block_hashes=[b"a"]), timeout=5)
+
+
+async def _code(address: str, identity: TlsFiles | None) -> tuple[grpc.StatusCode, str]:
+    try:
+        await _lookup(address, identity)
+    except grpc.aio.AioRpcError as e:
+        return e.code(), e.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+async def test_allowed_role_is_served_and_others_refused(mesh_ca: Path, tmp_path: Path) -> None:
+    async with serve("kvstore", fakes.build_kvstore, tls=identity(mesh_ca, "kvstore")) as rt:
+        address = f"127.0.0.1:{rt.port}"
+        assert (await _lookup(address, identity(mesh_ca, "decode"))).num_present_prefix == 1
+        # A valid certificate of the wrong role: in, but refused by name.
+        code, details = await _code(address, identity(mesh_ca, "gateway"))
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        assert "'gateway'" in details and "KVStoreService/Lookup" in details and "decode" in details
+        # No certificate at all, and plaintext: the handshake fails.
+        assert (await _code(address, None))[0] == grpc.StatusCode.UNAVAILABLE
+        # A certificate that names the right role but no CA of the mesh signed.
+        cert, key = self_signed("decode")
+        (tmp_path / "fake.pem").write_bytes(cert)
+        (tmp_path / "fake.key").write_bytes(key)
+        forged = TlsFiles(mesh_ca / "ca.pem", tmp_path / "fake.pem", tmp_path / "fake.key")
+        assert (await _code(address, forged))[0] == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_health_answers_any_mesh_certificate_and_healthz_over_http(mesh_ca: Path) -> None:
+    async with serve("kvstore", fakes.build_kvstore, tls=identity(mesh_ca, "kvstore")) as rt:
+        async with create_channel(f"127.0.0.1:{rt.port}", identity(mesh_ca, "operator")) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        url = f"http://127.0.0.1:{rt.metrics_port}/healthz"
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())
+        assert body == b"SERVING\n"
+
+
+async def test_rotated_certificate_is_served_without_a_restart(tmp_path: Path) -> None:
+    folder = ensure_mesh_certs(tmp_path / "certs")
+    served = identity(folder, "kvstore")
+    async with serve("kvstore", fakes.build_kvstore, tls=served) as rt:
+        address = f"127.0.0.1:{rt.port}"
+        before = await _peer_certificate(rt.port)
+        await _lookup(address, identity(folder, "decode"))
+        renew(folder, "kvstore")
+        after = await _peer_certificate(rt.port)
+        assert after != before
+        assert after == ssl.PEM_cert_to_DER_cert(served.cert.read_text())
+        # Clients made with the old certificates and with new ones both still get in.
+        renew(folder, "decode")
+        assert (await _lookup(address, identity(folder, "decode"))).num_present_prefix == 1
+
+
+async def _peer_certificate(port: int) -> bytes:
+    """The certificate the server presents to a new connection (DER)."""
+    pem = await asyncio.to_thread(ssl.get_server_certificate, ("127.0.0.1", port))
+    return ssl.PEM_cert_to_DER_cert(pem)
