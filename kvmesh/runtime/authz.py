@@ -29,7 +29,7 @@ CALLERS: Mapping[str, Mapping[str, frozenset[str] | str]] = {
         "DeregisterWorker": _REGISTERS,
         "PublishKVEvents": _REGISTERS,
         "ResyncWorker": _REGISTERS,
-        "ListWorkers": frozenset({"gateway", "operator"}),
+        "ListWorkers": _OPERATOR,
     },
     "kvmesh.api.prefill.v1.PrefillService": {
         # Only the gateway starts work, so only it names a tenant's cache salt.

@@ -1,7 +1,8 @@
 """Who a peer is in the mesh: its role, read from the certificate it presented in the TLS handshake.
 
-A role's certificate carries the URI SAN ``spiffe://kvmesh/<role>`` (kvmesh.runtime.certs, the Helm
-chart's certificates); nothing else in a certificate grants a role.
+A role's certificate carries the URI SAN ``spiffe://kvmesh/<role>`` (kvmesh.runtime.certs, cert-manager's
+certificates in the Helm chart) or, failing that, the role as its CN (the chart's own certificates: Helm
+cannot write URI SANs). Only the mesh's CA signs either, so both are as good; nothing else grants a role.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ def certificate_role(pem: bytes) -> str | None:
     cert = x509.load_pem_x509_certificate(pem)
     try:
         sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        uris = [u.encode() for u in sans.get_values_for_type(x509.UniformResourceIdentifier)]
     except x509.ExtensionNotFound:
-        return None
-    uris = sans.get_values_for_type(x509.UniformResourceIdentifier)
-    return peer_role({"x509_subject_alternative_name": [u.encode() for u in uris]})
+        uris = []
+    cns = [str(a.value).encode() for a in cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)]
+    return peer_role({"x509_subject_alternative_name": uris, "x509_common_name": cns})
 
 
 def peer_role(auth_context: Mapping[str, Sequence[bytes]]) -> str | None:
@@ -46,4 +48,7 @@ def peer_role(auth_context: Mapping[str, Sequence[bytes]]) -> str | None:
         text = uri.decode(errors="replace")
         if text.startswith(SPIFFE_PREFIX) and text[len(SPIFFE_PREFIX) :] in ROLES:
             return text[len(SPIFFE_PREFIX) :]
+    for cn in auth_context.get("x509_common_name", ()):
+        if cn.decode(errors="replace") in ROLES:
+            return cn.decode()
     return None

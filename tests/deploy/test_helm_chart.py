@@ -115,6 +115,7 @@ def go_test(tmp_path: Path, renders: dict[str, str], gpu_cases: list[str]) -> su
             f"-rendered={rendered_dir}",
             f"-flags={flags}",
             f"-gpu-cases={','.join(gpu_cases)}",
+            f"-callers={CHART / 'files' / 'callers.json'}",
         ],
         cwd=VALIDATE,
         timeout=600,
@@ -275,3 +276,35 @@ def test_the_chart_pins_what_the_repository_does() -> None:
     redis = yaml.safe_load((REDIS_CHART / "values.yaml").read_text())["image"]
     compose = (ROOT / "compose" / "docker-compose.yml").read_text()
     assert f"${{KVMESH_REDIS_IMAGE:-{redis['repository']}:{redis['tag']}}}" in compose
+
+
+def test_mutual_tls_from_cert_manager_when_its_api_is_there_else_from_the_charts_own_ca() -> None:
+    """Each role's Secret mounted into its own pods only; cert-manager names the role as a SPIFFE URI."""
+    base = [tool("helm"), "template", RELEASE, str(CHART), "--namespace", "kvmesh"]
+    with_cm = run([*base, "--api-versions", "cert-manager.io/v1"], timeout=120)
+    assert with_cm.returncode == 0, with_cm.stderr
+    docs = [d for d in yaml.safe_load_all(with_cm.stdout) if d]
+    certs = {
+        d["spec"]["commonName"]: d["spec"] for d in docs if d["kind"] == "Certificate" and not d["spec"].get("isCA")
+    }
+    roles = ["gateway", "router", "prefill", "decode", "kvstore", "speculator", "operator"]
+    assert sorted(certs) == sorted(roles)
+    for role, spec in certs.items():
+        assert spec["uris"] == [f"spiffe://kvmesh/{role}"] and spec["dnsNames"] == ["kvmesh.mesh"]
+        assert spec["secretName"] == f"{RELEASE}-kvmesh-{role}-tls"
+    assert not [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-tls")]
+
+    own = by_kind("default", "Secret")
+    for kind in ("Deployment", "StatefulSet"):
+        for name, workload in by_kind("default", kind).items():
+            role = workload["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+            if role not in roles:
+                continue
+            volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+            secret = volumes["tls"]["secret"]["secretName"]
+            assert secret == f"{RELEASE}-kvmesh-{role}-tls" and secret in own, name
+            assert set(own[secret]["data"]) == {"ca.crt", "tls.crt", "tls.key"}
+
+    plain = run([*base, "--set", "tls.enabled=false"], timeout=120)
+    assert plain.returncode == 0, plain.stderr
+    assert "KVMESH_TLS_CA" not in plain.stdout and "-tls" not in plain.stdout

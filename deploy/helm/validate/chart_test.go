@@ -19,6 +19,7 @@ var (
 	renderedDir = flag.String("rendered", "", "directory of `helm template` outputs, one <case>.yaml per values file")
 	flagsFile   = flag.String("flags", "", "JSON {service: {env var: {\"required\": bool}}}: the flags each service defines (scripts/flag_tables.py)")
 	gpuCases    = flag.String("gpu-cases", "", "comma-separated cases whose prefill and decode must request GPUs")
+	callersFile = flag.String("callers", "", "JSON {service: [caller roles] or \"*\"}: the authorization table per service (scripts/authz_edges.py)")
 )
 
 // The six kvmesh services: the component label of their pods, and their container's name.
@@ -89,6 +90,7 @@ func TestRenderedChart(t *testing.T) {
 			c.hpas()
 			c.serviceMonitors()
 			c.modelCache()
+			c.networkPolicies(loadCallers(t))
 		})
 	}
 }
@@ -208,10 +210,11 @@ func (c *checker) workload(w Workload) {
 		switch {
 		case probe == nil:
 			c.errorf("%s: no %s probe", where, name)
-		case probe.GRPC == nil:
-			c.errorf("%s: %s probe is not a grpc probe", where, name)
-		case int(probe.GRPC.Port) != port:
-			c.errorf("%s: %s probe dials port %d, the service listens on %d", where, name, probe.GRPC.Port, port)
+		// A kubelet gRPC probe cannot present a client certificate: /healthz on the metrics port.
+		case probe.HTTPGet == nil || probe.HTTPGet.Path != "/healthz":
+			c.errorf("%s: %s probe is not GET /healthz", where, name)
+		case probe.HTTPGet.Port.String() != "metrics":
+			c.errorf("%s: %s probe dials port %s, not the metrics port", where, name, probe.HTTPGet.Port.String())
 		}
 	}
 	if ct.StartupProbe != nil && (s == "prefill" || s == "decode") {

@@ -16,6 +16,7 @@ import (
 	autoscalingv2 "k8s.io/api/autoscaling/v2"
 	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
@@ -38,6 +39,7 @@ var newObject = map[string]func() any{
 		return &autoscalingv2.HorizontalPodAutoscaler{}
 	},
 	"monitoring.coreos.com/v1/ServiceMonitor": func() any { return &monitoringv1.ServiceMonitor{} },
+	"networking.k8s.io/v1/NetworkPolicy":      func() any { return &networkingv1.NetworkPolicy{} },
 }
 
 // Object is one rendered manifest, decoded.
@@ -59,6 +61,7 @@ type Render struct {
 	PDBs       []*policyv1.PodDisruptionBudget
 	HPAs       []*autoscalingv2.HorizontalPodAutoscaler
 	Monitors   []*monitoringv1.ServiceMonitor
+	Policies   []*networkingv1.NetworkPolicy
 }
 
 // Workload is a Deployment or a StatefulSet: what owns long-running pods.
@@ -138,6 +141,8 @@ func (r *Render) add(source string, obj any) {
 		r.HPAs, kind, name = append(r.HPAs, o), "HorizontalPodAutoscaler", o.Name
 	case *monitoringv1.ServiceMonitor:
 		r.Monitors, kind, name = append(r.Monitors, o), "ServiceMonitor", o.Name
+	case *networkingv1.NetworkPolicy:
+		r.Policies, kind, name = append(r.Policies, o), "NetworkPolicy", o.Name
 	}
 	r.Objects = append(r.Objects, Object{Key: kind + "/" + name, Source: source, Value: obj})
 }

@@ -20,6 +20,15 @@ the service defines.
   value: {{ include "kvmesh.graceSeconds" . | quote }}
 - name: PYTHONUNBUFFERED
   value: "1"
+{{- if $root.Values.tls.enabled }}
+# Mutual TLS: this role's own Secret (templates/tls.yaml), reloaded by the service when it rotates.
+- name: KVMESH_TLS_CA
+  value: /etc/kvmesh/tls/ca.crt
+- name: KVMESH_TLS_CERT
+  value: /etc/kvmesh/tls/tls.crt
+- name: KVMESH_TLS_KEY
+  value: /etc/kvmesh/tls/tls.key
+{{- end }}
 {{- /* No OMP_WAIT_POLICY=PASSIVE: sleeping OpenMP threads pay a wake-up on every parallel op of a step (compose/docker-compose.yml). */}}
 {{- end -}}
 

@@ -73,3 +73,23 @@ helm.sh/chart: {{ printf "%s-%s" $root.Chart.Name $root.Chart.Version }}
 {{- define "kvmesh.apiKeysSecret" -}}
 {{- .Values.gateway.apiKeys.existingSecret | default (include "kvmesh.name" (list . "api-keys")) -}}
 {{- end -}}
+
+{{/* Roles with a certificate: the six services and "operator" (kvmesh health, admin calls). */}}
+{{- define "kvmesh.tls.roles" -}}
+{{- list "gateway" "router" "prefill" "decode" "kvstore" "speculator" "operator" | toJson -}}
+{{- end -}}
+
+{{/* The Secret holding a role's certificate. Argument: (list $ "decode"). */}}
+{{- define "kvmesh.tls.secret" -}}
+{{- printf "%s-tls" (include "kvmesh.name" .) -}}
+{{- end -}}
+
+{{/* "true" when cert-manager makes the certificates (tls.source, or auto and its API is installed). */}}
+{{- define "kvmesh.tls.certManager" -}}
+{{- $source := .Values.tls.source -}}
+{{- if eq $source "auto" -}}
+{{- .Capabilities.APIVersions.Has "cert-manager.io/v1" -}}
+{{- else -}}
+{{- eq $source "certManager" -}}
+{{- end -}}
+{{- end -}}

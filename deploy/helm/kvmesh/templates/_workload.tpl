@@ -1,9 +1,10 @@
 {{/*
 One kvmesh service's workload: a Deployment (a StatefulSet for the kvstore,
 whose replicas own their disk tier). Argument: (list $ "decode").
-Every container has grpc.health.v1 probes on its own gRPC port: NOT_SERVING
-while the model loads (the startupProbe waits up to startupSeconds) and while
-draining (readiness drops at SIGTERM, so Service endpoints let go first).
+Every container is probed at GET /healthz on its metrics port (a kubelet gRPC
+probe cannot present the client certificate mutual TLS asks for): 503 while the
+model loads (the startupProbe waits up to startupSeconds) and while draining
+(readiness drops at SIGTERM, so Service endpoints let go first).
 */}}
 {{- define "kvmesh.workload" -}}
 {{- $root := index . 0 -}}{{- $c := index . 1 -}}{{- $v := index $root.Values $c -}}
@@ -112,17 +113,17 @@ spec:
               value: {{ $value | toString | quote }}
             {{- end }}
           startupProbe:
-            grpc: {port: {{ $v.port }}}
+            httpGet: {path: /healthz, port: metrics}
             periodSeconds: 10
             timeoutSeconds: 5
             failureThreshold: {{ max 1 (div (add $v.startupSeconds 9) 10) }}
           readinessProbe:
-            grpc: {port: {{ $v.port }}}
+            httpGet: {path: /healthz, port: metrics}
             periodSeconds: 5
             timeoutSeconds: 5
             failureThreshold: 2
           livenessProbe:
-            grpc: {port: {{ $v.port }}}
+            httpGet: {path: /healthz, port: metrics}
             periodSeconds: 10
             timeoutSeconds: 5
             failureThreshold: 3
@@ -138,8 +139,13 @@ spec:
             {{- $_ := set $res "requests" $requests }}
             {{- end }}
             {{- toYaml $res | nindent 12 }}
-          {{- if or $usesModel (and $stateful $v.disk.enabled) }}
+          {{- if or $usesModel (and $stateful $v.disk.enabled) $root.Values.tls.enabled }}
           volumeMounts:
+            {{- if $root.Values.tls.enabled }}
+            - name: tls
+              mountPath: /etc/kvmesh/tls
+              readOnly: true
+            {{- end }}
             {{- if and $usesModel (eq $root.Values.model.source "cache") }}
             - name: model
               mountPath: {{ $root.Values.model.cache.mountPath }}
@@ -150,12 +156,21 @@ spec:
               mountPath: /var/lib/kvmesh/kvstore
             {{- end }}
           {{- end }}
-      {{- if and $usesModel (eq $root.Values.model.source "cache") }}
+      {{- if or (and $usesModel (eq $root.Values.model.source "cache")) $root.Values.tls.enabled }}
       volumes:
+        {{- if and $usesModel (eq $root.Values.model.source "cache") }}
         - name: model
           persistentVolumeClaim:
             claimName: {{ include "kvmesh.modelClaim" $root }}
             readOnly: true
+        {{- end }}
+        {{- if $root.Values.tls.enabled }}
+        # Not a subPath mount: the kubelet swaps a renewed Secret in place and the service reloads it.
+        - name: tls
+          secret:
+            secretName: {{ include "kvmesh.tls.secret" . }}
+            defaultMode: 0440  # the kvmesh user reads it through fsGroup
+        {{- end }}
       {{- end }}
   {{- if and $stateful $v.disk.enabled }}
   volumeClaimTemplates:
