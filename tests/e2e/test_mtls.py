@@ -4,12 +4,17 @@ admit; the public gateway API stays reachable in plaintext."""
 
 from __future__ import annotations
 
+import asyncio
+import ssl
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
 import pytest
 from google.protobuf import descriptor_pool
 
+from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.api.decode.v1 import decode_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from kvmesh.api.kvstore.v1 import kvstore_pb2  # noqa: F401  (loads its descriptors)
@@ -107,3 +112,39 @@ async def test_the_public_gateway_api_is_plaintext_behind_its_own_keys(mesh: Mes
     async with grpc.aio.insecure_channel(mesh.address("gateway")) as channel:
         models = await gateway_pb2_grpc.GatewayServiceStub(channel).ListModels(gateway_pb2.ListModelsRequest())
     assert len(models.models) == 1
+
+
+async def test_a_renewed_certificate_is_served_without_a_restart(mesh: Mesh, gateway) -> None:
+    """`kvmesh certs --renew kvstore` on the running mesh: the kvstore presents the new certificate to the
+    next connection, from the same process, and the mesh keeps serving."""
+    spec = mesh.topology.get("kvstore")
+    pid = mesh.process("kvstore").pid
+    before = await _served_certificate(spec.port)
+    renewed = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "kvmesh.cli", "certs", "--out", str(mesh.topology.certs), "--renew", "kvstore"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert renewed.returncode == 0, renewed.stderr
+    after = await _served_certificate(spec.port)
+    assert after != before
+    assert after == ssl.PEM_cert_to_DER_cert(mesh.identity("kvstore").cert.read_text())
+    assert mesh.process("kvstore").pid == pid
+    code, details = await _code(mesh.address("kvstore"), mesh.identity("decode"), KVSTORE, "Lookup")
+    assert code == grpc.StatusCode.OK, details
+    request = gateway_pb2.GenerateRequest(
+        token_ids=gateway_pb2.TokenIds(ids=list(range(40, 90))),
+        sampling=sampling_pb2.SamplingParams(temperature=0.0, max_tokens=4),
+    )
+    tokens = [t async for m in gateway.Generate(request) for t in m.token_ids]
+    assert len(tokens) == 4
+
+
+KVSTORE = "kvmesh.api.kvstore.v1.KVStoreService"
+
+
+async def _served_certificate(port: int) -> bytes:
+    pem = await asyncio.to_thread(ssl.get_server_certificate, ("127.0.0.1", port))
+    return ssl.PEM_cert_to_DER_cert(pem)
