@@ -24,14 +24,16 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from kvmesh.runtime.identity import MESH_SERVER_NAME, ROLES, spiffe_id
+from kvmesh.runtime.identity import MESH_SERVER_NAME, ROLES, server_name, spiffe_id
 
 CA_DAYS = 3650
 LEAF_DAYS = 365
+RENEW_BEFORE = datetime.timedelta(days=30)  # a start this close to a role certificate's end renews it
 REDIS_PASSWORD_FILE = "redis-password"
 REDIS_ACL_FILE = "redis-users.acl"
 
@@ -46,14 +48,15 @@ def role_paths(folder: Path, role: str) -> tuple[Path, Path]:
 
 
 def ensure_mesh_certs(folder: Path, roles: Iterable[str] = ROLES, *, hosts: Iterable[str] = ()) -> Path:
-    """A CA in ``folder`` (made unless there) and a certificate for each of ``roles`` that has none yet,
+    """A CA in ``folder`` (made unless there) and a certificate for each of ``roles`` that has no current one
+    (none, another CA's, one expiring within RENEW_BEFORE, or one without the names this version checks),
     plus the Redis password; returns ``folder``. ``hosts``: more DNS names or IPs every certificate is valid for
     (a public name of the gateway)."""
     folder.mkdir(parents=True, exist_ok=True)
     with _locked(folder):
         ca_cert, ca_key = _load_or_make_ca(folder)
         for role in roles:
-            if not all(p.exists() for p in role_paths(folder, role)):
+            if not _current(folder, role, ca_cert):
                 _write_role(folder, role, ca_cert, ca_key, hosts)
         password = folder / REDIS_PASSWORD_FILE
         if not password.exists():
@@ -76,6 +79,24 @@ def self_signed(role: str) -> tuple[bytes, bytes]:
     name = _name(role)
     cert = _builder(name, name, key, LEAF_DAYS).add_extension(_san(role, ()), critical=False).sign(key, hashes.SHA256())
     return _pem(cert), _key_pem(key)
+
+
+def _current(folder: Path, role: str, ca_cert: x509.Certificate) -> bool:
+    cert_path, key_path = role_paths(folder, role)
+    if not (cert_path.exists() and key_path.exists()):
+        return False
+    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    try:
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return False
+    try:
+        cert.verify_directly_issued_by(ca_cert)  # every kvmesh CA has the same name: check the signature
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return cert.not_valid_after_utc - datetime.datetime.now(datetime.UTC) > RENEW_BEFORE and server_name(
+        role
+    ) in names.get_values_for_type(x509.DNSName)
 
 
 @contextmanager
@@ -132,6 +153,7 @@ def _write_role(
 def _san(role: str, hosts: Iterable[str]) -> x509.SubjectAlternativeName:
     names: list[x509.GeneralName] = [
         x509.UniformResourceIdentifier(spiffe_id(role)),
+        x509.DNSName(server_name(role)),
         x509.DNSName(MESH_SERVER_NAME),
         x509.DNSName("localhost"),
         x509.IPAddress(ipaddress.ip_address("127.0.0.1")),

@@ -41,16 +41,17 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def create_channel(address: str, identity: tls.TlsFiles | None = None) -> grpc.aio.Channel:
+def create_channel(address: str, identity: tls.TlsFiles | None = None, *, peer: str | None = None) -> grpc.aio.Channel:
     """A channel to another kvmesh service that carries the current request id on every call, over mutual
-    TLS as ``identity`` (default: this process's own, ``tls.use_client_tls``; none: plaintext)."""
+    TLS as ``identity`` (default: this process's own, ``tls.use_client_tls``; none: plaintext), talking
+    only to a server whose certificate is ``peer``'s role (None: any mesh member)."""
     identity = identity or tls.client_tls()
     if identity is None:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=client_interceptors())
     return grpc.aio.secure_channel(
         address,
         tls.channel_credentials(identity),
-        options=[*CHANNEL_OPTIONS, *tls.CHANNEL_OPTIONS],
+        options=[*CHANNEL_OPTIONS, *tls.channel_options(peer)],
         interceptors=client_interceptors(),
     )
 
@@ -59,4 +60,4 @@ def create_blocking_channel(address: str, identity: tls.TlsFiles | None) -> grpc
     """A synchronous channel (the supervisor's and ``kvmesh health``'s checks), over mutual TLS as ``identity``."""
     if identity is None:
         return grpc.insecure_channel(address)
-    return grpc.secure_channel(address, tls.channel_credentials(identity), options=list(tls.CHANNEL_OPTIONS))
+    return grpc.secure_channel(address, tls.channel_credentials(identity), options=list(tls.channel_options(None)))

@@ -17,13 +17,20 @@ ROLES = (*SERVICE_ROLES, "operator")
 # API keys and the ingress, like the HTTP port; their calls into the mesh are mutual TLS all the same.
 PLAINTEXT_ROLES = frozenset({"gateway"})
 SPIFFE_PREFIX = "spiffe://kvmesh/"
-# The DNS name in every mesh certificate that clients verify: peers are reached by IP or by names the
-# certificate cannot know (a pod IP, a compose service), and what matters is the CA and the role.
+# DNS names in mesh certificates, checked by clients instead of the address they dial (a pod IP, a
+# compose service name: nothing a certificate can know). A service dialling a role checks
+# ``server_name(role)``, which only that role's certificate carries; a tool that only needs some
+# mesh member (health checks) checks MESH_SERVER_NAME, which every certificate carries.
 MESH_SERVER_NAME = "kvmesh.mesh"
 
 
 def spiffe_id(role: str) -> str:
     return SPIFFE_PREFIX + role
+
+
+def server_name(role: str) -> str:
+    """The DNS name only ``role``'s certificate carries: what a service checks when it dials that role."""
+    return f"{role}.{MESH_SERVER_NAME}"
 
 
 def certificate_role(pem: bytes) -> str | None:

@@ -23,7 +23,7 @@ import structlog
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from kvmesh.runtime.identity import MESH_SERVER_NAME
+from kvmesh.runtime.identity import MESH_SERVER_NAME, server_name
 
 log = structlog.get_logger("kvmesh.tls")
 
@@ -99,8 +99,10 @@ def channel_credentials(files: TlsFiles) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
 
-# Peers are dialled by IP or service name; every mesh certificate names MESH_SERVER_NAME (identity.py).
-CHANNEL_OPTIONS: Sequence[tuple[str, str]] = [("grpc.ssl_target_name_override", MESH_SERVER_NAME)]
+def channel_options(peer: str | None) -> Sequence[tuple[str, str]]:
+    """Check the server's certificate for ``peer``'s name (identity.server_name), or for any mesh member."""
+    return [("grpc.ssl_target_name_override", MESH_SERVER_NAME if peer is None else server_name(peer))]
+
 
 _client: TlsFiles | None = None
 

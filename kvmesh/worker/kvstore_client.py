@@ -44,7 +44,7 @@ class KVStoreClient:
         layout: kv_pb2.KVLayout | None = None,
     ) -> None:
         self.address = address
-        self._channel = create_channel(address)
+        self._channel = create_channel(address, peer="kvstore")
         self._stub = kvstore_pb2_grpc.KVStoreServiceStub(self._channel)
         self._timeout_s = timeout_s
         self._nixl = KVStoreNixl(nixl, layout, self._stub, address, timeout_s) if nixl is not None else None

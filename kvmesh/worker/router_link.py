@@ -131,7 +131,7 @@ class RouterLink:
             raise RuntimeError("RouterLink already started")
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        self._channel = create_channel(self._router_address)
+        self._channel = create_channel(self._router_address, peer="router")
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
         self._task = asyncio.create_task(self._run(), name=f"router-link-{self.worker_id}")
 

@@ -25,7 +25,7 @@ class GrpcKVSource(StreamedKVSource):
 
     def stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
         if address not in self._channels:
-            self._channels[address] = create_channel(address)
+            self._channels[address] = create_channel(address, peer="prefill")
         return prefill_pb2_grpc.PrefillServiceStub(self._channels[address])
 
     async def pull(self, address: str, lease_id: str, hashes: list[BlockHash]) -> AsyncIterator[ReceivedBlock]:

@@ -22,6 +22,13 @@ from services.gateway.backends import RouterUnreachable
 
 Stub = TypeVar("Stub")
 
+# The role at the other end of each stub: its channel talks only to a server whose certificate names it.
+_PEER = {
+    router_pb2_grpc.RouterServiceStub: "router",
+    prefill_pb2_grpc.PrefillServiceStub: "prefill",
+    decode_pb2_grpc.DecodeServiceStub: "decode",
+}
+
 
 class GrpcBackends:
     def __init__(self, router_address: str, *, rpc_timeout_s: float = 10.0, prefill_timeout_s: float = 600.0) -> None:
@@ -35,7 +42,7 @@ class GrpcBackends:
         key = (cls, address)
         if key not in self._stubs:
             if address not in self._channels:
-                self._channels[address] = create_channel(address)
+                self._channels[address] = create_channel(address, peer=_PEER[cls])
             self._stubs[key] = cls(self._channels[address])
         return self._stubs[key]
 

@@ -226,7 +226,7 @@ class SpeculatorProposer:
         backoff = _MIN_BACKOFF_S
         outage_logged = False
         while True:
-            channel = create_channel(self.address)
+            channel = create_channel(self.address, peer="speculator")
             opened_at = None
             try:
                 opened_at, error = await self._run_stream(channel)

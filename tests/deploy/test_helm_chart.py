@@ -290,7 +290,10 @@ def test_mutual_tls_from_cert_manager_when_its_api_is_there_else_from_the_charts
     roles = ["gateway", "router", "prefill", "decode", "kvstore", "speculator", "operator"]
     assert sorted(certs) == sorted(roles)
     for role, spec in certs.items():
-        assert spec["uris"] == [f"spiffe://kvmesh/{role}"] and spec["dnsNames"] == ["kvmesh.mesh"]
+        assert spec["uris"] == [f"spiffe://kvmesh/{role}"] and spec["dnsNames"] == [
+            f"{role}.kvmesh.mesh",
+            "kvmesh.mesh",
+        ]
         assert spec["secretName"] == f"{RELEASE}-kvmesh-{role}-tls"
     assert not [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-tls")]
 

@@ -60,6 +60,19 @@ async def test_allowed_role_is_served_and_others_refused(mesh_ca: Path, tmp_path
         assert (await _code(address, forged))[0] == grpc.StatusCode.UNAVAILABLE
 
 
+async def test_a_service_dialling_a_role_refuses_a_server_of_another_role(mesh_ca: Path) -> None:
+    """A stolen kvstore key cannot pose as the router to a worker: the client checks the server's role."""
+    async with serve("kvstore", fakes.build_kvstore, tls=identity(mesh_ca, "kvstore")) as rt:
+        address, me = f"127.0.0.1:{rt.port}", identity(mesh_ca, "decode")
+        async with create_channel(address, me, peer="kvstore") as channel:
+            stub = kvstore_pb2_grpc.KVStoreServiceStub(channel)
+            assert (await stub.Lookup(kvstore_pb2.LookupRequest(block_hashes=[b"a"]), timeout=5)).num_present_prefix
+        async with create_channel(address, me, peer="router") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await kvstore_pb2_grpc.KVStoreServiceStub(channel).Lookup(kvstore_pb2.LookupRequest(), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
 async def test_health_answers_any_mesh_certificate_and_healthz_over_http(mesh_ca: Path) -> None:
     async with serve("kvstore", fakes.build_kvstore, tls=identity(mesh_ca, "kvstore")) as rt:
         async with create_channel(f"127.0.0.1:{rt.port}", identity(mesh_ca, "operator")) as channel:
@@ -90,3 +103,22 @@ async def _peer_certificate(port: int) -> bytes:
     """The certificate the server presents to a new connection (DER)."""
     pem = await asyncio.to_thread(ssl.get_server_certificate, ("127.0.0.1", port))
     return ssl.PEM_cert_to_DER_cert(pem)
+
+
+def test_a_start_keeps_current_certificates_and_renews_one_about_to_expire(tmp_path: Path) -> None:
+    folder = ensure_mesh_certs(tmp_path / "certs")
+    kept = {role: role_paths(folder, role)[0].read_bytes() for role in ("router", "decode")}
+    renew(folder, "decode", days=10)  # inside the renewal window
+    expiring = role_paths(folder, "decode")[0].read_bytes()
+    ensure_mesh_certs(folder)
+    assert role_paths(folder, "router")[0].read_bytes() == kept["router"]
+    assert role_paths(folder, "decode")[0].read_bytes() not in (expiring, kept["decode"])
+
+
+def test_certificates_of_another_ca_are_replaced(tmp_path: Path) -> None:
+    folder = ensure_mesh_certs(tmp_path / "certs")
+    (folder / "ca.pem").unlink()
+    (folder / "ca.key").unlink()
+    old = role_paths(folder, "router")[0].read_bytes()
+    ensure_mesh_certs(folder)  # a new CA: every role re-issued from it
+    assert role_paths(folder, "router")[0].read_bytes() != old
