@@ -70,6 +70,11 @@ the service defines.
 {{- define "kvmesh.env.router" -}}
 - name: KVMESH_REDIS_URL
   value: {{ include "kvmesh.redisUrl" . | quote }}
+{{- if .Values.redis.enabled }}
+# The subchart's Redis password (its <release>-redis-auth Secret), mounted by the workload.
+- name: KVMESH_REDIS_PASSWORD_FILE
+  value: /etc/kvmesh/redis/password
+{{- end }}
 {{- end -}}
 
 {{- define "kvmesh.env.kvstore" -}}

@@ -11,6 +11,7 @@ model loads (the startupProbe waits up to startupSeconds) and while draining
 {{- $usesModel := has $c (list "prefill" "decode" "gateway") -}}
 {{- $gpus := int ($v.gpus | default 0) -}}
 {{- $stateful := eq $c "kvstore" -}}
+{{- $redisAuth := and (eq $c "router") $root.Values.redis.enabled -}}
 {{- $autoscaled := and $v.autoscaling $v.autoscaling.enabled -}}
 {{- $grace := int (include "kvmesh.graceSeconds" .) -}}
 {{- $preStop := int $root.Values.common.preStopSeconds -}}
@@ -139,8 +140,13 @@ spec:
             {{- $_ := set $res "requests" $requests }}
             {{- end }}
             {{- toYaml $res | nindent 12 }}
-          {{- if or $usesModel (and $stateful $v.disk.enabled) $root.Values.tls.enabled }}
+          {{- if or $usesModel (and $stateful $v.disk.enabled) $root.Values.tls.enabled $redisAuth }}
           volumeMounts:
+            {{- if $redisAuth }}
+            - name: redis-auth
+              mountPath: /etc/kvmesh/redis
+              readOnly: true
+            {{- end }}
             {{- if $root.Values.tls.enabled }}
             - name: tls
               mountPath: /etc/kvmesh/tls
@@ -156,8 +162,14 @@ spec:
               mountPath: /var/lib/kvmesh/kvstore
             {{- end }}
           {{- end }}
-      {{- if or (and $usesModel (eq $root.Values.model.source "cache")) $root.Values.tls.enabled }}
+      {{- if or (and $usesModel (eq $root.Values.model.source "cache")) $root.Values.tls.enabled $redisAuth }}
       volumes:
+        {{- if $redisAuth }}
+        - name: redis-auth
+          secret:
+            secretName: {{ printf "%s-auth" (printf "%s-redis" $root.Release.Name | trunc 63 | trimSuffix "-") }}
+            defaultMode: 0440  # the kvmesh user reads it through fsGroup
+        {{- end }}
         {{- if and $usesModel (eq $root.Values.model.source "cache") }}
         - name: model
           persistentVolumeClaim:

@@ -16,3 +16,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
+
+{{/* The Secret with Redis's password (key "password"), also what the parent chart mounts into the router. */}}
+{{- define "redis.authSecret" -}}
+{{- printf "%s-auth" (include "redis.fullname" .) -}}
+{{- end -}}
