@@ -24,6 +24,11 @@ _PEER_FAILED = {
 }
 
 
+# A peer refusing this service's own role (kvmesh.runtime.authz) says the mesh is misconfigured, not
+# that the request is wrong: an internal error here, never passed on to a client as its own 403.
+_MESH_REFUSED = {grpc.StatusCode.PERMISSION_DENIED}
+
+
 def _domain_classes() -> dict[str, type[KvmeshError]]:
     # The first class declaring a code is its canonical one.
     by_code: dict[str, type[KvmeshError]] = {}
@@ -49,7 +54,7 @@ def from_rpc_error(exc: grpc.aio.AioRpcError, peer: str = "", timeout_s: float |
     if code in _PEER_FAILED:
         return Unavailable(f"{prefix}{details}")
     cls = _BY_CODE.get(code.name)
-    if cls is None or cls is KvmeshError:
+    if cls is None or cls is KvmeshError or code in _MESH_REFUSED:
         return KvmeshError(f"{prefix}{code.name}: {details}")
     # The peer's own answer about the request: pass it on as it is, with the field and reason it named.
     said = dict(exc.trailing_metadata() or ())
