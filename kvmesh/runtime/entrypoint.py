@@ -47,13 +47,14 @@ def run(
     try:
         tls = TlsFiles.from_args(args)
     except ValueError as e:
-        sys.exit(f"kvmesh-{name}: error: {e}")  # exit 2 like any other bad flag
+        print(f"kvmesh-{name}: error: {e}", file=sys.stderr)
+        sys.exit(2)  # like any other bad flag
     configure_logging(args.log_level)
     use_client_tls(tls)
-    sys.exit(uvloop.run(_serve_until_signal(name, build, args)))
+    sys.exit(uvloop.run(_serve_until_signal(name, build, args, tls)))
 
 
-async def _serve_until_signal(name: str, build: Build, args: argparse.Namespace) -> int:
+async def _serve_until_signal(name: str, build: Build, args: argparse.Namespace, tls: TlsFiles | None) -> int:
     structlog.contextvars.bind_contextvars(service=name)
     runtime = Runtime(
         name,
@@ -63,7 +64,7 @@ async def _serve_until_signal(name: str, build: Build, args: argparse.Namespace)
         port=args.port,
         metrics_port=args.metrics_port,
         grace_seconds=args.grace_seconds,
-        tls=TlsFiles.from_args(args),
+        tls=tls,
     )
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -70,3 +70,12 @@ def test_help_names_the_env_twin(capsys: pytest.CaptureFixture[str]) -> None:
         parse_flags("kvstore", FLAGS, ["--help"], environ={})
     out = capsys.readouterr().out
     assert "KVMESH_RAM_BUDGET_BYTES" in out and "KVSTORE_DIR" in out
+
+
+def test_part_of_the_mutual_tls_settings_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvmesh.runtime import run
+
+    with pytest.raises(SystemExit) as info:
+        run("kvstore", lambda ctx: None, default_port=0, default_metrics_port=0, argv=["--tls-ca", "/ca.pem"])
+    assert info.value.code == 2
+    assert "missing --tls-cert, --tls-key" in capsys.readouterr().err
