@@ -43,7 +43,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.launcher.restart import CrashRecord, RestartPolicy
 from kvmesh.launcher.spec import ProcessSpec, Topology
-from kvmesh.runtime.certs import ensure_mesh_certs, role_paths
+from kvmesh.runtime.certs import ensure_mesh_certs, role_identity
 from kvmesh.runtime.channel import create_blocking_channel
 from kvmesh.runtime.tls import TlsFiles
 
@@ -192,10 +192,7 @@ class Mesh:
 
     def identity(self, role: str) -> TlsFiles | None:
         """``role``'s certificate in this mesh, to call its services as that role (None: a plaintext mesh)."""
-        if self.topology.certs is None:
-            return None
-        cert, key = role_paths(self.topology.certs, role)
-        return TlsFiles(self.topology.certs / "ca.pem", cert, key)
+        return None if self.topology.certs is None else role_identity(self.topology.certs, role)
 
     def address(self, name: str) -> str:
         return self.topology.get(name).address

@@ -61,7 +61,7 @@ from kvmesh.launcher.spec import (
     free_port,
     local_gpu_count,
 )
-from kvmesh.runtime.certs import REDIS_PASSWORD_FILE, role_paths
+from kvmesh.runtime.certs import REDIS_PASSWORD_FILE, role_identity
 from kvmesh.runtime.identity import PLAINTEXT_ROLES
 from kvmesh.runtime.tls import TlsFiles
 
@@ -195,8 +195,7 @@ class _Plan:
     def _health_identity(self, role: str, env: Mapping[str, str]) -> TlsFiles | None:
         if self.certs is None or role in PLAINTEXT_ROLES or "KVMESH_TLS_CA" not in env:
             return None
-        cert, key = role_paths(self.certs, "operator")
-        return TlsFiles(Path(env["KVMESH_TLS_CA"]), cert, key)
+        return role_identity(self.certs, "operator")
 
     # -- ports -----------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from kvmesh.runtime.identity import MESH_SERVER_NAME, ROLES, server_name, spiffe_id
+from kvmesh.runtime.tls import TlsFiles
 
 CA_DAYS = 3650
 LEAF_DAYS = 365
@@ -45,6 +46,11 @@ def ca_paths(folder: Path) -> tuple[Path, Path]:
 def role_paths(folder: Path, role: str) -> tuple[Path, Path]:
     """(certificate, key) of ``role`` in ``folder``."""
     return folder / f"{role}.pem", folder / f"{role}.key"
+
+
+def role_identity(folder: Path, role: str) -> TlsFiles:
+    """What a process of ``role`` presents and trusts, from the mesh's folder."""
+    return TlsFiles(ca_paths(folder)[0], *role_paths(folder, role))
 
 
 def ensure_mesh_certs(folder: Path, roles: Iterable[str] = ROLES, *, hosts: Iterable[str] = ()) -> Path:

@@ -27,6 +27,7 @@ from kvmesh.launcher import free_port
 from kvmesh.launcher.compose import REPO_ROOT
 from kvmesh.launcher.health_cli import check_health
 from kvmesh.runtime import create_channel
+from kvmesh.runtime.certs import role_identity
 from kvmesh.runtime.tls import TlsFiles
 from tests.e2e.mesh_helpers import write_model
 
@@ -56,8 +57,7 @@ class Up:
 
     def identity(self, role: str) -> TlsFiles:
         """``role``'s certificate from the CA ``kvmesh up`` made in its run folder."""
-        certs = self.run_dir / "volumes" / "certs"
-        return TlsFiles(certs / "ca.pem", certs / f"{role}.pem", certs / f"{role}.key")
+        return role_identity(self.run_dir / "volumes" / "certs", role)
 
 
 @pytest.fixture(scope="module")

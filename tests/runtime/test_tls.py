@@ -13,14 +13,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.runtime import create_channel, serve
-from kvmesh.runtime.certs import ensure_mesh_certs, renew, role_paths, self_signed
+from kvmesh.runtime.certs import ensure_mesh_certs, renew, role_identity, role_paths, self_signed
 from kvmesh.runtime.tls import TlsFiles
 from tests.runtime import fakes
-
-
-def identity(folder: Path, role: str) -> TlsFiles:
-    cert, key = role_paths(folder, role)
-    return TlsFiles(folder / "ca.pem", cert, key)
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +38,11 @@ async def _code(address: str, identity: TlsFiles | None) -> tuple[grpc.StatusCod
 
 
 async def test_allowed_role_is_served_and_others_refused(mesh_ca: Path, tmp_path: Path) -> None:
-    async with serve("kvstore", fakes.build_kvstore, tls=identity(mesh_ca, "kvstore")) as rt:
+    async with serve("kvstore", fakes.build_kvstore, tls=role_identity(mesh_ca, "kvstore")) as rt:
         address = f"127.0.0.1:{rt.port}"
-        assert (await _lookup(address, identity(mesh_ca, "decode"))).num_present_prefix == 1
+        assert (await _lookup(address, role_identity(mesh_ca, "decode"))).num_present_prefix == 1
         # A valid certificate of the wrong role: in, but refused by name.
-        code, details = await _code(address, identity(mesh_ca, "gateway"))
+        code, details = await _code(address, role_identity(mesh_ca, "gateway"))
         assert code == grpc.StatusCode.PERMISSION_DENIED
         assert "'gateway'" in details and "KVStoreService/Lookup" in details and "decode" in details
         # No certificate at all, and plaintext: the handshake fails.
@@ -62,8 +57,8 @@ async def test_allowed_role_is_served_and_others_refused(mesh_ca: Path, tmp_path
 
 async def test_a_service_dialling_a_role_refuses_a_server_of_another_role(mesh_ca: Path) -> None:
     """A stolen kvstore key cannot pose as the router to a worker: the client checks the server's role."""
-    async with serve("kvstore", fakes.build_kvstore, tls=identity(mesh_ca, "kvstore")) as rt:
-        address, me = f"127.0.0.1:{rt.port}", identity(mesh_ca, "decode")
+    async with serve("kvstore", fakes.build_kvstore, tls=role_identity(mesh_ca, "kvstore")) as rt:
+        address, me = f"127.0.0.1:{rt.port}", role_identity(mesh_ca, "decode")
         async with create_channel(address, me, peer="kvstore") as channel:
             stub = kvstore_pb2_grpc.KVStoreServiceStub(channel)
             assert (await stub.Lookup(kvstore_pb2.LookupRequest(block_hashes=[b"a"]), timeout=5)).num_present_prefix
@@ -74,8 +69,8 @@ async def test_a_service_dialling_a_role_refuses_a_server_of_another_role(mesh_c
 
 
 async def test_health_answers_any_mesh_certificate_and_healthz_over_http(mesh_ca: Path) -> None:
-    async with serve("kvstore", fakes.build_kvstore, tls=identity(mesh_ca, "kvstore")) as rt:
-        async with create_channel(f"127.0.0.1:{rt.port}", identity(mesh_ca, "operator")) as channel:
+    async with serve("kvstore", fakes.build_kvstore, tls=role_identity(mesh_ca, "kvstore")) as rt:
+        async with create_channel(f"127.0.0.1:{rt.port}", role_identity(mesh_ca, "operator")) as channel:
             reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
         url = f"http://127.0.0.1:{rt.metrics_port}/healthz"
@@ -85,18 +80,18 @@ async def test_health_answers_any_mesh_certificate_and_healthz_over_http(mesh_ca
 
 async def test_rotated_certificate_is_served_without_a_restart(tmp_path: Path) -> None:
     folder = ensure_mesh_certs(tmp_path / "certs")
-    served = identity(folder, "kvstore")
+    served = role_identity(folder, "kvstore")
     async with serve("kvstore", fakes.build_kvstore, tls=served) as rt:
         address = f"127.0.0.1:{rt.port}"
         before = await _peer_certificate(rt.port)
-        await _lookup(address, identity(folder, "decode"))
+        await _lookup(address, role_identity(folder, "decode"))
         renew(folder, "kvstore")
         after = await _peer_certificate(rt.port)
         assert after != before
         assert after == ssl.PEM_cert_to_DER_cert(served.cert.read_text())
         # Clients made with the old certificates and with new ones both still get in.
         renew(folder, "decode")
-        assert (await _lookup(address, identity(folder, "decode"))).num_present_prefix == 1
+        assert (await _lookup(address, role_identity(folder, "decode"))).num_present_prefix == 1
 
 
 async def _peer_certificate(port: int) -> bytes:
