@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.runtime.channel import create_blocking_channel
+from kvmesh.runtime.flags import TLS_FLAGS
 from kvmesh.runtime.identity import PLAINTEXT_ROLES, certificate_role
 from kvmesh.runtime.tls import TlsFiles
 
@@ -40,9 +41,8 @@ def add_health_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         help="a gRPC service name, e.g. kvmesh.api.router.v1.RouterService (default: the whole server)",
     )
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
-    for name, what in (("ca", "the mesh's CA"), ("cert", "a mesh certificate"), ("key", "its key")):
-        var = f"KVMESH_TLS_{name.upper()}"
-        p.add_argument(f"--tls-{name}", default=os.environ.get(var) or None, help=f"{what} (default: ${var})")
+    for f in TLS_FLAGS:  # the service's own settings, so the container's health check asks as it
+        p.add_argument(f.name, default=os.environ.get(f.env_var) or None, help=f"{f.help} (default: ${f.env_var})")
     p.set_defaults(func=run_health)
     return p
 

@@ -40,6 +40,14 @@ class Flag:
         return self.env or "KVMESH_" + self.dest.upper()
 
 
+# Mutual TLS (kvmesh.runtime.tls): all three, or none for plaintext.
+TLS_FLAGS = (
+    Flag("--tls-ca", "PEM of the mesh's CA: peers must present a certificate it signed (unset: plaintext)"),
+    Flag("--tls-cert", "PEM certificate naming this service's role (spiffe://kvmesh/<role>)"),
+    Flag("--tls-key", "PEM private key of --tls-cert"),
+)
+
+
 def common_flags(default_port: int, default_metrics_port: int) -> list[Flag]:
     """The flags every service has; each service picks its own default ports."""
     return [
@@ -48,10 +56,7 @@ def common_flags(default_port: int, default_metrics_port: int) -> list[Flag]:
         Flag("--metrics-port", "Prometheus /metrics port (0: any free port)", default=default_metrics_port, type=int),
         Flag("--log-level", "log level", default="info", choices=("debug", "info", "warning", "error")),
         Flag("--grace-seconds", "on SIGTERM, how long in-flight RPCs may take to finish", default=30.0, type=float),
-        # Mutual TLS (kvmesh.runtime.tls): all three, or none for plaintext.
-        Flag("--tls-ca", "PEM of the mesh's CA: peers must present a certificate it signed (unset: plaintext)"),
-        Flag("--tls-cert", "PEM certificate naming this service's role (spiffe://kvmesh/<role>)"),
-        Flag("--tls-key", "PEM private key of --tls-cert"),
+        *TLS_FLAGS,
     ]
 
 
