@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+from kvmesh.generated import write_or_check
 from kvmesh.runtime.authz import CALLERS, PUBLIC
 
 OUT = Path(__file__).resolve().parents[1] / "deploy" / "helm" / "kvmesh" / "files" / "callers.json"
@@ -31,14 +32,7 @@ def main() -> int:
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
     text = json.dumps(edges(), indent=2) + "\n"
-    if args.check:
-        if OUT.read_text() != text:
-            print(f"{OUT} is stale: run python scripts/authz_edges.py", file=sys.stderr)
-            return 1
-        return 0
-    OUT.write_text(text)
-    print(f"wrote {OUT}")
-    return 0
+    return write_or_check(OUT, text, check=args.check, regenerate="python scripts/authz_edges.py")
 
 
 if __name__ == "__main__":

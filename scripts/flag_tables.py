@@ -24,6 +24,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from kvmesh.generated import write_or_check  # noqa: E402
 from kvmesh.runtime.flags import Flag, common_flags  # noqa: E402
 
 SERVICES = ("gateway", "router", "prefill", "decode", "kvstore", "speculator")
@@ -115,15 +116,7 @@ def main() -> int:
     if args.json is not None:
         args.json.write_text(flags_json())
         return 0
-    text = render()
-    if args.check:
-        if not DOC.exists() or DOC.read_text() != text:
-            print(f"{DOC} is stale: run python scripts/flag_tables.py", file=sys.stderr)
-            return 1
-        return 0
-    DOC.write_text(text)
-    print(f"wrote {DOC}")
-    return 0
+    return write_or_check(DOC, render(), check=args.check, regenerate="python scripts/flag_tables.py")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from kvmesh.generated import write_or_check
 from kvmesh.launcher.compose import COMPOSE_FILE, ComposeError, load_raw
 
 CPU_COMPOSE_FILE = COMPOSE_FILE.with_name("docker-compose.cpu.yml")
@@ -91,16 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvmesh.launcher.compose_cpu", description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when the committed file differs")
     args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        current = CPU_COMPOSE_FILE.read_text() if CPU_COMPOSE_FILE.exists() else ""
-        if current != text:
-            print(f"{CPU_COMPOSE_FILE} is stale: run python -m kvmesh.launcher.compose_cpu", file=sys.stderr)
-            return 1
-        return 0
-    CPU_COMPOSE_FILE.write_text(text)
-    print(f"wrote {CPU_COMPOSE_FILE}")
-    return 0
+    return write_or_check(
+        CPU_COMPOSE_FILE, render(), check=args.check, regenerate="python -m kvmesh.launcher.compose_cpu"
+    )
 
 
 if __name__ == "__main__":
