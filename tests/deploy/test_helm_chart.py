@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from kvmesh.models.catalog import CATALOG, model_dir
+from kvmesh.runtime.identity import ROLES
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "kvmesh"
@@ -287,7 +288,7 @@ def test_mutual_tls_from_cert_manager_when_its_api_is_there_else_from_the_charts
     certs = {
         d["spec"]["commonName"]: d["spec"] for d in docs if d["kind"] == "Certificate" and not d["spec"].get("isCA")
     }
-    roles = ["gateway", "router", "prefill", "decode", "kvstore", "speculator", "operator"]
+    roles = list(ROLES)  # the chart's kvmesh.tls.roles are the code's roles
     assert sorted(certs) == sorted(roles)
     for role, spec in certs.items():
         assert spec["uris"] == [f"spiffe://kvmesh/{role}"] and spec["dnsNames"] == [
