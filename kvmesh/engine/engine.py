@@ -351,6 +351,10 @@ class LLMEngine(KVHandoff):
             num_prompt_tokens=len(seq.prompt_ids),
             num_cached_tokens=seq.num_cached_prompt,
             num_draft_accepted=len(appended) - 1 if appended else 0,
+            added_ns=seq.added_ns,
+            admitted_ns=seq.admitted_ns,
+            num_preemptions=max(seq.admissions - 1, 0),
+            num_draft_proposed=seq.num_draft_proposed,
         )
 
     # -- convenience -----------------------------------------------------------

@@ -28,6 +28,13 @@ class RequestOutput:
     num_cached_tokens: int
     # Of new_token_ids, how many were speculator drafts the model accepted.
     num_draft_accepted: int = 0
+    # time.perf_counter_ns() when the request was added and when it was first scheduled (0: not yet, e.g.
+    # a remote prefill's first token): the wait between is its queue time.
+    added_ns: int = 0
+    admitted_ns: int = 0
+    # Times it was preempted (its KV dropped and recomputed), and drafts proposed for it, so far.
+    num_preemptions: int = 0
+    num_draft_proposed: int = 0
     # Set when the request failed (finish_reason "error"): what its caller gets instead of tokens.
     error: KvmeshError | None = None
 

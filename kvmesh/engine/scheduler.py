@@ -12,6 +12,7 @@ queue to be recomputed.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -87,6 +88,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if seq.admissions == 0:  # not a recompute after preemption
+                seq.admitted_ns = time.perf_counter_ns()
                 seq.num_cached_prompt = seq.num_computed
                 self.num_cached_prompt_tokens += seq.num_computed
             seq.admissions += 1

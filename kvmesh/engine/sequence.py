@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,10 @@ class Sequence:
     params: SamplingParams
     cache_salt: bytes = b""
     arrival: int = 0  # admission order, for FCFS and preemption choice
+    # time.perf_counter_ns() when the request was added, and when it was first scheduled (0: not yet):
+    # its queue wait, for its trace and its caller's timings.
+    added_ns: int = field(default_factory=time.perf_counter_ns)
+    admitted_ns: int = 0
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)

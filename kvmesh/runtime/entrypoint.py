@@ -25,6 +25,7 @@ from kvmesh.runtime.flags import Flag, common_flags, parse_flags
 from kvmesh.runtime.logs import configure_logging
 from kvmesh.runtime.server import Build, Runtime
 from kvmesh.runtime.tls import TlsFiles, use_client_tls
+from kvmesh.runtime.tracing import TraceSettings, start_tracing, stop_tracing
 
 log = structlog.get_logger("kvmesh.runtime")
 
@@ -46,12 +47,18 @@ def run(
     args = parse_flags(f"kvmesh-{name}", [*common_flags(default_port, default_metrics_port), *flags], argv)
     try:
         tls = TlsFiles.from_args(args)
+        traces = TraceSettings.from_env(args.otlp_endpoint, args.trace_sample_ratio, os.environ)
     except ValueError as e:
         print(f"kvmesh-{name}: error: {e}", file=sys.stderr)
         sys.exit(2)  # like any other bad flag
     configure_logging(args.log_level)
     use_client_tls(tls)
-    sys.exit(uvloop.run(_serve_until_signal(name, build, args, tls)))
+    start_tracing(name, traces, getattr(args, "worker_id", None))
+    try:
+        code = uvloop.run(_serve_until_signal(name, build, args, tls))
+    finally:
+        stop_tracing()  # the spans still queued leave before the process does
+    sys.exit(code)
 
 
 async def _serve_until_signal(name: str, build: Build, args: argparse.Namespace, tls: TlsFiles | None) -> int:

@@ -48,6 +48,22 @@ TLS_FLAGS = (
 )
 
 
+# OpenTelemetry traces (kvmesh.runtime.tracing): off unless an OTLP endpoint is set here or in OTEL_*.
+TRACING_FLAGS = (
+    Flag(
+        "--otlp-endpoint",
+        "OTLP/gRPC collector for traces, e.g. http://jaeger:4317 (unset: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, "
+        "then OTEL_EXPORTER_OTLP_ENDPOINT; none: tracing off)",
+    ),
+    Flag(
+        "--trace-sample-ratio",
+        "share of new traces sampled, 0 to 1; a continued trace follows its caller (unset: OTEL_TRACES_SAMPLER_ARG, "
+        "else 1)",
+        type=float,
+    ),
+)
+
+
 def common_flags(default_port: int, default_metrics_port: int) -> list[Flag]:
     """The flags every service has; each service picks its own default ports."""
     return [
@@ -57,6 +73,7 @@ def common_flags(default_port: int, default_metrics_port: int) -> list[Flag]:
         Flag("--log-level", "log level", default="info", choices=("debug", "info", "warning", "error")),
         Flag("--grace-seconds", "on SIGTERM, how long in-flight RPCs may take to finish", default=30.0, type=float),
         *TLS_FLAGS,
+        *TRACING_FLAGS,
     ]
 
 

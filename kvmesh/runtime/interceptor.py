@@ -3,6 +3,8 @@
 For each call to one of the service's own RPCs it:
 - takes the request id from ``x-request-id`` metadata (or makes one) and binds
   it, with the method, into structlog's contextvars for the whole call;
+- continues the caller's trace (``traceparent`` metadata) with a span for the call
+  (``kvmesh.runtime.tracing``), whose trace id it binds too;
 - with mutual TLS, refuses a caller whose certificate's role may not call the method
   (PERMISSION_DENIED, ``kvmesh.runtime.authz``);
 - refuses calls with UNAVAILABLE until the service is ready;
@@ -32,6 +34,7 @@ from kvmesh.runtime.authz import authorize
 from kvmesh.runtime.identity import peer_role
 from kvmesh.runtime.metrics import RpcMetrics
 from kvmesh.runtime.request_id import new_request_id, request_id_from_metadata
+from kvmesh.runtime.tracing import server_span
 
 log = structlog.get_logger("kvmesh.rpc")
 
@@ -45,6 +48,16 @@ class _Call:
     method: str
     full_method: str
     request_id: str
+    metadata: tuple[tuple[str, str | bytes], ...]  # the caller's: its trace context
+
+    def attributes(self) -> dict[str, str]:
+        """The call's span attributes (OpenTelemetry's RPC conventions)."""
+        return {
+            "rpc.system": "grpc",
+            "rpc.service": self.service,
+            "rpc.method": self.method,
+            "kvmesh.request_id": self.request_id,
+        }
 
 
 def error_metadata(exc: BaseException) -> tuple[tuple[str, str], ...]:
@@ -141,7 +154,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or service not in self._services:
             return handler
         rid = request_id_from_metadata(handler_call_details.invocation_metadata) or new_request_id()
-        call = _Call(service, method, full_method, rid)
+        call = _Call(service, method, full_method, rid, tuple(handler_call_details.invocation_metadata or ()))
         kw = {
             "request_deserializer": _lenient(handler.request_deserializer),
             "response_serializer": handler.response_serializer,
@@ -158,7 +171,10 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
             start = self._begin(call)
             code = grpc.StatusCode.OK
-            with structlog.contextvars.bound_contextvars(request_id=call.request_id, rpc=call.full_method):
+            with (
+                structlog.contextvars.bound_contextvars(request_id=call.request_id, rpc=call.full_method),
+                server_span(call.full_method.lstrip("/"), call.metadata, **call.attributes()) as span,
+            ):
                 try:
                     self._admit(call, context)
                     response = await behavior(request, context)
@@ -166,6 +182,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                     return response
                 except BaseException as exc:
                     code, message = self._outcome(call, exc, context)
+                    span.set_attribute("rpc.grpc.status_code", code.value[0])
                     if message is not None:
                         await context.abort(code, message, error_metadata(exc))  # raises AbortError: grpc sends it
                     raise
@@ -178,7 +195,10 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             start = self._begin(call)
             code = grpc.StatusCode.OK
-            with structlog.contextvars.bound_contextvars(request_id=call.request_id, rpc=call.full_method):
+            with (
+                structlog.contextvars.bound_contextvars(request_id=call.request_id, rpc=call.full_method),
+                server_span(call.full_method.lstrip("/"), call.metadata, **call.attributes()) as span,
+            ):
                 try:
                     self._admit(call, context)
                     async for response in behavior(request, context):
@@ -186,6 +206,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                     code = context.code() or grpc.StatusCode.OK
                 except BaseException as exc:
                     code, message = self._outcome(call, exc, context)
+                    span.set_attribute("rpc.grpc.status_code", code.value[0])
                     if message is not None:
                         await context.abort(code, message, error_metadata(exc))  # raises AbortError: grpc sends it
                     raise

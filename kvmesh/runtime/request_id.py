@@ -4,7 +4,8 @@ It travels as the ``x-request-id`` gRPC metadata entry. The server
 interceptor reads it (or makes one) and binds it into structlog's
 contextvars for the duration of the call; the client interceptor installed by
 ``create_channel`` copies the bound id onto every outgoing call made while
-handling it. The contextvar is the single place the current id lives.
+handling it, and the trace context (``kvmesh.runtime.tracing``) beside it. The
+contextvar is the single place the current id lives.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 import grpc
 import structlog
+
+from kvmesh.runtime.tracing import outgoing_metadata
 
 METADATA_KEY = "x-request-id"
 
@@ -55,10 +58,12 @@ Continuation = Callable[..., Any]
 def _with_request_id(details: Details) -> Details:
     rid = current_request_id()
     pairs = list(details.metadata or ())
-    if rid is None or request_id_from_metadata(pairs) is not None:
+    added = outgoing_metadata()  # the trace context, when there is one
+    if rid is not None and request_id_from_metadata(pairs) is None:
+        added.append((METADATA_KEY, rid))
+    if not added:
         return details
-    pairs.append((METADATA_KEY, rid))
-    return details._replace(metadata=grpc.aio.Metadata(*pairs))
+    return details._replace(metadata=grpc.aio.Metadata(*pairs, *added))
 
 
 # grpc.aio files a client interceptor under the first RPC kind it implements
@@ -94,5 +99,5 @@ class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
 
 
 def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
-    """Interceptors adding the current request id to every outgoing call, of every RPC kind."""
+    """Interceptors adding the current request id and trace context to every outgoing call, of every RPC kind."""
     return [_UnaryUnary(), _UnaryStream(), _StreamUnary(), _StreamStream()]

@@ -27,6 +27,7 @@ from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sequence import TokenLogprob
 from kvmesh.errors import InvalidField, KvmeshError
 from kvmesh.kv_wire import ReceivedBlock
+from kvmesh.runtime import tracing
 from kvmesh.sampling import SamplingParams
 from kvmesh.worker.kv_tiers import fetch_prefix_from_kvstore
 from kvmesh.worker.kvstore_client import KVStoreClient
@@ -60,6 +61,20 @@ class KVSource(Protocol):
 Tally = Callable[[int, int], None]
 
 
+def report_wire(transport: str, blocks: int, nbytes: int, wire_ns: int) -> None:
+    """What a transfer moved, on the current (``kv.transfer``) span. ``wire_ns`` is from asking for the bytes
+    to the last one in, never a shorter window: bytes over it is the rate the link really delivered."""
+    tracing.set_attributes(
+        **{
+            "kvmesh.kv.transport": transport,
+            "kvmesh.kv.blocks": blocks,
+            "kvmesh.kv.bytes": nbytes,
+            "kvmesh.kv.wire_ns": wire_ns,
+            "kvmesh.kv.gbit_per_s": round(nbytes * 8 / wire_ns, 3) if wire_ns > 0 else None,
+        }
+    )
+
+
 class StreamedKVSource(abc.ABC):
     """A ``KVSource`` whose blocks arrive one by one as bytes (``pull``), verified and imported
     beside the stream by an ``_Importer``."""
@@ -68,14 +83,21 @@ class StreamedKVSource(abc.ABC):
     def pull(self, address: str, lease_id: str, hashes: list[BlockHash]) -> AsyncIterator[ReceivedBlock]:
         """The blocks, each whole; their checksums are verified before they are imported."""
 
+    transport = "grpc"
+
     async def fetch(self, engine: AsyncEngine, remote: RemotePrefill, missing: list[BlockHash], tally: Tally) -> None:
         importer = _Importer(engine)
+        blocks = nbytes = 0
+        start = last = time.perf_counter_ns()
         try:
             async for block in self.pull(remote.address, remote.lease_id, missing):
+                last = time.perf_counter_ns()  # the wire is busy until the last block is in
+                blocks, nbytes = blocks + 1, nbytes + len(block.payload.data)
                 tally(1, len(block.payload.data))
                 await importer.put(block)
             await importer.finish()
         finally:
+            report_wire(self.transport, blocks, nbytes, last - start)
             await importer.stop()
 
 
@@ -130,7 +152,8 @@ class DecodeWorker:
             if remote is not None:
                 self.counters.remote_prefills += 1
                 t0 = time.perf_counter_ns()
-                await self._adopt_kv(remote)
+                with tracing.span("kv.transfer", **{"kvmesh.kv.lease_id": remote.lease_id}):
+                    await self._adopt_kv(remote)
                 transfer_ns = time.perf_counter_ns() - t0
                 options = {"first_token": remote.first_token, "first_logprob": remote.first_logprob}
             else:
@@ -149,6 +172,7 @@ class DecodeWorker:
     async def _adopt_kv(self, remote: RemotePrefill) -> None:
         wanted = remote.block_hashes
         missing = await self.engine.call(lambda e: [h for h in wanted if h not in e.blocks.hash_to_block])
+        tracing.set_attributes(**{"kvmesh.kv.blocks_handed_off": len(wanted), "kvmesh.kv.blocks_missing": len(missing)})
         ok = False
         try:
             if missing:
@@ -159,6 +183,7 @@ class DecodeWorker:
         except (KvmeshError, OSError) as e:
             # Not fatal: whatever did not arrive is recomputed here.
             self.counters.transfer_failures += 1
+            tracing.set_attributes(**{"kvmesh.kv.failed": str(e)})
             log.warning("KV transfer failed; recomputing locally", error=str(e), lease_id=remote.lease_id)
         finally:
             try:

@@ -29,7 +29,7 @@ from kvmesh.runtime.client_errors import from_rpc_error
 from kvmesh.worker.kv_nixl import BlockRead, NixlEndpoint
 from kvmesh.worker.kv_transport import read_timeout_s
 from kvmesh.worker.nixl_layout import PoolRegion, layout_mismatch
-from services.decode.core import RemotePrefill, Tally
+from services.decode.core import RemotePrefill, Tally, report_wire
 from services.decode.prefill_client import GrpcKVSource
 
 log = structlog.get_logger(__name__)
@@ -80,6 +80,7 @@ class NixlKVSource:
             log.debug("NIXL READ posted", lease_id=remote.lease_id, blocks=len(dst), bytes=read.nbytes)
             got = await read.run(read_timeout_s(self._read_floor_s, read.nbytes))
             t1 = time.perf_counter()
+            report_wire("nixl", len(dst), read.nbytes, round(1e9 * (t1 - t0)))
             # Every byte is here: the holder may release the lease at once (one-way, no round trip).
             self._endpoint.notify(agent, remote.lease_id.encode())
             self._notified.add(remote.lease_id)

@@ -11,6 +11,7 @@ from kvmesh.api.common.v1 import accounting_pb2
 from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc
 from kvmesh.convert import finish_to_pb, logprob_from_pb, logprob_to_pb, timings_pb
 from kvmesh.errors import InvalidArgument, InvalidField
+from kvmesh.runtime import tracing
 from kvmesh.sampling import SamplingParams, admitted
 from kvmesh.worker.nixl_layout import NixlBlocks
 from services.decode.core import DecodeWorker, RemotePrefill
@@ -54,11 +55,23 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             raise InvalidArgument("resume_token_ids need local prefill: their KV is computed here")
         offset = len(resume)
         accepted = 0
-        first_token_ns = None
+        first_token_ns = queue_ns = None
+        tracing.set_attributes(
+            **{
+                "kvmesh.prefill": "remote" if remote is not None else "local",
+                "kvmesh.prompt_tokens": len(prompt),
+                "kvmesh.resumed_tokens": len(resume),
+            }
+        )
         async for out, transfer_ns in self.worker.decode(
             request.request_id, prompt, params, request.cache_salt, remote, resume
         ):
-            first_token_ns = first_token_ns or time.perf_counter_ns() - t0
+            if first_token_ns is None:
+                first_token_ns = time.perf_counter_ns() - t0
+                tracing.add_event("first_token")
+            if queue_ns is None and out.admitted_ns:
+                queue_ns = out.admitted_ns - out.added_ns
+                tracing.record_span("decode.queue", tracing.wall_ns(out.added_ns), tracing.wall_ns(out.admitted_ns))
             accepted += out.num_draft_accepted
             msg = decode_pb2.DecodeResponse(
                 offset=offset,
@@ -78,11 +91,23 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                             cached_tokens=out.num_cached_tokens,
                         ),
                         timings=timings_pb(
+                            queue_ns=queue_ns or 0,
                             transfer_ns=transfer_ns,
                             first_token_ns=first_token_ns,
                             total_ns=time.perf_counter_ns() - t0,
                         ),
+                        draft_tokens_proposed=out.num_draft_proposed,
                         draft_tokens_accepted=accepted,
                     )
+                )
+                tracing.set_attributes(
+                    **{
+                        "kvmesh.completion_tokens": offset,
+                        "kvmesh.finish_reason": out.finish_reason,
+                        "kvmesh.cached_tokens": out.num_cached_tokens,
+                        "kvmesh.preemptions": out.num_preemptions,
+                        "kvmesh.spec.proposed_tokens": out.num_draft_proposed,
+                        "kvmesh.spec.accepted_tokens": accepted,
+                    }
                 )
             yield msg

@@ -88,3 +88,8 @@ def tenant_cache_salt(tenant: str, salt: str) -> bytes:
         return salt.encode()
     scope = tenant.encode()
     return b"%d:" % len(scope) + scope + salt.encode()
+
+
+def tenant_digest(tenant: str) -> str:
+    """How traces and logs name a tenant: a short hash, never its name or a key."""
+    return hashlib.sha256(b"kvmesh-tenant:" + tenant.encode()).hexdigest()[:16]

@@ -36,12 +36,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
+from opentelemetry.trace import Span
 
 from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.errors import InvalidArgument, KvmeshError, ResourceExhausted, Unavailable
+from kvmesh.runtime import tracing
 from kvmesh.sampling import SamplingParams, admitted
-from services.gateway.auth import ANONYMOUS, tenant_cache_salt
+from services.gateway.auth import ANONYMOUS, tenant_cache_salt, tenant_digest
 from services.gateway.backends import Backends
 from services.gateway.chat_messages import template_messages
 from services.gateway.metrics import GatewayMetrics
@@ -71,6 +73,17 @@ class _Prepared:
     prompt_ids: list[int]
     sampling: sampling_pb2.SamplingParams
     shape: Callable[[gateway_pb2.GenerateResponse], Any]
+
+
+def _describe_end(span: Span, end: gateway_pb2.StreamEnd) -> None:
+    span.set_attributes(
+        {
+            "gen_ai.usage.input_tokens": end.usage.prompt_tokens,
+            "gen_ai.usage.output_tokens": end.usage.completion_tokens,
+            "kvmesh.cached_tokens": end.usage.cached_tokens,
+            "kvmesh.finish_reason": sampling_pb2.FinishReason.Name(end.finish_reason),
+        }
+    )
 
 
 def _as_is(chunk: gateway_pb2.GenerateResponse) -> gateway_pb2.GenerateResponse:
@@ -174,6 +187,7 @@ class Gateway:
         prepare: Callable[[], _Prepared],
     ) -> AsyncGenerator[Any, None]:
         received = time.monotonic_ns()
+        received_wall = time.time_ns()
         if self._inflight >= self._max_inflight:
             self._metrics.requests.labels(method, "resource_exhausted").inc()
             raise ResourceExhausted(
@@ -182,39 +196,46 @@ class Gateway:
         self._inflight += 1
         self._metrics.inflight.inc()
         outcome, stream = "internal", None
-        try:
-            self.model.check_name(request.model)
-            prepared = prepare()
-            prompt_ids, m = prepared.prompt_ids, self.model
-            params = SamplingParams.from_pb(prepared.sampling)
-            sampling = admitted(params, prompt_ids, m.vocab_size, m.max_model_len, m.defaults).to_pb()
-            prepare_ns = time.monotonic_ns() - received
-            salt = tenant_cache_salt(tenant, request.cache_salt)
-            job = Job(method, request_id, prompt_ids, sampling, salt, received, prepare_ns)
-            stream = ResponseStream(job, self._metrics)
-            async with aclosing(self._run(job, stream)) as chunks:
-                async for chunk in chunks:
-                    if chunk.HasField("final"):
-                        outcome = "ok"  # a client that stops reading after the final chunk did get it all
-                    yield prepared.shape(chunk)
-        except KvmeshError as e:
-            outcome = e.code.lower()
-            raise
-        except (asyncio.CancelledError, GeneratorExit):
-            if outcome != "ok":
-                outcome = "cancelled"
-            raise
-        finally:
-            self._inflight -= 1
-            self._metrics.inflight.dec()
-            self._metrics.requests.labels(method, outcome).inc()
-            log.info(
-                "request finished",
-                method=method,
-                outcome=outcome,
-                user=request.user or None,
-                completion_tokens=stream.tokens_sent if stream else 0,
-            )
+        attributes = {"kvmesh.request_id": request_id, "gen_ai.request.model": request.model or self.model.name}
+        with tracing.span(f"gateway.{method}", **attributes, **{"kvmesh.tenant": tenant_digest(tenant)}) as span:
+            try:
+                self.model.check_name(request.model)
+                prepared = prepare()
+                prompt_ids, m = prepared.prompt_ids, self.model
+                params = SamplingParams.from_pb(prepared.sampling)
+                sampling = admitted(params, prompt_ids, m.vocab_size, m.max_model_len, m.defaults).to_pb()
+                prepare_ns = time.monotonic_ns() - received
+                tracing.record_span(
+                    "tokenize", received_wall, received_wall + prepare_ns, **{"kvmesh.prompt_tokens": len(prompt_ids)}
+                )
+                salt = tenant_cache_salt(tenant, request.cache_salt)
+                job = Job(method, request_id, prompt_ids, sampling, salt, received, prepare_ns)
+                stream = ResponseStream(job, self._metrics)
+                async with aclosing(self._run(job, stream)) as chunks:
+                    async for chunk in chunks:
+                        if chunk.HasField("final"):
+                            outcome = "ok"  # a client that stops reading after the final chunk did get it all
+                            _describe_end(span, chunk.final)
+                        yield prepared.shape(chunk)
+            except KvmeshError as e:
+                outcome = e.code.lower()
+                raise
+            except (asyncio.CancelledError, GeneratorExit):
+                if outcome != "ok":
+                    outcome = "cancelled"
+                raise
+            finally:
+                self._inflight -= 1
+                self._metrics.inflight.dec()
+                self._metrics.requests.labels(method, outcome).inc()
+                span.set_attribute("kvmesh.outcome", outcome)
+                log.info(
+                    "request finished",
+                    method=method,
+                    outcome=outcome,
+                    user=request.user or None,
+                    completion_tokens=stream.tokens_sent if stream else 0,
+                )
 
     async def _run(self, job: Job, stream: ResponseStream) -> Chunks:
         excluded: list[str] = []
@@ -255,6 +276,10 @@ class Gateway:
                             f"already moved {migrations} times (the limit)"
                         ) from None
                     migrations += 1
+                    tracing.add_event(
+                        "migration",
+                        **{"kvmesh.migration.from": e.worker_id, "kvmesh.migration.tokens_sent": stream.tokens_sent},
+                    )
                     log.warning(
                         "decode worker failed mid-stream; migrating the stream",
                         worker_id=e.worker_id,

@@ -5,8 +5,9 @@ GET /health, GET /metrics, GET /openapi.json.
 
 Middlewares, outermost first:
 - observe: binds the request id (``x-request-id`` header, or a new one) for
-  logs and every call into the mesh, returns it as a header, records the HTTP
-  metrics and logs one line per request;
+  logs and every call into the mesh, returns it as a header, continues the
+  caller's trace (``traceparent``) on the ``/v1`` routes and names it in the
+  ``traceresponse`` header, records the HTTP metrics and logs one line per request;
 - errors: turns every exception into OpenAI's error body (``openai_errors``);
 - auth: the ``/v1`` routes need a valid API key when keys are configured.
 """
@@ -15,16 +16,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import nullcontext
 
 import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvmesh.errors import KvmeshError, Unavailable
-from kvmesh.runtime import METADATA_KEY, new_request_id, request_id_scope
+from kvmesh.runtime import METADATA_KEY, new_request_id, request_id_scope, tracing
 from services.gateway.auth import AUTHORIZATION, ApiKeys
 from services.gateway.core import Gateway
-from services.gateway.http_context import REQUEST_ID, TENANT
+from services.gateway.http_context import RECEIVED_NS, REQUEST_ID, TENANT, TRACEPARENT
 from services.gateway.metrics import HttpMetrics
 from services.gateway.openai_errors import error_body
 from services.gateway.openai_responses import Health, Model, ModelList
@@ -69,14 +71,19 @@ class HttpApi:
         route = resource.canonical if resource is not None else "unmatched"
         rid = request.headers.get(METADATA_KEY) or new_request_id()
         request[REQUEST_ID] = rid
+        request[RECEIVED_NS] = time.perf_counter_ns()
         start = time.perf_counter()
         status = "cancelled"  # unless a response comes back: the client hung up
-        with request_id_scope(rid):
+        traced = tracing.server_span(f"{request.method} {route}", request.headers.items(), **_http_attributes(request))
+        with request_id_scope(rid), traced if request.path.startswith("/v1/") else nullcontext() as span:
+            request[TRACEPARENT] = tracing.current_traceparent()
             try:
                 response = await handler(request)
                 status = str(response.status)
                 return response
             finally:
+                if span is not None and status != "cancelled":
+                    span.set_attribute("http.response.status_code", int(status))
                 elapsed = time.perf_counter() - start
                 self._metrics.requests.labels(route, status).inc()
                 self._metrics.duration.labels(route).observe(elapsed)
@@ -147,3 +154,9 @@ class HttpApi:
 async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
     if REQUEST_ID in request:
         response.headers[METADATA_KEY] = request[REQUEST_ID]
+    if request.get(TRACEPARENT) is not None:
+        response.headers[tracing.TRACERESPONSE] = request[TRACEPARENT]
+
+
+def _http_attributes(request: web.Request) -> dict[str, str]:
+    return {"http.request.method": request.method, "url.path": request.path, "kvmesh.request_id": request[REQUEST_ID]}

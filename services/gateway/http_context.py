@@ -8,3 +8,7 @@ from aiohttp import web
 REQUEST_ID = web.RequestKey("request_id", str)
 # The caller's tenant (auth.ApiKeys); "" with auth off.
 TENANT = web.RequestKey("tenant", str)
+# time.perf_counter_ns() when the request arrived: a streamed answer's Server-Timing.
+RECEIVED_NS = web.RequestKey("received_ns", int)
+# The request's trace context (None when untraced), named in the response's traceresponse header.
+TRACEPARENT = web.RequestKey("traceparent", str | None)

@@ -48,6 +48,14 @@ class GatewayMetrics:
             ["outcome"],
             registry=reg,
         )
+        self.phases = Histogram(
+            "kvmesh_gateway_request_phase_seconds",
+            "Where finished requests' time went, by phase (services.gateway.timing: tokenize, route, "
+            "prefill_queue, prefill, kvstore, kv_transfer, decode_queue, first_token, total).",
+            ["phase"],
+            buckets=_TTFT_BUCKETS,
+            registry=reg,
+        )
         self.router_fallbacks = Counter(
             "kvmesh_gateway_router_fallbacks",
             "Requests routed on the last known decode workers because the router could not be reached.",

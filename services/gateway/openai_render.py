@@ -36,6 +36,7 @@ from services.gateway.openai_responses import (
     TopLogprob,
     Usage,
 )
+from services.gateway.timing import phases, slowest
 
 _FINISH: dict[int, FinishReason] = {
     sampling_pb2.FINISH_REASON_STOP: "stop",
@@ -89,6 +90,7 @@ class _Choice:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     tool_calls: list[ToolCall] = field(default_factory=list)
+    end: gateway_pb2.StreamEnd | None = None  # the final chunk's report
 
 
 class _Renderer:
@@ -102,14 +104,16 @@ class _Renderer:
         per_prompt: int,
         texts: TokenTexts,
         logprobs: bool,
+        timings: bool = False,
     ) -> None:
-        """``choices`` in all, ``per_prompt`` of them for each prompt (n)."""
+        """``choices`` in all, ``per_prompt`` of them for each prompt (n); ``timings``: usage names the phases."""
         self.id = response_id
         self.created = created
         self.model = model
         self._per_prompt = per_prompt
         self._texts = texts
         self._logprobs = logprobs
+        self._timings = timings
         self._choices = [_Choice() for _ in range(choices)]
 
     def _record(
@@ -123,7 +127,13 @@ class _Renderer:
             finish = choice.finish = finish_reason(chunk.final.finish_reason)
             choice.prompt_tokens = chunk.final.usage.prompt_tokens
             choice.cached_tokens = chunk.final.usage.cached_tokens
+            choice.end = chunk.final
         return choice, finish
+
+    def phases(self) -> dict[str, int]:
+        """Where the request's time went (nanoseconds per phase), for its slowest choice: the client's wait."""
+        end = slowest([c.end for c in self._choices if c.end is not None])
+        return phases(end) if end is not None else {}
 
     def usage(self) -> Usage:
         """Each prompt counts once however many choices it had (as OpenAI counts).
@@ -137,11 +147,13 @@ class _Renderer:
             prompt += group[0].prompt_tokens
             cached += min(c.cached_tokens for c in group)
         completion = sum(c.completion_tokens for c in self._choices)
+        timings = {k: round(v / 1e6, 3) for k, v in self.phases().items()} if self._timings else None
         return Usage(
             prompt_tokens=prompt,
             completion_tokens=completion,
             total_tokens=prompt + completion,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+            timings=timings,
         )
 
     def _token_logprob(self, lp: sampling_pb2.TokenLogprob) -> TokenLogprob:

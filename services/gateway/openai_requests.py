@@ -112,6 +112,11 @@ class SamplingFields(Body):
     seed: Seed | None = Field(None, description="Reproducible sampling; choice i of n uses seed + i.")
     stream: bool | None = False
     stream_options: StreamOptions | None = Field(None, description="Only with stream: true.")
+    return_timings: bool | None = Field(
+        None,
+        description="kvmesh extension: usage.timings says where the request's time went (streamed: in the "
+        "include_usage chunk). The Server-Timing header says it too.",
+    )
     user: str | None = Field(None, description="The end user, for logs.")
     presence_penalty: float | None = Field(
         None, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT, description="Lower a token's logit once it was generated."

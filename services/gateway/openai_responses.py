@@ -22,6 +22,12 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    timings: dict[str, float] | None = Field(
+        None,
+        exclude_if=lambda v: v is None,
+        description="kvmesh extension, with return_timings: milliseconds per phase of the request (its slowest "
+        "choice): tokenize, route, prefill_queue, prefill, kvstore, kv_transfer, decode_queue, first_token, total.",
+    )
 
 
 # -- completions ---------------------------------------------------------------

@@ -26,11 +26,12 @@ from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.errors import KvmeshError
 from services.gateway.core import Gateway
 from services.gateway.fan_in import FanIn, Stream
-from services.gateway.http_context import REQUEST_ID, TENANT
+from services.gateway.http_context import RECEIVED_NS, REQUEST_ID, TENANT
 from services.gateway.openai_errors import ParamError, error_body
 from services.gateway.openai_render import ChatRenderer, CompletionRenderer, TokenTexts
 from services.gateway.openai_requests import ChatCompletionRequest, CompletionRequest
 from services.gateway.openai_translate import chat_requests, completion_requests
+from services.gateway.timing import server_timing
 
 log = structlog.get_logger("kvmesh.gateway.http")
 
@@ -40,6 +41,7 @@ Renderer = CompletionRenderer | ChatRenderer
 # X-Accel-Buffering: a proxy in front (nginx) must pass each event on as it comes.
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _DONE = b"data: [DONE]\n\n"
+SERVER_TIMING = "Server-Timing"
 
 
 async def parse(request: web.Request, model: type[Body]) -> Body:
@@ -68,16 +70,14 @@ class OpenAIServing:
         req = await parse(request, CompletionRequest)
         core_requests = completion_requests(req, self._gateway.max_inflight)
         renderer = self._renderer(
-            CompletionRenderer, "cmpl", request, core_requests, req.n or 1, logprobs=req.logprobs is not None
+            CompletionRenderer, "cmpl", request, req, core_requests, logprobs=req.logprobs is not None
         )
         return await self._answer(request, req, renderer, core_requests, self._gateway.generate)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = await parse(request, ChatCompletionRequest)
         core_requests = chat_requests(req, self._gateway.max_inflight)
-        renderer = self._renderer(
-            ChatRenderer, "chatcmpl", request, core_requests, req.n or 1, logprobs=bool(req.logprobs)
-        )
+        renderer = self._renderer(ChatRenderer, "chatcmpl", request, req, core_requests, logprobs=bool(req.logprobs))
         return await self._answer(request, req, renderer, core_requests, self._gateway.chat)
 
     def _renderer(
@@ -85,8 +85,8 @@ class OpenAIServing:
         cls: type[Renderer],
         prefix: str,
         request: web.Request,
+        request_body: CompletionRequest | ChatCompletionRequest,
         core_requests: Sequence[object],
-        n: int,
         logprobs: bool,
     ) -> Renderer:
         return cls(
@@ -94,9 +94,10 @@ class OpenAIServing:
             int(time.time()),
             self._gateway.model.name,
             choices=len(core_requests),
-            per_prompt=n,
+            per_prompt=request_body.n or 1,
             texts=self._texts,
             logprobs=logprobs,
+            timings=bool(request_body.return_timings),
         )
 
     async def _answer(
@@ -113,10 +114,14 @@ class OpenAIServing:
             if not req.stream:
                 while (event := await fan.next()) is not None:
                     renderer.add(*event)
-                return json_response(renderer.response())
+                response = json_response(renderer.response())
+                response.headers[SERVER_TIMING] = server_timing(renderer.phases())
+                return response
 
             first = await fan.first_of_each()
-            response = web.StreamResponse(headers=SSE_HEADERS)
+            # The headers leave with the first tokens: only their wait is known yet (the rest: return_timings).
+            waited = {"first_token": time.perf_counter_ns() - request[RECEIVED_NS]}
+            response = web.StreamResponse(headers={**SSE_HEADERS, SERVER_TIMING: server_timing(waited)})
             await response.prepare(request)
             try:
                 for event in first:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from kvmesh.api.common.v1 import accounting_pb2, sampling_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.timing import phases
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class ResponseStream:
     def _end(self, finish: Finish) -> gateway_pb2.StreamEnd:
         job = self._job
         total = time.monotonic_ns() - job.received_ns
-        return gateway_pb2.StreamEnd(
+        end = gateway_pb2.StreamEnd(
             finish_reason=finish.reason,
             usage=accounting_pb2.Usage(
                 prompt_tokens=len(job.prompt_ids),
@@ -105,3 +106,6 @@ class ResponseStream:
             prefill_timings=finish.prefill_timings,
             decode_timings=finish.decode_timings,
         )
+        for phase, ns in phases(end).items():
+            self._metrics.phases.labels(phase).observe(ns / 1e9)
+        return end

@@ -22,6 +22,7 @@ from kvmesh.api.prefill.v1 import prefill_pb2
 from kvmesh.api.router.v1 import router_pb2
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.errors import KvmeshError, Unavailable
+from kvmesh.runtime import tracing
 from services.gateway.backends import Backends, RouterUnreachable
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import resumed
@@ -76,6 +77,12 @@ class WorkerCalls:
                 yield chunk
 
     async def route(self, job: Job, excluded: Sequence[str]) -> router_pb2.RouteResponse:
+        with tracing.span("route", **{"kvmesh.route.excluded": list(excluded)}) as span:
+            plan = await self._route(job, excluded)
+            span.set_attributes(_plan_attributes(plan))
+            return plan
+
+    async def _route(self, job: Job, excluded: Sequence[str]) -> router_pb2.RouteResponse:
         request = router_pb2.RouteRequest(
             request_id=job.request_id,
             tokens=router_pb2.TokenPrompt(token_ids=job.prompt_ids),
@@ -88,6 +95,7 @@ class WorkerCalls:
         except RouterUnreachable as e:
             plan = self._known_workers.plan(request, e)  # Unavailable once the outage outlasts its bound
             self._metrics.router_fallbacks.inc()
+            tracing.set_attributes(**{"kvmesh.route.reason": "router unreachable: last known workers"})
             log.warning(
                 "router unreachable; routing on its last known workers",
                 error=e.message,
@@ -131,6 +139,14 @@ class WorkerCalls:
                 self._abort_lease(handoff.source_address, lease)
 
     async def _prefill(self, job: Job, worker: worker_pb2.WorkerEndpoint) -> prefill_pb2.PrefillResponse:
+        with tracing.span("prefill", **_worker_attributes(worker)) as span:
+            response = await self._call_prefill(job, worker)
+            span.set_attributes(
+                {"kvmesh.computed_tokens": response.computed_tokens, "kvmesh.reused_tokens": response.reused_tokens}
+            )
+            return response
+
+    async def _call_prefill(self, job: Job, worker: worker_pb2.WorkerEndpoint) -> prefill_pb2.PrefillResponse:
         request = prefill_pb2.PrefillRequest(
             request_id=job.request_id,
             token_ids=job.prompt_ids,
@@ -164,6 +180,28 @@ class WorkerCalls:
         prefill_reused_tokens: int | None,
     ) -> Chunks:
         who = f"decode worker {worker.worker_id} ({worker.address})"
+        resumed_tokens = len(request.resume_token_ids)
+        with tracing.span("decode", **_worker_attributes(worker), **{"kvmesh.resumed_tokens": resumed_tokens}) as span:
+            first = True
+            async with aclosing(
+                self._stream(worker, who, request, stream, route_timings, prefill_timings, prefill_reused_tokens)
+            ) as chunks:
+                async for chunk in chunks:
+                    if first:
+                        span.add_event("first_message")
+                        first = False
+                    yield chunk
+
+    async def _stream(
+        self,
+        worker: worker_pb2.WorkerEndpoint,
+        who: str,
+        request: decode_pb2.DecodeRequest,
+        stream: ResponseStream,
+        route_timings: accounting_pb2.Timings,
+        prefill_timings: accounting_pb2.Timings | None,
+        prefill_reused_tokens: int | None,
+    ) -> Chunks:
         messages = self._backends.decode(worker.address, request)
         async with aclosing(messages):
             limit = self._idle_timeout_s
@@ -228,6 +266,24 @@ class WorkerCalls:
             cache_salt=job.cache_salt,
             **prefill,
         )
+
+
+def _worker_attributes(worker: worker_pb2.WorkerEndpoint) -> dict[str, str]:
+    return {"kvmesh.worker_id": worker.worker_id, "server.address": worker.address}
+
+
+def _plan_attributes(plan: router_pb2.RouteResponse) -> dict[str, object]:
+    """What the router decided and why: the workers, and the blocks it expected each to hold."""
+    return {
+        "kvmesh.route.decode_worker": plan.decode_worker.worker_id,
+        "kvmesh.route.prefill_worker": "" if plan.prefill_locally else plan.prefill_worker.worker_id,
+        "kvmesh.route.prefill_locally": plan.prefill_locally,
+        "kvmesh.route.total_blocks": plan.total_blocks,
+        "kvmesh.route.prefill_matched_blocks": plan.prefill_matched_blocks,
+        "kvmesh.route.decode_matched_blocks": plan.decode_matched_blocks,
+        "kvmesh.route.kvstore_matched_blocks": plan.kvstore_matched_blocks,
+        "kvmesh.route.index_available": plan.index_available,
+    }
 
 
 def _cut_at_stop(text: str, stops: Sequence[str]) -> str:

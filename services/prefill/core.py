@@ -25,6 +25,7 @@ from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.kv_cache import BlockPayload
 from kvmesh.engine.sequence import TokenLogprob
 from kvmesh.errors import InvalidArgument, NotFound
+from kvmesh.runtime import tracing
 from kvmesh.sampling import SamplingParams
 from kvmesh.worker.kv_nixl import NixlEndpoint, block_checksums
 from kvmesh.worker.kv_tiers import fetch_prefix_from_kvstore, store_held_blocks
@@ -60,6 +61,9 @@ class PrefillResult:
     computed_tokens: int
     reused_tokens: int
     total_ns: int
+    queue_ns: int  # waiting for a batch slot
+    compute_ns: int  # from the first step to the first token
+    transfer_ns: int  # fetching cached blocks from the kvstore, storing computed ones there
     # With a lease on a NIXL worker: where its blocks lie, for the decode worker's READ.
     nixl: NixlBlocks | None = None
 
@@ -105,24 +109,43 @@ class PrefillWorker:
     ) -> PrefillResult:
         t0 = time.perf_counter_ns()
         hashes = self.engine.prompt_block_hashes(token_ids, cache_salt)
-        self.counters.kvstore_fetched_blocks += await fetch_prefix_from_kvstore(self.engine, self.kvstore, hashes)
+        with tracing.span("kvstore.fetch") as span:
+            fetched = await fetch_prefix_from_kvstore(self.engine, self.kvstore, hashes)
+            span.set_attribute("kvmesh.kv.blocks", fetched)
+        self.counters.kvstore_fetched_blocks += fetched
+        fetched_ns = time.perf_counter_ns()
         one_token = dataclasses.replace(params, max_tokens=1)
         out = None
         stream = self.engine.generate(token_ids, one_token, request_id, cache_salt, hold_prompt_blocks=True)
         async for out in stream:  # noqa: B007 (the last output is the one wanted)
             pass
+        computed_ns = time.perf_counter_ns()
         assert out is not None and out.finished  # max_tokens=1: one output, finished
+        tracing.record_span("prefill.queue", tracing.wall_ns(out.added_ns), tracing.wall_ns(out.admitted_ns))
+        tracing.record_span(
+            "prefill.compute",
+            tracing.wall_ns(out.admitted_ns),
+            tracing.wall_ns(computed_ns),
+            **{
+                "kvmesh.computed_tokens": len(token_ids) - out.num_cached_tokens,
+                "kvmesh.reused_tokens": out.num_cached_tokens,
+            },
+        )
         # "length" only because of our max_tokens=1; the real request goes on unless it asked for 1.
         reason = out.finish_reason if (out.finish_reason != "length" or params.max_tokens == 1) else None
         lease = None
         nixl = None
+        stored_ns = 0
         try:
             hashes, block_ids = await self.engine.call(
                 lambda e: (e.held_hashes(request_id), e.held_block_ids(request_id))
             )
             # Blocks computed here (not reused) go to the cluster-wide tier, behind the request.
             computed_from = out.num_cached_tokens // self.engine.block_size
-            await store_held_blocks(self.engine, self.kvstore, request_id, hashes[computed_from:])
+            stored_from = time.perf_counter_ns()
+            with tracing.span("kvstore.store", **{"kvmesh.kv.blocks": len(hashes) - computed_from}):
+                await store_held_blocks(self.engine, self.kvstore, request_id, hashes[computed_from:])
+            stored_ns = time.perf_counter_ns() - stored_from
             if reason is None and hand_off and hashes:
                 if self.nixl is not None:
                     nixl = await self._nixl_blocks(block_ids)
@@ -145,6 +168,9 @@ class PrefillWorker:
             computed_tokens=len(token_ids) - reused,
             reused_tokens=reused,
             total_ns=done - t0,
+            queue_ns=out.admitted_ns - out.added_ns,
+            compute_ns=computed_ns - out.admitted_ns,
+            transfer_ns=(fetched_ns - t0) + stored_ns,
             nixl=nixl,
         )
 

@@ -66,7 +66,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             handoff=handoff,
             computed_tokens=res.computed_tokens,
             reused_tokens=res.reused_tokens,
-            timings=timings_pb(compute_ns=res.total_ns, total_ns=res.total_ns),
+            timings=timings_pb(
+                queue_ns=res.queue_ns, compute_ns=res.compute_ns, transfer_ns=res.transfer_ns, total_ns=res.total_ns
+            ),
         )
 
     async def PullKV(

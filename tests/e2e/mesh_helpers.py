@@ -17,6 +17,7 @@ from kvmesh.launcher.spec import MeshOptions, free_port
 from kvmesh.launcher.supervisor import Mesh
 from kvmesh.launcher.topology import build_topology
 from kvmesh.models.bpe import train_tokenizer, write_tokenizer
+from kvmesh.runtime.otlp_receiver import OtlpReceiver
 from tests.engine.conftest import VOCAB, write_checkpoint
 
 BLOCK = 16
@@ -64,6 +65,15 @@ def start_mesh(
         processes = tuple(replace(p, env={**p.env, **process_env.get(p.name, {})}) for p in topology.processes)
         topology = replace(topology, processes=processes)
     return Mesh(topology, run_dir, restart=restart).start()
+
+
+MESH_ROLES = ("router", "prefill", "decode", "kvstore", "speculator", "gateway")
+
+
+def traced(receiver: OtlpReceiver, role_env: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+    """``role_env`` with every service exporting all its spans to ``receiver``, each batch within 0.1 s."""
+    tracing = {"KVMESH_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    return {role: {**tracing, **role_env.get(role, {})} for role in {*MESH_ROLES, *role_env}}
 
 
 def http_url(mesh: Mesh) -> str:

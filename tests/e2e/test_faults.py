@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import signal
 import threading
 import time
@@ -28,7 +29,7 @@ from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.launcher import RestartPolicy
 from kvmesh.runtime import create_channel
 from kvmesh.structured.spec import GrammarSpec
-from tests.e2e.mesh_helpers import metrics, poll, start_mesh
+from tests.e2e.mesh_helpers import metrics, poll, start_mesh, traced
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -45,21 +46,24 @@ SCHEMA = {"type": "array", "items": {"type": "boolean"}, "minItems": 80, "maxIte
 
 
 @pytest.fixture(scope="module")
-def faults_mesh(e2e_model, tmp_path_factory):
+def faults_mesh(e2e_model, tmp_path_factory, otlp):
     m = start_mesh(
         e2e_model,
         tmp_path_factory.mktemp("faults"),
         decode_workers=2,
-        role_env={
-            "router": {"KVMESH_LEASE_TTL_MS": "1500"},
-            "prefill": {"KVMESH_LEASE_TTL_MS": "3000"},
-            "gateway": {
-                "KVMESH_TOKEN_STALL_TIMEOUT_SECONDS": str(STALL_TIMEOUT_S),
-                "KVMESH_RPC_TIMEOUT_SECONDS": "1",
-                "KVMESH_PREFILL_TIMEOUT_SECONDS": str(PREFILL_TIMEOUT_S),
-                "KVMESH_ROUTER_FALLBACK_SECONDS": str(ROUTER_FALLBACK_S),
+        role_env=traced(
+            otlp,
+            {
+                "router": {"KVMESH_LEASE_TTL_MS": "1500"},
+                "prefill": {"KVMESH_LEASE_TTL_MS": "3000"},
+                "gateway": {
+                    "KVMESH_TOKEN_STALL_TIMEOUT_SECONDS": str(STALL_TIMEOUT_S),
+                    "KVMESH_RPC_TIMEOUT_SECONDS": "1",
+                    "KVMESH_PREFILL_TIMEOUT_SECONDS": str(PREFILL_TIMEOUT_S),
+                    "KVMESH_ROUTER_FALLBACK_SECONDS": str(ROUTER_FALLBACK_S),
+                },
             },
-        },
+        ),
         restart=RestartPolicy(initial_backoff_s=0.2),
     )
     yield m
@@ -184,9 +188,10 @@ async def _no_leaks(mesh) -> None:
     assert not any(held.values()), held
 
 
-async def _break_mid_stream(mesh, gateway, request, how: str) -> tuple[list[gateway_pb2.GenerateResponse], str]:
+async def _break_mid_stream(mesh, gateway, request, how: str) -> tuple[list[gateway_pb2.GenerateResponse], str, str]:
     """Start ``request``, then kill (SIGKILL) or hang (SIGSTOP) the decode worker streaming it. A stream can end
-    between the gauge's read and the stop landing; then the worker is thawed and the request sent again."""
+    between the gauge's read and the stop landing; then the worker is thawed and the request sent again.
+    Returns what the client got, the victim, and the trace id the broken request ran in."""
     for _ in range(BREAK_ATTEMPTS):
         # The last request's worker lets go a moment after its client is done; until then it would look
         # like the one streaming this request.
@@ -195,7 +200,9 @@ async def _break_mid_stream(mesh, gateway, request, how: str) -> tuple[list[gate
         received: list[gateway_pb2.GenerateResponse] = []
         freezer = _Freezer(mesh, received)
         freezer.start()
-        reader = asyncio.ensure_future(_read_into(gateway.Generate(request), received))
+        trace_id = secrets.token_hex(16)
+        traceparent = (("traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-01"),)
+        reader = asyncio.ensure_future(_read_into(gateway.Generate(request, metadata=traceparent), received))
         victim = await asyncio.to_thread(freezer.frozen)
         finished, _ = await asyncio.wait({reader}, timeout=CUT_GRACE_S)
         if not finished:
@@ -207,21 +214,44 @@ async def _break_mid_stream(mesh, gateway, request, how: str) -> tuple[list[gate
     try:
         if how == "kill":
             mesh.crash(victim)
-        return await asyncio.wait_for(reader, timeout=60), victim  # a bound against hanging, not a speed test
+        return await asyncio.wait_for(reader, timeout=60), victim, trace_id  # a bound against hanging, not speed
     finally:
         if how == "hang":
             mesh.crash(victim)  # what an operator does with a hung worker; the supervisor brings it back
 
 
+def _migration_is_traced(otlp, trace_id: str, victim: str) -> None:
+    """The trace shows both decode workers: the gateway's call to each, the migration between, and the survivor
+    resuming after the tokens already streamed (the victim's own spans died with it)."""
+    (survivor,) = set(DECODE) - {victim}
+
+    def calls(spans):
+        return [s for s in spans if s.service == "kvmesh-gateway" and s.name == "decode"]
+
+    def resumed(spans):
+        return [s for s in spans if s.instance == survivor and s.name.endswith("DecodeService/Decode")]
+
+    spans = otlp.wait_for(lambda s: len(calls(s)) == 2 and resumed(s), trace_id)
+    assert [c.attributes["kvmesh.worker_id"] for c in sorted(calls(spans), key=lambda c: c.start_ns)] == [
+        victim,
+        survivor,
+    ]
+    (request,) = [s for s in spans if s.name == "gateway.generate"]
+    assert "migration" in request.events
+    assert resumed(spans)[0].attributes["kvmesh.resumed_tokens"] > 0
+
+
 @pytest.mark.parametrize("how", ["kill", "hang"])
-async def test_a_decode_worker_dying_or_hanging_mid_stream_is_invisible_to_the_client(faults_mesh, stubs, how) -> None:
+async def test_a_decode_worker_dying_or_hanging_mid_stream_is_invisible_to_the_client(
+    faults_mesh, stubs, otlp, how
+) -> None:
     mesh, (gateway, router) = faults_mesh, stubs
     request = _request(MAX_TOKENS, ignore_eos=True)
     expected = await _complete(gateway, request)  # greedy: the text any healthy worker gives
     migrated_before = metrics(mesh, "gateway").get("kvmesh_gateway_migrations_total{outcome=resumed}", 0)
 
     restarts = {w: mesh.restarts(w) for w in DECODE}
-    got, victim = await _break_mid_stream(mesh, gateway, request, how)
+    got, victim, trace_id = await _break_mid_stream(mesh, gateway, request, how)
 
     assert [t for m in got for t in m.token_ids] == [t for m in expected for t in m.token_ids]
     assert "".join(m.text for m in got) == "".join(m.text for m in expected)
@@ -230,6 +260,7 @@ async def test_a_decode_worker_dying_or_hanging_mid_stream_is_invisible_to_the_c
     assert final.finish_reason == sampling_pb2.FINISH_REASON_LENGTH
     assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (len(PROMPT), MAX_TOKENS)
     assert metrics(mesh, "gateway")["kvmesh_gateway_migrations_total{outcome=resumed}"] == migrated_before + 1
+    await asyncio.to_thread(_migration_is_traced, otlp, trace_id, victim)
 
     await _healed(mesh, router, victim, restarts[victim] + 1)
     for _ in range(2):  # both workers serve again
@@ -246,7 +277,7 @@ async def test_a_structured_output_resumes_with_its_grammar_and_stays_valid(faul
     migrated_before = metrics(mesh, "gateway").get("kvmesh_gateway_migrations_total{outcome=resumed}", 0)
 
     restarts = {w: mesh.restarts(w) for w in DECODE}
-    got, victim = await _break_mid_stream(mesh, gateway, request, "kill")
+    got, victim, _ = await _break_mid_stream(mesh, gateway, request, "kill")
 
     text = "".join(m.text for m in got)
     assert text == "".join(m.text for m in expected)
