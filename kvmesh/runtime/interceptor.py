@@ -4,7 +4,8 @@ For each call to one of the service's own RPCs it:
 - takes the request id from ``x-request-id`` metadata (or makes one) and binds
   it, with the method, into structlog's contextvars for the whole call;
 - continues the caller's trace (``traceparent`` metadata) with a span for the call
-  (``kvmesh.runtime.tracing``), whose trace id it binds too;
+  (``kvmesh.runtime.tracing``), whose trace id it binds too and names in the
+  initial metadata (``traceresponse``);
 - with mutual TLS, refuses a caller whose certificate's role may not call the method
   (PERMISSION_DENIED, ``kvmesh.runtime.authz``);
 - refuses calls with UNAVAILABLE until the service is ready;
@@ -34,7 +35,7 @@ from kvmesh.runtime.authz import authorize
 from kvmesh.runtime.identity import peer_role
 from kvmesh.runtime.metrics import RpcMetrics
 from kvmesh.runtime.request_id import new_request_id, request_id_from_metadata
-from kvmesh.runtime.tracing import server_span
+from kvmesh.runtime.tracing import TRACERESPONSE, current_traceparent, server_span
 
 log = structlog.get_logger("kvmesh.rpc")
 
@@ -129,6 +130,13 @@ def _parsed_each(behavior: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+async def _name_the_trace(context: grpc.aio.ServicerContext) -> None:
+    """The caller learns which trace its call is in (the initial metadata's ``traceresponse``)."""
+    traceparent = current_traceparent()
+    if traceparent is not None:
+        await context.send_initial_metadata(((TRACERESPONSE, traceparent),))
+
+
 class ServerInterceptor(grpc.aio.ServerInterceptor):
     def __init__(
         self,
@@ -177,6 +185,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             ):
                 try:
                     self._admit(call, context)
+                    await _name_the_trace(context)
                     response = await behavior(request, context)
                     code = context.code() or grpc.StatusCode.OK
                     return response
@@ -201,6 +210,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             ):
                 try:
                     self._admit(call, context)
+                    await _name_the_trace(context)
                     async for response in behavior(request, context):
                         yield response
                     code = context.code() or grpc.StatusCode.OK

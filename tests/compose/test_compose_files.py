@@ -93,7 +93,7 @@ def test_health_checks_and_start_order(tmp_path, compose_file) -> None:
     config = docker_compose_config(tmp_path, compose_file)
     services = config["services"]
 
-    assert set(services) == {"certs", "redis", *KVMESH_SERVICES, "prometheus", "grafana"}
+    assert set(services) == {"certs", "redis", *KVMESH_SERVICES, "prometheus", "grafana", "jaeger"}
     for name in KVMESH_SERVICES:
         assert services[name]["healthcheck"]["test"] == ["CMD", "kvmesh", "health"]  # grpc.health.v1 on KVMESH_PORT
         assert services[name]["command"] == [name]
@@ -138,6 +138,22 @@ def test_persistence_volumes_and_the_monitoring_profile(tmp_path) -> None:
     assert set(config["volumes"]) == {"certs", "redis-data", "kvstore-data", "prometheus-data"}
     assert services["prometheus"]["profiles"] == ["monitoring"] and services["grafana"]["profiles"] == ["monitoring"]
     assert not any(services[n].get("profiles") for n in ("redis", *KVMESH_SERVICES))
+
+
+@needs_docker_compose
+def test_the_tracing_profile_wires_every_service_to_jaeger(tmp_path) -> None:
+    untraced = docker_compose_config(tmp_path, COMPOSE_FILE)["services"]
+    assert not any(untraced[n]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] for n in KVMESH_SERVICES)  # off
+    env_file = tmp_path / "traced.env"
+    env_file.write_text("KVMESH_TRACING_ENDPOINT=http://jaeger:4317\nKVMESH_TRACING_SAMPLE_RATIO=1\n")
+    services = docker_compose_config(tmp_path, COMPOSE_FILE, env_file=env_file)["services"]
+
+    assert services["jaeger"]["profiles"] == ["tracing"]
+    for name in KVMESH_SERVICES:
+        env = services[name]["environment"]
+        assert (env["OTEL_EXPORTER_OTLP_ENDPOINT"], env["OTEL_TRACES_SAMPLER_ARG"]) == ("http://jaeger:4317", "1")
+    datasources = yaml.safe_load((COMPOSE / "grafana/provisioning/datasources/jaeger.yml").read_text())
+    assert datasources["datasources"][0]["url"] == "http://jaeger:16686"
 
 
 @needs_docker_compose

@@ -213,6 +213,23 @@ def test_cpu_values_need_no_gpu_and_no_model_cache() -> None:
     assert not by_kind("cpu", "Job") and not by_kind("cpu", "PersistentVolumeClaim")
 
 
+def test_tracing_sends_every_service_to_the_charts_jaeger_and_is_off_by_default() -> None:
+    jaeger = f"{RELEASE}-kvmesh-jaeger"
+    service = by_kind("cpu", "Service")[jaeger]
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"otlp-grpc": 4317, "ui": 16686}
+    assert by_kind("cpu", "Deployment")[jaeger]
+    workloads = {**by_kind("cpu", "Deployment"), **by_kind("cpu", "StatefulSet")}
+    for role in ("gateway", "router", "kvstore", "speculator", "prefill", "decode"):
+        env = env_of(workloads[f"{RELEASE}-kvmesh-{role}"])
+        assert env["KVMESH_OTLP_ENDPOINT"]["value"] == f"http://{jaeger}:4317", role
+        assert env["KVMESH_TRACE_SAMPLE_RATIO"]["value"] == "1", role
+    datasource = by_kind("cpu", "ConfigMap")[f"{RELEASE}-kvmesh-jaeger-datasource"]
+    assert f"url: http://{jaeger}:16686" in datasource["data"]["kvmesh-jaeger.yaml"]
+    default = {**by_kind("default", "Deployment"), **by_kind("default", "StatefulSet")}
+    assert jaeger not in default
+    assert not any("KVMESH_OTLP_ENDPOINT" in env_of(w) for w in default.values() if "kvmesh" in w["metadata"]["name"])
+
+
 def test_external_redis_replaces_the_subchart() -> None:
     router = by_kind("external-redis", "Deployment")[f"{RELEASE}-kvmesh-router"]
     assert env_of(router)["KVMESH_REDIS_URL"]["value"] == "rediss://redis.infra.svc.cluster.local:6380/2"

@@ -50,7 +50,10 @@ async def _call_demo(env: dict[str, str]) -> tuple[list[dict], int]:
         serving = (await _events(proc.stderr, "serving"))[-1]
         async with grpc.aio.insecure_channel(f"127.0.0.1:{serving['port']}") as channel:
             stub = kvstore_pb2_grpc.KVStoreServiceStub(channel)
-            await stub.Stats(kvstore_pb2.StatsRequest(), metadata=(("traceparent", TRACEPARENT),))
+            call = stub.Stats(kvstore_pb2.StatsRequest(), metadata=(("traceparent", TRACEPARENT),))
+            await call
+            # The answer names the trace the call is in.
+            assert dict(await call.initial_metadata())["traceresponse"].split("-")[1] == TRACE_ID
         lines = await _events(proc.stderr, "rpc done")
         proc.send_signal(signal.SIGTERM)
         await _events(proc.stderr, "stopped")

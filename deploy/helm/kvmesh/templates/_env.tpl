@@ -29,6 +29,13 @@ the service defines.
 - name: KVMESH_TLS_KEY
   value: /etc/kvmesh/tls/tls.key
 {{- end }}
+{{- with $root.Values.tracing }}{{ if .enabled }}
+# Traces (templates/jaeger.yaml): this service's spans over OTLP/gRPC.
+- name: KVMESH_OTLP_ENDPOINT
+  value: {{ .endpoint | default (printf "http://%s:4317" (include "kvmesh.name" (list $root "jaeger"))) | quote }}
+- name: KVMESH_TRACE_SAMPLE_RATIO
+  value: {{ .sampleRatio | quote }}
+{{- end }}{{ end }}
 {{- /* No OMP_WAIT_POLICY=PASSIVE: sleeping OpenMP threads pay a wake-up on every parallel op of a step (compose/docker-compose.yml). */}}
 {{- end -}}
 

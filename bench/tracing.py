@@ -1,0 +1,216 @@
+"""What tracing costs: HTTP tokens/s and TTFT with export off, on at 10% and on at 100% sampling; and one
+request's waterfall as a picture.
+
+Three meshes of the compose file's topology (gateway, router, kvstore, prefill, decode; no speculator) on
+the same model run side by side: one that traces nothing, two that export every service's spans over
+OTLP/gRPC to a receiver in this process (a real TraceService server: the spans are encoded, sent and
+decoded) at 10% and 100% of new traces. The rounds alternate between them (rotating the order), so the
+machine's noise falls on all; each round streams ``--streams`` greedy completions of ``--max-tokens``
+through the gateway's OpenAI HTTP API, every prompt unique to its round (no prefix-cache hits from an
+earlier round). Reports medians; the cost of a mode is its median against off.
+
+Then one request through the 100% mesh with a traceparent of its own: its spans, from every service,
+drawn on one time axis (``--png``).
+
+    pip install -r bench/requirements.txt   # matplotlib, for the picture
+    python bench/tracing.py --rounds 6 --json bench/results/tracing.json --png docs/images/trace_waterfall.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import secrets
+import statistics
+import sys
+import tempfile
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH.parent))
+
+from _common import write_json  # noqa: E402
+from _table import print_table  # noqa: E402
+from engine import chat_prompts  # noqa: E402
+from peers import http_round, model_id, wait_ready  # noqa: E402
+
+from kvmesh.engine.default_model import default_model_path  # noqa: E402
+from kvmesh.launcher.spec import MeshOptions  # noqa: E402
+from kvmesh.launcher.supervisor import Mesh  # noqa: E402
+from kvmesh.launcher.topology import build_topology  # noqa: E402
+from kvmesh.runtime.otlp_receiver import OtlpReceiver, ReceivedSpan  # noqa: E402
+
+MODES = {"off": None, "10%": 0.1, "100%": 1.0}
+ROLES = ("gateway", "router", "kvstore", "prefill", "decode")
+
+
+@contextlib.contextmanager
+def mesh(model: Path, ratio: float | None, endpoint: str, workdir: Path) -> Iterator[str]:
+    traced = {} if ratio is None else {"KVMESH_OTLP_ENDPOINT": endpoint, "KVMESH_TRACE_SAMPLE_RATIO": str(ratio)}
+    opts = MeshOptions(
+        model=model,
+        speculator=False,
+        publish=False,
+        gateway_port=0,
+        log_level="warning",
+        # Never prefill on decode: every request takes the split path, KV hand-off included.
+        role_env={
+            **{role: traced for role in ROLES},
+            "router": {**traced, "KVMESH_LOCAL_PREFILL_MAX_UNCACHED_TOKENS": "0"},
+        },
+    )
+    run_dir = Path(tempfile.mkdtemp(prefix="tracing-", dir=workdir))
+    topology = build_topology(opts, run_dir)
+    with Mesh(topology, run_dir):
+        url = f"http://127.0.0.1:{topology.get('gateway').env['KVMESH_HTTP_PORT']}"
+        wait_ready(url, None, run_dir / "logs")
+        yield url
+
+
+def unique(prompts: list[list[int]], round_no: int) -> list[list[int]]:
+    """The prompts with a token of this round in front: nothing of an earlier round's prefix is cached."""
+    return [[1000 + round_no, *p] for p in prompts]
+
+
+def traced_request(url: str, served: str, prompt: list[int], receiver: OtlpReceiver) -> list[ReceivedSpan]:
+    """One completion in a trace of its own; its spans once every service has sent them."""
+    trace_id = secrets.token_hex(16)
+    body = {"model": served, "prompt": prompt, "max_tokens": 16, "temperature": 0}
+    request = urllib.request.Request(
+        f"{url}/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json", "traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"},
+    )
+    urllib.request.urlopen(request, timeout=120).read()
+    services = {f"kvmesh-{r}" for r in ("gateway", "router", "prefill", "decode")}
+    return receiver.wait_for(lambda spans: services <= {s.service for s in spans}, trace_id, timeout_s=30)
+
+
+def draw_waterfall(spans: list[ReceivedSpan], path: Path) -> None:
+    """The spans as bars on one time axis, children under their parents, coloured by service."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    children: dict[str, list[ReceivedSpan]] = {}
+    ids = {s.span_id for s in spans}
+    for s in spans:
+        children.setdefault(s.parent_span_id if s.parent_span_id in ids else "", []).append(s)
+    ordered: list[tuple[int, ReceivedSpan]] = []
+
+    def visit(parent: str, depth: int) -> None:
+        for s in sorted(children.get(parent, []), key=lambda s: s.start_ns):
+            ordered.append((depth, s))
+            visit(s.span_id, depth + 1)
+
+    visit("", 0)
+    t0 = min(s.start_ns for s in spans)
+    services = sorted({s.service for s in spans})
+    colours = dict(zip(services, plt.get_cmap("tab10").colors))
+    fig, ax = plt.subplots(figsize=(12, 0.32 * len(ordered) + 1.2))
+    for row, (depth, s) in enumerate(ordered):
+        start, width = (s.start_ns - t0) / 1e6, max((s.end_ns - s.start_ns) / 1e6, 0.05)
+        ax.barh(row, width, left=start, color=colours[s.service], height=0.7)
+        name = s.name.rsplit("/", 1)[-1] if "/" in s.name and " " not in s.name else s.name
+        label = f"{'  ' * depth}{s.service.removeprefix('kvmesh-')}: {name}"
+        ax.text(-0.01, row, label, ha="right", va="center", fontsize=8, transform=ax.get_yaxis_transform())
+        ax.text(start + width, row, f" {width:.1f} ms", va="center", fontsize=7)
+    ax.set_yticks([])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the gateway received the request")
+    ax.set_title("One request through the split mesh (SmolLM2, 16 tokens): its spans from every service")
+    fig.subplots_adjust(left=0.24, right=0.95)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, help="model folder (default: the installed default model)")
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=6, help="per mode, alternating")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--png", type=Path, help="draw one request's waterfall here")
+    args = parser.parse_args()
+    model = args.model or default_model_path()
+    prompts = chat_prompts(model, args.streams)
+    modes = list(MODES)
+    samples: dict[str, list[dict]] = {m: [] for m in modes}
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-tracing-") as tmp,
+        OtlpReceiver() as receiver,
+        contextlib.ExitStack() as stack,
+    ):
+        urls = {m: stack.enter_context(mesh(model, MODES[m], receiver.endpoint, Path(tmp))) for m in modes}
+        served = model_id(urls["off"])
+        for m in modes:  # warm every mesh before anything is measured
+            asyncio.run(http_round(urls[m], served, unique(prompts, 0), 8))
+        for r in range(args.rounds):
+            order = modes[r % 3 :] + modes[: r % 3]
+            for m in order:
+                round_no = 1 + 3 * r + modes.index(m)
+                result = asyncio.run(http_round(urls[m], served, unique(prompts, round_no), args.max_tokens))
+                samples[m].append(result)
+                print(f"round {r + 1} tracing {m}: {result['tokens_per_s']:.1f} tok/s, TTFT {result['ttft_s']:.3f} s")
+        spans = traced_request(urls["100%"], served, unique(prompts, 999)[0], receiver)
+        exported = len(receiver.spans())
+    med = {
+        m: {
+            "tokens_per_s": statistics.median(s["tokens_per_s"] for s in samples[m]),
+            "ttft_s": statistics.median(s["ttft_s"] for s in samples[m]),
+        }
+        for m in modes
+    }
+    cost = {
+        m: {
+            "tokens_per_s": 1 - med[m]["tokens_per_s"] / med["off"]["tokens_per_s"],
+            "ttft_s": med[m]["ttft_s"] / med["off"]["ttft_s"] - 1,
+        }
+        for m in modes
+    }
+    rows = [
+        [
+            f"tracing {m}",
+            f"{med[m]['tokens_per_s']:.1f}",
+            f"{100 * cost[m]['tokens_per_s']:+.1f}%",
+            f"{med[m]['ttft_s']:.3f}",
+            f"{100 * cost[m]['ttft_s']:+.1f}%",
+        ]
+        for m in modes
+    ]
+    print_table(
+        [f"{args.streams} streams x {args.max_tokens} tokens", "tok/s (median)", "cost", "TTFT s (median)", "cost"],
+        rows,
+    )
+    print(f"spans received: {exported}; the traced request's: {len(spans)} from {sorted({s.service for s in spans})}")
+    if args.png:
+        draw_waterfall(spans, args.png)
+        print(f"wrote {args.png}")
+    write_json(
+        args.json,
+        {
+            "model": str(model),
+            "streams": args.streams,
+            "max_tokens": args.max_tokens,
+            "rounds": args.rounds,
+            "samples": {m: [{k: s[k] for k in ("tokens_per_s", "ttft_s")} for s in samples[m]] for m in modes},
+            "medians": med,
+            "cost": cost,
+            "spans_received": exported,
+            "waterfall": [
+                {"service": s.service, "name": s.name, "start_ns": s.start_ns, "end_ns": s.end_ns} for s in spans
+            ],
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
