@@ -7,7 +7,9 @@ OTLP/gRPC to a receiver in this process (a real TraceService server: the spans a
 decoded) at 10% and 100% of new traces. The rounds alternate between them (rotating the order), so the
 machine's noise falls on all; each round streams ``--streams`` greedy completions of ``--max-tokens``
 through the gateway's OpenAI HTTP API, every prompt unique to its round (no prefix-cache hits from an
-earlier round). Reports medians; the cost of a mode is its median against off.
+earlier round), after the CPUs went idle. Reports medians; the cost of a mode is its median against off,
+in tokens/s, TTFT, and the CPU time all the mesh's processes spent per token (span export included: the
+round ends when the CPUs are idle again), which the machine's noise moves least.
 
 Then one request through the 100% mesh with a traceparent of its own: its spans, from every service,
 drawn on one time axis (``--png``).
@@ -22,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import secrets
 import statistics
 import sys
@@ -35,6 +38,7 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent))
 
 from _common import write_json  # noqa: E402
+from _idle_cpu import wait_for_idle_cpu  # noqa: E402
 from _table import print_table  # noqa: E402
 from engine import chat_prompts  # noqa: E402
 from peers import http_round, model_id, wait_ready  # noqa: E402
@@ -50,7 +54,7 @@ ROLES = ("gateway", "router", "kvstore", "prefill", "decode")
 
 
 @contextlib.contextmanager
-def mesh(model: Path, ratio: float | None, endpoint: str, workdir: Path) -> Iterator[str]:
+def mesh(model: Path, ratio: float | None, endpoint: str, workdir: Path) -> Iterator[tuple[str, list[int]]]:
     traced = {} if ratio is None else {"KVMESH_OTLP_ENDPOINT": endpoint, "KVMESH_TRACE_SAMPLE_RATIO": str(ratio)}
     opts = MeshOptions(
         model=model,
@@ -66,10 +70,20 @@ def mesh(model: Path, ratio: float | None, endpoint: str, workdir: Path) -> Iter
     )
     run_dir = Path(tempfile.mkdtemp(prefix="tracing-", dir=workdir))
     topology = build_topology(opts, run_dir)
-    with Mesh(topology, run_dir):
+    with Mesh(topology, run_dir) as running:
         url = f"http://127.0.0.1:{topology.get('gateway').env['KVMESH_HTTP_PORT']}"
         wait_ready(url, None, run_dir / "logs")
-        yield url
+        yield url, [running.process(p.name).pid for p in topology.processes if p.role in ROLES]
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time the processes have used so far (each process's own threads included)."""
+    ticks = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def unique(prompts: list[list[int]], round_no: int) -> list[list[int]]:
@@ -148,7 +162,8 @@ def main() -> int:
         OtlpReceiver() as receiver,
         contextlib.ExitStack() as stack,
     ):
-        urls = {m: stack.enter_context(mesh(model, MODES[m], receiver.endpoint, Path(tmp))) for m in modes}
+        meshes = {m: stack.enter_context(mesh(model, MODES[m], receiver.endpoint, Path(tmp))) for m in modes}
+        urls = {m: url for m, (url, _) in meshes.items()}
         served = model_id(urls["off"])
         for m in modes:  # warm every mesh before anything is measured
             asyncio.run(http_round(urls[m], served, unique(prompts, 0), 8))
@@ -156,22 +171,26 @@ def main() -> int:
             order = modes[r % 3 :] + modes[: r % 3]
             for m in order:
                 round_no = 1 + 3 * r + modes.index(m)
+                wait_for_idle_cpu()  # the previous round's mesh has finished its own background work
+                pids = meshes[m][1]
+                cpu0 = cpu_seconds(pids)
                 result = asyncio.run(http_round(urls[m], served, unique(prompts, round_no), args.max_tokens))
+                wait_for_idle_cpu()  # what the round left behind (span export, kvstore puts) is its cost too
+                result["cpu_ms_per_token"] = 1e3 * (cpu_seconds(pids) - cpu0) / sum(result["tokens"])
                 samples[m].append(result)
-                print(f"round {r + 1} tracing {m}: {result['tokens_per_s']:.1f} tok/s, TTFT {result['ttft_s']:.3f} s")
+                print(
+                    f"round {r + 1} tracing {m}: {result['tokens_per_s']:.1f} tok/s, TTFT {result['ttft_s']:.3f} s, "
+                    f"{result['cpu_ms_per_token']:.2f} CPU ms/token"
+                )
         spans = traced_request(urls["100%"], served, unique(prompts, 999)[0], receiver)
         exported = len(receiver.spans())
-    med = {
-        m: {
-            "tokens_per_s": statistics.median(s["tokens_per_s"] for s in samples[m]),
-            "ttft_s": statistics.median(s["ttft_s"] for s in samples[m]),
-        }
-        for m in modes
-    }
+    keys = ("tokens_per_s", "ttft_s", "cpu_ms_per_token")
+    med = {m: {k: statistics.median(s[k] for s in samples[m]) for k in keys} for m in modes}
     cost = {
         m: {
             "tokens_per_s": 1 - med[m]["tokens_per_s"] / med["off"]["tokens_per_s"],
             "ttft_s": med[m]["ttft_s"] / med["off"]["ttft_s"] - 1,
+            "cpu_ms_per_token": med[m]["cpu_ms_per_token"] / med["off"]["cpu_ms_per_token"] - 1,
         }
         for m in modes
     }
@@ -182,11 +201,21 @@ def main() -> int:
             f"{100 * cost[m]['tokens_per_s']:+.1f}%",
             f"{med[m]['ttft_s']:.3f}",
             f"{100 * cost[m]['ttft_s']:+.1f}%",
+            f"{med[m]['cpu_ms_per_token']:.2f}",
+            f"{100 * cost[m]['cpu_ms_per_token']:+.1f}%",
         ]
         for m in modes
     ]
     print_table(
-        [f"{args.streams} streams x {args.max_tokens} tokens", "tok/s (median)", "cost", "TTFT s (median)", "cost"],
+        [
+            f"{args.streams} streams x {args.max_tokens} tokens",
+            "tok/s (median)",
+            "cost",
+            "TTFT s (median)",
+            "cost",
+            "mesh CPU ms/token",
+            "cost",
+        ],
         rows,
     )
     print(f"spans received: {exported}; the traced request's: {len(spans)} from {sorted({s.service for s in spans})}")
@@ -200,7 +229,7 @@ def main() -> int:
             "streams": args.streams,
             "max_tokens": args.max_tokens,
             "rounds": args.rounds,
-            "samples": {m: [{k: s[k] for k in ("tokens_per_s", "ttft_s")} for s in samples[m]] for m in modes},
+            "samples": {m: [{k: s[k] for k in keys} for s in samples[m]] for m in modes},
             "medians": med,
             "cost": cost,
             "spans_received": exported,

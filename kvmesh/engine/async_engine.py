@@ -24,6 +24,7 @@ from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.kv_cache import KVCache
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.errors import Unavailable
+from kvmesh.runtime import tracing
 from kvmesh.sampling import SamplingParams
 
 T = TypeVar("T")
@@ -147,7 +148,9 @@ class AsyncEngine:
             # Compile off the engine thread (a large schema takes a while): add_request then
             # finds it cached, and a bad grammar fails here without touching the step loop.
             grammar = params.grammar
-            await asyncio.to_thread(lambda: self.engine.grammars.compiled(grammar))
+            # Under the request's span: a cache hit shows as a sliver, a cold compile as what it cost.
+            with tracing.span("grammar.compile", **{"kvmesh.grammar.kind": grammar.kind}):
+                await asyncio.to_thread(lambda: self.engine.grammars.compiled(grammar))
 
         def add(engine: LLMEngine) -> str:
             rid = engine.add_request(prompt_ids, params, request_id, cache_salt, **add_options)

@@ -104,6 +104,7 @@ class LLMEngine(KVHandoff):
         first_logprob: TokenLogprob | None = None,
         hold_prompt_blocks: bool = False,
         resume_ids: list[int] | None = None,
+        traceparent: str | None = None,
     ) -> str:
         """Queue a request; raises InvalidArgument for anything it could never serve.
 
@@ -131,6 +132,7 @@ class LLMEngine(KVHandoff):
             cache_salt=cache_salt,
             arrival=arrival,
             hold_prompt_blocks=hold_prompt_blocks,
+            traceparent=traceparent,
         )
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)

@@ -39,6 +39,8 @@ class Sequence:
     # its queue wait, for its trace and its caller's timings.
     added_ns: int = field(default_factory=time.perf_counter_ns)
     admitted_ns: int = 0
+    # The request's W3C trace context (None: untraced), for services that act on it later (the speculator).
+    traceparent: str | None = None
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)

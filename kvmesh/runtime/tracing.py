@@ -147,6 +147,15 @@ def server_span(name: str, incoming: Iterable[tuple[str, str | bytes]], **attrib
         span.end()
 
 
+def continued_span(name: str, traceparent: str, **attributes: Any) -> Span:
+    """A span continuing ``traceparent`` that outlives any one call (the caller ends it): work on a request
+    that arrives on a stream shared by many requests (the speculator's). A no-op span when tracing is off."""
+    if _tracer is None or not traceparent:
+        return trace.INVALID_SPAN
+    parent = _PROPAGATOR.extract({TRACEPARENT: traceparent})
+    return _tracer.start_span(name, context=parent, attributes=attributes)
+
+
 @contextmanager
 def span(name: str, **attributes: Any) -> Iterator[Span]:
     """A span for a phase of the current call (a no-op span when tracing is off)."""

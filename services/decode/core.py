@@ -164,6 +164,9 @@ class DecodeWorker:
                 )
                 if resume_ids:
                     options = {"resume_ids": resume_ids}
+            traceparent = tracing.current_traceparent()
+            if traceparent is not None:  # the speculator's span for this request joins its trace
+                options["traceparent"] = traceparent
             async for out in self.engine.generate(prompt_ids, params, request_id, cache_salt, **options):
                 yield out, transfer_ns
         finally:

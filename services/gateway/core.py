@@ -260,6 +260,7 @@ class Gateway:
                     chunks = self._workers.resume(job, plan, stream)
                 else:
                     attempts += 1
+                    stream.predicted_cached_tokens = plan.predicted_cached_tokens
                     chunks = self._workers.attempt(job, plan, stream)
                 async with aclosing(chunks):
                     async for chunk in chunks:

@@ -56,6 +56,13 @@ class GatewayMetrics:
             buckets=_TTFT_BUCKETS,
             registry=reg,
         )
+        self.cached_tokens = Counter(
+            "kvmesh_gateway_prompt_cached_tokens",
+            "Prompt tokens of finished requests the router predicted the serving worker would find cached, and "
+            "those it found (kind: predicted, found); found / predicted is the routing index's precision.",
+            ["kind"],
+            registry=reg,
+        )
         self.router_fallbacks = Counter(
             "kvmesh_gateway_router_fallbacks",
             "Requests routed on the last known decode workers because the router could not be reached.",

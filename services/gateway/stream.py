@@ -50,6 +50,9 @@ class ResponseStream:
         self.token_ids: list[int] = []  # what the client got, to resume from if its decode worker fails
         self._first_ns: int | None = None
         self._last_ns = 0
+        # What the router expected the attempt that served the prompt to find cached (its precision's numerator
+        # is what the worker then found: the final chunk's cached tokens).
+        self.predicted_cached_tokens = 0
 
     def chunk(
         self,
@@ -108,4 +111,6 @@ class ResponseStream:
         )
         for phase, ns in phases(end).items():
             self._metrics.phases.labels(phase).observe(ns / 1e9)
+        self._metrics.cached_tokens.labels("predicted").inc(self.predicted_cached_tokens)
+        self._metrics.cached_tokens.labels("found").inc(finish.cached_tokens)
         return end

@@ -283,6 +283,7 @@ def _plan_attributes(plan: router_pb2.RouteResponse) -> dict[str, object]:
         "kvmesh.route.decode_matched_blocks": plan.decode_matched_blocks,
         "kvmesh.route.kvstore_matched_blocks": plan.kvstore_matched_blocks,
         "kvmesh.route.index_available": plan.index_available,
+        "kvmesh.route.predicted_cached_tokens": plan.predicted_cached_tokens,
     }
 
 

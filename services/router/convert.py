@@ -191,6 +191,7 @@ def plan_to_pb(plan: RoutePlan, address_of: Callable[[str], str]) -> router_pb2.
         decode_matched_blocks=plan.decode_matched_blocks,
         kvstore_matched_blocks=plan.kvstore_matched_blocks,
         index_available=plan.index_available,
+        predicted_cached_tokens=plan.predicted_cached_tokens,
     )
     if plan.prefill_worker is not None:
         resp.prefill_worker.CopyFrom(endpoint(plan.prefill_worker))

@@ -76,6 +76,8 @@ class RoutePlan:
     matched_blocks: dict[str, int]
     # Tokens the prefilling worker still has to compute (or fetch from the kvstore).
     uncached_tokens: int
+    # The rest of the prompt: what the prefilling worker should find cached (its GPU, the kvstore).
+    predicted_cached_tokens: int
     index_available: bool
 
     @property
@@ -137,6 +139,7 @@ def _plan(req: RouteInput, prefill: str | None, decode: str, uncached: int) -> R
         kvstore_matched_blocks=req.hits.kvstore_blocks,
         matched_blocks=dict(gpu),
         uncached_tokens=uncached,
+        predicted_cached_tokens=req.num_tokens - uncached,
         index_available=req.index_available,
     )
 
@@ -157,8 +160,11 @@ class CacheAwarePolicy:
 
     def _work(self, req: RouteInput, worker_id: str) -> tuple[int, float]:
         """(tokens not on the worker's GPU, their cost counting kvstore fetches as cheap)."""
-        gpu = min(req.num_tokens, req.hits.gpu_blocks.get(worker_id, 0) * req.block_size)
-        stored = min(req.num_tokens, req.hits.kvstore_blocks * req.block_size)
+        # A worker never reuses the block holding the prompt's last token: that token must run through the
+        # model for the first token's logits (the engine's scheduler), so a fully cached prompt still computes it.
+        usable = max(req.num_tokens - 1, 0) // req.block_size
+        gpu = min(req.hits.gpu_blocks.get(worker_id, 0), usable) * req.block_size
+        stored = min(req.hits.kvstore_blocks, usable) * req.block_size
         fetched = max(0, stored - gpu)
         missing = req.num_tokens - gpu
         return missing, (missing - fetched) + fetched * self.w.kvstore_fetch_cost

@@ -153,6 +153,8 @@ class SpeculatorProposer:
                     num_draft_tokens=k,
                     deadline_us=self._deadline_us,
                     accepted_draft_tokens=d.accepted_draft_tokens,
+                    # The whole context: the speculator meets the request (again, after a reconnect) here.
+                    traceparent=(seq.traceparent or "") if d.context_length == len(d.new_token_ids) else "",
                 )
             )
             expected[d.request_id] = d.context_length

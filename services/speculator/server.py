@@ -33,6 +33,7 @@ from kvmesh.api.speculator.v1 import speculator_pb2, speculator_pb2_grpc
 from kvmesh.errors import InvalidArgument
 from kvmesh.speculation.speculator import Session, Speculator
 from services.speculator.maintenance import IndexMaintainer
+from services.speculator.request_spans import RequestSpans
 
 if TYPE_CHECKING:  # it pulls in torch, which a speculator without a draft model never loads
     from services.speculator.draft_worker import DraftModelWorker
@@ -61,37 +62,39 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServiceServicer):
         self._inboxes.add(inbox)
         reader = asyncio.create_task(_read_into(request_iterator, inbox))
         session = self._spec.open_session()
+        spans = RequestSpans()
         try:
             while (item := await inbox.get()) is not _END:
                 if isinstance(item, BaseException):
                     raise item
                 received_ns, request = item
-                response = await self._handle(session, request, received_ns)
+                response = await self._handle(session, spans, request, received_ns)
                 if response is not None:
                     yield response
         finally:
             reader.cancel()
             self._inboxes.discard(inbox)
             session.close()
+            spans.close()
 
     async def _handle(
-        self, session: Session, request: speculator_pb2.ProposeRequest, received_ns: int
+        self, session: Session, spans: RequestSpans, request: speculator_pb2.ProposeRequest, received_ns: int
     ) -> speculator_pb2.ProposeResponse | None:
         kind = request.WhichOneof("update")
         if kind == "batch":
             batch = request.batch
             for update in batch.contexts:
-                _apply(session, update)
+                _apply(session, spans, update)
             wanting = [update for update in batch.contexts if update.num_draft_tokens]
-            drafts = [draft for draft in await self._drafts(session, wanting, received_ns) if draft is not None]
-            self._finish(session, batch.finished)
+            drafts = [draft for draft in await self._drafts(session, spans, wanting, received_ns) if draft is not None]
+            self._finish(session, spans, batch.finished)
             return speculator_pb2.ProposeResponse(drafts=drafts, timings=_timings(received_ns)) if drafts else None
         if kind == "context":
             update = request.context
-            _apply(session, update)
+            _apply(session, spans, update)
             if not update.num_draft_tokens:
                 return None
-            (draft,) = await self._drafts(session, [update], received_ns)
+            (draft,) = await self._drafts(session, spans, [update], received_ns)
             if draft is None:
                 return None
             return speculator_pb2.ProposeResponse(
@@ -101,12 +104,16 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServiceServicer):
                 timings=_timings(received_ns),
             )
         if kind == "finished":
-            self._finish(session, [request.finished])
+            self._finish(session, spans, [request.finished])
             return None
         raise InvalidArgument("ProposeRequest carries no update")
 
     async def _drafts(
-        self, session: Session, updates: Sequence[speculator_pb2.ContextUpdate], received_ns: int
+        self,
+        session: Session,
+        spans: RequestSpans,
+        updates: Sequence[speculator_pb2.ContextUpdate],
+        received_ns: int,
     ) -> list[speculator_pb2.Draft | None]:
         """The answers to ``updates`` (each asking for drafts), in order: a draft (empty when there
         is nothing to propose), or None when its deadline passed: no answer beats a late one."""
@@ -126,6 +133,8 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServiceServicer):
             if deadline_ns is not None and time.perf_counter_ns() > deadline_ns:
                 answers.append(None)
                 continue
+            if candidate is not None:
+                spans.proposed(update.request_id, candidate.source.value, len(candidate.token_ids))
             answers.append(
                 speculator_pb2.Draft(
                     request_id=update.request_id,
@@ -135,10 +144,13 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServiceServicer):
             )
         return answers
 
-    def _finish(self, session: Session, finished: Iterable[speculator_pb2.RequestFinished]) -> None:
+    def _finish(
+        self, session: Session, spans: RequestSpans, finished: Iterable[speculator_pb2.RequestFinished]
+    ) -> None:
         learned = False
         for f in finished:
             session.finish(f.request_id, f.learn)
+            spans.finish(f.request_id)
             learned |= f.learn
         if learned:
             self._maintainer.wake()
@@ -161,8 +173,9 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServiceServicer):
             inbox.put_nowait(_END)
 
 
-def _apply(session: Session, update: speculator_pb2.ContextUpdate) -> None:
+def _apply(session: Session, spans: RequestSpans, update: speculator_pb2.ContextUpdate) -> None:
     session.update(update.request_id, list(update.token_ids), update.context_length, update.accepted_draft_tokens)
+    spans.update(update.request_id, update.traceparent, update.accepted_draft_tokens)
 
 
 def _timings(received_ns: int) -> accounting_pb2.Timings:

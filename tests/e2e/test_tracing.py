@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import secrets
 import urllib.request
 
 from kvmesh.runtime.otlp_receiver import ReceivedSpan
 from tests.e2e.mesh_helpers import http_url, metrics
 
-PROMPT = list(range(200, 280))  # five full blocks: a hand-off with KV to move
+BLOCK = 16
 
 
 def _post(url: str, body: dict, headers: dict[str, str]) -> tuple[dict, dict[str, str]]:
@@ -35,16 +36,23 @@ def _complete(spans: list[ReceivedSpan]) -> bool:
         ("kvmesh-prefill", "kvmesh.api.prefill.v1.PrefillService/Prefill"),
         ("kvmesh-decode", "kvmesh.api.decode.v1.DecodeService/Decode"),
         ("kvmesh-decode", "kv.transfer"),
+        ("kvmesh-speculator", "speculator.request"),
     }
-    return wanted <= names
+    return wanted <= names and any(s.service == "kvmesh-kvstore" for s in spans)
+
+
+async def _traced_completion(mesh, prompt: list[int], trace_id: str, caller: str) -> tuple[dict, dict[str, str]]:
+    body = {"model": "llama", "prompt": prompt, "max_tokens": 8, "temperature": 0, "return_timings": True}
+    headers = {"traceparent": f"00-{trace_id}-{caller}-01"}
+    return await asyncio.to_thread(_post, f"{http_url(mesh)}/v1/completions", body, headers)
 
 
 async def test_one_request_is_one_trace_through_every_hop(mesh, otlp) -> None:
     trace_id, caller = secrets.token_hex(16), secrets.token_hex(8)
     pulled = metrics(mesh, "decode-0").get("kvmesh_decode_bytes_pulled_total", 0)
-    body = {"model": "llama", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "return_timings": True}
-    headers = {"traceparent": f"00-{trace_id}-{caller}-01"}
-    answer, response_headers = await asyncio.to_thread(_post, f"{http_url(mesh)}/v1/completions", body, headers)
+    # Five full blocks nobody has cached yet: a hand-off with KV to move.
+    prompt = random.Random(trace_id).choices(range(50, 500), k=5 * BLOCK)
+    answer, response_headers = await _traced_completion(mesh, prompt, trace_id, caller)
 
     # The client sees the trace it is in and where the time went.
     assert response_headers["traceresponse"].split("-")[1] == trace_id
@@ -64,19 +72,19 @@ async def test_one_request_is_one_trace_through_every_hop(mesh, otlp) -> None:
     request = _one(spans, "kvmesh-gateway", "gateway.generate")
     assert request.parent_span_id == http.span_id
     assert request.attributes["gen_ai.usage.output_tokens"] == 8
-    assert request.attributes["gen_ai.usage.input_tokens"] == len(PROMPT)
+    assert request.attributes["gen_ai.usage.input_tokens"] == len(prompt)
     for phase in ("tokenize", "route", "prefill", "decode"):
         assert _one(spans, "kvmesh-gateway", phase).parent_span_id == request.span_id
     route = _one(spans, "kvmesh-gateway", "route")
     assert route.attributes["kvmesh.route.decode_worker"] == "decode-0"
-    assert route.attributes["kvmesh.route.total_blocks"] == len(PROMPT) // 16
+    assert route.attributes["kvmesh.route.total_blocks"] == len(prompt) // BLOCK
     assert _one(spans, "kvmesh-router", "kvmesh.api.router.v1.RouterService/Route").parent_span_id == route.span_id
 
     prefill = _one(spans, "kvmesh-prefill", "kvmesh.api.prefill.v1.PrefillService/Prefill")
     assert prefill.parent_span_id == _one(spans, "kvmesh-gateway", "prefill").span_id
     compute = _one(spans, "kvmesh-prefill", "prefill.compute")
     assert compute.parent_span_id == prefill.span_id
-    assert compute.attributes["kvmesh.computed_tokens"] + compute.attributes["kvmesh.reused_tokens"] == len(PROMPT)
+    assert compute.attributes["kvmesh.computed_tokens"] + compute.attributes["kvmesh.reused_tokens"] == len(prompt)
     assert _one(spans, "kvmesh-prefill", "prefill.queue").parent_span_id == prefill.span_id
 
     decode = _one(spans, "kvmesh-decode", "kvmesh.api.decode.v1.DecodeService/Decode")
@@ -94,3 +102,21 @@ async def test_one_request_is_one_trace_through_every_hop(mesh, otlp) -> None:
         wire_s = transfer.attributes["kvmesh.kv.wire_ns"] / 1e9
         assert 0 < wire_s <= (transfer.end_ns - transfer.start_ns) / 1e9  # never a window shorter than the wire's
         assert transfer.attributes["kvmesh.kv.transport"] in ("grpc", "nixl")
+
+    # Speculation acted for the request on the speculator, in the same trace, under the decode stream.
+    speculation = _one(spans, "kvmesh-speculator", "speculator.request")
+    assert speculation.parent_span_id == decode.span_id
+    assert speculation.attributes["kvmesh.spec.updates"] >= 1
+    assert any(s.service == "kvmesh-kvstore" and s.parent_span_id in by_id for s in spans)
+
+    # Sent again, the prompt's blocks are cached where the router says: its prediction is what the worker found.
+    again = secrets.token_hex(16)
+    await _traced_completion(mesh, prompt, again, caller)
+    spans = await asyncio.to_thread(otlp.wait_for, _complete, again)
+    predicted = _one(spans, "kvmesh-gateway", "route").attributes["kvmesh.route.predicted_cached_tokens"]
+    # Wherever it is prefilled now (the decode worker holds the whole prompt too), on that worker's count.
+    found = _one(spans, "kvmesh-gateway", "gateway.generate").attributes["kvmesh.cached_tokens"]
+    assert predicted == found > 0
+    counted = metrics(mesh, "gateway")
+    assert counted["kvmesh_gateway_prompt_cached_tokens_total{kind=found}"] >= found
+    assert counted["kvmesh_gateway_prompt_cached_tokens_total{kind=predicted}"] >= predicted

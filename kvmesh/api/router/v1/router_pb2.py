@@ -27,7 +27,7 @@ from kvmesh.api.common.v1 import kv_pb2 as kvmesh_dot_api_dot_common_dot_v1_dot_
 from kvmesh.api.common.v1 import worker_pb2 as kvmesh_dot_api_dot_common_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!kvmesh/api/router/v1/router.proto\x12\x14kvmesh.api.router.v1\x1a%kvmesh/api/common/v1/accounting.proto\x1a\x1dkvmesh/api/common/v1/kv.proto\x1a!kvmesh/api/common/v1/worker.proto\"\xdf\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x33\n\x06tokens\x18\x02 \x01(\x0b\x32!.kvmesh.api.router.v1.TokenPromptH\x00\x12\x34\n\x06hashed\x18\x03 \x01(\x0b\x32\".kvmesh.api.router.v1.HashedPromptH\x00\x12\x12\n\ncache_salt\x18\x04 \x01(\x0c\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x1a\n\x12\x65xclude_worker_ids\x18\x06 \x03(\tB\x08\n\x06prompt\" \n\x0bTokenPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"L\n\x0cHashedPrompt\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\"\xe1\x02\n\rRouteResponse\x12<\n\x0eprefill_worker\x18\x01 \x01(\x0b\x32$.kvmesh.api.common.v1.WorkerEndpoint\x12;\n\rdecode_worker\x18\x02 \x01(\x0b\x32$.kvmesh.api.common.v1.WorkerEndpoint\x12\x17\n\x0fprefill_locally\x18\x03 \x01(\x08\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\r\x12\x1e\n\x16prefill_matched_blocks\x18\x05 \x01(\r\x12\x1d\n\x15\x64\x65\x63ode_matched_blocks\x18\x06 \x01(\r\x12\x1e\n\x16kvstore_matched_blocks\x18\x07 \x01(\r\x12\x17\n\x0findex_available\x18\x08 \x01(\x08\x12.\n\x07timings\x18\t \x01(\x0b\x32\x1d.kvmesh.api.common.v1.Timings\"V\n\x0eWorkerCapacity\x12\x17\n\x0ftotal_kv_blocks\x18\x01 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"\xe2\x01\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12.\n\x04role\x18\x02 \x01(\x0e\x32 .kvmesh.api.common.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12.\n\x06layout\x18\x04 \x01(\x0b\x32\x1e.kvmesh.api.common.v1.KVLayout\x12\x36\n\x08\x63\x61pacity\x18\x05 \x01(\x0b\x32$.kvmesh.api.router.v1.WorkerCapacity\x12\r\n\x05model\x18\x06 \x01(\t\"z\n\x16RegisterWorkerResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\x12\x19\n\x11\x65xpected_sequence\x18\x04 \x01(\x04\"g\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12.\n\x04load\x18\x03 \x01(\x0b\x32 .kvmesh.api.common.v1.WorkerLoad\"_\n\x11HeartbeatResponse\x12\x1b\n\x13reregister_required\x18\x01 \x01(\x08\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\x12\x17\n\x0fresync_required\x18\x03 \x01(\x08\">\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"+\n\x18\x44\x65registerWorkerResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"|\n\x07KVEvent\x12/\n\x04type\x18\x01 \x01(\x0e\x32!.kvmesh.api.router.v1.KVEventType\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12*\n\x04tier\x18\x03 \x01(\x0e\x32\x1c.kvmesh.api.common.v1.KVTier\"~\n\x16PublishKVEventsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12-\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x1d.kvmesh.api.router.v1.KVEvent\"_\n\x17PublishKVEventsResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x17\n\x0fresync_required\x18\x02 \x01(\x08\x12\x19\n\x11\x65xpected_sequence\x18\x03 \x01(\x04\"\x8e\x01\n\x13ResyncWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12*\n\x04tier\x18\x04 \x01(\x0e\x32\x1c.kvmesh.api.common.v1.KVTier\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\"y\n\x14ResyncWorkerResponse\x12\x16\n\x0eindexed_blocks\x18\x01 \x01(\x04\x12\x19\n\x11\x65xpected_sequence\x18\x02 \x01(\x04\x12.\n\x07timings\x18\x03 \x01(\x0b\x32\x1d.kvmesh.api.common.v1.Timings\"D\n\x12ListWorkersRequest\x12.\n\x04role\x18\x01 \x01(\x0e\x32 .kvmesh.api.common.v1.WorkerRole\"\x9b\x01\n\x13ListWorkersResponse\x12\x33\n\x07workers\x18\x01 \x03(\x0b\x32\".kvmesh.api.router.v1.WorkerStatus\x12\x36\n\x0e\x63luster_layout\x18\x02 \x01(\x0b\x32\x1e.kvmesh.api.common.v1.KVLayout\x12\x17\n\x0findex_available\x18\x03 \x01(\x08\"\xc4\x02\n\x0cWorkerStatus\x12\x36\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32$.kvmesh.api.common.v1.WorkerEndpoint\x12.\n\x04role\x18\x02 \x01(\x0e\x32 .kvmesh.api.common.v1.WorkerRole\x12\x36\n\x08\x63\x61pacity\x18\x03 \x01(\x0b\x32$.kvmesh.api.router.v1.WorkerCapacity\x12.\n\x04load\x18\x04 \x01(\x0b\x32 .kvmesh.api.common.v1.WorkerLoad\x12\x1e\n\x16last_heartbeat_unix_ms\x18\x05 \x01(\x04\x12\x1d\n\x15lease_expires_unix_ms\x18\x06 \x01(\x04\x12\x16\n\x0eindexed_blocks\x18\x07 \x01(\x04\x12\r\n\x05model\x18\x08 \x01(\t*\x80\x01\n\x0bKVEventType\x12\x1d\n\x19KV_EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_EVENT_TYPE_STORED\x10\x01\x12\x19\n\x15KV_EVENT_TYPE_REMOVED\x10\x02\x12\x1d\n\x19KV_EVENT_TYPE_ALL_CLEARED\x10\x03\x32\xdc\x05\n\rRouterService\x12P\n\x05Route\x12\".kvmesh.api.router.v1.RouteRequest\x1a#.kvmesh.api.router.v1.RouteResponse\x12k\n\x0eRegisterWorker\x12+.kvmesh.api.router.v1.RegisterWorkerRequest\x1a,.kvmesh.api.router.v1.RegisterWorkerResponse\x12\\\n\tHeartbeat\x12&.kvmesh.api.router.v1.HeartbeatRequest\x1a\'.kvmesh.api.router.v1.HeartbeatResponse\x12q\n\x10\x44\x65registerWorker\x12-.kvmesh.api.router.v1.DeregisterWorkerRequest\x1a..kvmesh.api.router.v1.DeregisterWorkerResponse\x12n\n\x0fPublishKVEvents\x12,.kvmesh.api.router.v1.PublishKVEventsRequest\x1a-.kvmesh.api.router.v1.PublishKVEventsResponse\x12g\n\x0cResyncWorker\x12).kvmesh.api.router.v1.ResyncWorkerRequest\x1a*.kvmesh.api.router.v1.ResyncWorkerResponse(\x01\x12\x62\n\x0bListWorkers\x12(.kvmesh.api.router.v1.ListWorkersRequest\x1a).kvmesh.api.router.v1.ListWorkersResponseBGZEgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/router/v1;routerv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!kvmesh/api/router/v1/router.proto\x12\x14kvmesh.api.router.v1\x1a%kvmesh/api/common/v1/accounting.proto\x1a\x1dkvmesh/api/common/v1/kv.proto\x1a!kvmesh/api/common/v1/worker.proto\"\xdf\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x33\n\x06tokens\x18\x02 \x01(\x0b\x32!.kvmesh.api.router.v1.TokenPromptH\x00\x12\x34\n\x06hashed\x18\x03 \x01(\x0b\x32\".kvmesh.api.router.v1.HashedPromptH\x00\x12\x12\n\ncache_salt\x18\x04 \x01(\x0c\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x1a\n\x12\x65xclude_worker_ids\x18\x06 \x03(\tB\x08\n\x06prompt\" \n\x0bTokenPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"L\n\x0cHashedPrompt\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\"\x82\x03\n\rRouteResponse\x12<\n\x0eprefill_worker\x18\x01 \x01(\x0b\x32$.kvmesh.api.common.v1.WorkerEndpoint\x12;\n\rdecode_worker\x18\x02 \x01(\x0b\x32$.kvmesh.api.common.v1.WorkerEndpoint\x12\x17\n\x0fprefill_locally\x18\x03 \x01(\x08\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\r\x12\x1e\n\x16prefill_matched_blocks\x18\x05 \x01(\r\x12\x1d\n\x15\x64\x65\x63ode_matched_blocks\x18\x06 \x01(\r\x12\x1e\n\x16kvstore_matched_blocks\x18\x07 \x01(\r\x12\x17\n\x0findex_available\x18\x08 \x01(\x08\x12.\n\x07timings\x18\t \x01(\x0b\x32\x1d.kvmesh.api.common.v1.Timings\x12\x1f\n\x17predicted_cached_tokens\x18\n \x01(\r\"V\n\x0eWorkerCapacity\x12\x17\n\x0ftotal_kv_blocks\x18\x01 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"\xe2\x01\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12.\n\x04role\x18\x02 \x01(\x0e\x32 .kvmesh.api.common.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12.\n\x06layout\x18\x04 \x01(\x0b\x32\x1e.kvmesh.api.common.v1.KVLayout\x12\x36\n\x08\x63\x61pacity\x18\x05 \x01(\x0b\x32$.kvmesh.api.router.v1.WorkerCapacity\x12\r\n\x05model\x18\x06 \x01(\t\"z\n\x16RegisterWorkerResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\x12\x19\n\x11\x65xpected_sequence\x18\x04 \x01(\x04\"g\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12.\n\x04load\x18\x03 \x01(\x0b\x32 .kvmesh.api.common.v1.WorkerLoad\"_\n\x11HeartbeatResponse\x12\x1b\n\x13reregister_required\x18\x01 \x01(\x08\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\x12\x17\n\x0fresync_required\x18\x03 \x01(\x08\">\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"+\n\x18\x44\x65registerWorkerResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"|\n\x07KVEvent\x12/\n\x04type\x18\x01 \x01(\x0e\x32!.kvmesh.api.router.v1.KVEventType\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12*\n\x04tier\x18\x03 \x01(\x0e\x32\x1c.kvmesh.api.common.v1.KVTier\"~\n\x16PublishKVEventsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12-\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x1d.kvmesh.api.router.v1.KVEvent\"_\n\x17PublishKVEventsResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x17\n\x0fresync_required\x18\x02 \x01(\x08\x12\x19\n\x11\x65xpected_sequence\x18\x03 \x01(\x04\"\x8e\x01\n\x13ResyncWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12*\n\x04tier\x18\x04 \x01(\x0e\x32\x1c.kvmesh.api.common.v1.KVTier\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\"y\n\x14ResyncWorkerResponse\x12\x16\n\x0eindexed_blocks\x18\x01 \x01(\x04\x12\x19\n\x11\x65xpected_sequence\x18\x02 \x01(\x04\x12.\n\x07timings\x18\x03 \x01(\x0b\x32\x1d.kvmesh.api.common.v1.Timings\"D\n\x12ListWorkersRequest\x12.\n\x04role\x18\x01 \x01(\x0e\x32 .kvmesh.api.common.v1.WorkerRole\"\x9b\x01\n\x13ListWorkersResponse\x12\x33\n\x07workers\x18\x01 \x03(\x0b\x32\".kvmesh.api.router.v1.WorkerStatus\x12\x36\n\x0e\x63luster_layout\x18\x02 \x01(\x0b\x32\x1e.kvmesh.api.common.v1.KVLayout\x12\x17\n\x0findex_available\x18\x03 \x01(\x08\"\xc4\x02\n\x0cWorkerStatus\x12\x36\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32$.kvmesh.api.common.v1.WorkerEndpoint\x12.\n\x04role\x18\x02 \x01(\x0e\x32 .kvmesh.api.common.v1.WorkerRole\x12\x36\n\x08\x63\x61pacity\x18\x03 \x01(\x0b\x32$.kvmesh.api.router.v1.WorkerCapacity\x12.\n\x04load\x18\x04 \x01(\x0b\x32 .kvmesh.api.common.v1.WorkerLoad\x12\x1e\n\x16last_heartbeat_unix_ms\x18\x05 \x01(\x04\x12\x1d\n\x15lease_expires_unix_ms\x18\x06 \x01(\x04\x12\x16\n\x0eindexed_blocks\x18\x07 \x01(\x04\x12\r\n\x05model\x18\x08 \x01(\t*\x80\x01\n\x0bKVEventType\x12\x1d\n\x19KV_EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_EVENT_TYPE_STORED\x10\x01\x12\x19\n\x15KV_EVENT_TYPE_REMOVED\x10\x02\x12\x1d\n\x19KV_EVENT_TYPE_ALL_CLEARED\x10\x03\x32\xdc\x05\n\rRouterService\x12P\n\x05Route\x12\".kvmesh.api.router.v1.RouteRequest\x1a#.kvmesh.api.router.v1.RouteResponse\x12k\n\x0eRegisterWorker\x12+.kvmesh.api.router.v1.RegisterWorkerRequest\x1a,.kvmesh.api.router.v1.RegisterWorkerResponse\x12\\\n\tHeartbeat\x12&.kvmesh.api.router.v1.HeartbeatRequest\x1a\'.kvmesh.api.router.v1.HeartbeatResponse\x12q\n\x10\x44\x65registerWorker\x12-.kvmesh.api.router.v1.DeregisterWorkerRequest\x1a..kvmesh.api.router.v1.DeregisterWorkerResponse\x12n\n\x0fPublishKVEvents\x12,.kvmesh.api.router.v1.PublishKVEventsRequest\x1a-.kvmesh.api.router.v1.PublishKVEventsResponse\x12g\n\x0cResyncWorker\x12).kvmesh.api.router.v1.ResyncWorkerRequest\x1a*.kvmesh.api.router.v1.ResyncWorkerResponse(\x01\x12\x62\n\x0bListWorkers\x12(.kvmesh.api.router.v1.ListWorkersRequest\x1a).kvmesh.api.router.v1.ListWorkersResponseBGZEgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/router/v1;routerv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.api.router.v1.router
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'ZEgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/router/v1;routerv1'
-  _globals['_KVEVENTTYPE']._serialized_start=2785
-  _globals['_KVEVENTTYPE']._serialized_end=2913
+  _globals['_KVEVENTTYPE']._serialized_start=2818
+  _globals['_KVEVENTTYPE']._serialized_end=2946
   _globals['_ROUTEREQUEST']._serialized_start=165
   _globals['_ROUTEREQUEST']._serialized_end=388
   _globals['_TOKENPROMPT']._serialized_start=390
@@ -44,37 +44,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HASHEDPROMPT']._serialized_start=424
   _globals['_HASHEDPROMPT']._serialized_end=500
   _globals['_ROUTERESPONSE']._serialized_start=503
-  _globals['_ROUTERESPONSE']._serialized_end=856
-  _globals['_WORKERCAPACITY']._serialized_start=858
-  _globals['_WORKERCAPACITY']._serialized_end=944
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=947
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=1173
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1175
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1297
-  _globals['_HEARTBEATREQUEST']._serialized_start=1299
-  _globals['_HEARTBEATREQUEST']._serialized_end=1402
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1404
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1499
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1501
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1563
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=1565
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=1608
-  _globals['_KVEVENT']._serialized_start=1610
-  _globals['_KVEVENT']._serialized_end=1734
-  _globals['_PUBLISHKVEVENTSREQUEST']._serialized_start=1736
-  _globals['_PUBLISHKVEVENTSREQUEST']._serialized_end=1862
-  _globals['_PUBLISHKVEVENTSRESPONSE']._serialized_start=1864
-  _globals['_PUBLISHKVEVENTSRESPONSE']._serialized_end=1959
-  _globals['_RESYNCWORKERREQUEST']._serialized_start=1962
-  _globals['_RESYNCWORKERREQUEST']._serialized_end=2104
-  _globals['_RESYNCWORKERRESPONSE']._serialized_start=2106
-  _globals['_RESYNCWORKERRESPONSE']._serialized_end=2227
-  _globals['_LISTWORKERSREQUEST']._serialized_start=2229
-  _globals['_LISTWORKERSREQUEST']._serialized_end=2297
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=2300
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=2455
-  _globals['_WORKERSTATUS']._serialized_start=2458
-  _globals['_WORKERSTATUS']._serialized_end=2782
-  _globals['_ROUTERSERVICE']._serialized_start=2916
-  _globals['_ROUTERSERVICE']._serialized_end=3648
+  _globals['_ROUTERESPONSE']._serialized_end=889
+  _globals['_WORKERCAPACITY']._serialized_start=891
+  _globals['_WORKERCAPACITY']._serialized_end=977
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=980
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=1206
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1208
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1330
+  _globals['_HEARTBEATREQUEST']._serialized_start=1332
+  _globals['_HEARTBEATREQUEST']._serialized_end=1435
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1437
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1532
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1534
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1596
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=1598
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=1641
+  _globals['_KVEVENT']._serialized_start=1643
+  _globals['_KVEVENT']._serialized_end=1767
+  _globals['_PUBLISHKVEVENTSREQUEST']._serialized_start=1769
+  _globals['_PUBLISHKVEVENTSREQUEST']._serialized_end=1895
+  _globals['_PUBLISHKVEVENTSRESPONSE']._serialized_start=1897
+  _globals['_PUBLISHKVEVENTSRESPONSE']._serialized_end=1992
+  _globals['_RESYNCWORKERREQUEST']._serialized_start=1995
+  _globals['_RESYNCWORKERREQUEST']._serialized_end=2137
+  _globals['_RESYNCWORKERRESPONSE']._serialized_start=2139
+  _globals['_RESYNCWORKERRESPONSE']._serialized_end=2260
+  _globals['_LISTWORKERSREQUEST']._serialized_start=2262
+  _globals['_LISTWORKERSREQUEST']._serialized_end=2330
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=2333
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=2488
+  _globals['_WORKERSTATUS']._serialized_start=2491
+  _globals['_WORKERSTATUS']._serialized_end=2815
+  _globals['_ROUTERSERVICE']._serialized_start=2949
+  _globals['_ROUTERSERVICE']._serialized_end=3681
 # @@protoc_insertion_point(module_scope)

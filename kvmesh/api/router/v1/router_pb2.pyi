@@ -54,7 +54,7 @@ class HashedPrompt(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("prefill_worker", "decode_worker", "prefill_locally", "total_blocks", "prefill_matched_blocks", "decode_matched_blocks", "kvstore_matched_blocks", "index_available", "timings")
+    __slots__ = ("prefill_worker", "decode_worker", "prefill_locally", "total_blocks", "prefill_matched_blocks", "decode_matched_blocks", "kvstore_matched_blocks", "index_available", "timings", "predicted_cached_tokens")
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
     PREFILL_LOCALLY_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class RouteResponse(_message.Message):
     KVSTORE_MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     INDEX_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prefill_worker: _worker_pb2.WorkerEndpoint
     decode_worker: _worker_pb2.WorkerEndpoint
     prefill_locally: bool
@@ -73,7 +74,8 @@ class RouteResponse(_message.Message):
     kvstore_matched_blocks: int
     index_available: bool
     timings: _accounting_pb2.Timings
-    def __init__(self, prefill_worker: _Optional[_Union[_worker_pb2.WorkerEndpoint, _Mapping]] = ..., decode_worker: _Optional[_Union[_worker_pb2.WorkerEndpoint, _Mapping]] = ..., prefill_locally: _Optional[bool] = ..., total_blocks: _Optional[int] = ..., prefill_matched_blocks: _Optional[int] = ..., decode_matched_blocks: _Optional[int] = ..., kvstore_matched_blocks: _Optional[int] = ..., index_available: _Optional[bool] = ..., timings: _Optional[_Union[_accounting_pb2.Timings, _Mapping]] = ...) -> None: ...
+    predicted_cached_tokens: int
+    def __init__(self, prefill_worker: _Optional[_Union[_worker_pb2.WorkerEndpoint, _Mapping]] = ..., decode_worker: _Optional[_Union[_worker_pb2.WorkerEndpoint, _Mapping]] = ..., prefill_locally: _Optional[bool] = ..., total_blocks: _Optional[int] = ..., prefill_matched_blocks: _Optional[int] = ..., decode_matched_blocks: _Optional[int] = ..., kvstore_matched_blocks: _Optional[int] = ..., index_available: _Optional[bool] = ..., timings: _Optional[_Union[_accounting_pb2.Timings, _Mapping]] = ..., predicted_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerCapacity(_message.Message):
     __slots__ = ("total_kv_blocks", "max_num_seqs", "max_model_len")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh.api.common.v1 import accounting_pb2 as kvmesh_dot_api_dot_common_dot_v1_dot_accounting__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)kvmesh/api/speculator/v1/speculator.proto\x12\x18kvmesh.api.speculator.v1\x1a%kvmesh/api/common/v1/accounting.proto\"\xcd\x01\n\x0eProposeRequest\x12:\n\x07\x63ontext\x18\x01 \x01(\x0b\x32\'.kvmesh.api.speculator.v1.ContextUpdateH\x00\x12=\n\x08\x66inished\x18\x02 \x01(\x0b\x32).kvmesh.api.speculator.v1.RequestFinishedH\x00\x12\x36\n\x05\x62\x61tch\x18\x03 \x01(\x0b\x32%.kvmesh.api.speculator.v1.UpdateBatchH\x00\x42\x08\n\x06update\"\x85\x01\n\x0bUpdateBatch\x12\x39\n\x08\x63ontexts\x18\x01 \x03(\x0b\x32\'.kvmesh.api.speculator.v1.ContextUpdate\x12;\n\x08\x66inished\x18\x02 \x03(\x0b\x32).kvmesh.api.speculator.v1.RequestFinished\"\x9c\x01\n\rContextUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\r\x12\x13\n\x0b\x64\x65\x61\x64line_us\x18\x05 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x06 \x01(\r\"4\n\x0fRequestFinished\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05learn\x18\x02 \x01(\x08\"\xb7\x01\n\x0fProposeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\r\x12.\n\x07timings\x18\x04 \x01(\x0b\x32\x1d.kvmesh.api.common.v1.Timings\x12/\n\x06\x64rafts\x18\x05 \x03(\x0b\x32\x1f.kvmesh.api.speculator.v1.Draft\"F\n\x05\x44raft\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"\x0e\n\x0cStatsRequest\"r\n\rStatsResponse\x12\x17\n\x0fproposed_tokens\x18\x01 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\x04\x12\x17\n\x0f\x61\x63tive_requests\x18\x03 \x01(\r\x12\x16\n\x0eindexed_tokens\x18\x04 \x01(\x04\x32\xd1\x01\n\x11SpeculatorService\x12\x62\n\x07Propose\x12(.kvmesh.api.speculator.v1.ProposeRequest\x1a).kvmesh.api.speculator.v1.ProposeResponse(\x01\x30\x01\x12X\n\x05Stats\x12&.kvmesh.api.speculator.v1.StatsRequest\x1a\'.kvmesh.api.speculator.v1.StatsResponseBOZMgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/speculator/v1;speculatorv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)kvmesh/api/speculator/v1/speculator.proto\x12\x18kvmesh.api.speculator.v1\x1a%kvmesh/api/common/v1/accounting.proto\"\xcd\x01\n\x0eProposeRequest\x12:\n\x07\x63ontext\x18\x01 \x01(\x0b\x32\'.kvmesh.api.speculator.v1.ContextUpdateH\x00\x12=\n\x08\x66inished\x18\x02 \x01(\x0b\x32).kvmesh.api.speculator.v1.RequestFinishedH\x00\x12\x36\n\x05\x62\x61tch\x18\x03 \x01(\x0b\x32%.kvmesh.api.speculator.v1.UpdateBatchH\x00\x42\x08\n\x06update\"\x85\x01\n\x0bUpdateBatch\x12\x39\n\x08\x63ontexts\x18\x01 \x03(\x0b\x32\'.kvmesh.api.speculator.v1.ContextUpdate\x12;\n\x08\x66inished\x18\x02 \x03(\x0b\x32).kvmesh.api.speculator.v1.RequestFinished\"\xb1\x01\n\rContextUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\r\x12\x13\n\x0b\x64\x65\x61\x64line_us\x18\x05 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x06 \x01(\r\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\"4\n\x0fRequestFinished\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05learn\x18\x02 \x01(\x08\"\xb7\x01\n\x0fProposeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\r\x12.\n\x07timings\x18\x04 \x01(\x0b\x32\x1d.kvmesh.api.common.v1.Timings\x12/\n\x06\x64rafts\x18\x05 \x03(\x0b\x32\x1f.kvmesh.api.speculator.v1.Draft\"F\n\x05\x44raft\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"\x0e\n\x0cStatsRequest\"r\n\rStatsResponse\x12\x17\n\x0fproposed_tokens\x18\x01 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\x04\x12\x17\n\x0f\x61\x63tive_requests\x18\x03 \x01(\r\x12\x16\n\x0eindexed_tokens\x18\x04 \x01(\x04\x32\xd1\x01\n\x11SpeculatorService\x12\x62\n\x07Propose\x12(.kvmesh.api.speculator.v1.ProposeRequest\x1a).kvmesh.api.speculator.v1.ProposeResponse(\x01\x30\x01\x12X\n\x05Stats\x12&.kvmesh.api.speculator.v1.StatsRequest\x1a\'.kvmesh.api.speculator.v1.StatsResponseBOZMgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/speculator/v1;speculatorv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,17 +38,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UPDATEBATCH']._serialized_start=319
   _globals['_UPDATEBATCH']._serialized_end=452
   _globals['_CONTEXTUPDATE']._serialized_start=455
-  _globals['_CONTEXTUPDATE']._serialized_end=611
-  _globals['_REQUESTFINISHED']._serialized_start=613
-  _globals['_REQUESTFINISHED']._serialized_end=665
-  _globals['_PROPOSERESPONSE']._serialized_start=668
-  _globals['_PROPOSERESPONSE']._serialized_end=851
-  _globals['_DRAFT']._serialized_start=853
-  _globals['_DRAFT']._serialized_end=923
-  _globals['_STATSREQUEST']._serialized_start=925
-  _globals['_STATSREQUEST']._serialized_end=939
-  _globals['_STATSRESPONSE']._serialized_start=941
-  _globals['_STATSRESPONSE']._serialized_end=1055
-  _globals['_SPECULATORSERVICE']._serialized_start=1058
-  _globals['_SPECULATORSERVICE']._serialized_end=1267
+  _globals['_CONTEXTUPDATE']._serialized_end=632
+  _globals['_REQUESTFINISHED']._serialized_start=634
+  _globals['_REQUESTFINISHED']._serialized_end=686
+  _globals['_PROPOSERESPONSE']._serialized_start=689
+  _globals['_PROPOSERESPONSE']._serialized_end=872
+  _globals['_DRAFT']._serialized_start=874
+  _globals['_DRAFT']._serialized_end=944
+  _globals['_STATSREQUEST']._serialized_start=946
+  _globals['_STATSREQUEST']._serialized_end=960
+  _globals['_STATSRESPONSE']._serialized_start=962
+  _globals['_STATSRESPONSE']._serialized_end=1076
+  _globals['_SPECULATORSERVICE']._serialized_start=1079
+  _globals['_SPECULATORSERVICE']._serialized_end=1288
 # @@protoc_insertion_point(module_scope)

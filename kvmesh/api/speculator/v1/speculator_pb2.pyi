@@ -26,20 +26,22 @@ class UpdateBatch(_message.Message):
     def __init__(self, contexts: _Optional[_Iterable[_Union[ContextUpdate, _Mapping]]] = ..., finished: _Optional[_Iterable[_Union[RequestFinished, _Mapping]]] = ...) -> None: ...
 
 class ContextUpdate(_message.Message):
-    __slots__ = ("request_id", "token_ids", "context_length", "num_draft_tokens", "deadline_us", "accepted_draft_tokens")
+    __slots__ = ("request_id", "token_ids", "context_length", "num_draft_tokens", "deadline_us", "accepted_draft_tokens", "traceparent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_US_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     context_length: int
     num_draft_tokens: int
     deadline_us: int
     accepted_draft_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., deadline_us: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., deadline_us: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class RequestFinished(_message.Message):
     __slots__ = ("request_id", "learn")
