@@ -7,15 +7,19 @@ OTLP/gRPC to a receiver in this process (a real TraceService server: the spans a
 decoded) at 10% and 100% of new traces. The rounds alternate between them (rotating the order), so the
 machine's noise falls on all; each round streams ``--streams`` greedy completions of ``--max-tokens``
 through the gateway's OpenAI HTTP API, every prompt unique to its round (no prefix-cache hits from an
-earlier round), after the CPUs went idle. Reports medians; the cost of a mode is its median against off,
-in tokens/s, TTFT, and the CPU time all the mesh's processes spent per token (span export included: the
+earlier round), after the CPUs went idle. Reports medians, and each mode's against off: tokens/s, TTFT,
+and the CPU time all the mesh's processes spent per token (span export included: the
 round ends when the CPUs are idle again), which the machine's noise moves least.
+
+With ``--baseline REF`` a fourth mesh runs the code of git REF (the commit before tracing existed), so
+"off" is compared with what there was before as well.
 
 Then one request through the 100% mesh with a traceparent of its own: its spans, from every service,
 drawn on one time axis (``--png``).
 
     pip install -r bench/requirements.txt   # matplotlib, for the picture
-    python bench/tracing.py --rounds 6 --json bench/results/tracing.json --png docs/images/trace_waterfall.png
+    python bench/tracing.py --rounds 10 --baseline 39bcd3a --json bench/results/tracing.json \
+        --png docs/images/trace_waterfall.png
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import json
 import os
 import secrets
 import statistics
+import subprocess
 import sys
 import tempfile
 import urllib.request
@@ -50,12 +55,29 @@ from kvmesh.launcher.topology import build_topology  # noqa: E402
 from kvmesh.runtime.otlp_receiver import OtlpReceiver, ReceivedSpan  # noqa: E402
 
 MODES = {"off": None, "10%": 0.1, "100%": 1.0}
+REPO = BENCH.parent
 ROLES = ("gateway", "router", "kvstore", "prefill", "decode")
 
 
 @contextlib.contextmanager
-def mesh(model: Path, ratio: float | None, endpoint: str, workdir: Path) -> Iterator[tuple[str, list[int]]]:
+def checkout(ref: str, workdir: Path) -> Iterator[Path]:
+    """``ref`` of this repository in a worktree of its own, for the duration."""
+    path = workdir / "baseline"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), ref], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)], check=False)
+
+
+@contextlib.contextmanager
+def mesh(
+    model: Path, ratio: float | None, endpoint: str, workdir: Path, code: Path | None = None
+) -> Iterator[tuple[str, list[int]]]:
+    """A mesh tracing ``ratio`` of requests (None: off), running ``code`` (a checkout; None: this one)."""
     traced = {} if ratio is None else {"KVMESH_OTLP_ENDPOINT": endpoint, "KVMESH_TRACE_SAMPLE_RATIO": str(ratio)}
+    if code is not None:  # its packages before the installed ones, whatever the working directory
+        traced = {**traced, "PYTHONPATH": str(code), "PYTHONSAFEPATH": "1"}
     opts = MeshOptions(
         model=model,
         speculator=False,
@@ -152,25 +174,31 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=6, help="per mode, alternating")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--png", type=Path, help="draw one request's waterfall here")
+    parser.add_argument(
+        "--baseline", metavar="REF", help="also run git REF's mesh (the code before tracing) as mode 'before'"
+    )
     args = parser.parse_args()
     model = args.model or default_model_path()
     prompts = chat_prompts(model, args.streams)
-    modes = list(MODES)
+    modes = [*MODES, *(["before"] if args.baseline else [])]
     samples: dict[str, list[dict]] = {m: [] for m in modes}
     with (
         tempfile.TemporaryDirectory(prefix="bench-tracing-") as tmp,
         OtlpReceiver() as receiver,
         contextlib.ExitStack() as stack,
     ):
-        meshes = {m: stack.enter_context(mesh(model, MODES[m], receiver.endpoint, Path(tmp))) for m in modes}
+        code = {"before": stack.enter_context(checkout(args.baseline, Path(tmp)))} if args.baseline else {}
+        meshes = {
+            m: stack.enter_context(mesh(model, MODES.get(m), receiver.endpoint, Path(tmp), code.get(m))) for m in modes
+        }
         urls = {m: url for m, (url, _) in meshes.items()}
         served = model_id(urls["off"])
         for m in modes:  # warm every mesh before anything is measured
             asyncio.run(http_round(urls[m], served, unique(prompts, 0), 8))
         for r in range(args.rounds):
-            order = modes[r % 3 :] + modes[: r % 3]
+            order = modes[r % len(modes) :] + modes[: r % len(modes)]
             for m in order:
-                round_no = 1 + 3 * r + modes.index(m)
+                round_no = 1 + len(modes) * r + modes.index(m)
                 wait_for_idle_cpu()  # the previous round's mesh has finished its own background work
                 pids = meshes[m][1]
                 cpu0 = cpu_seconds(pids)
@@ -186,23 +214,17 @@ def main() -> int:
         exported = len(receiver.spans())
     keys = ("tokens_per_s", "ttft_s", "cpu_ms_per_token")
     med = {m: {k: statistics.median(s[k] for s in samples[m]) for k in keys} for m in modes}
-    cost = {
-        m: {
-            "tokens_per_s": 1 - med[m]["tokens_per_s"] / med["off"]["tokens_per_s"],
-            "ttft_s": med[m]["ttft_s"] / med["off"]["ttft_s"] - 1,
-            "cpu_ms_per_token": med[m]["cpu_ms_per_token"] / med["off"]["cpu_ms_per_token"] - 1,
-        }
-        for m in modes
-    }
+    # Each mode against off: +x% is x% more (of tokens/s: faster; of TTFT and CPU: slower, dearer).
+    vs_off = {m: {k: med[m][k] / med["off"][k] - 1 for k in keys} for m in modes}
     rows = [
         [
             f"tracing {m}",
             f"{med[m]['tokens_per_s']:.1f}",
-            f"{100 * cost[m]['tokens_per_s']:+.1f}%",
+            f"{100 * vs_off[m]['tokens_per_s']:+.1f}%",
             f"{med[m]['ttft_s']:.3f}",
-            f"{100 * cost[m]['ttft_s']:+.1f}%",
+            f"{100 * vs_off[m]['ttft_s']:+.1f}%",
             f"{med[m]['cpu_ms_per_token']:.2f}",
-            f"{100 * cost[m]['cpu_ms_per_token']:+.1f}%",
+            f"{100 * vs_off[m]['cpu_ms_per_token']:+.1f}%",
         ]
         for m in modes
     ]
@@ -210,11 +232,11 @@ def main() -> int:
         [
             f"{args.streams} streams x {args.max_tokens} tokens",
             "tok/s (median)",
-            "cost",
+            "vs off",
             "TTFT s (median)",
-            "cost",
+            "vs off",
             "mesh CPU ms/token",
-            "cost",
+            "vs off",
         ],
         rows,
     )
@@ -231,7 +253,8 @@ def main() -> int:
             "rounds": args.rounds,
             "samples": {m: [{k: s[k] for k in keys} for s in samples[m]] for m in modes},
             "medians": med,
-            "cost": cost,
+            "vs_off": vs_off,
+            "baseline": args.baseline,
             "spans_received": exported,
             "waterfall": [
                 {"service": s.service, "name": s.name, "start_ns": s.start_ns, "end_ns": s.end_ns} for s in spans
