@@ -180,54 +180,39 @@ class WorkerCalls:
         prefill_reused_tokens: int | None,
     ) -> Chunks:
         who = f"decode worker {worker.worker_id} ({worker.address})"
-        resumed_tokens = len(request.resume_token_ids)
-        with tracing.span("decode", **_worker_attributes(worker), **{"kvmesh.resumed_tokens": resumed_tokens}) as span:
-            first = True
-            async with aclosing(
-                self._stream(worker, who, request, stream, route_timings, prefill_timings, prefill_reused_tokens)
-            ) as chunks:
-                async for chunk in chunks:
-                    if first:
+        attributes = {**_worker_attributes(worker), "kvmesh.resumed_tokens": len(request.resume_token_ids)}
+        with tracing.span("decode", **attributes) as span:
+            # Made inside the span: the call carries its context, so decode's spans hang under it.
+            async with aclosing(self._backends.decode(worker.address, request)) as messages:
+                limit, streaming = self._idle_timeout_s, False
+                while True:
+                    try:
+                        async with asyncio.timeout(limit):
+                            msg = await anext(messages)
+                    except StopAsyncIteration:
+                        raise WorkerFailed(
+                            "decode", worker, f"{who} ended its stream without a final message"
+                        ) from None
+                    except TimeoutError:
+                        raise WorkerFailed("decode", worker, f"{who} sent nothing for {limit:g} s") from None
+                    except Unavailable as e:
+                        raise WorkerFailed("decode", worker, f"{who} failed: {e.message}") from None
+                    if not streaming:
                         span.add_event("first_message")
-                        first = False
-                    yield chunk
-
-    async def _stream(
-        self,
-        worker: worker_pb2.WorkerEndpoint,
-        who: str,
-        request: decode_pb2.DecodeRequest,
-        stream: ResponseStream,
-        route_timings: accounting_pb2.Timings,
-        prefill_timings: accounting_pb2.Timings | None,
-        prefill_reused_tokens: int | None,
-    ) -> Chunks:
-        messages = self._backends.decode(worker.address, request)
-        async with aclosing(messages):
-            limit = self._idle_timeout_s
-            while True:
-                try:
-                    async with asyncio.timeout(limit):
-                        msg = await anext(messages)
-                except StopAsyncIteration:
-                    raise WorkerFailed("decode", worker, f"{who} ended its stream without a final message") from None
-                except TimeoutError:
-                    raise WorkerFailed("decode", worker, f"{who} sent nothing for {limit:g} s") from None
-                except Unavailable as e:
-                    raise WorkerFailed("decode", worker, f"{who} failed: {e.message}") from None
-                limit = self._stall_timeout_s
-                finish = None
-                if msg.HasField("final"):
-                    final = msg.final
-                    # Remote prefill: the prefill worker knows what it reused; decode
-                    # only imported what prefill handed over.
-                    cached = final.usage.cached_tokens if prefill_reused_tokens is None else prefill_reused_tokens
-                    # A resumed request's cache hits may cover streamed tokens too: usage counts the prompt's.
-                    cached = min(cached, len(request.prompt_token_ids))
-                    finish = Finish(final.finish_reason, cached, route_timings, prefill_timings, final.timings)
-                yield stream.chunk(msg.token_ids, msg.text, msg.logprobs, finish)
-                if finish is not None:
-                    return
+                        streaming = True
+                    limit = self._stall_timeout_s
+                    finish = None
+                    if msg.HasField("final"):
+                        final = msg.final
+                        # Remote prefill: the prefill worker knows what it reused; decode
+                        # only imported what prefill handed over.
+                        cached = final.usage.cached_tokens if prefill_reused_tokens is None else prefill_reused_tokens
+                        # A resumed request's cache hits may cover streamed tokens too: usage counts the prompt's.
+                        cached = min(cached, len(request.prompt_token_ids))
+                        finish = Finish(final.finish_reason, cached, route_timings, prefill_timings, final.timings)
+                    yield stream.chunk(msg.token_ids, msg.text, msg.logprobs, finish)
+                    if finish is not None:
+                        return
 
     def _first_token_only(
         self, job: Job, plan: router_pb2.RouteResponse, prefill: prefill_pb2.PrefillResponse, stream: ResponseStream
