@@ -6,17 +6,14 @@ import asyncio
 import json
 import os
 import signal
-import sys
-from pathlib import Path
 
 import grpc
 import pytest
 
 from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.runtime import Runtime, serve
+from tests.runtime.demo_process import log_until, spawn_demo
 from tests.runtime.fakes import build_kvstore
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 async def _read_all(call: grpc.aio.UnaryStreamCall) -> list:
@@ -59,25 +56,11 @@ async def test_grace_period_bounds_the_drain() -> None:
 
 
 async def _read_event(stream: asyncio.StreamReader, event: str) -> dict:
-    while True:
-        line = await asyncio.wait_for(stream.readline(), timeout=30)
-        assert line, f"process ended before logging {event!r}"
-        record = json.loads(line)
-        if record["event"] == event:
-            return record
+    return (await log_until(stream, event))[-1]
 
 
 async def test_sigterm_drains_and_exits_0() -> None:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "tests.runtime.demo_service",
-        "--log-level",
-        "debug",
-        cwd=REPO,
-        env={**os.environ, "KVMESH_GREETING": "hello"},
-        stderr=asyncio.subprocess.PIPE,
-    )
+    proc = await spawn_demo("--log-level", "debug", env={**os.environ, "KVMESH_GREETING": "hello"})
     try:
         assert proc.stderr is not None
         assert (await _read_event(proc.stderr, "demo ready"))["greeting"] == "hello"
@@ -103,14 +86,7 @@ async def test_sigterm_drains_and_exits_0() -> None:
 
 async def test_missing_required_flag_exits_2() -> None:
     env = {k: v for k, v in os.environ.items() if k != "KVMESH_GREETING"}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "tests.runtime.demo_service",
-        cwd=REPO,
-        env=env,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    proc = await spawn_demo(env=env)
     _, err = await asyncio.wait_for(proc.communicate(), timeout=60)
     assert proc.returncode == 2
     assert "missing required --greeting (or set KVMESH_GREETING)" in err.decode()
@@ -118,17 +94,7 @@ async def test_missing_required_flag_exits_2() -> None:
 
 async def test_start_failure_exits_1(kvstore: Runtime) -> None:
     # The port is taken (SO_REUSEPORT is off, so the bind fails instead of sharing it).
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "tests.runtime.demo_service",
-        "--greeting",
-        "hi",
-        "--port",
-        str(kvstore.port),
-        cwd=REPO,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    proc = await spawn_demo("--greeting", "hi", "--port", str(kvstore.port), env=os.environ)
     _, err = await asyncio.wait_for(proc.communicate(), timeout=60)
     assert proc.returncode == 1
     failed = [

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import sys
-from pathlib import Path
 
 import grpc
 import pytest
@@ -16,47 +13,30 @@ from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.runtime import tracing
 from kvmesh.runtime.otlp_receiver import OtlpReceiver
 from kvmesh.runtime.tracing import TraceSettings
+from tests.runtime.demo_process import log_until, spawn_demo
 
-REPO = Path(__file__).resolve().parents[2]
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TRACE_ID}-{CALLER_SPAN}-01"
 
 
-async def _events(stream: asyncio.StreamReader, until: str) -> list[dict]:
-    seen = []
-    while True:
-        line = await asyncio.wait_for(stream.readline(), timeout=30)
-        assert line, f"process ended before logging {until!r}"
-        seen.append(json.loads(line))
-        if seen[-1]["event"] == until:
-            return seen
-
-
 async def _call_demo(env: dict[str, str]) -> tuple[list[dict], int]:
     """Start the demo service, call it once with TRACEPARENT, stop it; its log lines of the call, its exit code."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "tests.runtime.demo_service",
-        "--log-level",
-        "debug",
-        cwd=REPO,
-        env={**os.environ, "KVMESH_GREETING": "hi", "OTEL_BSP_SCHEDULE_DELAY": "100", **env},
-        stderr=asyncio.subprocess.PIPE,
+    proc = await spawn_demo(
+        "--log-level", "debug", env={**os.environ, "KVMESH_GREETING": "hi", "OTEL_BSP_SCHEDULE_DELAY": "100", **env}
     )
     try:
         assert proc.stderr is not None
-        serving = (await _events(proc.stderr, "serving"))[-1]
+        serving = (await log_until(proc.stderr, "serving"))[-1]
         async with grpc.aio.insecure_channel(f"127.0.0.1:{serving['port']}") as channel:
             stub = kvstore_pb2_grpc.KVStoreServiceStub(channel)
             call = stub.Stats(kvstore_pb2.StatsRequest(), metadata=(("traceparent", TRACEPARENT),))
             await call
             # The answer names the trace the call is in.
             assert dict(await call.initial_metadata())["traceresponse"].split("-")[1] == TRACE_ID
-        lines = await _events(proc.stderr, "rpc done")
+        lines = await log_until(proc.stderr, "rpc done")
         proc.send_signal(signal.SIGTERM)
-        await _events(proc.stderr, "stopped")
+        await log_until(proc.stderr, "stopped")
         return lines, await asyncio.wait_for(proc.wait(), timeout=30)
     finally:
         if proc.returncode is None:
