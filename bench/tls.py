@@ -26,14 +26,13 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent))
 
 from _common import write_json  # noqa: E402
+from _side_by_side import round_flags, running_mesh, unique  # noqa: E402
 from _table import print_table  # noqa: E402
 from engine import chat_prompts  # noqa: E402
-from peers import http_round, model_id, wait_ready  # noqa: E402
+from peers import http_round, model_id  # noqa: E402
 
 from kvmesh.engine.default_model import default_model_path  # noqa: E402
 from kvmesh.launcher.spec import MeshOptions  # noqa: E402
-from kvmesh.launcher.supervisor import Mesh  # noqa: E402
-from kvmesh.launcher.topology import build_topology  # noqa: E402
 
 MODES = ("off", "on")
 
@@ -41,27 +40,14 @@ MODES = ("off", "on")
 @contextlib.contextmanager
 def mesh(model: Path, tls: bool, workdir: Path) -> Iterator[str]:
     opts = MeshOptions(model=model, speculator=False, publish=False, gateway_port=0, log_level="warning", tls=tls)
-    run_dir = Path(tempfile.mkdtemp(prefix=f"tls-{'on' if tls else 'off'}-", dir=workdir))
-    topology = build_topology(opts, run_dir)
-    assert (topology.certs is not None) == tls
-    with Mesh(topology, run_dir):
-        url = f"http://127.0.0.1:{topology.get('gateway').env['KVMESH_HTTP_PORT']}"
-        wait_ready(url, None, run_dir / "logs")
+    with running_mesh(opts, workdir, f"tls-{'on' if tls else 'off'}-") as (url, _, topology):
+        assert (topology.certs is not None) == tls
         yield url
-
-
-def unique(prompts: list[list[int]], round_no: int) -> list[list[int]]:
-    """The prompts with a token of this round in front: nothing of an earlier round's prefix is cached."""
-    return [[1000 + round_no, *p] for p in prompts]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, help="model folder (default: the installed default model)")
-    parser.add_argument("--streams", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=6, help="per mode, alternating")
-    parser.add_argument("--json", help="write the results here")
+    round_flags(parser)
     args = parser.parse_args()
     model = args.model or default_model_path()
     prompts = chat_prompts(model, args.streams)

@@ -44,14 +44,13 @@ sys.path.insert(0, str(BENCH.parent))
 
 from _common import write_json  # noqa: E402
 from _idle_cpu import wait_for_idle_cpu  # noqa: E402
+from _side_by_side import round_flags, running_mesh, unique  # noqa: E402
 from _table import print_table  # noqa: E402
 from engine import chat_prompts  # noqa: E402
-from peers import http_round, model_id, wait_ready  # noqa: E402
+from peers import http_round, model_id  # noqa: E402
 
 from kvmesh.engine.default_model import default_model_path  # noqa: E402
 from kvmesh.launcher.spec import MeshOptions  # noqa: E402
-from kvmesh.launcher.supervisor import Mesh  # noqa: E402
-from kvmesh.launcher.topology import build_topology  # noqa: E402
 from kvmesh.runtime.otlp_receiver import OtlpReceiver, ReceivedSpan  # noqa: E402
 
 MODES = {"off": None, "10%": 0.1, "100%": 1.0}
@@ -90,11 +89,7 @@ def mesh(
             "router": {**traced, "KVMESH_LOCAL_PREFILL_MAX_UNCACHED_TOKENS": "0"},
         },
     )
-    run_dir = Path(tempfile.mkdtemp(prefix="tracing-", dir=workdir))
-    topology = build_topology(opts, run_dir)
-    with Mesh(topology, run_dir) as running:
-        url = f"http://127.0.0.1:{topology.get('gateway').env['KVMESH_HTTP_PORT']}"
-        wait_ready(url, None, run_dir / "logs")
+    with running_mesh(opts, workdir, "tracing-") as (url, running, topology):
         yield url, [running.process(p.name).pid for p in topology.processes if p.role in ROLES]
 
 
@@ -106,11 +101,6 @@ def cpu_seconds(pids: list[int]) -> float:
             fields = f.read().rsplit(")", 1)[1].split()
         ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
     return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def unique(prompts: list[list[int]], round_no: int) -> list[list[int]]:
-    """The prompts with a token of this round in front: nothing of an earlier round's prefix is cached."""
-    return [[1000 + round_no, *p] for p in prompts]
 
 
 def traced_request(url: str, served: str, prompt: list[int], receiver: OtlpReceiver) -> list[ReceivedSpan]:
@@ -168,11 +158,7 @@ def draw_waterfall(spans: list[ReceivedSpan], path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, help="model folder (default: the installed default model)")
-    parser.add_argument("--streams", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=6, help="per mode, alternating")
-    parser.add_argument("--json", help="write the results here")
+    round_flags(parser)
     parser.add_argument("--png", type=Path, help="draw one request's waterfall here")
     parser.add_argument(
         "--baseline", metavar="REF", help="also run git REF's mesh (the code before tracing) as mode 'before'"
