@@ -23,12 +23,14 @@ kvmesh servicer is written.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import structlog
+from opentelemetry.trace import Span
 
 from kvmesh.errors import InvalidArgument, InvalidField, KvmeshError, Unavailable
 from kvmesh.runtime.authz import authorize
@@ -51,14 +53,20 @@ class _Call:
     request_id: str
     metadata: tuple[tuple[str, str | bytes], ...]  # the caller's: its trace context
 
-    def attributes(self) -> dict[str, str]:
-        """The call's span attributes (OpenTelemetry's RPC conventions)."""
-        return {
+    @contextmanager
+    def scope(self) -> Iterator[Span]:
+        """The call's request id and method bound for its logs, and its span (OpenTelemetry's RPC conventions)."""
+        attributes = {
             "rpc.system": "grpc",
             "rpc.service": self.service,
             "rpc.method": self.method,
             "kvmesh.request_id": self.request_id,
         }
+        with (
+            structlog.contextvars.bound_contextvars(request_id=self.request_id, rpc=self.full_method),
+            server_span(self.full_method.lstrip("/"), self.metadata, **attributes) as span,
+        ):
+            yield span
 
 
 def error_metadata(exc: BaseException) -> tuple[tuple[str, str], ...]:
@@ -179,10 +187,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
             start = self._begin(call)
             code = grpc.StatusCode.OK
-            with (
-                structlog.contextvars.bound_contextvars(request_id=call.request_id, rpc=call.full_method),
-                server_span(call.full_method.lstrip("/"), call.metadata, **call.attributes()) as span,
-            ):
+            with call.scope() as span:
                 try:
                     self._admit(call, context)
                     await _name_the_trace(context)
@@ -204,10 +209,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             start = self._begin(call)
             code = grpc.StatusCode.OK
-            with (
-                structlog.contextvars.bound_contextvars(request_id=call.request_id, rpc=call.full_method),
-                server_span(call.full_method.lstrip("/"), call.metadata, **call.attributes()) as span,
-            ):
+            with call.scope() as span:
                 try:
                     self._admit(call, context)
                     await _name_the_trace(context)

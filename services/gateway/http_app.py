@@ -74,8 +74,12 @@ class HttpApi:
         request[RECEIVED_NS] = time.perf_counter_ns()
         start = time.perf_counter()
         status = "cancelled"  # unless a response comes back: the client hung up
-        traced = tracing.server_span(f"{request.method} {route}", request.headers.items(), **_http_attributes(request))
-        with request_id_scope(rid), traced if request.path.startswith("/v1/") else nullcontext() as span:
+        traced = (
+            tracing.server_span(f"{request.method} {route}", request.headers.items(), **_http_attributes(request))
+            if request.path.startswith("/v1/")  # not health checks and scrapes
+            else nullcontext()
+        )
+        with request_id_scope(rid), traced as span:
             request[TRACEPARENT] = tracing.current_traceparent()
             try:
                 response = await handler(request)
