@@ -19,12 +19,12 @@ from typing import Any, TypeVar
 
 import structlog
 
+from kvmesh import tracing
 from kvmesh.blocks import BlockHash
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.kv_cache import KVCache
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.errors import Unavailable
-from kvmesh.runtime import tracing
 from kvmesh.sampling import SamplingParams
 
 T = TypeVar("T")

@@ -25,7 +25,7 @@ from kvmesh.runtime.flags import Flag, common_flags, parse_flags
 from kvmesh.runtime.logs import configure_logging
 from kvmesh.runtime.server import Build, Runtime
 from kvmesh.runtime.tls import TlsFiles, use_client_tls
-from kvmesh.runtime.tracing import TraceSettings, start_tracing, stop_tracing
+from kvmesh.tracing import TraceSettings, start_tracing, stop_tracing
 
 log = structlog.get_logger("kvmesh.runtime")
 

@@ -48,7 +48,7 @@ TLS_FLAGS = (
 )
 
 
-# OpenTelemetry traces (kvmesh.runtime.tracing): off unless an OTLP endpoint is set here or in OTEL_*.
+# OpenTelemetry traces (kvmesh.tracing): off unless an OTLP endpoint is set here or in OTEL_*.
 TRACING_FLAGS = (
     Flag(
         "--otlp-endpoint",

@@ -4,7 +4,7 @@ For each call to one of the service's own RPCs it:
 - takes the request id from ``x-request-id`` metadata (or makes one) and binds
   it, with the method, into structlog's contextvars for the whole call;
 - continues the caller's trace (``traceparent`` metadata) with a span for the call
-  (``kvmesh.runtime.tracing``), whose trace id it binds too and names in the
+  (``kvmesh.tracing``), whose trace id it binds too and names in the
   initial metadata (``traceresponse``);
 - with mutual TLS, refuses a caller whose certificate's role may not call the method
   (PERMISSION_DENIED, ``kvmesh.runtime.authz``);
@@ -37,7 +37,7 @@ from kvmesh.runtime.authz import authorize
 from kvmesh.runtime.identity import peer_role
 from kvmesh.runtime.metrics import RpcMetrics
 from kvmesh.runtime.request_id import new_request_id, request_id_from_metadata
-from kvmesh.runtime.tracing import TRACERESPONSE, current_traceparent, server_span
+from kvmesh.tracing import TRACERESPONSE, current_traceparent, server_span
 
 log = structlog.get_logger("kvmesh.rpc")
 

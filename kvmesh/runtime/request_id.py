@@ -4,7 +4,7 @@ It travels as the ``x-request-id`` gRPC metadata entry. The server
 interceptor reads it (or makes one) and binds it into structlog's
 contextvars for the duration of the call; the client interceptor installed by
 ``create_channel`` copies the bound id onto every outgoing call made while
-handling it, and the trace context (``kvmesh.runtime.tracing``) beside it. The
+handling it, and the trace context (``kvmesh.tracing``) beside it. The
 contextvar is the single place the current id lives.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import structlog
 
-from kvmesh.runtime.tracing import outgoing_metadata
+from kvmesh.tracing import outgoing_metadata
 
 METADATA_KEY = "x-request-id"
 

@@ -21,13 +21,13 @@ from typing import Protocol
 
 import structlog
 
+from kvmesh import tracing
 from kvmesh.blocks import BlockHash
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sequence import TokenLogprob
 from kvmesh.errors import InvalidField, KvmeshError
 from kvmesh.kv_wire import ReceivedBlock
-from kvmesh.runtime import tracing
 from kvmesh.sampling import SamplingParams
 from kvmesh.worker.kv_tiers import fetch_prefix_from_kvstore
 from kvmesh.worker.kvstore_client import KVStoreClient

@@ -7,11 +7,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from kvmesh import tracing
 from kvmesh.api.common.v1 import accounting_pb2
 from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc
 from kvmesh.convert import finish_to_pb, logprob_from_pb, logprob_to_pb, timings_pb
 from kvmesh.errors import InvalidArgument, InvalidField
-from kvmesh.runtime import tracing
 from kvmesh.sampling import SamplingParams, admitted
 from kvmesh.worker.nixl_layout import NixlBlocks
 from services.decode.core import DecodeWorker, RemotePrefill

@@ -38,10 +38,10 @@ from typing import Any
 import structlog
 from opentelemetry.trace import Span
 
+from kvmesh import tracing
 from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.errors import InvalidArgument, KvmeshError, ResourceExhausted, Unavailable
-from kvmesh.runtime import tracing
 from kvmesh.sampling import SamplingParams, admitted
 from services.gateway.auth import ANONYMOUS, tenant_cache_salt, tenant_digest
 from services.gateway.backends import Backends

@@ -22,8 +22,9 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from kvmesh import tracing
 from kvmesh.errors import KvmeshError, Unavailable
-from kvmesh.runtime import METADATA_KEY, new_request_id, request_id_scope, tracing
+from kvmesh.runtime import METADATA_KEY, new_request_id, request_id_scope
 from services.gateway.auth import AUTHORIZATION, ApiKeys
 from services.gateway.core import Gateway
 from services.gateway.http_context import RECEIVED_NS, REQUEST_ID, TENANT, TRACEPARENT

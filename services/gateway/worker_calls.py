@@ -15,6 +15,7 @@ from contextlib import aclosing
 
 import structlog
 
+from kvmesh import tracing
 from kvmesh.api.common.v1 import accounting_pb2, kv_pb2, sampling_pb2, worker_pb2
 from kvmesh.api.decode.v1 import decode_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
@@ -22,7 +23,6 @@ from kvmesh.api.prefill.v1 import prefill_pb2
 from kvmesh.api.router.v1 import router_pb2
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.errors import KvmeshError, Unavailable
-from kvmesh.runtime import tracing
 from services.gateway.backends import Backends, RouterUnreachable
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import resumed

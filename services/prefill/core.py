@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import structlog
 
+from kvmesh import tracing
 from kvmesh.blocks import BlockHash
 from kvmesh.checksum import checksum
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.kv_cache import BlockPayload
 from kvmesh.engine.sequence import TokenLogprob
 from kvmesh.errors import InvalidArgument, NotFound
-from kvmesh.runtime import tracing
 from kvmesh.sampling import SamplingParams
 from kvmesh.worker.kv_nixl import NixlEndpoint, block_checksums
 from kvmesh.worker.kv_tiers import fetch_prefix_from_kvstore, store_held_blocks

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry.trace import Span
 
-from kvmesh.runtime import tracing
+from kvmesh import tracing
 
 
 @dataclass

@@ -9,10 +9,10 @@ import signal
 import grpc
 import pytest
 
+from kvmesh import tracing
 from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
-from kvmesh.runtime import tracing
 from kvmesh.runtime.otlp_receiver import OtlpReceiver
-from kvmesh.runtime.tracing import TraceSettings
+from kvmesh.tracing import TraceSettings
 from tests.runtime.demo_process import log_until, spawn_demo
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
