@@ -16,6 +16,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kernels.lora_segments import LoraSegments
+
 # Sequences with at most this many new tokens (a speculative verify has k + 1) attend row by
 # row, as decodes: a step made only of such sequences is laid out as decodes
 # (``kvmesh.engine.step_metadata``); in a step shared with a longer chunk, below float32, the
@@ -245,3 +247,15 @@ def fp8_scaled_mm(
 
 
 int8_scaled_mm = fp8_scaled_mm  # qweight int8 [N, K]: the same product (see fp8_scaled_mm)
+
+
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: LoraSegments) -> torch.Tensor:
+    """Each token's own adapter's product ``(x @ A_slot) @ B_slot`` [T, out] (0 for a token without one).
+
+    ``a`` [in, slots * rank] and ``b`` [slots * rank, out] stack every slot's factors side by side
+    (slot s: columns / rows ``s * rank`` onward; the adapter's scale already in ``b``). One batched
+    product over the slots in use, masked to each token's own columns: one pair of products per
+    step whatever the number of adapters, instead of one per adapter or per sequence.
+    """
+    cols = segments.num_slots * segments.rank
+    return ((x @ a[:, :cols]) * segments.mask(x.dtype)) @ b[:cols]

@@ -92,3 +92,10 @@ def block_hashes(
         prev = d.digest()
         out.append(prev)
     return out
+
+
+def adapter_fingerprint(model_fingerprint: bytes, adapter_id: bytes) -> bytes:
+    """The fingerprint of blocks computed under a LoRA adapter (``adapter_id``: the adapter's
+    content hash, kvmesh.checkpoint.peft_adapter): chained in place of the model's, so a prefix
+    cached under one adapter never names the same blocks as under another or the base model."""
+    return _h(b"kvmesh-adapter-v1", model_fingerprint, adapter_id)

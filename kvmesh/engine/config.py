@@ -60,6 +60,10 @@ class EngineConfig:
     seed: int = 0
     # torch.compile the decode step's layers (kvmesh.engine.compile): start-up pays the compile.
     compile: bool = False
+    # LoRA adapters resident at once (kvmesh.engine.lora; more can be loaded, in host memory), and
+    # the highest rank one may have; 0 adapters: LoRA off.
+    max_loras: int = 4
+    max_lora_rank: int = 16
     # Fault injection (tests, chaos drills): the step loop fails, with a failure no request owns,
     # once this many steps ran (0: never). docs/faults.md says what a worker then does.
     fault_after_steps: int = 0

@@ -22,6 +22,7 @@ from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.draft_source import DraftSource
 from kvmesh.engine.grammar import GrammarCache, GrammarStats
 from kvmesh.engine.kv_handoff import KVHandoff
+from kvmesh.engine.lora import AdapterInfo, LoraAdapters
 from kvmesh.engine.model_runner import ModelRunner
 from kvmesh.engine.outputs import Completion, EngineStats, InjectedFault, RequestOutput
 from kvmesh.engine.sampler import token_logprobs, verify
@@ -29,7 +30,7 @@ from kvmesh.engine.scheduler import Scheduler
 from kvmesh.engine.sequence import Sequence, TokenLogprob
 from kvmesh.engine.stop import check_stop, releasable_text
 from kvmesh.engine.tokenizer import Tokenizer
-from kvmesh.errors import InvalidArgument, KvmeshError, NotFound, RequestFailed
+from kvmesh.errors import FailedPrecondition, InvalidArgument, KvmeshError, NotFound, RequestFailed
 from kvmesh.sampling import SamplingParams, admitted
 
 log = structlog.get_logger(__name__)
@@ -56,9 +57,8 @@ class LLMEngine(KVHandoff):
         self.model, self.kv, self.fingerprint = self.runner.model, self.runner.kv, self.runner.fingerprint
         self.device, self.dtype, self.max_model_len = self.runner.device, self.runner.dtype, self.runner.max_model_len
         self.blocks = BlockManager(cfg.num_blocks, cfg.enable_prefix_cache, on_block_event)
-        self.scheduler = Scheduler(
-            self.blocks, cfg.block_size, self.fingerprint, cfg.max_num_seqs, cfg.max_num_batched_tokens
-        )
+        self.lora = self.runner.lora
+        self.scheduler = Scheduler(self.blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.lora)
         eos = set(mc.eos_token_ids)
         if self.tokenizer and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -105,6 +105,7 @@ class LLMEngine(KVHandoff):
         hold_prompt_blocks: bool = False,
         resume_ids: list[int] | None = None,
         traceparent: str | None = None,
+        adapter: str | None = None,
     ) -> str:
         """Queue a request; raises InvalidArgument for anything it could never serve.
 
@@ -117,6 +118,7 @@ class LLMEngine(KVHandoff):
         tokens are its output so far, already delivered, so they count against max_tokens,
         stop strings and the repetition guard and advance its grammar, but are not emitted
         again; the first step computes their KV with the prompt's and samples what follows.
+        ``adapter`` runs it under that loaded LoRA adapter (NotFound if none is loaded by that name).
         """
         arrival = next(self._arrivals)
         request_id = request_id or f"req-{arrival}"
@@ -130,6 +132,8 @@ class LLMEngine(KVHandoff):
             list(prompt_ids),
             params,
             cache_salt=cache_salt,
+            fingerprint=self.chain_fingerprint(adapter),
+            adapter=adapter,
             arrival=arrival,
             hold_prompt_blocks=hold_prompt_blocks,
             traceparent=traceparent,
@@ -148,6 +152,8 @@ class LLMEngine(KVHandoff):
             if first_token is not None:
                 raise InvalidArgument("a resumed request is prefilled here: it cannot also carry a first token")
             self._resume(seq, resume_ids)
+        if adapter is not None:
+            self.lora.hold(adapter)  # last: nothing below can fail and leave it held
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         self.stats.prompt_tokens += len(prompt_ids)
@@ -156,6 +162,23 @@ class LLMEngine(KVHandoff):
                 seq.logprobs.append(first_logprob or TokenLogprob(first_token, float("nan")))
             self._pending.append(self._append_tokens(seq, [first_token]))
         return request_id
+
+    # -- LoRA adapters (any thread; kvmesh.engine.lora) -------------------------------------------
+
+    def load_adapter(self, name: str, path: str | Path) -> AdapterInfo:
+        """Load a PEFT adapter that requests can then name; InvalidArgument says what is wrong with it."""
+        return self._adapters().load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        self._adapters().unload(name)
+
+    def adapters(self) -> list[AdapterInfo]:
+        return [] if self.lora is None else self.lora.list()
+
+    def _adapters(self) -> LoraAdapters:
+        if self.lora is None:
+            raise FailedPrecondition("LoRA is off on this worker (max_loras 0)")
+        return self.lora
 
     def _resume(self, seq: Sequence, resume_ids: list[int]) -> None:
         """Put the tokens another worker already delivered in place as this sequence's output."""

@@ -15,7 +15,8 @@ from kvmesh.checkpoint.model_config import ModelConfig
 from kvmesh.engine.block_manager import BlockManager, OutOfBlocks
 from kvmesh.engine.config import EngineConfig, dtype_name
 from kvmesh.engine.kv_cache import KV_LAYOUT, BlockPayload, KVCache
-from kvmesh.errors import ResourceExhausted
+from kvmesh.engine.lora import LoraAdapters
+from kvmesh.errors import NotFound, ResourceExhausted
 
 if TYPE_CHECKING:
     from kvmesh.engine.outputs import EngineStats
@@ -26,7 +27,8 @@ class KVHandoff:
 
     config: EngineConfig
     model_config: ModelConfig
-    fingerprint: str
+    fingerprint: bytes
+    lora: LoraAdapters | None
     kv: KVCache
     blocks: BlockManager
     stats: EngineStats
@@ -45,8 +47,19 @@ class KVHandoff:
             "model_fingerprint": self.fingerprint,
         }
 
-    def prompt_block_hashes(self, prompt_ids: list[int], cache_salt: bytes = b"") -> list[BlockHash]:
-        return block_hashes(prompt_ids, self.config.block_size, self.fingerprint, cache_salt)
+    def prompt_block_hashes(
+        self, prompt_ids: list[int], cache_salt: bytes = b"", adapter: str | None = None
+    ) -> list[BlockHash]:
+        return block_hashes(prompt_ids, self.config.block_size, self.chain_fingerprint(adapter), cache_salt)
+
+    def chain_fingerprint(self, adapter: str | None) -> bytes:
+        """The root a request's block hashes chain from: the model's, or under a LoRA adapter its own
+        (NotFound when no adapter of that name is loaded)."""
+        if adapter is None:
+            return self.fingerprint
+        if self.lora is None:
+            raise NotFound(f"adapter {adapter!r}: LoRA is off on this worker (max_loras 0)")
+        return self.lora.chain_fingerprint(adapter)
 
     def export_blocks(self, hashes: list[BlockHash]) -> list[tuple[BlockHash, BlockPayload]]:
         """The KV of each named block this engine holds (missing ones are skipped)."""

@@ -20,6 +20,7 @@ from kernels.quantized_linear import QuantizedLinear, get_scheme, quantize_model
 from kernels.small_rows_linear import SmallRowsLinear, use_small_rows_linears
 from kvmesh.checkpoint.files import iter_tensors
 from kvmesh.checkpoint.model_config import ModelConfig
+from kvmesh.engine.lora import LoraAdapters
 from kvmesh.engine.rope import rope_cos_sin_cache
 from kvmesh.errors import FailedPrecondition, InvalidArgument, ModelLoadError
 
@@ -59,6 +60,15 @@ class DecoderLayer(nn.Module):
         if cfg.qk_norm:
             self.q_norm = nn.Parameter(torch.ones(cfg.head_dim, dtype=dtype))
             self.k_norm = nn.Parameter(torch.ones(cfg.head_dim, dtype=dtype))
+        # The engine's LoRA adapters (kvmesh.engine.lora), shared by every layer; None: LoRA off.
+        self.lora: LoraAdapters | None = None
+
+    def _project(self, ops: Ops, name: str, x: torch.Tensor) -> torch.Tensor:
+        """The projection ``name`` of ``x``, plus each token's LoRA adapter product."""
+        y = getattr(self, name)(x)
+        if self.lora is not None:
+            self.lora.add(ops, self.index, name, x, y)
+        return y
 
     def forward(
         self,
@@ -80,7 +90,7 @@ class DecoderLayer(nn.Module):
             hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.input_norm, eps)
 
         t = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self._project(ops, "qkv_proj", hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, cfg.num_heads, cfg.head_dim)
         k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
@@ -97,10 +107,10 @@ class DecoderLayer(nn.Module):
             attn = ops.paged_extend_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
             )
-        hidden = self.o_proj(attn.reshape(t, -1))
+        hidden = self._project(ops, "o_proj", attn.reshape(t, -1))
 
         hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.post_attn_norm, eps)
-        hidden = self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden)))
+        hidden = self._project(ops, "down_proj", ops.silu_and_mul(self._project(ops, "gate_up_proj", hidden)))
         return hidden, residual
 
 
@@ -128,6 +138,13 @@ class CausalLM(nn.Module):
         # empty: the final hidden state. Set before the decode step is compiled: a graph keeps what
         # it traced.
         self.feature_layers: tuple[int, ...] = ()
+        self.lora: LoraAdapters | None = None
+
+    def use_lora(self, lora: LoraAdapters) -> None:
+        """Add each token's adapter product after every projection (steps that bind no adapter run as before)."""
+        self.lora = lora
+        for layer in self.layers:
+            layer.lora = lora
 
     @torch.inference_mode()
     def forward(
@@ -145,7 +162,9 @@ class CausalLM(nn.Module):
         input an EAGLE head drafts from: the final hidden states (after the last norm, the LM
         head's input), or with ``feature_layers`` the outputs of those layers, concatenated.
         """
-        run = self.compiled_decode if meta.is_decode and self.compiled_decode is not None else self.run
+        # A compiled decode step traced the base model only: a step that binds adapters runs eagerly.
+        adapted = self.lora is not None and self.lora.segments is not None
+        run = self.compiled_decode if meta.is_decode and self.compiled_decode is not None and not adapted else self.run
         logits, hidden = run(input_ids, positions, kv_cache, meta, logits_indices)
         return (logits, hidden) if return_hidden else logits
 

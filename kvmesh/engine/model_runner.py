@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.lora_segments import LoraSegments
 from kvmesh.blocks import model_fingerprint
 from kvmesh.checkpoint.compressed import dequantized_tensors
 from kvmesh.checkpoint.files import weight_files, weights_id
@@ -23,6 +24,7 @@ from kvmesh.engine.compile import compile_decode
 from kvmesh.engine.config import EngineConfig, dtype_name
 from kvmesh.engine.grammar import MaskRows, Masks
 from kvmesh.engine.kv_cache import KVCache
+from kvmesh.engine.lora import LoraAdapters
 from kvmesh.engine.model import CausalLM
 from kvmesh.engine.penalties import PenaltyState, adjust_row
 from kvmesh.engine.scheduler import ScheduledBatch
@@ -69,6 +71,11 @@ class ModelRunner:
             dtype_name(self.dtype),
             cfg.block_size,
         )
+        # Adapters loaded later find the model ready for them: nothing is allocated until one is.
+        self.lora = None
+        if cfg.max_loras > 0:
+            self.lora = LoraAdapters(mc, self.dtype, self.device, cfg.max_loras, cfg.max_lora_rank, self.fingerprint)
+            self.model.use_lora(self.lora)
         self.wants_features = drafter is not None and drafter.wants_features
         if drafter is not None:
             # Before the decode step is compiled: the features it returns are traced with it.
@@ -113,14 +120,21 @@ class ModelRunner:
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
         dev = self.device
         meta = step_metadata(slots, tables, seq_lens, batch.num_new, dev, every_row_samples=len(logits_idx) == len(ids))
-        out = self.model(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            self.kv.tensor,
-            meta,
-            torch.tensor(logits_idx, dtype=torch.long, device=dev),
-            return_hidden=self.wants_features,
-        )
+        if self.lora is not None:
+            runs = [(s.lora_slot, n) for s, n in zip(batch.seqs, batch.num_new)]
+            self.lora.segments = LoraSegments.build(runs, self.lora.rank, dev)
+        try:
+            out = self.model(
+                torch.tensor(ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev),
+                self.kv.tensor,
+                meta,
+                torch.tensor(logits_idx, dtype=torch.long, device=dev),
+                return_hidden=self.wants_features,
+            )
+        finally:
+            if self.lora is not None:
+                self.lora.segments = None
         logits, hidden = out if self.wants_features else (out, None)
         self._adjust_logits(sampling, logits)
         # Launched (on a GPU still running): fill the grammar masks meanwhile, apply them on the

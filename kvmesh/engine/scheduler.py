@@ -7,7 +7,9 @@ while budget and sequence slots remain, reusing every leading full block
 already in the prefix cache. When KV blocks run out, the most recently
 admitted running sequence is preempted: its blocks are released (their
 cached names survive for a cheap recompute) and it waits at the front of the
-queue to be recomputed.
+queue to be recomputed. A sequence under a LoRA adapter joins only when its
+adapter has a slot (``kvmesh.engine.lora``); while every slot is held, it waits
+and the sequences behind it that need no new slot join instead.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.blocks import block_hashes
 from kvmesh.engine.block_manager import BlockManager
+from kvmesh.engine.lora import LoraAdapters
 from kvmesh.engine.sequence import Sequence, Status
 
 
@@ -35,13 +38,13 @@ class Scheduler:
         self,
         blocks: BlockManager,
         block_size: int,
-        fingerprint: bytes,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        lora: LoraAdapters | None = None,
     ) -> None:
         self.blocks = blocks
         self.block_size = block_size
-        self.fingerprint = fingerprint
+        self.lora = lora
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -79,14 +82,18 @@ class Scheduler:
             budget -= n
             i += 1
         # New work joins only when nothing was just preempted for lack of blocks.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            seq = self.waiting[0]
+        w = 0
+        while w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[w]
+            if not self._hold_adapter_slot(seq):
+                w += 1  # every slot is held by running sequences: the next may not need one
+                continue
             self._claim_cached_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._reserve(seq, n):
                 self._release(seq)
                 break
-            self.waiting.popleft()
+            del self.waiting[w]
             if seq.admissions == 0:  # not a recompute after preemption
                 seq.admitted_ns = time.perf_counter_ns()
                 seq.num_cached_prompt = seq.num_computed
@@ -128,6 +135,8 @@ class Scheduler:
             kept = list(zip(self._hashes_upto(seq, n), seq.block_table[:n]))
             seq.block_table = seq.block_table[n:]
         self._release(seq)
+        if seq.adapter is not None:
+            self.lora.drop(seq.adapter)
         return kept
 
     # -- internals -------------------------------------------------------
@@ -138,7 +147,7 @@ class Scheduler:
             bs = self.block_size
             ids = seq.all_ids[have * bs : n_blocks * bs]
             parent = seq.block_hashes[-1] if have else None
-            seq.block_hashes.extend(block_hashes(ids, bs, self.fingerprint, seq.cache_salt, parent))
+            seq.block_hashes.extend(block_hashes(ids, bs, seq.fingerprint, seq.cache_salt, parent))
         return seq.block_hashes[:n_blocks]
 
     def _claim_cached_prefix(self, seq: Sequence) -> None:
@@ -152,6 +161,15 @@ class Scheduler:
         seq.block_table = list(cached)
         seq.num_named_blocks = len(cached)
         seq.num_computed = len(cached) * self.block_size
+
+    def _hold_adapter_slot(self, seq: Sequence) -> bool:
+        if seq.adapter is None or seq.lora_slot >= 0:
+            return True
+        slot = self.lora.acquire(seq.adapter)
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        return True
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
         need = -(-(seq.num_computed + n) // self.block_size) - len(seq.block_table)
@@ -167,6 +185,9 @@ class Scheduler:
         seq.block_table = []
         seq.num_computed = 0
         seq.num_named_blocks = 0
+        if seq.lora_slot >= 0:
+            self.lora.release(seq.lora_slot)
+            seq.lora_slot = -1
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

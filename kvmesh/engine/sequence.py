@@ -34,6 +34,13 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     cache_salt: bytes = b""
+    # The chain root of its block hashes (kvmesh.blocks): the model's, or under ``adapter`` the
+    # adapter's (kvmesh.blocks.adapter_fingerprint).
+    fingerprint: bytes = b""
+    # The LoRA adapter it runs under (None: the base model) and the slot holding it while running
+    # (-1: none; kvmesh.engine.lora).
+    adapter: str | None = None
+    lora_slot: int = -1
     arrival: int = 0  # admission order, for FCFS and preemption choice
     # time.perf_counter_ns() when the request was added, and when it was first scheduled (0: not yet):
     # its queue wait, for its trace and its caller's timings.
