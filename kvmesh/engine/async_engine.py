@@ -104,9 +104,11 @@ class AsyncEngine:
     def kv_layout(self) -> dict:
         return self.engine.kv_layout()
 
-    def prompt_block_hashes(self, prompt_ids: list[int], cache_salt: bytes = b"") -> list[BlockHash]:
-        """The names of a prompt's full blocks (a pure function of the prompt, salt and model)."""
-        return self.engine.prompt_block_hashes(prompt_ids, cache_salt)
+    def prompt_block_hashes(
+        self, prompt_ids: list[int], cache_salt: bytes = b"", adapter: str | None = None
+    ) -> list[BlockHash]:
+        """The names of a prompt's full blocks (a pure function of the prompt, salt, model and adapter)."""
+        return self.engine.prompt_block_hashes(prompt_ids, cache_salt, adapter)
 
     # -- the engine thread ---------------------------------------------------------------------------
 

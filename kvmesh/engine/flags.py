@@ -50,6 +50,20 @@ ENGINE_FLAGS = [
         default=0,
         type=int,
     ),
+    Flag(
+        "--lora",
+        "LoRA adapters (PEFT folders) to load at start, NAME=PATH[,NAME=PATH...]; requests name one as their "
+        "model, and more can be loaded at run time (the gateway's /v1/load_lora_adapter)",
+        default=(),
+        type=lambda text: parse_lora_specs(text),
+    ),
+    Flag(
+        "--max-loras",
+        "LoRA adapters resident at once (more stay loaded in host memory); 0: LoRA off",
+        default=4,
+        type=int,
+    ),
+    Flag("--max-lora-rank", "the highest rank an adapter may have", default=16, type=int),
     Flag("--worker-id", "this worker's id in the router (default: <role>-<host>:<port>)"),
     Flag("--router-address", "router host:port (unset: run without a router)"),
     Flag("--kvstore-address", "kvstore host:port: fetch cached prefixes from it, write new blocks to it (unset: none)"),
@@ -70,8 +84,21 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         compile=args.compile,
         small_rows_linears=args.small_rows_linears,
         fault_after_steps=args.inject_engine_fault_after_steps,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
         **overrides,
     )
+
+
+def parse_lora_specs(text: str) -> tuple[tuple[str, str], ...]:
+    """``NAME=PATH[,NAME=PATH...]`` as (name, path) pairs."""
+    specs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise argparse.ArgumentTypeError(f"--lora wants NAME=PATH, got {item!r}")
+        specs.append((name, path))
+    return tuple(specs)
 
 
 def model_path(args: argparse.Namespace) -> str:

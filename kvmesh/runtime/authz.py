@@ -29,7 +29,8 @@ CALLERS: Mapping[str, Mapping[str, frozenset[str] | str]] = {
         "DeregisterWorker": _REGISTERS,
         "PublishKVEvents": _REGISTERS,
         "ResyncWorker": _REGISTERS,
-        "ListWorkers": _OPERATOR,
+        # The gateway finds the workers to load a LoRA adapter on, and the adapters /v1/models lists.
+        "ListWorkers": frozenset({"gateway", "operator"}),
     },
     "kvmesh.api.prefill.v1.PrefillService": {
         # Only the gateway starts work, so only it names a tenant's cache salt.
@@ -49,6 +50,12 @@ CALLERS: Mapping[str, Mapping[str, frozenset[str] | str]] = {
         "GetNixl": _WORKERS,
         "Delete": _OPERATOR,
         "Stats": _OPERATOR,
+    },
+    # LoRA adapters on prefill and decode workers: the gateway's admin API loads them everywhere.
+    "kvmesh.api.adapter.v1.AdapterService": {
+        "LoadAdapter": frozenset({"gateway", "operator"}),
+        "UnloadAdapter": frozenset({"gateway", "operator"}),
+        "ListAdapters": frozenset({"gateway", "operator"}),
     },
     "kvmesh.api.speculator.v1.SpeculatorService": {
         "Propose": frozenset({"decode"}),

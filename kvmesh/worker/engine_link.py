@@ -3,7 +3,7 @@
 The engine's ``BlockManager`` reports every block it names or drops
 (``on_event("stored" | "removed", hashes)``, on the engine thread, after the
 change); those become GPU-tier KV events. Registration carries the engine's
-KV layout and capacity, heartbeats its load.
+KV layout and capacity, heartbeats its load (LoRA adapters included).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from kvmesh.api.common.v1 import kv_pb2, worker_pb2
 from kvmesh.api.router.v1 import router_pb2
 from kvmesh.blocks import BlockHash
 from kvmesh.runtime import gpu_stats
+from kvmesh.worker.adapters import adapter_states
 from kvmesh.worker.link_metrics import register_link_metrics
 from kvmesh.worker.router_link import RouterLink
 
@@ -36,6 +37,7 @@ def engine_load(engine: LLMEngine) -> worker_pb2.WorkerLoad:
         total_kv_blocks=engine.config.num_blocks,
         tokens_in_flight=engine.tokens_in_flight,
         gpus=[worker_pb2.GpuStats(**asdict(g)) for g in gpu_stats()],
+        adapters=adapter_states(engine),
     )
 
 

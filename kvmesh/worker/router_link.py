@@ -31,6 +31,7 @@ continues where it left off, with no resync needed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
@@ -109,6 +110,7 @@ class RouterLink:
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
+        self._report: asyncio.Event | None = None  # heartbeat now, not at the next interval
         self._channel: grpc.aio.Channel | None = None
         self._stub: router_pb2_grpc.RouterServiceStub | None = None
         self._task: asyncio.Task[None] | None = None
@@ -131,6 +133,7 @@ class RouterLink:
             raise RuntimeError("RouterLink already started")
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
+        self._report = asyncio.Event()
         self._channel = create_channel(self._router_address, peer="router")
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
         self._task = asyncio.create_task(self._run(), name=f"router-link-{self.worker_id}")
@@ -251,10 +254,20 @@ class RouterLink:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def report_now(self) -> None:
+        """Heartbeat at once rather than at the next interval: what the load carries changed in a
+        way routing must see now (an adapter loaded or unloaded)."""
+        if self._report is not None:
+            self._report.set()
+
     async def _heartbeat_loop(self) -> None:
-        assert self._stub is not None and self._wake is not None
+        assert self._stub is not None and self._wake is not None and self._report is not None
+        # The first report follows registration at once: the router then knows what this worker serves.
+        self._report.set()
         while True:
-            await asyncio.sleep(self._heartbeat_interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._report.wait(), self._heartbeat_interval_s)
+            self._report.clear()
             request = router_pb2.HeartbeatRequest(worker_id=self.worker_id, lease_id=self._lease_id, load=self._load())
             try:
                 resp = await self._stub.Heartbeat(request, timeout=self._rpc_timeout_s)

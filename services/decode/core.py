@@ -139,31 +139,33 @@ class DecodeWorker:
         cache_salt: bytes = b"",
         remote: RemotePrefill | None = None,
         resume_ids: list[int] | None = None,
+        adapter: str | None = None,
     ) -> AsyncIterator[tuple[RequestOutput, int]]:
         """Stream the request's outputs, each with the KV transfer time (ns) spent before it.
 
         ``resume_ids``: a migrated request's output so far (``LLMEngine.add_request``); local prefill only.
+        ``adapter``: the LoRA adapter it runs under, the one prefill used (NotFound when not loaded here).
         """
         self.counters.requests += 1
         self.counters.active_requests += 1
         try:
             transfer_ns = 0
-            options: dict = {}
+            options: dict = {"adapter": adapter}
             if remote is not None:
                 self.counters.remote_prefills += 1
                 t0 = time.perf_counter_ns()
                 with tracing.span("kv.transfer", **{"kvmesh.kv.lease_id": remote.lease_id}):
                     await self._adopt_kv(remote)
                 transfer_ns = time.perf_counter_ns() - t0
-                options = {"first_token": remote.first_token, "first_logprob": remote.first_logprob}
+                options.update(first_token=remote.first_token, first_logprob=remote.first_logprob)
             else:
                 self.counters.local_prefills += 1
-                hashes = self.engine.prompt_block_hashes(prompt_ids, cache_salt)
+                hashes = self.engine.prompt_block_hashes(prompt_ids, cache_salt, adapter)
                 self.counters.kvstore_fetched_blocks += await fetch_prefix_from_kvstore(
                     self.engine, self.kvstore, hashes
                 )
                 if resume_ids:
-                    options = {"resume_ids": resume_ids}
+                    options["resume_ids"] = resume_ids
             traceparent = tracing.current_traceparent()
             if traceparent is not None:  # the speculator's span for this request joins its trace
                 options["traceparent"] = traceparent

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from kvmesh.api.adapter.v1 import adapter_pb2, adapter_pb2_grpc
 from kvmesh.api.common.v1 import kv_pb2, worker_pb2
 from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc
 from kvmesh.engine.async_engine import AsyncEngine
@@ -17,6 +18,7 @@ from kvmesh.speculation.drafter import Drafter
 from kvmesh.speculation.eagle import EagleProposer, RemoteWithHead
 from kvmesh.speculation.local import LocalProposer
 from kvmesh.speculation.metrics import SpeculatorCollector
+from kvmesh.worker.adapters import AdapterServicer, load_startup_adapters
 from kvmesh.worker.engine_link import attach_router
 from kvmesh.worker.kv_transport import KV_TRANSPORT_FLAGS, open_endpoint
 from kvmesh.worker.kvstore_client import KVStoreClient
@@ -61,6 +63,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
     args = ctx.args
     address = args.advertise_address or f"{args.host}:{args.port}"
     servicer = DecodeServicer()
+    adapters = AdapterServicer()
     grpc_source = GrpcKVSource(pull_timeout_s=args.kv_pull_timeout_seconds)
     state: dict = {}
 
@@ -105,9 +108,11 @@ def build(ctx: ServiceContext) -> ServiceDef:
             )
         )
         state["engine"] = aengine
-        state["link"] = await attach_router(
+        await load_startup_adapters(engine, args.lora)
+        link = state["link"] = await attach_router(
             args, engine, worker_pb2.WORKER_ROLE_DECODE, address, "decode", ctx.registry
         )
+        adapters.attach(engine, link.report_now if link is not None else lambda: None)
 
     async def drain() -> None:
         if state.get("link"):
@@ -125,7 +130,10 @@ def build(ctx: ServiceContext) -> ServiceDef:
             await state["proposer"].close()
 
     return ServiceDef(
-        services=[GrpcService.of(decode_pb2, decode_pb2_grpc, "DecodeService", servicer)],
+        services=[
+            GrpcService.of(adapter_pb2, adapter_pb2_grpc, "AdapterService", adapters),
+            GrpcService.of(decode_pb2, decode_pb2_grpc, "DecodeService", servicer),
+        ],
         start=start,
         drain=drain,
         stop=stop,

@@ -64,7 +64,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             }
         )
         async for out, transfer_ns in self.worker.decode(
-            request.request_id, prompt, params, request.cache_salt, remote, resume
+            request.request_id, prompt, params, request.cache_salt, remote, resume, request.adapter or None
         ):
             if first_token_ns is None:
                 first_token_ns = time.perf_counter_ns() - t0

@@ -20,7 +20,7 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from kvmesh.errors import Unauthenticated
+from kvmesh.errors import PermissionDenied, Unauthenticated
 
 # The gRPC metadata key (lowercase, as gRPC requires) and the HTTP header.
 AUTHORIZATION = "authorization"
@@ -32,7 +32,9 @@ def _digest(key: str) -> bytes:
 
 
 class ApiKeys:
-    def __init__(self, entries: Iterable[str] = ()) -> None:
+    def __init__(self, entries: Iterable[str] = (), admin_tenants: Iterable[str] = ()) -> None:
+        """``admin_tenants``: the tenants whose keys may call the admin API (loading LoRA adapters)."""
+        self._admins = frozenset(t.strip() for t in admin_tenants if t.strip())
         self._tenants: dict[bytes, str] = {}
         for entry in entries:
             fields = entry.split()
@@ -45,15 +47,16 @@ class ApiKeys:
             self._tenants[_digest(key)] = tenant
 
     @classmethod
-    def load(cls, path: str | Path | None = None, listed: str | None = None) -> ApiKeys:
-        """Keys from ``path`` (a file) and ``listed`` (comma-separated entries); either may be unset."""
+    def load(cls, path: str | Path | None = None, listed: str | None = None, admins: str | None = None) -> ApiKeys:
+        """Keys from ``path`` (a file) and ``listed`` (comma-separated entries); either may be unset.
+        ``admins``: comma-separated tenants allowed the admin API."""
         entries: list[str] = []
         if path:
             lines = Path(path).read_text().splitlines()
             entries += [line for line in lines if not line.lstrip().startswith("#")]
         if listed:
             entries += listed.split(",")
-        return cls(entries)
+        return cls(entries, (admins or "").split(","))
 
     @property
     def enabled(self) -> bool:
@@ -71,11 +74,27 @@ class ApiKeys:
             raise Unauthenticated("invalid API key")
         return tenant
 
+    def admin(self, authorization: str | None) -> str:
+        """The caller's tenant when it may call the admin API: anyone while auth is off, else only a key
+        of an admin tenant (PermissionDenied for the others, Unauthenticated for a wrong key)."""
+        tenant = self.tenant(authorization)
+        if self.enabled and tenant not in self._admins:
+            raise PermissionDenied(
+                "this is an admin call: it needs the key of a tenant named in --admin-tenants (KVMESH_ADMIN_TENANTS)"
+            )
+        return tenant
+
     def tenant_from_metadata(self, metadata: Iterable[tuple[str, str | bytes]] | Mapping[str, str] | None) -> str:
         """The same check on gRPC invocation metadata."""
-        pairs = metadata.items() if isinstance(metadata, Mapping) else metadata or ()
-        value = next((v for k, v in pairs if k == AUTHORIZATION and isinstance(v, str)), None)
-        return self.tenant(value)
+        return self.tenant(_authorization(metadata))
+
+    def admin_from_metadata(self, metadata: Iterable[tuple[str, str | bytes]] | Mapping[str, str] | None) -> str:
+        return self.admin(_authorization(metadata))
+
+
+def _authorization(metadata: Iterable[tuple[str, str | bytes]] | Mapping[str, str] | None) -> str | None:
+    pairs = metadata.items() if isinstance(metadata, Mapping) else metadata or ()
+    return next((v for k, v in pairs if k == AUTHORIZATION and isinstance(v, str)), None)
 
 
 def tenant_cache_salt(tenant: str, salt: str) -> bytes:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Protocol
 
+from kvmesh.api.adapter.v1 import adapter_pb2
 from kvmesh.api.decode.v1 import decode_pb2
 from kvmesh.api.prefill.v1 import prefill_pb2
 from kvmesh.api.router.v1 import router_pb2
@@ -43,3 +44,14 @@ class Backends(Protocol):
     def decode(
         self, address: str, request: decode_pb2.DecodeRequest
     ) -> AsyncGenerator[decode_pb2.DecodeResponse, None]: ...
+
+    async def list_workers(self) -> router_pb2.ListWorkersResponse: ...
+
+    # A worker's LoRA adapters; ``role`` ("prefill" or "decode") is the one its certificate must name.
+    async def load_adapter(
+        self, address: str, role: str, request: adapter_pb2.LoadAdapterRequest
+    ) -> adapter_pb2.LoadAdapterResponse: ...
+
+    async def unload_adapter(
+        self, address: str, role: str, request: adapter_pb2.UnloadAdapterRequest
+    ) -> adapter_pb2.UnloadAdapterResponse: ...

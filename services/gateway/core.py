@@ -43,6 +43,7 @@ from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.errors import InvalidArgument, KvmeshError, ResourceExhausted, Unavailable
 from kvmesh.sampling import SamplingParams, admitted
+from services.gateway.adapters import Adapters
 from services.gateway.auth import ANONYMOUS, tenant_cache_salt, tenant_digest
 from services.gateway.backends import Backends
 from services.gateway.chat_messages import template_messages
@@ -112,6 +113,7 @@ class Gateway:
         self._tool_format = tool_call_format
         self._migration = migration
         self._inflight = 0
+        self.adapters = Adapters(backends, model.name)
         self._workers = WorkerCalls(
             model,
             backends,
@@ -132,14 +134,29 @@ class Gateway:
 
     # -- the unary API -------------------------------------------------------
 
-    def list_models(self) -> list[gateway_pb2.ModelInfo]:
+    async def list_models(self) -> list[gateway_pb2.ModelInfo]:
+        """The base model, then every LoRA adapter the workers have loaded (its ``parent`` the base)."""
+        base = self._model_info(self.model.name)
+        return [base, *(self._model_info(a.name, parent=base.id) for a in await self.adapters.catalog())]
+
+    def _model_info(self, name: str, parent: str = "") -> gateway_pb2.ModelInfo:
         m = self.model
         # ModelInfo has no description; owned_by is where a client sees "random weights".
         owner = m.label or "kvmesh"
-        return [gateway_pb2.ModelInfo(id=m.name, max_model_len=m.max_model_len, owned_by=owner, created=m.created)]
+        return gateway_pb2.ModelInfo(
+            id=name, max_model_len=m.max_model_len, owned_by=owner, created=m.created, parent=parent
+        )
 
-    def tokenize(self, request: gateway_pb2.TokenizeRequest) -> list[int]:
-        self.model.check_name(request.model)
+    async def load_adapter(self, name: str, path: str) -> gateway_pb2.LoadAdapterResponse:
+        served = await self.adapters.load(name, path)
+        model = self._model_info(name, parent=self.model.name)
+        return gateway_pb2.LoadAdapterResponse(model=model, workers=served.workers)
+
+    async def unload_adapter(self, name: str) -> gateway_pb2.UnloadAdapterResponse:
+        return gateway_pb2.UnloadAdapterResponse(workers=await self.adapters.unload(name))
+
+    async def tokenize(self, request: gateway_pb2.TokenizeRequest) -> list[int]:
+        await self.adapters.resolve(request.model)  # an adapter shares the base model's tokenizer
         which = request.WhichOneof("input")
         if which == "text":
             return self.model.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
@@ -199,7 +216,7 @@ class Gateway:
         attributes = {"kvmesh.request_id": request_id, "gen_ai.request.model": request.model or self.model.name}
         with tracing.span(f"gateway.{method}", **attributes, **{"kvmesh.tenant": tenant_digest(tenant)}) as span:
             try:
-                self.model.check_name(request.model)
+                adapter = await self.adapters.resolve(request.model)
                 prepared = prepare()
                 prompt_ids, m = prepared.prompt_ids, self.model
                 params = SamplingParams.from_pb(prepared.sampling)
@@ -209,7 +226,7 @@ class Gateway:
                     "tokenize", received_wall, received_wall + prepare_ns, **{"kvmesh.prompt_tokens": len(prompt_ids)}
                 )
                 salt = tenant_cache_salt(tenant, request.cache_salt)
-                job = Job(method, request_id, prompt_ids, sampling, salt, received, prepare_ns)
+                job = Job(method, request_id, prompt_ids, sampling, salt, received, prepare_ns, adapter)
                 stream = ResponseStream(job, self._metrics)
                 async with aclosing(self._run(job, stream)) as chunks:
                     async for chunk in chunks:

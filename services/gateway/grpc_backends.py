@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from kvmesh.api.adapter.v1 import adapter_pb2, adapter_pb2_grpc
 from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc
 from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
@@ -38,11 +39,12 @@ class GrpcBackends:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[tuple[type, str], Any] = {}
 
-    def _stub(self, cls: type[Stub], address: str) -> Stub:
+    def _stub(self, cls: type[Stub], address: str, peer: str | None = None) -> Stub:
+        """``peer``: the role the server must name, for a service several roles serve (AdapterService)."""
         key = (cls, address)
         if key not in self._stubs:
             if address not in self._channels:
-                self._channels[address] = create_channel(address, peer=_PEER[cls])
+                self._channels[address] = create_channel(address, peer=peer or _PEER[cls])
             self._stubs[key] = cls(self._channels[address])
         return self._stubs[key]
 
@@ -83,6 +85,32 @@ class GrpcBackends:
             raise from_rpc_error(e, "") from None
         finally:
             call.cancel()  # no-op when the stream ended; otherwise the decode worker aborts the sequence
+
+    async def list_workers(self) -> router_pb2.ListWorkersResponse:
+        stub = self._stub(router_pb2_grpc.RouterServiceStub, self._router_address)
+        try:
+            return await stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, f"router ({self._router_address})", self._rpc_timeout_s) from None
+
+    async def load_adapter(
+        self, address: str, role: str, request: adapter_pb2.LoadAdapterRequest
+    ) -> adapter_pb2.LoadAdapterResponse:
+        stub = self._stub(adapter_pb2_grpc.AdapterServiceStub, address, role)
+        try:
+            # Reading and checking an adapter's files takes longer than a routing call.
+            return await stub.LoadAdapter(request, timeout=self._prefill_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, f"{role} worker ({address})", self._prefill_timeout_s) from None
+
+    async def unload_adapter(
+        self, address: str, role: str, request: adapter_pb2.UnloadAdapterRequest
+    ) -> adapter_pb2.UnloadAdapterResponse:
+        stub = self._stub(adapter_pb2_grpc.AdapterServiceStub, address, role)
+        try:
+            return await stub.UnloadAdapter(request, timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, f"{role} worker ({address})", self._rpc_timeout_s) from None
 
     async def close(self) -> None:
         for channel in self._channels.values():

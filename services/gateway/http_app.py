@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API as an aiohttp application, on the gateway core the gRPC API uses.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models(/{model}),
-GET /health, GET /metrics, GET /openapi.json.
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter (admin), GET /health, GET /metrics,
+GET /openapi.json.
 
 Middlewares, outermost first:
 - observe: binds the request id (``x-request-id`` header, or a new one) for
@@ -23,6 +24,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvmesh import tracing
+from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.errors import KvmeshError, Unavailable
 from kvmesh.runtime import METADATA_KEY, new_request_id, request_id_scope
 from services.gateway.auth import AUTHORIZATION, ApiKeys
@@ -30,8 +32,9 @@ from services.gateway.core import Gateway
 from services.gateway.http_context import RECEIVED_NS, REQUEST_ID, TENANT, TRACEPARENT
 from services.gateway.metrics import HttpMetrics
 from services.gateway.openai_errors import error_body
-from services.gateway.openai_responses import Health, Model, ModelList
-from services.gateway.openai_serving import OpenAIServing, json_response
+from services.gateway.openai_requests import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+from services.gateway.openai_responses import Health, Model, ModelList, Unloaded
+from services.gateway.openai_serving import OpenAIServing, json_response, parse
 from services.gateway.openapi import Served, openapi_document
 
 log = structlog.get_logger("kvmesh.gateway.http")
@@ -59,6 +62,8 @@ class HttpApi:
         app.router.add_post("/v1/chat/completions", self._generation(self._serving.chat))
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model}", self._model)
+        app.router.add_post("/v1/load_lora_adapter", self._load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self._unload_lora_adapter)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._prometheus)
         app.router.add_get("/openapi.json", self._openapi_json)
@@ -134,15 +139,24 @@ class HttpApi:
         return generate
 
     async def _models(self, request: web.Request) -> web.Response:
-        return json_response(ModelList(data=[self._model_info()]))
+        return json_response(ModelList(data=[_model(info) for info in await self._gateway.list_models()]))
 
     async def _model(self, request: web.Request) -> web.Response:
-        self._gateway.model.check_name(request.match_info["model"])
-        return json_response(self._model_info())
+        name = await self._gateway.adapters.resolve(request.match_info["model"]) or self._gateway.model.name
+        (info,) = [info for info in await self._gateway.list_models() if info.id == name]
+        return json_response(_model(info))
 
-    def _model_info(self) -> Model:
-        (info,) = self._gateway.list_models()
-        return Model(id=info.id, created=info.created, owned_by=info.owned_by, max_model_len=info.max_model_len)
+    async def _load_lora_adapter(self, request: web.Request) -> web.Response:
+        self._keys.admin(request.headers.get(AUTHORIZATION))
+        req = await parse(request, LoadLoraAdapterRequest)
+        loaded = await self._gateway.load_adapter(req.lora_name, req.lora_path)
+        return json_response(_model(loaded.model))
+
+    async def _unload_lora_adapter(self, request: web.Request) -> web.Response:
+        self._keys.admin(request.headers.get(AUTHORIZATION))
+        req = await parse(request, UnloadLoraAdapterRequest)
+        await self._gateway.unload_adapter(req.lora_name)
+        return json_response(Unloaded(id=req.lora_name))
 
     async def _health(self, request: web.Request) -> web.Response:
         if self.draining:
@@ -161,6 +175,16 @@ async def _add_request_id(request: web.Request, response: web.StreamResponse) ->
         response.headers[METADATA_KEY] = request[REQUEST_ID]
     if request.get(TRACEPARENT) is not None:
         response.headers[tracing.TRACERESPONSE] = request[TRACEPARENT]
+
+
+def _model(info: gateway_pb2.ModelInfo) -> Model:
+    return Model(
+        id=info.id,
+        created=info.created,
+        owned_by=info.owned_by,
+        max_model_len=info.max_model_len,
+        parent=info.parent or None,
+    )
 
 
 def _http_attributes(request: web.Request) -> dict[str, str]:

@@ -76,6 +76,11 @@ FLAGS = [
         "--api-keys", "comma-separated 'key [tenant]' entries; prefer KVMESH_API_KEYS or the file to the command line"
     ),
     Flag(
+        "--admin-tenants",
+        "comma-separated tenants (of the API keys) that may call the admin API: loading and unloading LoRA "
+        "adapters (with no API keys at all, anyone may)",
+    ),
+    Flag(
         "--default-max-tokens",
         "max_tokens of a request that sets none (0: up to the context; the legacy completions API keeps OpenAI's 16)",
         default=0,
@@ -158,7 +163,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
         known_workers=LastKnownWorkers(args.router_fallback_seconds),
     )
 
-    keys = _api_keys(args.api_keys_file, args.api_keys)
+    keys = _api_keys(args.api_keys_file, args.api_keys, args.admin_tenants)
     log.info("api keys", auth="on" if keys.enabled else "off")
     api = HttpApi(gateway, keys, ctx.registry, HttpMetrics(ctx.registry))
     http = HttpServer(
@@ -176,9 +181,9 @@ def build(ctx: ServiceContext) -> ServiceDef:
     return ServiceDef(services=[gateway_service(gateway, keys)], start=http.start, drain=http.drain, stop=stop)
 
 
-def _api_keys(path: str | None, listed: str | None) -> ApiKeys:
+def _api_keys(path: str | None, listed: str | None, admins: str | None) -> ApiKeys:
     try:
-        return ApiKeys.load(path, listed)
+        return ApiKeys.load(path, listed, admins)
     except OSError as e:
         raise ValueError(f"--api-keys-file {path}: {e.strerror}") from None
 

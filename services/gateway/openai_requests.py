@@ -362,3 +362,15 @@ class ChatCompletionRequest(SamplingFields):
     modalities: list[Literal["text"]] | None = None
     prediction: Annotated[None, _NOT_YET] = None
     web_search_options: Annotated[None, _NOT_YET] = None
+
+
+# -- the admin API (vLLM's names for the same calls) ------------------------------
+
+
+class LoadLoraAdapterRequest(Body):
+    lora_name: Text = Field(description="The model id requests will use for it.")
+    lora_path: Text = Field(description="The adapter's PEFT folder, as the workers see it.")
+
+
+class UnloadLoraAdapterRequest(Body):
+    lora_name: Text

@@ -145,6 +145,13 @@ class Model(BaseModel):
     created: int
     owned_by: str
     max_model_len: int = Field(description="Longest prompt + completion, in tokens.")
+    parent: str | None = Field(None, description="For a LoRA adapter: the base model it adapts.")
+
+
+class Unloaded(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    deleted: bool = True
 
 
 class ModelList(BaseModel):

@@ -47,13 +47,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self, request: gateway_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.TokenizeResponse:
         self._tenant(context)
-        return gateway_pb2.TokenizeResponse(token_ids=self._gateway.tokenize(request))
+        return gateway_pb2.TokenizeResponse(token_ids=await self._gateway.tokenize(request))
 
     async def ListModels(
         self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.ListModelsResponse:
         self._tenant(context)
-        return gateway_pb2.ListModelsResponse(models=self._gateway.list_models())
+        return gateway_pb2.ListModelsResponse(models=await self._gateway.list_models())
+
+    async def LoadAdapter(
+        self, request: gateway_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.LoadAdapterResponse:
+        self._keys.admin_from_metadata(context.invocation_metadata())
+        return await self._gateway.load_adapter(request.name, request.path)
+
+    async def UnloadAdapter(
+        self, request: gateway_pb2.UnloadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.UnloadAdapterResponse:
+        self._keys.admin_from_metadata(context.invocation_metadata())
+        return await self._gateway.unload_adapter(request.name)
 
 
 def _request_id() -> str:

@@ -23,6 +23,7 @@ class Job:
     cache_salt: bytes
     received_ns: int  # time.monotonic_ns() when the gateway got the request
     prepare_ns: int  # spent tokenizing and validating
+    adapter: str = ""  # the LoRA adapter it runs under ("": the base model)
 
 
 @dataclass(frozen=True)

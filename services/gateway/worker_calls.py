@@ -89,6 +89,7 @@ class WorkerCalls:
             cache_salt=job.cache_salt,
             max_new_tokens=job.sampling.max_tokens,
             exclude_worker_ids=excluded,
+            adapter=job.adapter,
         )
         try:
             plan = await self._backends.route(request)
@@ -153,6 +154,7 @@ class WorkerCalls:
             sampling=job.sampling,
             cache_salt=job.cache_salt,
             handoff_mode=kv_pb2.HANDOFF_MODE_PULL,
+            adapter=job.adapter,
         )
         call = asyncio.ensure_future(self._backends.prefill(worker.address, request))
         try:
@@ -249,6 +251,7 @@ class WorkerCalls:
             prompt_token_ids=job.prompt_ids,
             sampling=job.sampling,
             cache_salt=job.cache_salt,
+            adapter=job.adapter,
             **prefill,
         )
 

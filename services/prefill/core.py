@@ -106,9 +106,11 @@ class PrefillWorker:
         cache_salt: bytes = b"",
         hand_off: bool = True,
         lease_ttl_ms: int = 0,
+        adapter: str | None = None,
     ) -> PrefillResult:
+        """``adapter``: the LoRA adapter to run under (NotFound when it is not loaded here)."""
         t0 = time.perf_counter_ns()
-        hashes = self.engine.prompt_block_hashes(token_ids, cache_salt)
+        hashes = self.engine.prompt_block_hashes(token_ids, cache_salt, adapter)
         with tracing.span("kvstore.fetch") as span:
             fetched = await fetch_prefix_from_kvstore(self.engine, self.kvstore, hashes)
             span.set_attribute("kvmesh.kv.blocks", fetched)
@@ -116,7 +118,9 @@ class PrefillWorker:
         fetched_ns = time.perf_counter_ns()
         one_token = dataclasses.replace(params, max_tokens=1)
         out = None
-        stream = self.engine.generate(token_ids, one_token, request_id, cache_salt, hold_prompt_blocks=True)
+        stream = self.engine.generate(
+            token_ids, one_token, request_id, cache_salt, hold_prompt_blocks=True, adapter=adapter
+        )
         async for out in stream:  # noqa: B007 (the last output is the one wanted)
             pass
         computed_ns = time.perf_counter_ns()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from kvmesh.api.adapter.v1 import adapter_pb2, adapter_pb2_grpc
 from kvmesh.api.common.v1 import kv_pb2, worker_pb2
 from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from kvmesh.engine.async_engine import AsyncEngine
@@ -13,6 +14,7 @@ from kvmesh.engine.flags import ENGINE_FLAGS, engine_config, model_path
 from kvmesh.engine.metrics import EngineCollector
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
 from kvmesh.runtime.counters import CountersCollector
+from kvmesh.worker.adapters import AdapterServicer, load_startup_adapters
 from kvmesh.worker.engine_link import attach_router
 from kvmesh.worker.kv_transport import KV_TRANSPORT_FLAGS, open_endpoint
 from kvmesh.worker.kvstore_client import KVStoreClient
@@ -38,6 +40,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
     address = args.advertise_address or f"{args.host}:{args.port}"
     state: dict = {}
     servicer = PrefillServicer(address)
+    adapters = AdapterServicer()
 
     async def start() -> None:
         aengine = await AsyncEngine.started(lambda: LLMEngine(model_path(args), engine_config(args)), ctx.fail)
@@ -60,9 +63,11 @@ def build(ctx: ServiceContext) -> ServiceDef:
         state.update(engine=aengine, worker=worker, reaper=asyncio.create_task(worker.reap_expired_leases()))
         if nixl is not None:
             state["notifications"] = asyncio.create_task(worker.release_on_notifications())
-        state["link"] = await attach_router(
+        await load_startup_adapters(engine, args.lora)
+        link = state["link"] = await attach_router(
             args, engine, worker_pb2.WORKER_ROLE_PREFILL, address, "prefill", ctx.registry
         )
+        adapters.attach(engine, link.report_now if link is not None else lambda: None)
 
     async def drain() -> None:
         if state.get("link"):
@@ -84,7 +89,10 @@ def build(ctx: ServiceContext) -> ServiceDef:
             state["engine"].stop()
 
     return ServiceDef(
-        services=[GrpcService.of(prefill_pb2, prefill_pb2_grpc, "PrefillService", servicer)],
+        services=[
+            GrpcService.of(adapter_pb2, adapter_pb2_grpc, "AdapterService", adapters),
+            GrpcService.of(prefill_pb2, prefill_pb2_grpc, "PrefillService", servicer),
+        ],
         start=start,
         drain=drain,
         stop=stop,

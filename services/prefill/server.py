@@ -47,6 +47,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             request.cache_salt,
             hand_off=mode == kv_pb2.HANDOFF_MODE_PULL,
             lease_ttl_ms=request.lease_ttl_ms,
+            adapter=request.adapter or None,
         )
         handoff = kv_pb2.KVHandoff(mode=kv_pb2.HANDOFF_MODE_NONE)
         if res.lease is not None:

@@ -21,7 +21,7 @@ from .events import EventKind, KVEvent, PublishResult
 from .index import Tier
 from .membership import Registration, WorkerStatus
 from .policy import RoutePlan
-from .worker import KVLayout, Role, WorkerCapacity, WorkerInfo, WorkerLoad
+from .worker import AdapterState, KVLayout, Role, WorkerCapacity, WorkerInfo, WorkerLoad
 
 T = TypeVar("T")
 
@@ -72,7 +72,7 @@ def hashes_from_pb(hashes: Sequence[bytes]) -> list[BlockHash]:
 
 
 def _same_fields(cls: type[T], message: object) -> T:
-    """A flat dataclass from a message whose fields it names alike (KVLayout, WorkerLoad)."""
+    """A flat dataclass from a message whose fields it names alike (KVLayout)."""
     return cls(**{f.name: getattr(message, f.name) for f in fields(cls)})
 
 
@@ -108,11 +108,14 @@ def worker_info_from_pb(req: router_pb2.RegisterWorkerRequest) -> WorkerInfo:
 
 
 def load_from_pb(load: worker_pb2.WorkerLoad) -> WorkerLoad:
-    return _same_fields(WorkerLoad, load)
+    counts = {f.name: getattr(load, f.name) for f in fields(WorkerLoad) if f.name != "adapters"}
+    return WorkerLoad(**counts, adapters=tuple(AdapterState(a.name, a.fingerprint, a.resident) for a in load.adapters))
 
 
 def load_to_pb(load: WorkerLoad) -> worker_pb2.WorkerLoad:
-    return worker_pb2.WorkerLoad(**asdict(load))
+    return worker_pb2.WorkerLoad(
+        **{**asdict(load), "adapters": [worker_pb2.AdapterState(**asdict(a)) for a in load.adapters]}
+    )
 
 
 def registration_to_pb(reg: Registration) -> router_pb2.RegisterWorkerResponse:

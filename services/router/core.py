@@ -18,7 +18,7 @@ from dataclasses import replace
 import structlog
 
 from kvmesh.blocks import BlockHash, block_hashes
-from kvmesh.errors import Unavailable
+from kvmesh.errors import NotFound, Unavailable
 
 from .events import KVEventApplier
 from .index import PrefixHits, PrefixIndex
@@ -73,13 +73,16 @@ class Router(Membership):
         max_new_tokens: int = 0,
         exclude: Collection[str] = (),
         request_id: str = "",
+        adapter: str = "",
     ) -> RoutePlan:
-        """Plan a request from its prompt tokens, hashed into the cluster's blocks."""
+        """Plan a request from its prompt tokens, hashed into the cluster's blocks (under ``adapter``'s
+        chain when it names a LoRA adapter: only workers that loaded it are candidates)."""
         await self._pull()
         layout = self.registry.cluster_layout
         if layout is None:
             raise Unavailable("no prefill or decode worker has registered yet")
-        args = (token_ids, layout.block_size, layout.model_fingerprint, cache_salt)
+        root = self._adapter_fingerprint(adapter) if adapter else layout.model_fingerprint
+        args = (token_ids, layout.block_size, root, cache_salt)
         if len(token_ids) // layout.block_size > _HASH_INLINE_MAX_BLOCKS:
             chain = await asyncio.to_thread(block_hashes, *args)
         else:
@@ -91,6 +94,8 @@ class Router(Membership):
             max_new_tokens=max_new_tokens,
             exclude=exclude,
             request_id=request_id,
+            adapter=adapter,
+            adapter_fingerprint=root if adapter else None,
         )
 
     async def route_chain(
@@ -102,13 +107,20 @@ class Router(Membership):
         max_new_tokens: int = 0,
         exclude: Collection[str] = (),
         request_id: str = "",
+        adapter: str = "",
+        adapter_fingerprint: bytes | None = None,
     ) -> RoutePlan:
-        """Plan a request from a precomputed chain of ``block_size``-token blocks."""
+        """Plan a request from a precomputed chain of ``block_size``-token blocks; with ``adapter``,
+        among the workers that loaded it (with ``adapter_fingerprint``, from the same files)."""
         await self._maybe_recover()
         await self._pull()
         candidates = self._candidates(exclude)
         if not candidates:
             raise Unavailable("no live prefill or decode worker to route to")
+        if adapter:
+            candidates = [c for c in candidates if _serves(c, adapter, adapter_fingerprint)]
+            if not candidates:
+                raise NotFound(f"model {adapter!r} is not served: no live worker has that adapter loaded")
         hits = PrefixHits()
         if self.redis_available:
             try:
@@ -120,7 +132,9 @@ class Router(Membership):
         live = {c.worker_id for c in candidates}
         # Entries of workers that are gone (or excluded) must not attract requests.
         hits = PrefixHits({w: n for w, n in hits.gpu_blocks.items() if w in live}, hits.kvstore_blocks)
-        req = RouteInput(num_tokens, block_size, len(chain), hits, index_available=self.redis_available)
+        req = RouteInput(
+            num_tokens, block_size, len(chain), hits, index_available=self.redis_available, adapter=adapter or None
+        )
         plan = self.policy.choose(req, candidates)
         now = self._now()
         if plan.prefill_locally:
@@ -140,6 +154,18 @@ class Router(Membership):
         )
         return plan
 
+    def _adapter_fingerprint(self, adapter: str) -> bytes:
+        """The chain root of ``adapter``: the one most live workers report for it (workers that loaded
+        other files under that name are then not candidates). NotFound when no worker has it."""
+        roots = Counter(
+            a.fingerprint
+            for s in self.registry.live()
+            if s.info.role.runs_requests and (a := s.load.adapter(adapter)) is not None
+        )
+        if not roots:
+            raise NotFound(f"model {adapter!r} is not served: no live worker has that adapter loaded")
+        return roots.most_common(1)[0][0]
+
     def _candidates(self, exclude: Collection[str]) -> list[Candidate]:
         out = []
         for s in self.registry.live():
@@ -156,3 +182,8 @@ class Router(Membership):
             )
             out.append(Candidate(s.worker_id, s.info.role, load))
         return out
+
+
+def _serves(c: Candidate, adapter: str, fingerprint: bytes | None) -> bool:
+    state = c.load.adapter(adapter)
+    return state is not None and (fingerprint is None or state.fingerprint == fingerprint)

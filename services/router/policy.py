@@ -59,6 +59,8 @@ class RouteInput:
     hits: PrefixHits = field(default_factory=PrefixHits)
     # False when the index could not be read (the plan then rests on load alone).
     index_available: bool = True
+    # The LoRA adapter it runs under (None: the base model); every candidate has it loaded.
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,10 @@ class CostWeights:
     transfer_cost: float = 0.05
     # Per token of KV that would not fit in the worker's free blocks.
     kv_shortage_cost: float = 4.0
+    # Serving a LoRA adapter that is loaded but not resident in a slot: copying it in (and
+    # possibly waiting for a slot) costs about this much, so a resident worker wins until its
+    # queue outweighs it and a hot adapter then spreads.
+    adapter_swap_tokens: int = 256
 
 
 def split_roles(workers: Sequence[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
@@ -176,12 +182,19 @@ class CacheAwarePolicy:
         short_blocks = max(0, needed - c.load.free_kv_blocks)
         return short_blocks * req.block_size * self.w.kv_shortage_cost
 
+    def _adapter_swap(self, req: RouteInput, c: Candidate) -> float:
+        if req.adapter is None:
+            return 0.0
+        state = c.load.adapter(req.adapter)
+        return 0.0 if state is not None and state.resident else self.w.adapter_swap_tokens
+
     def _prefill_cost(self, req: RouteInput, c: Candidate) -> float:
         work = self._work(req, c.worker_id)[1] * self.w.recompute_cost
-        return self._queue(c.load) + work + self._kv_shortage(req, c)
+        return self._queue(c.load) + work + self._kv_shortage(req, c) + self._adapter_swap(req, c)
 
     def _decode_cost(self, req: RouteInput, c: Candidate) -> float:
-        return c.load.active_sequences * self.w.active_seq_tokens + self._kv_shortage(req, c)
+        swap = self._adapter_swap(req, c)
+        return c.load.active_sequences * self.w.active_seq_tokens + self._kv_shortage(req, c) + swap
 
     def _prefers_local(self, req: RouteInput, d: Candidate) -> bool:
         missing, _ = self._work(req, d.worker_id)

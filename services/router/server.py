@@ -51,6 +51,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             max_new_tokens=request.max_new_tokens,
             exclude=set(request.exclude_worker_ids),
             request_id=request.request_id or current_request_id() or "",
+            adapter=request.adapter,
         )
         prompt = request.WhichOneof("prompt")
         try:

@@ -96,6 +96,16 @@ class WorkerInfo:
 
 
 @dataclass(frozen=True)
+class AdapterState:
+    """A LoRA adapter a worker has loaded."""
+
+    name: str
+    # The root of its blocks' hash chain (kvmesh.blocks.adapter_fingerprint).
+    fingerprint: bytes
+    resident: bool  # in one of the worker's adapter slots
+
+
+@dataclass(frozen=True)
 class WorkerLoad:
     """A worker's load as its last heartbeat reported it."""
 
@@ -105,10 +115,19 @@ class WorkerLoad:
     total_kv_blocks: int = 0
     # Prompt tokens still to prefill plus tokens still to decode.
     tokens_in_flight: int = 0
+    adapters: tuple[AdapterState, ...] = ()
+
+    def adapter(self, name: str) -> AdapterState | None:
+        return next((a for a in self.adapters if a.name == name), None)
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["adapters"] = [{**a, "fingerprint": a["fingerprint"].hex()} for a in d["adapters"]]
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> WorkerLoad:
-        return cls(**d)
+        adapters = tuple(
+            AdapterState(a["name"], bytes.fromhex(a["fingerprint"]), a["resident"]) for a in d.get("adapters", ())
+        )
+        return cls(**{**d, "adapters": adapters})

@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Callable
 
+from kvmesh.api.adapter.v1 import adapter_pb2
 from kvmesh.api.common.v1 import accounting_pb2, kv_pb2, sampling_pb2, worker_pb2
 from kvmesh.api.decode.v1 import decode_pb2
 from kvmesh.api.prefill.v1 import prefill_pb2
 from kvmesh.api.router.v1 import router_pb2
-from kvmesh.errors import Unavailable
+from kvmesh.errors import NotFound, Unavailable
 from services.gateway.backends import RouterUnreachable
 
 FIRST_TOKEN = 7
@@ -49,6 +50,43 @@ class FakeMesh:
         self.released: list[tuple[str, str, int]] = []  # (address, lease id, outcome)
         self.leases: set[str] = set()
         self.open_streams = 0
+        # LoRA adapters: worker id -> names loaded there; worker id -> the error its next load raises.
+        self.adapters: dict[str, set[str]] = {w: set() for w in (*prefill, *decode)}
+        self.adapter_errors: dict[str, Exception] = {}
+
+    async def list_workers(self) -> router_pb2.ListWorkersResponse:
+        if self.router_down:
+            raise Unavailable("router (r:1) unreachable: connection refused")
+        roles = {**dict.fromkeys(self.prefill_workers, "PREFILL"), **dict.fromkeys(self.decode_workers, "DECODE")}
+        return router_pb2.ListWorkersResponse(
+            workers=[
+                router_pb2.WorkerStatus(
+                    endpoint=endpoint(w),
+                    role=worker_pb2.WorkerRole.Value(f"WORKER_ROLE_{role}"),
+                    load=worker_pb2.WorkerLoad(
+                        adapters=[
+                            worker_pb2.AdapterState(name=n, fingerprint=b"f", resident=False)
+                            for n in sorted(self.adapters[w])
+                        ]
+                    ),
+                )
+                for w, role in roles.items()
+            ]
+        )
+
+    async def load_adapter(self, address: str, role: str, request: adapter_pb2.LoadAdapterRequest):
+        worker = address.split(":")[0]
+        if worker in self.adapter_errors:
+            raise self.adapter_errors[worker]
+        self.adapters[worker].add(request.name)
+        return adapter_pb2.LoadAdapterResponse(adapter=adapter_pb2.Adapter(name=request.name, path=request.path))
+
+    async def unload_adapter(self, address: str, role: str, request: adapter_pb2.UnloadAdapterRequest):
+        worker = address.split(":")[0]
+        if request.name not in self.adapters[worker]:
+            raise NotFound(f"adapter {request.name!r} is not loaded on this worker")
+        self.adapters[worker].discard(request.name)
+        return adapter_pb2.UnloadAdapterResponse()
 
     async def route(self, request: router_pb2.RouteRequest) -> router_pb2.RouteResponse:
         self.routes.append(request)

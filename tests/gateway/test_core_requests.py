@@ -90,12 +90,12 @@ async def test_bad_chats_are_refused(model, messages, message) -> None:
         [c async for c in gateway.chat(gateway_pb2.ChatRequest(messages=messages), "rid")]
 
 
-def test_tokenize_text_and_chat(model) -> None:
+async def test_tokenize_text_and_chat(model) -> None:
     gateway = make_gateway(model, FakeMesh())
     text = "print('hello')"
 
-    plain = gateway.tokenize(gateway_pb2.TokenizeRequest(text=text))
-    chat = gateway.tokenize(
+    plain = await gateway.tokenize(gateway_pb2.TokenizeRequest(text=text))
+    chat = await gateway.tokenize(
         gateway_pb2.TokenizeRequest(
             chat=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user", content=text)])
         )
@@ -104,11 +104,11 @@ def test_tokenize_text_and_chat(model) -> None:
     assert plain == model.tokenizer.encode(text, add_special_tokens=False)
     assert model.tokenizer.decode(chat, skip_special_tokens=False).startswith("<|im_start|>user\nprint('hello')")
     with pytest.raises(InvalidArgument, match="nothing to tokenize"):
-        gateway.tokenize(gateway_pb2.TokenizeRequest())
+        await gateway.tokenize(gateway_pb2.TokenizeRequest())
 
 
-def test_list_models_reports_the_label_of_a_kvmesh_made_model(model) -> None:
-    [info] = make_gateway(model, FakeMesh()).list_models()
+async def test_list_models_reports_the_label_of_a_kvmesh_made_model(model) -> None:
+    [info] = await make_gateway(model, FakeMesh()).list_models()
 
     assert (info.id, info.max_model_len, info.owned_by) == ("tiny", CONTEXT, LABEL)
     assert info.created > 0

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!kvmesh/api/common/v1/worker.proto\x12\x14kvmesh.api.common.v1\"4\n\x0eWorkerEndpoint\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xb8\x01\n\nWorkerLoad\x12\x17\n\x0fqueued_requests\x18\x01 \x01(\r\x12\x18\n\x10\x61\x63tive_sequences\x18\x02 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x03 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\r\x12\x18\n\x10tokens_in_flight\x18\x05 \x01(\x04\x12,\n\x04gpus\x18\x06 \x03(\x0b\x32\x1e.kvmesh.api.common.v1.GpuStats\"{\n\x08GpuStats\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x19\n\x11memory_used_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12memory_total_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13utilization_percent\x18\x05 \x01(\r*s\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x17\n\x13WORKER_ROLE_KVSTORE\x10\x03\x42GZEgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/common/v1;commonv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!kvmesh/api/common/v1/worker.proto\x12\x14kvmesh.api.common.v1\"4\n\x0eWorkerEndpoint\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xee\x01\n\nWorkerLoad\x12\x17\n\x0fqueued_requests\x18\x01 \x01(\r\x12\x18\n\x10\x61\x63tive_sequences\x18\x02 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x03 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\r\x12\x18\n\x10tokens_in_flight\x18\x05 \x01(\x04\x12,\n\x04gpus\x18\x06 \x03(\x0b\x32\x1e.kvmesh.api.common.v1.GpuStats\x12\x34\n\x08\x61\x64\x61pters\x18\x07 \x03(\x0b\x32\".kvmesh.api.common.v1.AdapterState\"C\n\x0c\x41\x64\x61pterState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x10\n\x08resident\x18\x03 \x01(\x08\"{\n\x08GpuStats\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x19\n\x11memory_used_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12memory_total_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13utilization_percent\x18\x05 \x01(\r*s\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x17\n\x13WORKER_ROLE_KVSTORE\x10\x03\x42GZEgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/common/v1;commonv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,12 +32,14 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.api.common.v1.worker
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'ZEgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/common/v1;commonv1'
-  _globals['_WORKERROLE']._serialized_start=425
-  _globals['_WORKERROLE']._serialized_end=540
+  _globals['_WORKERROLE']._serialized_start=548
+  _globals['_WORKERROLE']._serialized_end=663
   _globals['_WORKERENDPOINT']._serialized_start=59
   _globals['_WORKERENDPOINT']._serialized_end=111
   _globals['_WORKERLOAD']._serialized_start=114
-  _globals['_WORKERLOAD']._serialized_end=298
-  _globals['_GPUSTATS']._serialized_start=300
-  _globals['_GPUSTATS']._serialized_end=423
+  _globals['_WORKERLOAD']._serialized_end=352
+  _globals['_ADAPTERSTATE']._serialized_start=354
+  _globals['_ADAPTERSTATE']._serialized_end=421
+  _globals['_GPUSTATS']._serialized_start=423
+  _globals['_GPUSTATS']._serialized_end=546
 # @@protoc_insertion_point(module_scope)

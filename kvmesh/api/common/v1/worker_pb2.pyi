@@ -27,20 +27,32 @@ class WorkerEndpoint(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("queued_requests", "active_sequences", "free_kv_blocks", "total_kv_blocks", "tokens_in_flight", "gpus")
+    __slots__ = ("queued_requests", "active_sequences", "free_kv_blocks", "total_kv_blocks", "tokens_in_flight", "gpus", "adapters")
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     queued_requests: int
     active_sequences: int
     free_kv_blocks: int
     total_kv_blocks: int
     tokens_in_flight: int
     gpus: _containers.RepeatedCompositeFieldContainer[GpuStats]
-    def __init__(self, queued_requests: _Optional[int] = ..., active_sequences: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterState]
+    def __init__(self, queued_requests: _Optional[int] = ..., active_sequences: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterState, _Mapping]]] = ...) -> None: ...
+
+class AdapterState(_message.Message):
+    __slots__ = ("name", "fingerprint", "resident")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    fingerprint: bytes
+    resident: bool
+    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[bytes] = ..., resident: _Optional[bool] = ...) -> None: ...
 
 class GpuStats(_message.Message):
     __slots__ = ("index", "name", "memory_used_bytes", "memory_total_bytes", "utilization_percent")

@@ -27,7 +27,7 @@ from kvmesh.api.common.v1 import kv_pb2 as kvmesh_dot_api_dot_common_dot_v1_dot_
 from kvmesh.api.common.v1 import sampling_pb2 as kvmesh_dot_api_dot_common_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!kvmesh/api/decode/v1/decode.proto\x12\x14kvmesh.api.decode.v1\x1a%kvmesh/api/common/v1/accounting.proto\x1a\x1dkvmesh/api/common/v1/kv.proto\x1a#kvmesh/api/common/v1/sampling.proto\"\x9a\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x36\n\x08sampling\x18\x03 \x01(\x0b\x32$.kvmesh.api.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\x0c\x12\x33\n\x05local\x18\x05 \x01(\x0b\x32\".kvmesh.api.decode.v1.LocalPrefillH\x00\x12\x35\n\x06remote\x18\x06 \x01(\x0b\x32#.kvmesh.api.decode.v1.RemotePrefillH\x00\x12\x18\n\x10resume_token_ids\x18\x07 \x03(\rB\t\n\x07prefill\"\x0e\n\x0cLocalPrefill\"\x9a\x01\n\rRemotePrefill\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12?\n\x13\x66irst_token_logprob\x18\x02 \x01(\x0b\x32\".kvmesh.api.common.v1.TokenLogprob\x12\x30\n\x07handoff\x18\x03 \x01(\x0b\x32\x1f.kvmesh.api.common.v1.KVHandoff\"\xc8\x01\n\x0e\x44\x65\x63odeResponse\x12\x0e\n\x06offset\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x34\n\x08logprobs\x18\x04 \x03(\x0b\x32\".kvmesh.api.common.v1.TokenLogprob\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x05 \x01(\r\x12\x30\n\x05\x66inal\x18\x06 \x01(\x0b\x32!.kvmesh.api.decode.v1.DecodeFinal\"\xf5\x01\n\x0b\x44\x65\x63odeFinal\x12\x39\n\rfinish_reason\x18\x01 \x01(\x0e\x32\".kvmesh.api.common.v1.FinishReason\x12\x11\n\tstop_text\x18\x02 \x01(\t\x12*\n\x05usage\x18\x03 \x01(\x0b\x32\x1b.kvmesh.api.common.v1.Usage\x12.\n\x07timings\x18\x04 \x01(\x0b\x32\x1d.kvmesh.api.common.v1.Timings\x12\x1d\n\x15\x64raft_tokens_proposed\x18\x05 \x01(\r\x12\x1d\n\x15\x64raft_tokens_accepted\x18\x06 \x01(\r2f\n\rDecodeService\x12U\n\x06\x44\x65\x63ode\x12#.kvmesh.api.decode.v1.DecodeRequest\x1a$.kvmesh.api.decode.v1.DecodeResponse0\x01\x42GZEgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/decode/v1;decodev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!kvmesh/api/decode/v1/decode.proto\x12\x14kvmesh.api.decode.v1\x1a%kvmesh/api/common/v1/accounting.proto\x1a\x1dkvmesh/api/common/v1/kv.proto\x1a#kvmesh/api/common/v1/sampling.proto\"\xab\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x36\n\x08sampling\x18\x03 \x01(\x0b\x32$.kvmesh.api.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\x0c\x12\x33\n\x05local\x18\x05 \x01(\x0b\x32\".kvmesh.api.decode.v1.LocalPrefillH\x00\x12\x35\n\x06remote\x18\x06 \x01(\x0b\x32#.kvmesh.api.decode.v1.RemotePrefillH\x00\x12\x18\n\x10resume_token_ids\x18\x07 \x03(\r\x12\x0f\n\x07\x61\x64\x61pter\x18\x08 \x01(\tB\t\n\x07prefill\"\x0e\n\x0cLocalPrefill\"\x9a\x01\n\rRemotePrefill\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12?\n\x13\x66irst_token_logprob\x18\x02 \x01(\x0b\x32\".kvmesh.api.common.v1.TokenLogprob\x12\x30\n\x07handoff\x18\x03 \x01(\x0b\x32\x1f.kvmesh.api.common.v1.KVHandoff\"\xc8\x01\n\x0e\x44\x65\x63odeResponse\x12\x0e\n\x06offset\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x34\n\x08logprobs\x18\x04 \x03(\x0b\x32\".kvmesh.api.common.v1.TokenLogprob\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x05 \x01(\r\x12\x30\n\x05\x66inal\x18\x06 \x01(\x0b\x32!.kvmesh.api.decode.v1.DecodeFinal\"\xf5\x01\n\x0b\x44\x65\x63odeFinal\x12\x39\n\rfinish_reason\x18\x01 \x01(\x0e\x32\".kvmesh.api.common.v1.FinishReason\x12\x11\n\tstop_text\x18\x02 \x01(\t\x12*\n\x05usage\x18\x03 \x01(\x0b\x32\x1b.kvmesh.api.common.v1.Usage\x12.\n\x07timings\x18\x04 \x01(\x0b\x32\x1d.kvmesh.api.common.v1.Timings\x12\x1d\n\x15\x64raft_tokens_proposed\x18\x05 \x01(\r\x12\x1d\n\x15\x64raft_tokens_accepted\x18\x06 \x01(\r2f\n\rDecodeService\x12U\n\x06\x44\x65\x63ode\x12#.kvmesh.api.decode.v1.DecodeRequest\x1a$.kvmesh.api.decode.v1.DecodeResponse0\x01\x42GZEgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/decode/v1;decodev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,15 +36,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'ZEgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/decode/v1;decodev1'
   _globals['_DECODEREQUEST']._serialized_start=167
-  _globals['_DECODEREQUEST']._serialized_end=449
-  _globals['_LOCALPREFILL']._serialized_start=451
-  _globals['_LOCALPREFILL']._serialized_end=465
-  _globals['_REMOTEPREFILL']._serialized_start=468
-  _globals['_REMOTEPREFILL']._serialized_end=622
-  _globals['_DECODERESPONSE']._serialized_start=625
-  _globals['_DECODERESPONSE']._serialized_end=825
-  _globals['_DECODEFINAL']._serialized_start=828
-  _globals['_DECODEFINAL']._serialized_end=1073
-  _globals['_DECODESERVICE']._serialized_start=1075
-  _globals['_DECODESERVICE']._serialized_end=1177
+  _globals['_DECODEREQUEST']._serialized_end=466
+  _globals['_LOCALPREFILL']._serialized_start=468
+  _globals['_LOCALPREFILL']._serialized_end=482
+  _globals['_REMOTEPREFILL']._serialized_start=485
+  _globals['_REMOTEPREFILL']._serialized_end=639
+  _globals['_DECODERESPONSE']._serialized_start=642
+  _globals['_DECODERESPONSE']._serialized_end=842
+  _globals['_DECODEFINAL']._serialized_start=845
+  _globals['_DECODEFINAL']._serialized_end=1090
+  _globals['_DECODESERVICE']._serialized_start=1092
+  _globals['_DECODESERVICE']._serialized_end=1194
 # @@protoc_insertion_point(module_scope)

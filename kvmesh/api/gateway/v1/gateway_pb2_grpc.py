@@ -56,6 +56,16 @@ class GatewayServiceStub:
                 request_serializer=kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/kvmesh.api.gateway.v1.GatewayService/LoadAdapter',
+                request_serializer=kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/kvmesh.api.gateway.v1.GatewayService/UnloadAdapter',
+                request_serializer=kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServiceServicer:
@@ -85,7 +95,26 @@ class GatewayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListModels(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The base model and every LoRA adapter the workers have loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadAdapter(self, request, context):
+        """Loads a LoRA adapter (a PEFT folder on the workers' disk) on every prefill
+        and decode worker; requests then name it as their model. An admin call:
+        with API keys configured, it needs an admin key (PERMISSION_DENIED
+        otherwise). INVALID_ARGUMENT names what is wrong with the adapter; a worker
+        that fails leaves it loaded nowhere.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Unloads it everywhere; FAILED_PRECONDITION while requests use it.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -112,6 +141,16 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.ListModelsRequest.FromString,
                     response_serializer=kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.UnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +263,60 @@ class GatewayService:
             '/kvmesh.api.gateway.v1.GatewayService/ListModels',
             kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
             kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.api.gateway.v1.GatewayService/LoadAdapter',
+            kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.LoadAdapterRequest.SerializeToString,
+            kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.api.gateway.v1.GatewayService/UnloadAdapter',
+            kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.UnloadAdapterRequest.SerializeToString,
+            kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -27,7 +27,7 @@ from kvmesh.api.common.v1 import kv_pb2 as kvmesh_dot_api_dot_common_dot_v1_dot_
 from kvmesh.api.common.v1 import sampling_pb2 as kvmesh_dot_api_dot_common_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#kvmesh/api/prefill/v1/prefill.proto\x12\x15kvmesh.api.prefill.v1\x1a%kvmesh/api/common/v1/accounting.proto\x1a\x1dkvmesh/api/common/v1/kv.proto\x1a#kvmesh/api/common/v1/sampling.proto\"\xd2\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x36\n\x08sampling\x18\x03 \x01(\x0b\x32$.kvmesh.api.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\x0c\x12\x37\n\x0chandoff_mode\x18\x05 \x01(\x0e\x32!.kvmesh.api.common.v1.HandoffMode\x12\x14\n\x0clease_ttl_ms\x18\x06 \x01(\r\"\xb7\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12?\n\x13\x66irst_token_logprob\x18\x02 \x01(\x0b\x32\".kvmesh.api.common.v1.TokenLogprob\x12\x39\n\rfinish_reason\x18\x03 \x01(\x0e\x32\".kvmesh.api.common.v1.FinishReason\x12\x30\n\x07handoff\x18\x04 \x01(\x0b\x32\x1f.kvmesh.api.common.v1.KVHandoff\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\r\x12\x15\n\rreused_tokens\x18\x06 \x01(\r\x12.\n\x07timings\x18\x07 \x01(\x0b\x32\x1d.kvmesh.api.common.v1.Timings\"P\n\rPullKVRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\r\"C\n\x0ePullKVResponse\x12\x31\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\".kvmesh.api.common.v1.KVBlockChunk\"]\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x34\n\x07outcome\x18\x02 \x01(\x0e\x32#.kvmesh.api.prefill.v1.LeaseOutcome\"A\n\x14ReleaseLeaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x17\n\x0funpinned_blocks\x18\x02 \x01(\r\"Z\n\x14NixlHandshakeRequest\x12.\n\x06layout\x18\x01 \x01(\x0b\x32\x1e.kvmesh.api.common.v1.KVLayout\x12\x12\n\nagent_name\x18\x02 \x01(\t\"\xa9\x01\n\x15NixlHandshakeResponse\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12.\n\x06layout\x18\x03 \x01(\x0b\x32\x1e.kvmesh.api.common.v1.KVLayout\x12\x34\n\x06region\x18\x04 \x01(\x0b\x32$.kvmesh.api.common.v1.NixlPoolRegion*]\n\x0cLeaseOutcome\x12\x1d\n\x19LEASE_OUTCOME_UNSPECIFIED\x10\x00\x12\x15\n\x11LEASE_OUTCOME_ACK\x10\x01\x12\x17\n\x13LEASE_OUTCOME_ABORT\x10\x02\x32\x98\x03\n\x0ePrefillService\x12X\n\x07Prefill\x12%.kvmesh.api.prefill.v1.PrefillRequest\x1a&.kvmesh.api.prefill.v1.PrefillResponse\x12W\n\x06PullKV\x12$.kvmesh.api.prefill.v1.PullKVRequest\x1a%.kvmesh.api.prefill.v1.PullKVResponse0\x01\x12g\n\x0cReleaseLease\x12*.kvmesh.api.prefill.v1.ReleaseLeaseRequest\x1a+.kvmesh.api.prefill.v1.ReleaseLeaseResponse\x12j\n\rNixlHandshake\x12+.kvmesh.api.prefill.v1.NixlHandshakeRequest\x1a,.kvmesh.api.prefill.v1.NixlHandshakeResponseBIZGgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/prefill/v1;prefillv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#kvmesh/api/prefill/v1/prefill.proto\x12\x15kvmesh.api.prefill.v1\x1a%kvmesh/api/common/v1/accounting.proto\x1a\x1dkvmesh/api/common/v1/kv.proto\x1a#kvmesh/api/common/v1/sampling.proto\"\xe3\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x36\n\x08sampling\x18\x03 \x01(\x0b\x32$.kvmesh.api.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\x0c\x12\x37\n\x0chandoff_mode\x18\x05 \x01(\x0e\x32!.kvmesh.api.common.v1.HandoffMode\x12\x14\n\x0clease_ttl_ms\x18\x06 \x01(\r\x12\x0f\n\x07\x61\x64\x61pter\x18\x07 \x01(\t\"\xb7\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12?\n\x13\x66irst_token_logprob\x18\x02 \x01(\x0b\x32\".kvmesh.api.common.v1.TokenLogprob\x12\x39\n\rfinish_reason\x18\x03 \x01(\x0e\x32\".kvmesh.api.common.v1.FinishReason\x12\x30\n\x07handoff\x18\x04 \x01(\x0b\x32\x1f.kvmesh.api.common.v1.KVHandoff\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\r\x12\x15\n\rreused_tokens\x18\x06 \x01(\r\x12.\n\x07timings\x18\x07 \x01(\x0b\x32\x1d.kvmesh.api.common.v1.Timings\"P\n\rPullKVRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\r\"C\n\x0ePullKVResponse\x12\x31\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\".kvmesh.api.common.v1.KVBlockChunk\"]\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x34\n\x07outcome\x18\x02 \x01(\x0e\x32#.kvmesh.api.prefill.v1.LeaseOutcome\"A\n\x14ReleaseLeaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x17\n\x0funpinned_blocks\x18\x02 \x01(\r\"Z\n\x14NixlHandshakeRequest\x12.\n\x06layout\x18\x01 \x01(\x0b\x32\x1e.kvmesh.api.common.v1.KVLayout\x12\x12\n\nagent_name\x18\x02 \x01(\t\"\xa9\x01\n\x15NixlHandshakeResponse\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12.\n\x06layout\x18\x03 \x01(\x0b\x32\x1e.kvmesh.api.common.v1.KVLayout\x12\x34\n\x06region\x18\x04 \x01(\x0b\x32$.kvmesh.api.common.v1.NixlPoolRegion*]\n\x0cLeaseOutcome\x12\x1d\n\x19LEASE_OUTCOME_UNSPECIFIED\x10\x00\x12\x15\n\x11LEASE_OUTCOME_ACK\x10\x01\x12\x17\n\x13LEASE_OUTCOME_ABORT\x10\x02\x32\x98\x03\n\x0ePrefillService\x12X\n\x07Prefill\x12%.kvmesh.api.prefill.v1.PrefillRequest\x1a&.kvmesh.api.prefill.v1.PrefillResponse\x12W\n\x06PullKV\x12$.kvmesh.api.prefill.v1.PullKVRequest\x1a%.kvmesh.api.prefill.v1.PullKVResponse0\x01\x12g\n\x0cReleaseLease\x12*.kvmesh.api.prefill.v1.ReleaseLeaseRequest\x1a+.kvmesh.api.prefill.v1.ReleaseLeaseResponse\x12j\n\rNixlHandshake\x12+.kvmesh.api.prefill.v1.NixlHandshakeRequest\x1a,.kvmesh.api.prefill.v1.NixlHandshakeResponseBIZGgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/prefill/v1;prefillv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,24 +35,24 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.api.prefill.v1.prefi
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'ZGgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/prefill/v1;prefillv1'
-  _globals['_LEASEOUTCOME']._serialized_start=1273
-  _globals['_LEASEOUTCOME']._serialized_end=1366
+  _globals['_LEASEOUTCOME']._serialized_start=1290
+  _globals['_LEASEOUTCOME']._serialized_end=1383
   _globals['_PREFILLREQUEST']._serialized_start=170
-  _globals['_PREFILLREQUEST']._serialized_end=380
-  _globals['_PREFILLRESPONSE']._serialized_start=383
-  _globals['_PREFILLRESPONSE']._serialized_end=694
-  _globals['_PULLKVREQUEST']._serialized_start=696
-  _globals['_PULLKVREQUEST']._serialized_end=776
-  _globals['_PULLKVRESPONSE']._serialized_start=778
-  _globals['_PULLKVRESPONSE']._serialized_end=845
-  _globals['_RELEASELEASEREQUEST']._serialized_start=847
-  _globals['_RELEASELEASEREQUEST']._serialized_end=940
-  _globals['_RELEASELEASERESPONSE']._serialized_start=942
-  _globals['_RELEASELEASERESPONSE']._serialized_end=1007
-  _globals['_NIXLHANDSHAKEREQUEST']._serialized_start=1009
-  _globals['_NIXLHANDSHAKEREQUEST']._serialized_end=1099
-  _globals['_NIXLHANDSHAKERESPONSE']._serialized_start=1102
-  _globals['_NIXLHANDSHAKERESPONSE']._serialized_end=1271
-  _globals['_PREFILLSERVICE']._serialized_start=1369
-  _globals['_PREFILLSERVICE']._serialized_end=1777
+  _globals['_PREFILLREQUEST']._serialized_end=397
+  _globals['_PREFILLRESPONSE']._serialized_start=400
+  _globals['_PREFILLRESPONSE']._serialized_end=711
+  _globals['_PULLKVREQUEST']._serialized_start=713
+  _globals['_PULLKVREQUEST']._serialized_end=793
+  _globals['_PULLKVRESPONSE']._serialized_start=795
+  _globals['_PULLKVRESPONSE']._serialized_end=862
+  _globals['_RELEASELEASEREQUEST']._serialized_start=864
+  _globals['_RELEASELEASEREQUEST']._serialized_end=957
+  _globals['_RELEASELEASERESPONSE']._serialized_start=959
+  _globals['_RELEASELEASERESPONSE']._serialized_end=1024
+  _globals['_NIXLHANDSHAKEREQUEST']._serialized_start=1026
+  _globals['_NIXLHANDSHAKEREQUEST']._serialized_end=1116
+  _globals['_NIXLHANDSHAKERESPONSE']._serialized_start=1119
+  _globals['_NIXLHANDSHAKERESPONSE']._serialized_end=1288
+  _globals['_PREFILLSERVICE']._serialized_start=1386
+  _globals['_PREFILLSERVICE']._serialized_end=1794
 # @@protoc_insertion_point(module_scope)

@@ -20,20 +20,22 @@ LEASE_OUTCOME_ACK: LeaseOutcome
 LEASE_OUTCOME_ABORT: LeaseOutcome
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "handoff_mode", "lease_ttl_ms")
+    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "handoff_mode", "lease_ttl_ms", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_MODE_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _sampling_pb2.SamplingParams
     cache_salt: bytes
     handoff_mode: _kv_pb2.HandoffMode
     lease_ttl_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[bytes] = ..., handoff_mode: _Optional[_Union[_kv_pb2.HandoffMode, str]] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[bytes] = ..., handoff_mode: _Optional[_Union[_kv_pb2.HandoffMode, str]] = ..., lease_ttl_ms: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_token_logprob", "finish_reason", "handoff", "computed_tokens", "reused_tokens", "timings")

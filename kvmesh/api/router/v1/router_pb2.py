@@ -27,7 +27,7 @@ from kvmesh.api.common.v1 import kv_pb2 as kvmesh_dot_api_dot_common_dot_v1_dot_
 from kvmesh.api.common.v1 import worker_pb2 as kvmesh_dot_api_dot_common_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!kvmesh/api/router/v1/router.proto\x12\x14kvmesh.api.router.v1\x1a%kvmesh/api/common/v1/accounting.proto\x1a\x1dkvmesh/api/common/v1/kv.proto\x1a!kvmesh/api/common/v1/worker.proto\"\xdf\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x33\n\x06tokens\x18\x02 \x01(\x0b\x32!.kvmesh.api.router.v1.TokenPromptH\x00\x12\x34\n\x06hashed\x18\x03 \x01(\x0b\x32\".kvmesh.api.router.v1.HashedPromptH\x00\x12\x12\n\ncache_salt\x18\x04 \x01(\x0c\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x1a\n\x12\x65xclude_worker_ids\x18\x06 \x03(\tB\x08\n\x06prompt\" \n\x0bTokenPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"L\n\x0cHashedPrompt\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\"\x82\x03\n\rRouteResponse\x12<\n\x0eprefill_worker\x18\x01 \x01(\x0b\x32$.kvmesh.api.common.v1.WorkerEndpoint\x12;\n\rdecode_worker\x18\x02 \x01(\x0b\x32$.kvmesh.api.common.v1.WorkerEndpoint\x12\x17\n\x0fprefill_locally\x18\x03 \x01(\x08\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\r\x12\x1e\n\x16prefill_matched_blocks\x18\x05 \x01(\r\x12\x1d\n\x15\x64\x65\x63ode_matched_blocks\x18\x06 \x01(\r\x12\x1e\n\x16kvstore_matched_blocks\x18\x07 \x01(\r\x12\x17\n\x0findex_available\x18\x08 \x01(\x08\x12.\n\x07timings\x18\t \x01(\x0b\x32\x1d.kvmesh.api.common.v1.Timings\x12\x1f\n\x17predicted_cached_tokens\x18\n \x01(\r\"V\n\x0eWorkerCapacity\x12\x17\n\x0ftotal_kv_blocks\x18\x01 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"\xe2\x01\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12.\n\x04role\x18\x02 \x01(\x0e\x32 .kvmesh.api.common.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12.\n\x06layout\x18\x04 \x01(\x0b\x32\x1e.kvmesh.api.common.v1.KVLayout\x12\x36\n\x08\x63\x61pacity\x18\x05 \x01(\x0b\x32$.kvmesh.api.router.v1.WorkerCapacity\x12\r\n\x05model\x18\x06 \x01(\t\"z\n\x16RegisterWorkerResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\x12\x19\n\x11\x65xpected_sequence\x18\x04 \x01(\x04\"g\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12.\n\x04load\x18\x03 \x01(\x0b\x32 .kvmesh.api.common.v1.WorkerLoad\"_\n\x11HeartbeatResponse\x12\x1b\n\x13reregister_required\x18\x01 \x01(\x08\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\x12\x17\n\x0fresync_required\x18\x03 \x01(\x08\">\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"+\n\x18\x44\x65registerWorkerResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"|\n\x07KVEvent\x12/\n\x04type\x18\x01 \x01(\x0e\x32!.kvmesh.api.router.v1.KVEventType\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12*\n\x04tier\x18\x03 \x01(\x0e\x32\x1c.kvmesh.api.common.v1.KVTier\"~\n\x16PublishKVEventsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12-\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x1d.kvmesh.api.router.v1.KVEvent\"_\n\x17PublishKVEventsResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x17\n\x0fresync_required\x18\x02 \x01(\x08\x12\x19\n\x11\x65xpected_sequence\x18\x03 \x01(\x04\"\x8e\x01\n\x13ResyncWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12*\n\x04tier\x18\x04 \x01(\x0e\x32\x1c.kvmesh.api.common.v1.KVTier\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\"y\n\x14ResyncWorkerResponse\x12\x16\n\x0eindexed_blocks\x18\x01 \x01(\x04\x12\x19\n\x11\x65xpected_sequence\x18\x02 \x01(\x04\x12.\n\x07timings\x18\x03 \x01(\x0b\x32\x1d.kvmesh.api.common.v1.Timings\"D\n\x12ListWorkersRequest\x12.\n\x04role\x18\x01 \x01(\x0e\x32 .kvmesh.api.common.v1.WorkerRole\"\x9b\x01\n\x13ListWorkersResponse\x12\x33\n\x07workers\x18\x01 \x03(\x0b\x32\".kvmesh.api.router.v1.WorkerStatus\x12\x36\n\x0e\x63luster_layout\x18\x02 \x01(\x0b\x32\x1e.kvmesh.api.common.v1.KVLayout\x12\x17\n\x0findex_available\x18\x03 \x01(\x08\"\xc4\x02\n\x0cWorkerStatus\x12\x36\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32$.kvmesh.api.common.v1.WorkerEndpoint\x12.\n\x04role\x18\x02 \x01(\x0e\x32 .kvmesh.api.common.v1.WorkerRole\x12\x36\n\x08\x63\x61pacity\x18\x03 \x01(\x0b\x32$.kvmesh.api.router.v1.WorkerCapacity\x12.\n\x04load\x18\x04 \x01(\x0b\x32 .kvmesh.api.common.v1.WorkerLoad\x12\x1e\n\x16last_heartbeat_unix_ms\x18\x05 \x01(\x04\x12\x1d\n\x15lease_expires_unix_ms\x18\x06 \x01(\x04\x12\x16\n\x0eindexed_blocks\x18\x07 \x01(\x04\x12\r\n\x05model\x18\x08 \x01(\t*\x80\x01\n\x0bKVEventType\x12\x1d\n\x19KV_EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_EVENT_TYPE_STORED\x10\x01\x12\x19\n\x15KV_EVENT_TYPE_REMOVED\x10\x02\x12\x1d\n\x19KV_EVENT_TYPE_ALL_CLEARED\x10\x03\x32\xdc\x05\n\rRouterService\x12P\n\x05Route\x12\".kvmesh.api.router.v1.RouteRequest\x1a#.kvmesh.api.router.v1.RouteResponse\x12k\n\x0eRegisterWorker\x12+.kvmesh.api.router.v1.RegisterWorkerRequest\x1a,.kvmesh.api.router.v1.RegisterWorkerResponse\x12\\\n\tHeartbeat\x12&.kvmesh.api.router.v1.HeartbeatRequest\x1a\'.kvmesh.api.router.v1.HeartbeatResponse\x12q\n\x10\x44\x65registerWorker\x12-.kvmesh.api.router.v1.DeregisterWorkerRequest\x1a..kvmesh.api.router.v1.DeregisterWorkerResponse\x12n\n\x0fPublishKVEvents\x12,.kvmesh.api.router.v1.PublishKVEventsRequest\x1a-.kvmesh.api.router.v1.PublishKVEventsResponse\x12g\n\x0cResyncWorker\x12).kvmesh.api.router.v1.ResyncWorkerRequest\x1a*.kvmesh.api.router.v1.ResyncWorkerResponse(\x01\x12\x62\n\x0bListWorkers\x12(.kvmesh.api.router.v1.ListWorkersRequest\x1a).kvmesh.api.router.v1.ListWorkersResponseBGZEgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/router/v1;routerv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!kvmesh/api/router/v1/router.proto\x12\x14kvmesh.api.router.v1\x1a%kvmesh/api/common/v1/accounting.proto\x1a\x1dkvmesh/api/common/v1/kv.proto\x1a!kvmesh/api/common/v1/worker.proto\"\xf0\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x33\n\x06tokens\x18\x02 \x01(\x0b\x32!.kvmesh.api.router.v1.TokenPromptH\x00\x12\x34\n\x06hashed\x18\x03 \x01(\x0b\x32\".kvmesh.api.router.v1.HashedPromptH\x00\x12\x12\n\ncache_salt\x18\x04 \x01(\x0c\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x1a\n\x12\x65xclude_worker_ids\x18\x06 \x03(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x07 \x01(\tB\x08\n\x06prompt\" \n\x0bTokenPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"L\n\x0cHashedPrompt\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\"\x82\x03\n\rRouteResponse\x12<\n\x0eprefill_worker\x18\x01 \x01(\x0b\x32$.kvmesh.api.common.v1.WorkerEndpoint\x12;\n\rdecode_worker\x18\x02 \x01(\x0b\x32$.kvmesh.api.common.v1.WorkerEndpoint\x12\x17\n\x0fprefill_locally\x18\x03 \x01(\x08\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\r\x12\x1e\n\x16prefill_matched_blocks\x18\x05 \x01(\r\x12\x1d\n\x15\x64\x65\x63ode_matched_blocks\x18\x06 \x01(\r\x12\x1e\n\x16kvstore_matched_blocks\x18\x07 \x01(\r\x12\x17\n\x0findex_available\x18\x08 \x01(\x08\x12.\n\x07timings\x18\t \x01(\x0b\x32\x1d.kvmesh.api.common.v1.Timings\x12\x1f\n\x17predicted_cached_tokens\x18\n \x01(\r\"V\n\x0eWorkerCapacity\x12\x17\n\x0ftotal_kv_blocks\x18\x01 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"\xe2\x01\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12.\n\x04role\x18\x02 \x01(\x0e\x32 .kvmesh.api.common.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12.\n\x06layout\x18\x04 \x01(\x0b\x32\x1e.kvmesh.api.common.v1.KVLayout\x12\x36\n\x08\x63\x61pacity\x18\x05 \x01(\x0b\x32$.kvmesh.api.router.v1.WorkerCapacity\x12\r\n\x05model\x18\x06 \x01(\t\"z\n\x16RegisterWorkerResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\x12\x19\n\x11\x65xpected_sequence\x18\x04 \x01(\x04\"g\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12.\n\x04load\x18\x03 \x01(\x0b\x32 .kvmesh.api.common.v1.WorkerLoad\"_\n\x11HeartbeatResponse\x12\x1b\n\x13reregister_required\x18\x01 \x01(\x08\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\x12\x17\n\x0fresync_required\x18\x03 \x01(\x08\">\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"+\n\x18\x44\x65registerWorkerResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"|\n\x07KVEvent\x12/\n\x04type\x18\x01 \x01(\x0e\x32!.kvmesh.api.router.v1.KVEventType\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12*\n\x04tier\x18\x03 \x01(\x0e\x32\x1c.kvmesh.api.common.v1.KVTier\"~\n\x16PublishKVEventsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12-\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x1d.kvmesh.api.router.v1.KVEvent\"_\n\x17PublishKVEventsResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x17\n\x0fresync_required\x18\x02 \x01(\x08\x12\x19\n\x11\x65xpected_sequence\x18\x03 \x01(\x04\"\x8e\x01\n\x13ResyncWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12*\n\x04tier\x18\x04 \x01(\x0e\x32\x1c.kvmesh.api.common.v1.KVTier\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\"y\n\x14ResyncWorkerResponse\x12\x16\n\x0eindexed_blocks\x18\x01 \x01(\x04\x12\x19\n\x11\x65xpected_sequence\x18\x02 \x01(\x04\x12.\n\x07timings\x18\x03 \x01(\x0b\x32\x1d.kvmesh.api.common.v1.Timings\"D\n\x12ListWorkersRequest\x12.\n\x04role\x18\x01 \x01(\x0e\x32 .kvmesh.api.common.v1.WorkerRole\"\x9b\x01\n\x13ListWorkersResponse\x12\x33\n\x07workers\x18\x01 \x03(\x0b\x32\".kvmesh.api.router.v1.WorkerStatus\x12\x36\n\x0e\x63luster_layout\x18\x02 \x01(\x0b\x32\x1e.kvmesh.api.common.v1.KVLayout\x12\x17\n\x0findex_available\x18\x03 \x01(\x08\"\xc4\x02\n\x0cWorkerStatus\x12\x36\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32$.kvmesh.api.common.v1.WorkerEndpoint\x12.\n\x04role\x18\x02 \x01(\x0e\x32 .kvmesh.api.common.v1.WorkerRole\x12\x36\n\x08\x63\x61pacity\x18\x03 \x01(\x0b\x32$.kvmesh.api.router.v1.WorkerCapacity\x12.\n\x04load\x18\x04 \x01(\x0b\x32 .kvmesh.api.common.v1.WorkerLoad\x12\x1e\n\x16last_heartbeat_unix_ms\x18\x05 \x01(\x04\x12\x1d\n\x15lease_expires_unix_ms\x18\x06 \x01(\x04\x12\x16\n\x0eindexed_blocks\x18\x07 \x01(\x04\x12\r\n\x05model\x18\x08 \x01(\t*\x80\x01\n\x0bKVEventType\x12\x1d\n\x19KV_EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_EVENT_TYPE_STORED\x10\x01\x12\x19\n\x15KV_EVENT_TYPE_REMOVED\x10\x02\x12\x1d\n\x19KV_EVENT_TYPE_ALL_CLEARED\x10\x03\x32\xdc\x05\n\rRouterService\x12P\n\x05Route\x12\".kvmesh.api.router.v1.RouteRequest\x1a#.kvmesh.api.router.v1.RouteResponse\x12k\n\x0eRegisterWorker\x12+.kvmesh.api.router.v1.RegisterWorkerRequest\x1a,.kvmesh.api.router.v1.RegisterWorkerResponse\x12\\\n\tHeartbeat\x12&.kvmesh.api.router.v1.HeartbeatRequest\x1a\'.kvmesh.api.router.v1.HeartbeatResponse\x12q\n\x10\x44\x65registerWorker\x12-.kvmesh.api.router.v1.DeregisterWorkerRequest\x1a..kvmesh.api.router.v1.DeregisterWorkerResponse\x12n\n\x0fPublishKVEvents\x12,.kvmesh.api.router.v1.PublishKVEventsRequest\x1a-.kvmesh.api.router.v1.PublishKVEventsResponse\x12g\n\x0cResyncWorker\x12).kvmesh.api.router.v1.ResyncWorkerRequest\x1a*.kvmesh.api.router.v1.ResyncWorkerResponse(\x01\x12\x62\n\x0bListWorkers\x12(.kvmesh.api.router.v1.ListWorkersRequest\x1a).kvmesh.api.router.v1.ListWorkersResponseBGZEgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/router/v1;routerv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,46 +35,46 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.api.router.v1.router
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'ZEgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/router/v1;routerv1'
-  _globals['_KVEVENTTYPE']._serialized_start=2818
-  _globals['_KVEVENTTYPE']._serialized_end=2946
+  _globals['_KVEVENTTYPE']._serialized_start=2835
+  _globals['_KVEVENTTYPE']._serialized_end=2963
   _globals['_ROUTEREQUEST']._serialized_start=165
-  _globals['_ROUTEREQUEST']._serialized_end=388
-  _globals['_TOKENPROMPT']._serialized_start=390
-  _globals['_TOKENPROMPT']._serialized_end=422
-  _globals['_HASHEDPROMPT']._serialized_start=424
-  _globals['_HASHEDPROMPT']._serialized_end=500
-  _globals['_ROUTERESPONSE']._serialized_start=503
-  _globals['_ROUTERESPONSE']._serialized_end=889
-  _globals['_WORKERCAPACITY']._serialized_start=891
-  _globals['_WORKERCAPACITY']._serialized_end=977
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=980
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=1206
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1208
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1330
-  _globals['_HEARTBEATREQUEST']._serialized_start=1332
-  _globals['_HEARTBEATREQUEST']._serialized_end=1435
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1437
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1532
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1534
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1596
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=1598
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=1641
-  _globals['_KVEVENT']._serialized_start=1643
-  _globals['_KVEVENT']._serialized_end=1767
-  _globals['_PUBLISHKVEVENTSREQUEST']._serialized_start=1769
-  _globals['_PUBLISHKVEVENTSREQUEST']._serialized_end=1895
-  _globals['_PUBLISHKVEVENTSRESPONSE']._serialized_start=1897
-  _globals['_PUBLISHKVEVENTSRESPONSE']._serialized_end=1992
-  _globals['_RESYNCWORKERREQUEST']._serialized_start=1995
-  _globals['_RESYNCWORKERREQUEST']._serialized_end=2137
-  _globals['_RESYNCWORKERRESPONSE']._serialized_start=2139
-  _globals['_RESYNCWORKERRESPONSE']._serialized_end=2260
-  _globals['_LISTWORKERSREQUEST']._serialized_start=2262
-  _globals['_LISTWORKERSREQUEST']._serialized_end=2330
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=2333
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=2488
-  _globals['_WORKERSTATUS']._serialized_start=2491
-  _globals['_WORKERSTATUS']._serialized_end=2815
-  _globals['_ROUTERSERVICE']._serialized_start=2949
-  _globals['_ROUTERSERVICE']._serialized_end=3681
+  _globals['_ROUTEREQUEST']._serialized_end=405
+  _globals['_TOKENPROMPT']._serialized_start=407
+  _globals['_TOKENPROMPT']._serialized_end=439
+  _globals['_HASHEDPROMPT']._serialized_start=441
+  _globals['_HASHEDPROMPT']._serialized_end=517
+  _globals['_ROUTERESPONSE']._serialized_start=520
+  _globals['_ROUTERESPONSE']._serialized_end=906
+  _globals['_WORKERCAPACITY']._serialized_start=908
+  _globals['_WORKERCAPACITY']._serialized_end=994
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=997
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=1223
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1225
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1347
+  _globals['_HEARTBEATREQUEST']._serialized_start=1349
+  _globals['_HEARTBEATREQUEST']._serialized_end=1452
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1454
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1549
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1551
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1613
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=1615
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=1658
+  _globals['_KVEVENT']._serialized_start=1660
+  _globals['_KVEVENT']._serialized_end=1784
+  _globals['_PUBLISHKVEVENTSREQUEST']._serialized_start=1786
+  _globals['_PUBLISHKVEVENTSREQUEST']._serialized_end=1912
+  _globals['_PUBLISHKVEVENTSRESPONSE']._serialized_start=1914
+  _globals['_PUBLISHKVEVENTSRESPONSE']._serialized_end=2009
+  _globals['_RESYNCWORKERREQUEST']._serialized_start=2012
+  _globals['_RESYNCWORKERREQUEST']._serialized_end=2154
+  _globals['_RESYNCWORKERRESPONSE']._serialized_start=2156
+  _globals['_RESYNCWORKERRESPONSE']._serialized_end=2277
+  _globals['_LISTWORKERSREQUEST']._serialized_start=2279
+  _globals['_LISTWORKERSREQUEST']._serialized_end=2347
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=2350
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=2505
+  _globals['_WORKERSTATUS']._serialized_start=2508
+  _globals['_WORKERSTATUS']._serialized_end=2832
+  _globals['_ROUTERSERVICE']._serialized_start=2966
+  _globals['_ROUTERSERVICE']._serialized_end=3698
 # @@protoc_insertion_point(module_scope)

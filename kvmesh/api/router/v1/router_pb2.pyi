@@ -22,20 +22,22 @@ KV_EVENT_TYPE_REMOVED: KVEventType
 KV_EVENT_TYPE_ALL_CLEARED: KVEventType
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "tokens", "hashed", "cache_salt", "max_new_tokens", "exclude_worker_ids")
+    __slots__ = ("request_id", "tokens", "hashed", "cache_salt", "max_new_tokens", "exclude_worker_ids", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     HASHED_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: TokenPrompt
     hashed: HashedPrompt
     cache_salt: bytes
     max_new_tokens: int
     exclude_worker_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Union[TokenPrompt, _Mapping]] = ..., hashed: _Optional[_Union[HashedPrompt, _Mapping]] = ..., cache_salt: _Optional[bytes] = ..., max_new_tokens: _Optional[int] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Union[TokenPrompt, _Mapping]] = ..., hashed: _Optional[_Union[HashedPrompt, _Mapping]] = ..., cache_salt: _Optional[bytes] = ..., max_new_tokens: _Optional[int] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class TokenPrompt(_message.Message):
     __slots__ = ("token_ids",)

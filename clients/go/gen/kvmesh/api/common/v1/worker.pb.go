@@ -146,7 +146,10 @@ type WorkerLoad struct {
 	// left) across queued and active requests.
 	TokensInFlight uint64 `protobuf:"varint,5,opt,name=tokens_in_flight,json=tokensInFlight,proto3" json:"tokens_in_flight,omitempty"`
 	// Empty when the worker has no NVIDIA GPU.
-	Gpus          []*GpuStats `protobuf:"bytes,6,rep,name=gpus,proto3" json:"gpus,omitempty"`
+	Gpus []*GpuStats `protobuf:"bytes,6,rep,name=gpus,proto3" json:"gpus,omitempty"`
+	// The LoRA adapters it has loaded: requests naming one go only to workers
+	// that have it, preferably where it is resident.
+	Adapters      []*AdapterState `protobuf:"bytes,7,rep,name=adapters,proto3" json:"adapters,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -223,6 +226,77 @@ func (x *WorkerLoad) GetGpus() []*GpuStats {
 	return nil
 }
 
+func (x *WorkerLoad) GetAdapters() []*AdapterState {
+	if x != nil {
+		return x.Adapters
+	}
+	return nil
+}
+
+// A LoRA adapter a worker has loaded (kvmesh.api.adapter.v1.Adapter, as the
+// router needs it).
+type AdapterState struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// The root of its blocks' hash chain (kvmesh.blocks.adapter_fingerprint).
+	Fingerprint []byte `protobuf:"bytes,2,opt,name=fingerprint,proto3" json:"fingerprint,omitempty"`
+	// In one of the worker's adapter slots now.
+	Resident      bool `protobuf:"varint,3,opt,name=resident,proto3" json:"resident,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AdapterState) Reset() {
+	*x = AdapterState{}
+	mi := &file_kvmesh_api_common_v1_worker_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AdapterState) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AdapterState) ProtoMessage() {}
+
+func (x *AdapterState) ProtoReflect() protoreflect.Message {
+	mi := &file_kvmesh_api_common_v1_worker_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AdapterState.ProtoReflect.Descriptor instead.
+func (*AdapterState) Descriptor() ([]byte, []int) {
+	return file_kvmesh_api_common_v1_worker_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *AdapterState) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *AdapterState) GetFingerprint() []byte {
+	if x != nil {
+		return x.Fingerprint
+	}
+	return nil
+}
+
+func (x *AdapterState) GetResident() bool {
+	if x != nil {
+		return x.Resident
+	}
+	return false
+}
+
 // One GPU as NVML reports it.
 type GpuStats struct {
 	state            protoimpl.MessageState `protogen:"open.v1"`
@@ -238,7 +312,7 @@ type GpuStats struct {
 
 func (x *GpuStats) Reset() {
 	*x = GpuStats{}
-	mi := &file_kvmesh_api_common_v1_worker_proto_msgTypes[2]
+	mi := &file_kvmesh_api_common_v1_worker_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -250,7 +324,7 @@ func (x *GpuStats) String() string {
 func (*GpuStats) ProtoMessage() {}
 
 func (x *GpuStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvmesh_api_common_v1_worker_proto_msgTypes[2]
+	mi := &file_kvmesh_api_common_v1_worker_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -263,7 +337,7 @@ func (x *GpuStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GpuStats.ProtoReflect.Descriptor instead.
 func (*GpuStats) Descriptor() ([]byte, []int) {
-	return file_kvmesh_api_common_v1_worker_proto_rawDescGZIP(), []int{2}
+	return file_kvmesh_api_common_v1_worker_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *GpuStats) GetIndex() uint32 {
@@ -308,7 +382,7 @@ const file_kvmesh_api_common_v1_worker_proto_rawDesc = "" +
 	"!kvmesh/api/common/v1/worker.proto\x12\x14kvmesh.api.common.v1\"G\n" +
 	"\x0eWorkerEndpoint\x12\x1b\n" +
 	"\tworker_id\x18\x01 \x01(\tR\bworkerId\x12\x18\n" +
-	"\aaddress\x18\x02 \x01(\tR\aaddress\"\x8c\x02\n" +
+	"\aaddress\x18\x02 \x01(\tR\aaddress\"\xcc\x02\n" +
 	"\n" +
 	"WorkerLoad\x12'\n" +
 	"\x0fqueued_requests\x18\x01 \x01(\rR\x0equeuedRequests\x12)\n" +
@@ -316,7 +390,12 @@ const file_kvmesh_api_common_v1_worker_proto_rawDesc = "" +
 	"\x0efree_kv_blocks\x18\x03 \x01(\rR\ffreeKvBlocks\x12&\n" +
 	"\x0ftotal_kv_blocks\x18\x04 \x01(\rR\rtotalKvBlocks\x12(\n" +
 	"\x10tokens_in_flight\x18\x05 \x01(\x04R\x0etokensInFlight\x122\n" +
-	"\x04gpus\x18\x06 \x03(\v2\x1e.kvmesh.api.common.v1.GpuStatsR\x04gpus\"\xbf\x01\n" +
+	"\x04gpus\x18\x06 \x03(\v2\x1e.kvmesh.api.common.v1.GpuStatsR\x04gpus\x12>\n" +
+	"\badapters\x18\a \x03(\v2\".kvmesh.api.common.v1.AdapterStateR\badapters\"`\n" +
+	"\fAdapterState\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12 \n" +
+	"\vfingerprint\x18\x02 \x01(\fR\vfingerprint\x12\x1a\n" +
+	"\bresident\x18\x03 \x01(\bR\bresident\"\xbf\x01\n" +
 	"\bGpuStats\x12\x14\n" +
 	"\x05index\x18\x01 \x01(\rR\x05index\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12*\n" +
@@ -343,20 +422,22 @@ func file_kvmesh_api_common_v1_worker_proto_rawDescGZIP() []byte {
 }
 
 var file_kvmesh_api_common_v1_worker_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_kvmesh_api_common_v1_worker_proto_msgTypes = make([]protoimpl.MessageInfo, 3)
+var file_kvmesh_api_common_v1_worker_proto_msgTypes = make([]protoimpl.MessageInfo, 4)
 var file_kvmesh_api_common_v1_worker_proto_goTypes = []any{
 	(WorkerRole)(0),        // 0: kvmesh.api.common.v1.WorkerRole
 	(*WorkerEndpoint)(nil), // 1: kvmesh.api.common.v1.WorkerEndpoint
 	(*WorkerLoad)(nil),     // 2: kvmesh.api.common.v1.WorkerLoad
-	(*GpuStats)(nil),       // 3: kvmesh.api.common.v1.GpuStats
+	(*AdapterState)(nil),   // 3: kvmesh.api.common.v1.AdapterState
+	(*GpuStats)(nil),       // 4: kvmesh.api.common.v1.GpuStats
 }
 var file_kvmesh_api_common_v1_worker_proto_depIdxs = []int32{
-	3, // 0: kvmesh.api.common.v1.WorkerLoad.gpus:type_name -> kvmesh.api.common.v1.GpuStats
-	1, // [1:1] is the sub-list for method output_type
-	1, // [1:1] is the sub-list for method input_type
-	1, // [1:1] is the sub-list for extension type_name
-	1, // [1:1] is the sub-list for extension extendee
-	0, // [0:1] is the sub-list for field type_name
+	4, // 0: kvmesh.api.common.v1.WorkerLoad.gpus:type_name -> kvmesh.api.common.v1.GpuStats
+	3, // 1: kvmesh.api.common.v1.WorkerLoad.adapters:type_name -> kvmesh.api.common.v1.AdapterState
+	2, // [2:2] is the sub-list for method output_type
+	2, // [2:2] is the sub-list for method input_type
+	2, // [2:2] is the sub-list for extension type_name
+	2, // [2:2] is the sub-list for extension extendee
+	0, // [0:2] is the sub-list for field type_name
 }
 
 func init() { file_kvmesh_api_common_v1_worker_proto_init() }
@@ -370,7 +451,7 @@ func file_kvmesh_api_common_v1_worker_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvmesh_api_common_v1_worker_proto_rawDesc), len(file_kvmesh_api_common_v1_worker_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   3,
+			NumMessages:   4,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

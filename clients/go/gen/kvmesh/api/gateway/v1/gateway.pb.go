@@ -1186,7 +1186,9 @@ type ModelInfo struct {
 	MaxModelLen uint32 `protobuf:"varint,2,opt,name=max_model_len,json=maxModelLen,proto3" json:"max_model_len,omitempty"`
 	OwnedBy     string `protobuf:"bytes,3,opt,name=owned_by,json=ownedBy,proto3" json:"owned_by,omitempty"`
 	// Unix seconds when the model was loaded.
-	Created       uint64 `protobuf:"varint,4,opt,name=created,proto3" json:"created,omitempty"`
+	Created uint64 `protobuf:"varint,4,opt,name=created,proto3" json:"created,omitempty"`
+	// For a LoRA adapter: the base model it adapts (empty for the base model).
+	Parent        string `protobuf:"bytes,5,opt,name=parent,proto3" json:"parent,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1245,6 +1247,209 @@ func (x *ModelInfo) GetOwnedBy() string {
 func (x *ModelInfo) GetCreated() uint64 {
 	if x != nil {
 		return x.Created
+	}
+	return 0
+}
+
+func (x *ModelInfo) GetParent() string {
+	if x != nil {
+		return x.Parent
+	}
+	return ""
+}
+
+type LoadAdapterRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The model id requests will use for it.
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// The PEFT folder, as the workers see it.
+	Path          string `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LoadAdapterRequest) Reset() {
+	*x = LoadAdapterRequest{}
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LoadAdapterRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LoadAdapterRequest) ProtoMessage() {}
+
+func (x *LoadAdapterRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LoadAdapterRequest.ProtoReflect.Descriptor instead.
+func (*LoadAdapterRequest) Descriptor() ([]byte, []int) {
+	return file_kvmesh_api_gateway_v1_gateway_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *LoadAdapterRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *LoadAdapterRequest) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+type LoadAdapterResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Model *ModelInfo             `protobuf:"bytes,1,opt,name=model,proto3" json:"model,omitempty"`
+	// Workers that loaded it.
+	Workers       uint32 `protobuf:"varint,2,opt,name=workers,proto3" json:"workers,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LoadAdapterResponse) Reset() {
+	*x = LoadAdapterResponse{}
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LoadAdapterResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LoadAdapterResponse) ProtoMessage() {}
+
+func (x *LoadAdapterResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LoadAdapterResponse.ProtoReflect.Descriptor instead.
+func (*LoadAdapterResponse) Descriptor() ([]byte, []int) {
+	return file_kvmesh_api_gateway_v1_gateway_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *LoadAdapterResponse) GetModel() *ModelInfo {
+	if x != nil {
+		return x.Model
+	}
+	return nil
+}
+
+func (x *LoadAdapterResponse) GetWorkers() uint32 {
+	if x != nil {
+		return x.Workers
+	}
+	return 0
+}
+
+type UnloadAdapterRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UnloadAdapterRequest) Reset() {
+	*x = UnloadAdapterRequest{}
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UnloadAdapterRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UnloadAdapterRequest) ProtoMessage() {}
+
+func (x *UnloadAdapterRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UnloadAdapterRequest.ProtoReflect.Descriptor instead.
+func (*UnloadAdapterRequest) Descriptor() ([]byte, []int) {
+	return file_kvmesh_api_gateway_v1_gateway_proto_rawDescGZIP(), []int{18}
+}
+
+func (x *UnloadAdapterRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+type UnloadAdapterResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Workers it was unloaded from.
+	Workers       uint32 `protobuf:"varint,1,opt,name=workers,proto3" json:"workers,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UnloadAdapterResponse) Reset() {
+	*x = UnloadAdapterResponse{}
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UnloadAdapterResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UnloadAdapterResponse) ProtoMessage() {}
+
+func (x *UnloadAdapterResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UnloadAdapterResponse.ProtoReflect.Descriptor instead.
+func (*UnloadAdapterResponse) Descriptor() ([]byte, []int) {
+	return file_kvmesh_api_gateway_v1_gateway_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *UnloadAdapterResponse) GetWorkers() uint32 {
+	if x != nil {
+		return x.Workers
 	}
 	return 0
 }
@@ -1335,23 +1540,36 @@ const file_kvmesh_api_gateway_v1_gateway_proto_rawDesc = "" +
 	"\ttoken_ids\x18\x01 \x03(\rR\btokenIds\"\x13\n" +
 	"\x11ListModelsRequest\"N\n" +
 	"\x12ListModelsResponse\x128\n" +
-	"\x06models\x18\x01 \x03(\v2 .kvmesh.api.gateway.v1.ModelInfoR\x06models\"t\n" +
+	"\x06models\x18\x01 \x03(\v2 .kvmesh.api.gateway.v1.ModelInfoR\x06models\"\x8c\x01\n" +
 	"\tModelInfo\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\"\n" +
 	"\rmax_model_len\x18\x02 \x01(\rR\vmaxModelLen\x12\x19\n" +
 	"\bowned_by\x18\x03 \x01(\tR\aownedBy\x12\x18\n" +
-	"\acreated\x18\x04 \x01(\x04R\acreated*\x87\x01\n" +
+	"\acreated\x18\x04 \x01(\x04R\acreated\x12\x16\n" +
+	"\x06parent\x18\x05 \x01(\tR\x06parent\"<\n" +
+	"\x12LoadAdapterRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
+	"\x04path\x18\x02 \x01(\tR\x04path\"g\n" +
+	"\x13LoadAdapterResponse\x126\n" +
+	"\x05model\x18\x01 \x01(\v2 .kvmesh.api.gateway.v1.ModelInfoR\x05model\x12\x18\n" +
+	"\aworkers\x18\x02 \x01(\rR\aworkers\"*\n" +
+	"\x14UnloadAdapterRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\"1\n" +
+	"\x15UnloadAdapterResponse\x12\x18\n" +
+	"\aworkers\x18\x01 \x01(\rR\aworkers*\x87\x01\n" +
 	"\x0eToolChoiceMode\x12 \n" +
 	"\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15TOOL_CHOICE_MODE_AUTO\x10\x01\x12\x19\n" +
 	"\x15TOOL_CHOICE_MODE_NONE\x10\x02\x12\x1d\n" +
-	"\x19TOOL_CHOICE_MODE_REQUIRED\x10\x032\x82\x03\n" +
+	"\x19TOOL_CHOICE_MODE_REQUIRED\x10\x032\xd4\x04\n" +
 	"\x0eGatewayService\x12]\n" +
 	"\bGenerate\x12&.kvmesh.api.gateway.v1.GenerateRequest\x1a'.kvmesh.api.gateway.v1.GenerateResponse0\x01\x12Q\n" +
 	"\x04Chat\x12\".kvmesh.api.gateway.v1.ChatRequest\x1a#.kvmesh.api.gateway.v1.ChatResponse0\x01\x12[\n" +
 	"\bTokenize\x12&.kvmesh.api.gateway.v1.TokenizeRequest\x1a'.kvmesh.api.gateway.v1.TokenizeResponse\x12a\n" +
 	"\n" +
-	"ListModels\x12(.kvmesh.api.gateway.v1.ListModelsRequest\x1a).kvmesh.api.gateway.v1.ListModelsResponseBIZGgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/gateway/v1;gatewayv1b\x06proto3"
+	"ListModels\x12(.kvmesh.api.gateway.v1.ListModelsRequest\x1a).kvmesh.api.gateway.v1.ListModelsResponse\x12d\n" +
+	"\vLoadAdapter\x12).kvmesh.api.gateway.v1.LoadAdapterRequest\x1a*.kvmesh.api.gateway.v1.LoadAdapterResponse\x12j\n" +
+	"\rUnloadAdapter\x12+.kvmesh.api.gateway.v1.UnloadAdapterRequest\x1a,.kvmesh.api.gateway.v1.UnloadAdapterResponseBIZGgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/gateway/v1;gatewayv1b\x06proto3"
 
 var (
 	file_kvmesh_api_gateway_v1_gateway_proto_rawDescOnce sync.Once
@@ -1366,67 +1584,76 @@ func file_kvmesh_api_gateway_v1_gateway_proto_rawDescGZIP() []byte {
 }
 
 var file_kvmesh_api_gateway_v1_gateway_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_kvmesh_api_gateway_v1_gateway_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
+var file_kvmesh_api_gateway_v1_gateway_proto_msgTypes = make([]protoimpl.MessageInfo, 20)
 var file_kvmesh_api_gateway_v1_gateway_proto_goTypes = []any{
-	(ToolChoiceMode)(0),        // 0: kvmesh.api.gateway.v1.ToolChoiceMode
-	(*GenerateRequest)(nil),    // 1: kvmesh.api.gateway.v1.GenerateRequest
-	(*TokenIds)(nil),           // 2: kvmesh.api.gateway.v1.TokenIds
-	(*GenerateResponse)(nil),   // 3: kvmesh.api.gateway.v1.GenerateResponse
-	(*StreamEnd)(nil),          // 4: kvmesh.api.gateway.v1.StreamEnd
-	(*ChatRequest)(nil),        // 5: kvmesh.api.gateway.v1.ChatRequest
-	(*ChatMessage)(nil),        // 6: kvmesh.api.gateway.v1.ChatMessage
-	(*Tool)(nil),               // 7: kvmesh.api.gateway.v1.Tool
-	(*ToolChoice)(nil),         // 8: kvmesh.api.gateway.v1.ToolChoice
-	(*ToolCall)(nil),           // 9: kvmesh.api.gateway.v1.ToolCall
-	(*ChatResponse)(nil),       // 10: kvmesh.api.gateway.v1.ChatResponse
-	(*TokenizeRequest)(nil),    // 11: kvmesh.api.gateway.v1.TokenizeRequest
-	(*ChatMessages)(nil),       // 12: kvmesh.api.gateway.v1.ChatMessages
-	(*TokenizeResponse)(nil),   // 13: kvmesh.api.gateway.v1.TokenizeResponse
-	(*ListModelsRequest)(nil),  // 14: kvmesh.api.gateway.v1.ListModelsRequest
-	(*ListModelsResponse)(nil), // 15: kvmesh.api.gateway.v1.ListModelsResponse
-	(*ModelInfo)(nil),          // 16: kvmesh.api.gateway.v1.ModelInfo
-	(*v1.SamplingParams)(nil),  // 17: kvmesh.api.common.v1.SamplingParams
-	(*v1.TokenLogprob)(nil),    // 18: kvmesh.api.common.v1.TokenLogprob
-	(v1.FinishReason)(0),       // 19: kvmesh.api.common.v1.FinishReason
-	(*v1.Usage)(nil),           // 20: kvmesh.api.common.v1.Usage
-	(*v1.Timings)(nil),         // 21: kvmesh.api.common.v1.Timings
+	(ToolChoiceMode)(0),           // 0: kvmesh.api.gateway.v1.ToolChoiceMode
+	(*GenerateRequest)(nil),       // 1: kvmesh.api.gateway.v1.GenerateRequest
+	(*TokenIds)(nil),              // 2: kvmesh.api.gateway.v1.TokenIds
+	(*GenerateResponse)(nil),      // 3: kvmesh.api.gateway.v1.GenerateResponse
+	(*StreamEnd)(nil),             // 4: kvmesh.api.gateway.v1.StreamEnd
+	(*ChatRequest)(nil),           // 5: kvmesh.api.gateway.v1.ChatRequest
+	(*ChatMessage)(nil),           // 6: kvmesh.api.gateway.v1.ChatMessage
+	(*Tool)(nil),                  // 7: kvmesh.api.gateway.v1.Tool
+	(*ToolChoice)(nil),            // 8: kvmesh.api.gateway.v1.ToolChoice
+	(*ToolCall)(nil),              // 9: kvmesh.api.gateway.v1.ToolCall
+	(*ChatResponse)(nil),          // 10: kvmesh.api.gateway.v1.ChatResponse
+	(*TokenizeRequest)(nil),       // 11: kvmesh.api.gateway.v1.TokenizeRequest
+	(*ChatMessages)(nil),          // 12: kvmesh.api.gateway.v1.ChatMessages
+	(*TokenizeResponse)(nil),      // 13: kvmesh.api.gateway.v1.TokenizeResponse
+	(*ListModelsRequest)(nil),     // 14: kvmesh.api.gateway.v1.ListModelsRequest
+	(*ListModelsResponse)(nil),    // 15: kvmesh.api.gateway.v1.ListModelsResponse
+	(*ModelInfo)(nil),             // 16: kvmesh.api.gateway.v1.ModelInfo
+	(*LoadAdapterRequest)(nil),    // 17: kvmesh.api.gateway.v1.LoadAdapterRequest
+	(*LoadAdapterResponse)(nil),   // 18: kvmesh.api.gateway.v1.LoadAdapterResponse
+	(*UnloadAdapterRequest)(nil),  // 19: kvmesh.api.gateway.v1.UnloadAdapterRequest
+	(*UnloadAdapterResponse)(nil), // 20: kvmesh.api.gateway.v1.UnloadAdapterResponse
+	(*v1.SamplingParams)(nil),     // 21: kvmesh.api.common.v1.SamplingParams
+	(*v1.TokenLogprob)(nil),       // 22: kvmesh.api.common.v1.TokenLogprob
+	(v1.FinishReason)(0),          // 23: kvmesh.api.common.v1.FinishReason
+	(*v1.Usage)(nil),              // 24: kvmesh.api.common.v1.Usage
+	(*v1.Timings)(nil),            // 25: kvmesh.api.common.v1.Timings
 }
 var file_kvmesh_api_gateway_v1_gateway_proto_depIdxs = []int32{
 	2,  // 0: kvmesh.api.gateway.v1.GenerateRequest.token_ids:type_name -> kvmesh.api.gateway.v1.TokenIds
-	17, // 1: kvmesh.api.gateway.v1.GenerateRequest.sampling:type_name -> kvmesh.api.common.v1.SamplingParams
-	18, // 2: kvmesh.api.gateway.v1.GenerateResponse.logprobs:type_name -> kvmesh.api.common.v1.TokenLogprob
+	21, // 1: kvmesh.api.gateway.v1.GenerateRequest.sampling:type_name -> kvmesh.api.common.v1.SamplingParams
+	22, // 2: kvmesh.api.gateway.v1.GenerateResponse.logprobs:type_name -> kvmesh.api.common.v1.TokenLogprob
 	4,  // 3: kvmesh.api.gateway.v1.GenerateResponse.final:type_name -> kvmesh.api.gateway.v1.StreamEnd
-	19, // 4: kvmesh.api.gateway.v1.StreamEnd.finish_reason:type_name -> kvmesh.api.common.v1.FinishReason
-	20, // 5: kvmesh.api.gateway.v1.StreamEnd.usage:type_name -> kvmesh.api.common.v1.Usage
-	21, // 6: kvmesh.api.gateway.v1.StreamEnd.timings:type_name -> kvmesh.api.common.v1.Timings
-	21, // 7: kvmesh.api.gateway.v1.StreamEnd.route_timings:type_name -> kvmesh.api.common.v1.Timings
-	21, // 8: kvmesh.api.gateway.v1.StreamEnd.prefill_timings:type_name -> kvmesh.api.common.v1.Timings
-	21, // 9: kvmesh.api.gateway.v1.StreamEnd.decode_timings:type_name -> kvmesh.api.common.v1.Timings
+	23, // 4: kvmesh.api.gateway.v1.StreamEnd.finish_reason:type_name -> kvmesh.api.common.v1.FinishReason
+	24, // 5: kvmesh.api.gateway.v1.StreamEnd.usage:type_name -> kvmesh.api.common.v1.Usage
+	25, // 6: kvmesh.api.gateway.v1.StreamEnd.timings:type_name -> kvmesh.api.common.v1.Timings
+	25, // 7: kvmesh.api.gateway.v1.StreamEnd.route_timings:type_name -> kvmesh.api.common.v1.Timings
+	25, // 8: kvmesh.api.gateway.v1.StreamEnd.prefill_timings:type_name -> kvmesh.api.common.v1.Timings
+	25, // 9: kvmesh.api.gateway.v1.StreamEnd.decode_timings:type_name -> kvmesh.api.common.v1.Timings
 	6,  // 10: kvmesh.api.gateway.v1.ChatRequest.messages:type_name -> kvmesh.api.gateway.v1.ChatMessage
-	17, // 11: kvmesh.api.gateway.v1.ChatRequest.sampling:type_name -> kvmesh.api.common.v1.SamplingParams
+	21, // 11: kvmesh.api.gateway.v1.ChatRequest.sampling:type_name -> kvmesh.api.common.v1.SamplingParams
 	7,  // 12: kvmesh.api.gateway.v1.ChatRequest.tools:type_name -> kvmesh.api.gateway.v1.Tool
 	8,  // 13: kvmesh.api.gateway.v1.ChatRequest.tool_choice:type_name -> kvmesh.api.gateway.v1.ToolChoice
 	9,  // 14: kvmesh.api.gateway.v1.ChatMessage.tool_calls:type_name -> kvmesh.api.gateway.v1.ToolCall
 	0,  // 15: kvmesh.api.gateway.v1.ToolChoice.mode:type_name -> kvmesh.api.gateway.v1.ToolChoiceMode
-	18, // 16: kvmesh.api.gateway.v1.ChatResponse.logprobs:type_name -> kvmesh.api.common.v1.TokenLogprob
+	22, // 16: kvmesh.api.gateway.v1.ChatResponse.logprobs:type_name -> kvmesh.api.common.v1.TokenLogprob
 	4,  // 17: kvmesh.api.gateway.v1.ChatResponse.final:type_name -> kvmesh.api.gateway.v1.StreamEnd
 	9,  // 18: kvmesh.api.gateway.v1.ChatResponse.tool_calls:type_name -> kvmesh.api.gateway.v1.ToolCall
 	12, // 19: kvmesh.api.gateway.v1.TokenizeRequest.chat:type_name -> kvmesh.api.gateway.v1.ChatMessages
 	6,  // 20: kvmesh.api.gateway.v1.ChatMessages.messages:type_name -> kvmesh.api.gateway.v1.ChatMessage
 	16, // 21: kvmesh.api.gateway.v1.ListModelsResponse.models:type_name -> kvmesh.api.gateway.v1.ModelInfo
-	1,  // 22: kvmesh.api.gateway.v1.GatewayService.Generate:input_type -> kvmesh.api.gateway.v1.GenerateRequest
-	5,  // 23: kvmesh.api.gateway.v1.GatewayService.Chat:input_type -> kvmesh.api.gateway.v1.ChatRequest
-	11, // 24: kvmesh.api.gateway.v1.GatewayService.Tokenize:input_type -> kvmesh.api.gateway.v1.TokenizeRequest
-	14, // 25: kvmesh.api.gateway.v1.GatewayService.ListModels:input_type -> kvmesh.api.gateway.v1.ListModelsRequest
-	3,  // 26: kvmesh.api.gateway.v1.GatewayService.Generate:output_type -> kvmesh.api.gateway.v1.GenerateResponse
-	10, // 27: kvmesh.api.gateway.v1.GatewayService.Chat:output_type -> kvmesh.api.gateway.v1.ChatResponse
-	13, // 28: kvmesh.api.gateway.v1.GatewayService.Tokenize:output_type -> kvmesh.api.gateway.v1.TokenizeResponse
-	15, // 29: kvmesh.api.gateway.v1.GatewayService.ListModels:output_type -> kvmesh.api.gateway.v1.ListModelsResponse
-	26, // [26:30] is the sub-list for method output_type
-	22, // [22:26] is the sub-list for method input_type
-	22, // [22:22] is the sub-list for extension type_name
-	22, // [22:22] is the sub-list for extension extendee
-	0,  // [0:22] is the sub-list for field type_name
+	16, // 22: kvmesh.api.gateway.v1.LoadAdapterResponse.model:type_name -> kvmesh.api.gateway.v1.ModelInfo
+	1,  // 23: kvmesh.api.gateway.v1.GatewayService.Generate:input_type -> kvmesh.api.gateway.v1.GenerateRequest
+	5,  // 24: kvmesh.api.gateway.v1.GatewayService.Chat:input_type -> kvmesh.api.gateway.v1.ChatRequest
+	11, // 25: kvmesh.api.gateway.v1.GatewayService.Tokenize:input_type -> kvmesh.api.gateway.v1.TokenizeRequest
+	14, // 26: kvmesh.api.gateway.v1.GatewayService.ListModels:input_type -> kvmesh.api.gateway.v1.ListModelsRequest
+	17, // 27: kvmesh.api.gateway.v1.GatewayService.LoadAdapter:input_type -> kvmesh.api.gateway.v1.LoadAdapterRequest
+	19, // 28: kvmesh.api.gateway.v1.GatewayService.UnloadAdapter:input_type -> kvmesh.api.gateway.v1.UnloadAdapterRequest
+	3,  // 29: kvmesh.api.gateway.v1.GatewayService.Generate:output_type -> kvmesh.api.gateway.v1.GenerateResponse
+	10, // 30: kvmesh.api.gateway.v1.GatewayService.Chat:output_type -> kvmesh.api.gateway.v1.ChatResponse
+	13, // 31: kvmesh.api.gateway.v1.GatewayService.Tokenize:output_type -> kvmesh.api.gateway.v1.TokenizeResponse
+	15, // 32: kvmesh.api.gateway.v1.GatewayService.ListModels:output_type -> kvmesh.api.gateway.v1.ListModelsResponse
+	18, // 33: kvmesh.api.gateway.v1.GatewayService.LoadAdapter:output_type -> kvmesh.api.gateway.v1.LoadAdapterResponse
+	20, // 34: kvmesh.api.gateway.v1.GatewayService.UnloadAdapter:output_type -> kvmesh.api.gateway.v1.UnloadAdapterResponse
+	29, // [29:35] is the sub-list for method output_type
+	23, // [23:29] is the sub-list for method input_type
+	23, // [23:23] is the sub-list for extension type_name
+	23, // [23:23] is the sub-list for extension extendee
+	0,  // [0:23] is the sub-list for field type_name
 }
 
 func init() { file_kvmesh_api_gateway_v1_gateway_proto_init() }
@@ -1453,7 +1680,7 @@ func file_kvmesh_api_gateway_v1_gateway_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvmesh_api_gateway_v1_gateway_proto_rawDesc), len(file_kvmesh_api_gateway_v1_gateway_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   16,
+			NumMessages:   20,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

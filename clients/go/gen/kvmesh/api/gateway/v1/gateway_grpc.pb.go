@@ -19,10 +19,12 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	GatewayService_Generate_FullMethodName   = "/kvmesh.api.gateway.v1.GatewayService/Generate"
-	GatewayService_Chat_FullMethodName       = "/kvmesh.api.gateway.v1.GatewayService/Chat"
-	GatewayService_Tokenize_FullMethodName   = "/kvmesh.api.gateway.v1.GatewayService/Tokenize"
-	GatewayService_ListModels_FullMethodName = "/kvmesh.api.gateway.v1.GatewayService/ListModels"
+	GatewayService_Generate_FullMethodName      = "/kvmesh.api.gateway.v1.GatewayService/Generate"
+	GatewayService_Chat_FullMethodName          = "/kvmesh.api.gateway.v1.GatewayService/Chat"
+	GatewayService_Tokenize_FullMethodName      = "/kvmesh.api.gateway.v1.GatewayService/Tokenize"
+	GatewayService_ListModels_FullMethodName    = "/kvmesh.api.gateway.v1.GatewayService/ListModels"
+	GatewayService_LoadAdapter_FullMethodName   = "/kvmesh.api.gateway.v1.GatewayService/LoadAdapter"
+	GatewayService_UnloadAdapter_FullMethodName = "/kvmesh.api.gateway.v1.GatewayService/UnloadAdapter"
 )
 
 // GatewayServiceClient is the client API for GatewayService service.
@@ -38,7 +40,16 @@ type GatewayServiceClient interface {
 	// Completes a conversation (the model's chat template is applied).
 	Chat(ctx context.Context, in *ChatRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[ChatResponse], error)
 	Tokenize(ctx context.Context, in *TokenizeRequest, opts ...grpc.CallOption) (*TokenizeResponse, error)
+	// The base model and every LoRA adapter the workers have loaded.
 	ListModels(ctx context.Context, in *ListModelsRequest, opts ...grpc.CallOption) (*ListModelsResponse, error)
+	// Loads a LoRA adapter (a PEFT folder on the workers' disk) on every prefill
+	// and decode worker; requests then name it as their model. An admin call:
+	// with API keys configured, it needs an admin key (PERMISSION_DENIED
+	// otherwise). INVALID_ARGUMENT names what is wrong with the adapter; a worker
+	// that fails leaves it loaded nowhere.
+	LoadAdapter(ctx context.Context, in *LoadAdapterRequest, opts ...grpc.CallOption) (*LoadAdapterResponse, error)
+	// Unloads it everywhere; FAILED_PRECONDITION while requests use it.
+	UnloadAdapter(ctx context.Context, in *UnloadAdapterRequest, opts ...grpc.CallOption) (*UnloadAdapterResponse, error)
 }
 
 type gatewayServiceClient struct {
@@ -107,6 +118,26 @@ func (c *gatewayServiceClient) ListModels(ctx context.Context, in *ListModelsReq
 	return out, nil
 }
 
+func (c *gatewayServiceClient) LoadAdapter(ctx context.Context, in *LoadAdapterRequest, opts ...grpc.CallOption) (*LoadAdapterResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(LoadAdapterResponse)
+	err := c.cc.Invoke(ctx, GatewayService_LoadAdapter_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *gatewayServiceClient) UnloadAdapter(ctx context.Context, in *UnloadAdapterRequest, opts ...grpc.CallOption) (*UnloadAdapterResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(UnloadAdapterResponse)
+	err := c.cc.Invoke(ctx, GatewayService_UnloadAdapter_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // GatewayServiceServer is the server API for GatewayService service.
 // All implementations must embed UnimplementedGatewayServiceServer
 // for forward compatibility.
@@ -120,7 +151,16 @@ type GatewayServiceServer interface {
 	// Completes a conversation (the model's chat template is applied).
 	Chat(*ChatRequest, grpc.ServerStreamingServer[ChatResponse]) error
 	Tokenize(context.Context, *TokenizeRequest) (*TokenizeResponse, error)
+	// The base model and every LoRA adapter the workers have loaded.
 	ListModels(context.Context, *ListModelsRequest) (*ListModelsResponse, error)
+	// Loads a LoRA adapter (a PEFT folder on the workers' disk) on every prefill
+	// and decode worker; requests then name it as their model. An admin call:
+	// with API keys configured, it needs an admin key (PERMISSION_DENIED
+	// otherwise). INVALID_ARGUMENT names what is wrong with the adapter; a worker
+	// that fails leaves it loaded nowhere.
+	LoadAdapter(context.Context, *LoadAdapterRequest) (*LoadAdapterResponse, error)
+	// Unloads it everywhere; FAILED_PRECONDITION while requests use it.
+	UnloadAdapter(context.Context, *UnloadAdapterRequest) (*UnloadAdapterResponse, error)
 	mustEmbedUnimplementedGatewayServiceServer()
 }
 
@@ -142,6 +182,12 @@ func (UnimplementedGatewayServiceServer) Tokenize(context.Context, *TokenizeRequ
 }
 func (UnimplementedGatewayServiceServer) ListModels(context.Context, *ListModelsRequest) (*ListModelsResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ListModels not implemented")
+}
+func (UnimplementedGatewayServiceServer) LoadAdapter(context.Context, *LoadAdapterRequest) (*LoadAdapterResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method LoadAdapter not implemented")
+}
+func (UnimplementedGatewayServiceServer) UnloadAdapter(context.Context, *UnloadAdapterRequest) (*UnloadAdapterResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method UnloadAdapter not implemented")
 }
 func (UnimplementedGatewayServiceServer) mustEmbedUnimplementedGatewayServiceServer() {}
 func (UnimplementedGatewayServiceServer) testEmbeddedByValue()                        {}
@@ -222,6 +268,42 @@ func _GatewayService_ListModels_Handler(srv interface{}, ctx context.Context, de
 	return interceptor(ctx, in, info, handler)
 }
 
+func _GatewayService_LoadAdapter_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(LoadAdapterRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(GatewayServiceServer).LoadAdapter(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: GatewayService_LoadAdapter_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(GatewayServiceServer).LoadAdapter(ctx, req.(*LoadAdapterRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _GatewayService_UnloadAdapter_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(UnloadAdapterRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(GatewayServiceServer).UnloadAdapter(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: GatewayService_UnloadAdapter_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(GatewayServiceServer).UnloadAdapter(ctx, req.(*UnloadAdapterRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // GatewayService_ServiceDesc is the grpc.ServiceDesc for GatewayService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -236,6 +318,14 @@ var GatewayService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ListModels",
 			Handler:    _GatewayService_ListModels_Handler,
+		},
+		{
+			MethodName: "LoadAdapter",
+			Handler:    _GatewayService_LoadAdapter_Handler,
+		},
+		{
+			MethodName: "UnloadAdapter",
+			Handler:    _GatewayService_UnloadAdapter_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

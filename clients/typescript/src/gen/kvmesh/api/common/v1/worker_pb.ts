@@ -10,7 +10,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvmesh/api/common/v1/worker.proto.
  */
 export const file_kvmesh_api_common_v1_worker: GenFile = /*@__PURE__*/
-  fileDesc("CiFrdm1lc2gvYXBpL2NvbW1vbi92MS93b3JrZXIucHJvdG8SFGt2bWVzaC5hcGkuY29tbW9uLnYxIjQKDldvcmtlckVuZHBvaW50EhEKCXdvcmtlcl9pZBgBIAEoCRIPCgdhZGRyZXNzGAIgASgJIrgBCgpXb3JrZXJMb2FkEhcKD3F1ZXVlZF9yZXF1ZXN0cxgBIAEoDRIYChBhY3RpdmVfc2VxdWVuY2VzGAIgASgNEhYKDmZyZWVfa3ZfYmxvY2tzGAMgASgNEhcKD3RvdGFsX2t2X2Jsb2NrcxgEIAEoDRIYChB0b2tlbnNfaW5fZmxpZ2h0GAUgASgEEiwKBGdwdXMYBiADKAsyHi5rdm1lc2guYXBpLmNvbW1vbi52MS5HcHVTdGF0cyJ7CghHcHVTdGF0cxINCgVpbmRleBgBIAEoDRIMCgRuYW1lGAIgASgJEhkKEW1lbW9yeV91c2VkX2J5dGVzGAMgASgEEhoKEm1lbW9yeV90b3RhbF9ieXRlcxgEIAEoBBIbChN1dGlsaXphdGlvbl9wZXJjZW50GAUgASgNKnMKCldvcmtlclJvbGUSGwoXV09SS0VSX1JPTEVfVU5TUEVDSUZJRUQQABIXChNXT1JLRVJfUk9MRV9QUkVGSUxMEAESFgoSV09SS0VSX1JPTEVfREVDT0RFEAISFwoTV09SS0VSX1JPTEVfS1ZTVE9SRRADQkdaRWdpdGh1Yi5jb20va3ZtZXNoL2t2bWVzaC9jbGllbnRzL2dvL2dlbi9rdm1lc2gvYXBpL2NvbW1vbi92MTtjb21tb252MWIGcHJvdG8z");
+  fileDesc("CiFrdm1lc2gvYXBpL2NvbW1vbi92MS93b3JrZXIucHJvdG8SFGt2bWVzaC5hcGkuY29tbW9uLnYxIjQKDldvcmtlckVuZHBvaW50EhEKCXdvcmtlcl9pZBgBIAEoCRIPCgdhZGRyZXNzGAIgASgJIu4BCgpXb3JrZXJMb2FkEhcKD3F1ZXVlZF9yZXF1ZXN0cxgBIAEoDRIYChBhY3RpdmVfc2VxdWVuY2VzGAIgASgNEhYKDmZyZWVfa3ZfYmxvY2tzGAMgASgNEhcKD3RvdGFsX2t2X2Jsb2NrcxgEIAEoDRIYChB0b2tlbnNfaW5fZmxpZ2h0GAUgASgEEiwKBGdwdXMYBiADKAsyHi5rdm1lc2guYXBpLmNvbW1vbi52MS5HcHVTdGF0cxI0CghhZGFwdGVycxgHIAMoCzIiLmt2bWVzaC5hcGkuY29tbW9uLnYxLkFkYXB0ZXJTdGF0ZSJDCgxBZGFwdGVyU3RhdGUSDAoEbmFtZRgBIAEoCRITCgtmaW5nZXJwcmludBgCIAEoDBIQCghyZXNpZGVudBgDIAEoCCJ7CghHcHVTdGF0cxINCgVpbmRleBgBIAEoDRIMCgRuYW1lGAIgASgJEhkKEW1lbW9yeV91c2VkX2J5dGVzGAMgASgEEhoKEm1lbW9yeV90b3RhbF9ieXRlcxgEIAEoBBIbChN1dGlsaXphdGlvbl9wZXJjZW50GAUgASgNKnMKCldvcmtlclJvbGUSGwoXV09SS0VSX1JPTEVfVU5TUEVDSUZJRUQQABIXChNXT1JLRVJfUk9MRV9QUkVGSUxMEAESFgoSV09SS0VSX1JPTEVfREVDT0RFEAISFwoTV09SS0VSX1JPTEVfS1ZTVE9SRRADQkdaRWdpdGh1Yi5jb20va3ZtZXNoL2t2bWVzaC9jbGllbnRzL2dvL2dlbi9rdm1lc2gvYXBpL2NvbW1vbi92MTtjb21tb252MWIGcHJvdG8z");
 
 /**
  * A worker the router chose, and where to reach it.
@@ -83,6 +83,14 @@ export type WorkerLoad = Message<"kvmesh.api.common.v1.WorkerLoad"> & {
    * @generated from field: repeated kvmesh.api.common.v1.GpuStats gpus = 6;
    */
   gpus: GpuStats[];
+
+  /**
+   * The LoRA adapters it has loaded: requests naming one go only to workers
+   * that have it, preferably where it is resident.
+   *
+   * @generated from field: repeated kvmesh.api.common.v1.AdapterState adapters = 7;
+   */
+  adapters: AdapterState[];
 };
 
 /**
@@ -91,6 +99,40 @@ export type WorkerLoad = Message<"kvmesh.api.common.v1.WorkerLoad"> & {
  */
 export const WorkerLoadSchema: GenMessage<WorkerLoad> = /*@__PURE__*/
   messageDesc(file_kvmesh_api_common_v1_worker, 1);
+
+/**
+ * A LoRA adapter a worker has loaded (kvmesh.api.adapter.v1.Adapter, as the
+ * router needs it).
+ *
+ * @generated from message kvmesh.api.common.v1.AdapterState
+ */
+export type AdapterState = Message<"kvmesh.api.common.v1.AdapterState"> & {
+  /**
+   * @generated from field: string name = 1;
+   */
+  name: string;
+
+  /**
+   * The root of its blocks' hash chain (kvmesh.blocks.adapter_fingerprint).
+   *
+   * @generated from field: bytes fingerprint = 2;
+   */
+  fingerprint: Uint8Array;
+
+  /**
+   * In one of the worker's adapter slots now.
+   *
+   * @generated from field: bool resident = 3;
+   */
+  resident: boolean;
+};
+
+/**
+ * Describes the message kvmesh.api.common.v1.AdapterState.
+ * Use `create(AdapterStateSchema)` to create a new message.
+ */
+export const AdapterStateSchema: GenMessage<AdapterState> = /*@__PURE__*/
+  messageDesc(file_kvmesh_api_common_v1_worker, 2);
 
 /**
  * One GPU as NVML reports it.
@@ -131,7 +173,7 @@ export type GpuStats = Message<"kvmesh.api.common.v1.GpuStats"> & {
  * Use `create(GpuStatsSchema)` to create a new message.
  */
 export const GpuStatsSchema: GenMessage<GpuStats> = /*@__PURE__*/
-  messageDesc(file_kvmesh_api_common_v1_worker, 2);
+  messageDesc(file_kvmesh_api_common_v1_worker, 3);
 
 /**
  * What a worker does in the mesh.

@@ -14,7 +14,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvmesh/api/gateway/v1/gateway.proto.
  */
 export const file_kvmesh_api_gateway_v1_gateway: GenFile = /*@__PURE__*/
-  fileDesc("CiNrdm1lc2gvYXBpL2dhdGV3YXkvdjEvZ2F0ZXdheS5wcm90bxIVa3ZtZXNoLmFwaS5nYXRld2F5LnYxIsoBCg9HZW5lcmF0ZVJlcXVlc3QSDQoFbW9kZWwYASABKAkSDgoEdGV4dBgCIAEoCUgAEjQKCXRva2VuX2lkcxgDIAEoCzIfLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5Ub2tlbklkc0gAEjYKCHNhbXBsaW5nGAQgASgLMiQua3ZtZXNoLmFwaS5jb21tb24udjEuU2FtcGxpbmdQYXJhbXMSEgoKY2FjaGVfc2FsdBgFIAEoCRIMCgR1c2VyGAYgASgJQggKBnByb21wdCIXCghUb2tlbklkcxILCgNpZHMYASADKA0ivgEKEEdlbmVyYXRlUmVzcG9uc2USEgoKcmVxdWVzdF9pZBgBIAEoCRIOCgZvZmZzZXQYAiABKA0SEQoJdG9rZW5faWRzGAMgAygNEgwKBHRleHQYBCABKAkSNAoIbG9ncHJvYnMYBSADKAsyIi5rdm1lc2guYXBpLmNvbW1vbi52MS5Ub2tlbkxvZ3Byb2ISLwoFZmluYWwYBiABKAsyIC5rdm1lc2guYXBpLmdhdGV3YXkudjEuU3RyZWFtRW5kIscCCglTdHJlYW1FbmQSOQoNZmluaXNoX3JlYXNvbhgBIAEoDjIiLmt2bWVzaC5hcGkuY29tbW9uLnYxLkZpbmlzaFJlYXNvbhIqCgV1c2FnZRgCIAEoCzIbLmt2bWVzaC5hcGkuY29tbW9uLnYxLlVzYWdlEi4KB3RpbWluZ3MYAyABKAsyHS5rdm1lc2guYXBpLmNvbW1vbi52MS5UaW1pbmdzEjQKDXJvdXRlX3RpbWluZ3MYBCABKAsyHS5rdm1lc2guYXBpLmNvbW1vbi52MS5UaW1pbmdzEjYKD3ByZWZpbGxfdGltaW5ncxgFIAEoCzIdLmt2bWVzaC5hcGkuY29tbW9uLnYxLlRpbWluZ3MSNQoOZGVjb2RlX3RpbWluZ3MYBiABKAsyHS5rdm1lc2guYXBpLmNvbW1vbi52MS5UaW1pbmdzIsoCCgtDaGF0UmVxdWVzdBINCgVtb2RlbBgBIAEoCRI0CghtZXNzYWdlcxgCIAMoCzIiLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5DaGF0TWVzc2FnZRI2CghzYW1wbGluZxgDIAEoCzIkLmt2bWVzaC5hcGkuY29tbW9uLnYxLlNhbXBsaW5nUGFyYW1zEhIKCmNhY2hlX3NhbHQYBCABKAkSDAoEdXNlchgFIAEoCRIqCgV0b29scxgGIAMoCzIbLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5Ub29sEjYKC3Rvb2xfY2hvaWNlGAcgASgLMiEua3ZtZXNoLmFwaS5nYXRld2F5LnYxLlRvb2xDaG9pY2USIAoTcGFyYWxsZWxfdG9vbF9jYWxscxgIIAEoCEgAiAEBQhYKFF9wYXJhbGxlbF90b29sX2NhbGxzIoUBCgtDaGF0TWVzc2FnZRIMCgRyb2xlGAEgASgJEg8KB2NvbnRlbnQYAiABKAkSDAoEbmFtZRgDIAEoCRIzCgp0b29sX2NhbGxzGAQgAygLMh8ua3ZtZXNoLmFwaS5nYXRld2F5LnYxLlRvb2xDYWxsEhQKDHRvb2xfY2FsbF9pZBgFIAEoCSJCCgRUb29sEgwKBG5hbWUYASABKAkSEwoLZGVzY3JpcHRpb24YAiABKAkSFwoPcGFyYW1ldGVyc19qc29uGAMgASgJImYKClRvb2xDaG9pY2USNQoEbW9kZRgBIAEoDjIlLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5Ub29sQ2hvaWNlTW9kZUgAEhcKDWZ1bmN0aW9uX25hbWUYAiABKAlIAEIICgZjaG9pY2UiNwoIVG9vbENhbGwSCgoCaWQYASABKAkSDAoEbmFtZRgCIAEoCRIRCglhcmd1bWVudHMYAyABKAki7wEKDENoYXRSZXNwb25zZRISCgpyZXF1ZXN0X2lkGAEgASgJEg4KBm9mZnNldBgCIAEoDRIRCgl0b2tlbl9pZHMYAyADKA0SDAoEdGV4dBgEIAEoCRI0Cghsb2dwcm9icxgFIAMoCzIiLmt2bWVzaC5hcGkuY29tbW9uLnYxLlRva2VuTG9ncHJvYhIvCgVmaW5hbBgGIAEoCzIgLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5TdHJlYW1FbmQSMwoKdG9vbF9jYWxscxgHIAMoCzIfLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5Ub29sQ2FsbCKKAQoPVG9rZW5pemVSZXF1ZXN0Eg0KBW1vZGVsGAEgASgJEg4KBHRleHQYAiABKAlIABIzCgRjaGF0GAMgASgLMiMua3ZtZXNoLmFwaS5nYXRld2F5LnYxLkNoYXRNZXNzYWdlc0gAEhoKEmFkZF9zcGVjaWFsX3Rva2VucxgEIAEoCEIHCgVpbnB1dCJECgxDaGF0TWVzc2FnZXMSNAoIbWVzc2FnZXMYASADKAsyIi5rdm1lc2guYXBpLmdhdGV3YXkudjEuQ2hhdE1lc3NhZ2UiJQoQVG9rZW5pemVSZXNwb25zZRIRCgl0b2tlbl9pZHMYASADKA0iEwoRTGlzdE1vZGVsc1JlcXVlc3QiRgoSTGlzdE1vZGVsc1Jlc3BvbnNlEjAKBm1vZGVscxgBIAMoCzIgLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5Nb2RlbEluZm8iUQoJTW9kZWxJbmZvEgoKAmlkGAEgASgJEhUKDW1heF9tb2RlbF9sZW4YAiABKA0SEAoIb3duZWRfYnkYAyABKAkSDwoHY3JlYXRlZBgEIAEoBCqHAQoOVG9vbENob2ljZU1vZGUSIAocVE9PTF9DSE9JQ0VfTU9ERV9VTlNQRUNJRklFRBAAEhkKFVRPT0xfQ0hPSUNFX01PREVfQVVUTxABEhkKFVRPT0xfQ0hPSUNFX01PREVfTk9ORRACEh0KGVRPT0xfQ0hPSUNFX01PREVfUkVRVUlSRUQQAzKCAwoOR2F0ZXdheVNlcnZpY2USXQoIR2VuZXJhdGUSJi5rdm1lc2guYXBpLmdhdGV3YXkudjEuR2VuZXJhdGVSZXF1ZXN0Gicua3ZtZXNoLmFwaS5nYXRld2F5LnYxLkdlbmVyYXRlUmVzcG9uc2UwARJRCgRDaGF0EiIua3ZtZXNoLmFwaS5nYXRld2F5LnYxLkNoYXRSZXF1ZXN0GiMua3ZtZXNoLmFwaS5nYXRld2F5LnYxLkNoYXRSZXNwb25zZTABElsKCFRva2VuaXplEiYua3ZtZXNoLmFwaS5nYXRld2F5LnYxLlRva2VuaXplUmVxdWVzdBonLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5Ub2tlbml6ZVJlc3BvbnNlEmEKCkxpc3RNb2RlbHMSKC5rdm1lc2guYXBpLmdhdGV3YXkudjEuTGlzdE1vZGVsc1JlcXVlc3QaKS5rdm1lc2guYXBpLmdhdGV3YXkudjEuTGlzdE1vZGVsc1Jlc3BvbnNlQklaR2dpdGh1Yi5jb20va3ZtZXNoL2t2bWVzaC9jbGllbnRzL2dvL2dlbi9rdm1lc2gvYXBpL2dhdGV3YXkvdjE7Z2F0ZXdheXYxYgZwcm90bzM", [file_kvmesh_api_common_v1_accounting, file_kvmesh_api_common_v1_sampling]);
+  fileDesc("CiNrdm1lc2gvYXBpL2dhdGV3YXkvdjEvZ2F0ZXdheS5wcm90bxIVa3ZtZXNoLmFwaS5nYXRld2F5LnYxIsoBCg9HZW5lcmF0ZVJlcXVlc3QSDQoFbW9kZWwYASABKAkSDgoEdGV4dBgCIAEoCUgAEjQKCXRva2VuX2lkcxgDIAEoCzIfLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5Ub2tlbklkc0gAEjYKCHNhbXBsaW5nGAQgASgLMiQua3ZtZXNoLmFwaS5jb21tb24udjEuU2FtcGxpbmdQYXJhbXMSEgoKY2FjaGVfc2FsdBgFIAEoCRIMCgR1c2VyGAYgASgJQggKBnByb21wdCIXCghUb2tlbklkcxILCgNpZHMYASADKA0ivgEKEEdlbmVyYXRlUmVzcG9uc2USEgoKcmVxdWVzdF9pZBgBIAEoCRIOCgZvZmZzZXQYAiABKA0SEQoJdG9rZW5faWRzGAMgAygNEgwKBHRleHQYBCABKAkSNAoIbG9ncHJvYnMYBSADKAsyIi5rdm1lc2guYXBpLmNvbW1vbi52MS5Ub2tlbkxvZ3Byb2ISLwoFZmluYWwYBiABKAsyIC5rdm1lc2guYXBpLmdhdGV3YXkudjEuU3RyZWFtRW5kIscCCglTdHJlYW1FbmQSOQoNZmluaXNoX3JlYXNvbhgBIAEoDjIiLmt2bWVzaC5hcGkuY29tbW9uLnYxLkZpbmlzaFJlYXNvbhIqCgV1c2FnZRgCIAEoCzIbLmt2bWVzaC5hcGkuY29tbW9uLnYxLlVzYWdlEi4KB3RpbWluZ3MYAyABKAsyHS5rdm1lc2guYXBpLmNvbW1vbi52MS5UaW1pbmdzEjQKDXJvdXRlX3RpbWluZ3MYBCABKAsyHS5rdm1lc2guYXBpLmNvbW1vbi52MS5UaW1pbmdzEjYKD3ByZWZpbGxfdGltaW5ncxgFIAEoCzIdLmt2bWVzaC5hcGkuY29tbW9uLnYxLlRpbWluZ3MSNQoOZGVjb2RlX3RpbWluZ3MYBiABKAsyHS5rdm1lc2guYXBpLmNvbW1vbi52MS5UaW1pbmdzIsoCCgtDaGF0UmVxdWVzdBINCgVtb2RlbBgBIAEoCRI0CghtZXNzYWdlcxgCIAMoCzIiLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5DaGF0TWVzc2FnZRI2CghzYW1wbGluZxgDIAEoCzIkLmt2bWVzaC5hcGkuY29tbW9uLnYxLlNhbXBsaW5nUGFyYW1zEhIKCmNhY2hlX3NhbHQYBCABKAkSDAoEdXNlchgFIAEoCRIqCgV0b29scxgGIAMoCzIbLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5Ub29sEjYKC3Rvb2xfY2hvaWNlGAcgASgLMiEua3ZtZXNoLmFwaS5nYXRld2F5LnYxLlRvb2xDaG9pY2USIAoTcGFyYWxsZWxfdG9vbF9jYWxscxgIIAEoCEgAiAEBQhYKFF9wYXJhbGxlbF90b29sX2NhbGxzIoUBCgtDaGF0TWVzc2FnZRIMCgRyb2xlGAEgASgJEg8KB2NvbnRlbnQYAiABKAkSDAoEbmFtZRgDIAEoCRIzCgp0b29sX2NhbGxzGAQgAygLMh8ua3ZtZXNoLmFwaS5nYXRld2F5LnYxLlRvb2xDYWxsEhQKDHRvb2xfY2FsbF9pZBgFIAEoCSJCCgRUb29sEgwKBG5hbWUYASABKAkSEwoLZGVzY3JpcHRpb24YAiABKAkSFwoPcGFyYW1ldGVyc19qc29uGAMgASgJImYKClRvb2xDaG9pY2USNQoEbW9kZRgBIAEoDjIlLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5Ub29sQ2hvaWNlTW9kZUgAEhcKDWZ1bmN0aW9uX25hbWUYAiABKAlIAEIICgZjaG9pY2UiNwoIVG9vbENhbGwSCgoCaWQYASABKAkSDAoEbmFtZRgCIAEoCRIRCglhcmd1bWVudHMYAyABKAki7wEKDENoYXRSZXNwb25zZRISCgpyZXF1ZXN0X2lkGAEgASgJEg4KBm9mZnNldBgCIAEoDRIRCgl0b2tlbl9pZHMYAyADKA0SDAoEdGV4dBgEIAEoCRI0Cghsb2dwcm9icxgFIAMoCzIiLmt2bWVzaC5hcGkuY29tbW9uLnYxLlRva2VuTG9ncHJvYhIvCgVmaW5hbBgGIAEoCzIgLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5TdHJlYW1FbmQSMwoKdG9vbF9jYWxscxgHIAMoCzIfLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5Ub29sQ2FsbCKKAQoPVG9rZW5pemVSZXF1ZXN0Eg0KBW1vZGVsGAEgASgJEg4KBHRleHQYAiABKAlIABIzCgRjaGF0GAMgASgLMiMua3ZtZXNoLmFwaS5nYXRld2F5LnYxLkNoYXRNZXNzYWdlc0gAEhoKEmFkZF9zcGVjaWFsX3Rva2VucxgEIAEoCEIHCgVpbnB1dCJECgxDaGF0TWVzc2FnZXMSNAoIbWVzc2FnZXMYASADKAsyIi5rdm1lc2guYXBpLmdhdGV3YXkudjEuQ2hhdE1lc3NhZ2UiJQoQVG9rZW5pemVSZXNwb25zZRIRCgl0b2tlbl9pZHMYASADKA0iEwoRTGlzdE1vZGVsc1JlcXVlc3QiRgoSTGlzdE1vZGVsc1Jlc3BvbnNlEjAKBm1vZGVscxgBIAMoCzIgLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5Nb2RlbEluZm8iYQoJTW9kZWxJbmZvEgoKAmlkGAEgASgJEhUKDW1heF9tb2RlbF9sZW4YAiABKA0SEAoIb3duZWRfYnkYAyABKAkSDwoHY3JlYXRlZBgEIAEoBBIOCgZwYXJlbnQYBSABKAkiMAoSTG9hZEFkYXB0ZXJSZXF1ZXN0EgwKBG5hbWUYASABKAkSDAoEcGF0aBgCIAEoCSJXChNMb2FkQWRhcHRlclJlc3BvbnNlEi8KBW1vZGVsGAEgASgLMiAua3ZtZXNoLmFwaS5nYXRld2F5LnYxLk1vZGVsSW5mbxIPCgd3b3JrZXJzGAIgASgNIiQKFFVubG9hZEFkYXB0ZXJSZXF1ZXN0EgwKBG5hbWUYASABKAkiKAoVVW5sb2FkQWRhcHRlclJlc3BvbnNlEg8KB3dvcmtlcnMYASABKA0qhwEKDlRvb2xDaG9pY2VNb2RlEiAKHFRPT0xfQ0hPSUNFX01PREVfVU5TUEVDSUZJRUQQABIZChVUT09MX0NIT0lDRV9NT0RFX0FVVE8QARIZChVUT09MX0NIT0lDRV9NT0RFX05PTkUQAhIdChlUT09MX0NIT0lDRV9NT0RFX1JFUVVJUkVEEAMy1AQKDkdhdGV3YXlTZXJ2aWNlEl0KCEdlbmVyYXRlEiYua3ZtZXNoLmFwaS5nYXRld2F5LnYxLkdlbmVyYXRlUmVxdWVzdBonLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5HZW5lcmF0ZVJlc3BvbnNlMAESUQoEQ2hhdBIiLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5DaGF0UmVxdWVzdBojLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5DaGF0UmVzcG9uc2UwARJbCghUb2tlbml6ZRImLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5Ub2tlbml6ZVJlcXVlc3QaJy5rdm1lc2guYXBpLmdhdGV3YXkudjEuVG9rZW5pemVSZXNwb25zZRJhCgpMaXN0TW9kZWxzEigua3ZtZXNoLmFwaS5nYXRld2F5LnYxLkxpc3RNb2RlbHNSZXF1ZXN0Gikua3ZtZXNoLmFwaS5nYXRld2F5LnYxLkxpc3RNb2RlbHNSZXNwb25zZRJkCgtMb2FkQWRhcHRlchIpLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5Mb2FkQWRhcHRlclJlcXVlc3QaKi5rdm1lc2guYXBpLmdhdGV3YXkudjEuTG9hZEFkYXB0ZXJSZXNwb25zZRJqCg1VbmxvYWRBZGFwdGVyEisua3ZtZXNoLmFwaS5nYXRld2F5LnYxLlVubG9hZEFkYXB0ZXJSZXF1ZXN0Giwua3ZtZXNoLmFwaS5nYXRld2F5LnYxLlVubG9hZEFkYXB0ZXJSZXNwb25zZUJJWkdnaXRodWIuY29tL2t2bWVzaC9rdm1lc2gvY2xpZW50cy9nby9nZW4va3ZtZXNoL2FwaS9nYXRld2F5L3YxO2dhdGV3YXl2MWIGcHJvdG8z", [file_kvmesh_api_common_v1_accounting, file_kvmesh_api_common_v1_sampling]);
 
 /**
  * @generated from message kvmesh.api.gateway.v1.GenerateRequest
@@ -586,6 +586,13 @@ export type ModelInfo = Message<"kvmesh.api.gateway.v1.ModelInfo"> & {
    * @generated from field: uint64 created = 4;
    */
   created: bigint;
+
+  /**
+   * For a LoRA adapter: the base model it adapts (empty for the base model).
+   *
+   * @generated from field: string parent = 5;
+   */
+  parent: string;
 };
 
 /**
@@ -594,6 +601,92 @@ export type ModelInfo = Message<"kvmesh.api.gateway.v1.ModelInfo"> & {
  */
 export const ModelInfoSchema: GenMessage<ModelInfo> = /*@__PURE__*/
   messageDesc(file_kvmesh_api_gateway_v1_gateway, 15);
+
+/**
+ * @generated from message kvmesh.api.gateway.v1.LoadAdapterRequest
+ */
+export type LoadAdapterRequest = Message<"kvmesh.api.gateway.v1.LoadAdapterRequest"> & {
+  /**
+   * The model id requests will use for it.
+   *
+   * @generated from field: string name = 1;
+   */
+  name: string;
+
+  /**
+   * The PEFT folder, as the workers see it.
+   *
+   * @generated from field: string path = 2;
+   */
+  path: string;
+};
+
+/**
+ * Describes the message kvmesh.api.gateway.v1.LoadAdapterRequest.
+ * Use `create(LoadAdapterRequestSchema)` to create a new message.
+ */
+export const LoadAdapterRequestSchema: GenMessage<LoadAdapterRequest> = /*@__PURE__*/
+  messageDesc(file_kvmesh_api_gateway_v1_gateway, 16);
+
+/**
+ * @generated from message kvmesh.api.gateway.v1.LoadAdapterResponse
+ */
+export type LoadAdapterResponse = Message<"kvmesh.api.gateway.v1.LoadAdapterResponse"> & {
+  /**
+   * @generated from field: kvmesh.api.gateway.v1.ModelInfo model = 1;
+   */
+  model?: ModelInfo | undefined;
+
+  /**
+   * Workers that loaded it.
+   *
+   * @generated from field: uint32 workers = 2;
+   */
+  workers: number;
+};
+
+/**
+ * Describes the message kvmesh.api.gateway.v1.LoadAdapterResponse.
+ * Use `create(LoadAdapterResponseSchema)` to create a new message.
+ */
+export const LoadAdapterResponseSchema: GenMessage<LoadAdapterResponse> = /*@__PURE__*/
+  messageDesc(file_kvmesh_api_gateway_v1_gateway, 17);
+
+/**
+ * @generated from message kvmesh.api.gateway.v1.UnloadAdapterRequest
+ */
+export type UnloadAdapterRequest = Message<"kvmesh.api.gateway.v1.UnloadAdapterRequest"> & {
+  /**
+   * @generated from field: string name = 1;
+   */
+  name: string;
+};
+
+/**
+ * Describes the message kvmesh.api.gateway.v1.UnloadAdapterRequest.
+ * Use `create(UnloadAdapterRequestSchema)` to create a new message.
+ */
+export const UnloadAdapterRequestSchema: GenMessage<UnloadAdapterRequest> = /*@__PURE__*/
+  messageDesc(file_kvmesh_api_gateway_v1_gateway, 18);
+
+/**
+ * @generated from message kvmesh.api.gateway.v1.UnloadAdapterResponse
+ */
+export type UnloadAdapterResponse = Message<"kvmesh.api.gateway.v1.UnloadAdapterResponse"> & {
+  /**
+   * Workers it was unloaded from.
+   *
+   * @generated from field: uint32 workers = 1;
+   */
+  workers: number;
+};
+
+/**
+ * Describes the message kvmesh.api.gateway.v1.UnloadAdapterResponse.
+ * Use `create(UnloadAdapterResponseSchema)` to create a new message.
+ */
+export const UnloadAdapterResponseSchema: GenMessage<UnloadAdapterResponse> = /*@__PURE__*/
+  messageDesc(file_kvmesh_api_gateway_v1_gateway, 19);
 
 /**
  * @generated from enum kvmesh.api.gateway.v1.ToolChoiceMode
@@ -671,12 +764,38 @@ export const GatewayService: GenService<{
     output: typeof TokenizeResponseSchema;
   },
   /**
+   * The base model and every LoRA adapter the workers have loaded.
+   *
    * @generated from rpc kvmesh.api.gateway.v1.GatewayService.ListModels
    */
   listModels: {
     methodKind: "unary";
     input: typeof ListModelsRequestSchema;
     output: typeof ListModelsResponseSchema;
+  },
+  /**
+   * Loads a LoRA adapter (a PEFT folder on the workers' disk) on every prefill
+   * and decode worker; requests then name it as their model. An admin call:
+   * with API keys configured, it needs an admin key (PERMISSION_DENIED
+   * otherwise). INVALID_ARGUMENT names what is wrong with the adapter; a worker
+   * that fails leaves it loaded nowhere.
+   *
+   * @generated from rpc kvmesh.api.gateway.v1.GatewayService.LoadAdapter
+   */
+  loadAdapter: {
+    methodKind: "unary";
+    input: typeof LoadAdapterRequestSchema;
+    output: typeof LoadAdapterResponseSchema;
+  },
+  /**
+   * Unloads it everywhere; FAILED_PRECONDITION while requests use it.
+   *
+   * @generated from rpc kvmesh.api.gateway.v1.GatewayService.UnloadAdapter
+   */
+  unloadAdapter: {
+    methodKind: "unary";
+    input: typeof UnloadAdapterRequestSchema;
+    output: typeof UnloadAdapterResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_kvmesh_api_gateway_v1_gateway, 0);
