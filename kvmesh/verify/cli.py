@@ -16,6 +16,12 @@ def add_verify_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", help="the golden weights' folder (default: the default model)")
     p.add_argument("--served-model", help="model name to request (default: the first of GET /v1/models)")
+    p.add_argument(
+        "--lora",
+        type=Path,
+        help="a LoRA adapter's PEFT folder: the golden is transformers + PEFT with it (name the served adapter "
+        "with --served-model)",
+    )
     p.add_argument("--api-key", help="Bearer token for the endpoint")
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
     # Greedy agreement is exact only on identical weights and arithmetic; faithful quantization
@@ -41,11 +47,12 @@ def _verify(args: argparse.Namespace) -> int:
 
     ep = Endpoint(args.endpoint, args.api_key)
     model = args.served_model or ep.model()
-    golden = Golden(Path(args.model) if args.model else default_model_path())
+    golden = Golden(Path(args.model) if args.model else default_model_path(), args.lora)
     checks = preflight(ep, model)
     greedy, rows = greedy_checks(ep, model, golden, args.max_tokens, args.min_agreement, args.max_kl)
     checks += [*greedy, tool_check(ep, model)]
-    print(f"kvmesh verify: {args.endpoint} (model {model}) against transformers on {golden.path}")
+    adapter = f" + PEFT adapter {golden.adapter}" if golden.adapter else ""
+    print(f"kvmesh verify: {args.endpoint} (model {model}) against transformers on {golden.path}{adapter}")
     print(render(checks))
     for r in rows:
         if r.get("first_divergence"):

@@ -1,4 +1,5 @@
-"""The golden side of ``kvmesh verify``: transformers on the model folder's weights."""
+"""The golden side of ``kvmesh verify``: transformers on the model folder's weights (with a LoRA
+adapter: transformers + PEFT on the adapter's files)."""
 
 from __future__ import annotations
 
@@ -41,12 +42,16 @@ def _token_bytes(tokenizer, i: int) -> bytes:
 
 
 class Golden:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, adapter: Path | None = None) -> None:
         from transformers import AutoTokenizer
 
-        self.path = path
+        self.path, self.adapter = path, adapter
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = load_hf_model(path, torch.float32)
+        if adapter is not None:
+            from peft import PeftModel
+
+            self.model = PeftModel.from_pretrained(self.model, adapter).eval()
         eos = self.model.config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos]) | {self.tokenizer.eos_token_id} - {None}
         # Each token's raw bytes and the UTF-8 of its decoded text: an endpoint's logprobs name

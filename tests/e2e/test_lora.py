@@ -119,3 +119,21 @@ async def test_unload_reload_and_a_broken_adapter_while_streams_run(mesh, gatewa
     assert (await _generate(gateway, PROMPTS[1], "live", max_tokens=long))[0] == live_tokens
     assert (await _admin(mesh, "/v1/unload_lora_adapter", {"lora_name": "live"}))[0] == 200
     assert json.dumps(body)  # the last refusal's body was JSON (OpenAI's error shape)
+
+
+def test_kvmesh_verify_checks_a_served_adapter_against_peft(mesh, adapter_dirs, e2e_model, capsys):
+    from kvmesh.cli import main
+
+    path = adapter_dirs["all-rslora"]
+    status, _ = asyncio.run(_admin(mesh, "/v1/load_lora_adapter", {"lora_name": "v", "lora_path": str(path)}))
+    assert status == 200
+    try:
+        flags = ["verify", "--endpoint", http_url(mesh) + "/v1", "--model", str(e2e_model), "--served-model", "v"]
+        rc = main([*flags, "--lora", str(path), "--min-agreement", "1.0"])
+        out = capsys.readouterr().out
+        assert rc == 0 and "6/6 identical" in out and "+ PEFT adapter" in out, out
+        # Against another adapter's files, the served one is caught.
+        assert main([*flags, "--lora", str(adapter_dirs["qv"]), "--min-agreement", "1.0"]) == 1
+        assert "FAIL: greedy agreement" in capsys.readouterr().out
+    finally:
+        asyncio.run(_admin(mesh, "/v1/unload_lora_adapter", {"lora_name": "v"}))
