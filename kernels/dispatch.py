@@ -36,7 +36,7 @@ OPS = (
     "quantize_fp8_weight",
     "fp8_scaled_mm",
     "int8_scaled_mm",
-    "lora_delta",
+    "lora_add",
 )
 
 # op name -> Triton implementation, filled when kernels.triton is imported.

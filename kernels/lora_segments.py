@@ -1,9 +1,11 @@
 """Which adapter each token of a step uses, in the two forms the LoRA product needs.
 
 A step's tokens come grouped by sequence, so the tokens of one adapter form runs ("segments"). The
-Triton kernel walks the segments (one program per segment and output tile); the torch reference
-masks one batched product instead (a 0/1 mask that keeps, for each token, only its own slot's rank
-columns). Both are built once per step and shared by every adapted projection of every layer.
+Triton kernel walks the segments (one program per segment and output tile). The torch reference
+gathers each slot's tokens into one row of a batch instead (``groups``: slot s's tokens, padded to
+the largest group), for a batched product per projection whatever the number of adapters; with
+one slot in use it needs no gather, only a mask of the tokens that use it. All of it is built once
+per step and shared by every adapted projection of every layer.
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ class LoraSegments:
     seg_start: torch.Tensor  # [S] int32: first token of each run that uses an adapter
     seg_len: torch.Tensor  # [S] int32
     seg_slot: torch.Tensor  # [S] int32
-    num_slots: int  # slots 0..num_slots-1 cover every slot in use (the columns a product reads)
-    rank: int  # rank columns per slot
+    num_slots: int  # slots 0..num_slots-1 cover every slot in use (the factors a product reads)
+    # [num_slots, G]: the tokens of each slot (padding repeats token 0), and [num_slots, G, 1] 1 for a
+    # real token, 0 for padding.
+    groups: torch.Tensor
+    group_valid: torch.Tensor
     _masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, slot_runs: list[tuple[int, int]], rank: int, device: torch.device) -> LoraSegments | None:
+    def build(cls, slot_runs: list[tuple[int, int]], device: torch.device) -> LoraSegments | None:
         """From (slot, tokens) per sequence in batch order; None when no token uses an adapter."""
         starts, lens, slots, per_token = [], [], [], []
         pos = 0
@@ -41,22 +46,28 @@ class LoraSegments:
         if not slots:
             return None
 
-        def ints(v: list[int], dtype: torch.dtype) -> torch.Tensor:
+        def ints(v: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(v, dtype=dtype, device=device)
 
+        num_slots = max(slots) + 1
+        members: list[list[int]] = [[] for _ in range(num_slots)]
+        for t, slot in enumerate(per_token):
+            if slot >= 0:
+                members[slot].append(t)
+        g = max(len(m) for m in members)
         return cls(
             ints(per_token, torch.long),
             ints(starts, torch.int32),
             ints(lens, torch.int32),
             ints(slots, torch.int32),
-            max(slots) + 1,
-            rank,
+            num_slots,
+            ints([m + [0] * (g - len(m)) for m in members], torch.long),
+            ints([[[1.0]] * len(m) + [[0.0]] * (g - len(m)) for m in members], torch.float32),
         )
 
     def mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """[T, num_slots * rank]: 1 where the column belongs to the token's own slot."""
+        """[T, 1]: 1 for the tokens that use slot 0 (the one slot in use when ``num_slots`` is 1)."""
         m = self._masks.get(dtype)
         if m is None:
-            cols = torch.arange(self.num_slots * self.rank, device=self.token_slots.device) // self.rank
-            m = self._masks[dtype] = (self.token_slots[:, None] == cols[None, :]).to(dtype)
+            m = self._masks[dtype] = (self.token_slots == 0).to(dtype)[:, None]
         return m

@@ -249,13 +249,20 @@ def fp8_scaled_mm(
 int8_scaled_mm = fp8_scaled_mm  # qweight int8 [N, K]: the same product (see fp8_scaled_mm)
 
 
-def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: LoraSegments) -> torch.Tensor:
-    """Each token's own adapter's product ``(x @ A_slot) @ B_slot`` [T, out] (0 for a token without one).
+def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: LoraSegments) -> None:
+    """Add to ``y`` [T, out] (in place; a column slice of a wider output is fine) each token's own
+    adapter's product ``(x @ A_slot^T) @ B_slot`` (nothing for a token without one).
 
-    ``a`` [in, slots * rank] and ``b`` [slots * rank, out] stack every slot's factors side by side
-    (slot s: columns / rows ``s * rank`` onward; the adapter's scale already in ``b``). One batched
-    product over the slots in use, masked to each token's own columns: one pair of products per
-    step whatever the number of adapters, instead of one per adapter or per sequence.
+    ``a`` [slots, width, in] and ``b`` [slots, width, out] hold every slot's factors (A as PEFT stores
+    it, the adapter's scale already in ``b``). With one slot in use: one product pair over every row,
+    masked to that slot's tokens. With more: each slot's tokens gathered into one batch row, a batched
+    product pair, and one indexed add back: the same few calls whatever the number of adapters,
+    computing each token against its own adapter only.
     """
-    cols = segments.num_slots * segments.rank
-    return ((x @ a[:, :cols]) * segments.mask(x.dtype)) @ b[:cols]
+    n = segments.num_slots
+    if n == 1:
+        y.addmm_((x @ a[0].t()).mul_(segments.mask(x.dtype)), b[0])
+        return
+    grouped = x[segments.groups] * segments.group_valid.to(x.dtype)  # [n, G, in]
+    delta = torch.bmm(torch.bmm(grouped, a[:n].transpose(1, 2)), b[:n])  # [n, G, out]; padding rows are 0
+    y.index_add_(0, segments.groups.flatten(), delta.flatten(0, 1))

@@ -10,7 +10,7 @@ from kernels.triton.decode_attention import paged_decode_attention
 from kernels.triton.extend_attention import paged_extend_attention
 from kernels.triton.fp8 import fp8_scaled_mm, int8_scaled_mm, quantize_fp8_weight
 from kernels.triton.kv_write import write_kv_cache
-from kernels.triton.lora import lora_delta
+from kernels.triton.lora import lora_add
 from kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.triton.rotary import rotary_embedding
 from kernels.triton.silu_mul import silu_and_mul
@@ -26,7 +26,7 @@ KERNELS = {
     "quantize_fp8_weight": quantize_fp8_weight,
     "fp8_scaled_mm": fp8_scaled_mm,
     "int8_scaled_mm": int8_scaled_mm,
-    "lora_delta": lora_delta,
+    "lora_add": lora_add,
 }
 
 for _name, _fn in KERNELS.items():

@@ -1,11 +1,12 @@
 """The segmented LoRA product: each run of tokens that share an adapter times that adapter's factors.
 
-Same contract as ``kernels.reference.lora_delta``. One program per (segment, output tile): it walks
+Same contract as ``kernels.reference.lora_add``. One program per (segment, output tile): it walks
 its segment's tokens ``BLOCK_M`` at a time, shrinks them onto the slot's rank columns (``x @ A``,
 accumulated over the input in ``BLOCK_K`` steps and rounded to the storage dtype, as the
-reference's first product is) and expands that tile (``@ B``) into its output columns. The shrink
-is recomputed per output tile: it is rank-wide, a small fraction of the expand. Tokens outside
-every segment (no adapter) keep the zeros the output starts with.
+reference's first product is), expands that tile (``@ B``) and adds it into its output columns. The
+shrink is recomputed per output tile: it is rank-wide, a small fraction of the expand. Segments never
+overlap, so every output element is read and written by one program; rows of tokens outside every
+segment (no adapter) are not touched.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from kernels.triton._validate import check_same_device, check_tensor, require
 
 
 @triton.jit
-def _lora_delta_kernel(
+def _lora_add_kernel(
     x_ptr,
     a_ptr,
     b_ptr,
@@ -30,8 +31,10 @@ def _lora_delta_kernel(
     n_in,
     n_out,
     stride_x,
-    stride_a,
-    stride_b,
+    stride_a_slot,
+    stride_a_rank,
+    stride_b_slot,
+    stride_b_rank,
     stride_out,
     RANK: tl.constexpr,
     RANK_P2: tl.constexpr,
@@ -48,7 +51,9 @@ def _lora_delta_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < n_out
     b_tile = tl.load(
-        b_ptr + (slot * RANK + r[:, None]) * stride_b + n[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0
+        b_ptr + slot * stride_b_slot + r[:, None] * stride_b_rank + n[None, :],
+        mask=r_ok[:, None] & n_ok[None, :],
+        other=0.0,
     ).to(tl.float32)
     for m0 in range(0, length, BLOCK_M):
         m = m0 + tl.arange(0, BLOCK_M)
@@ -61,40 +66,42 @@ def _lora_delta_kernel(
             x_tile = tl.load(
                 x_ptr + rows[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
             ).to(tl.float32)
-            a_tile = tl.load(
-                a_ptr + k[:, None] * stride_a + slot * RANK + r[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0
+            a_tile = tl.load(  # A^T's tile [BLOCK_K, RANK]: A is stored [rank, in]
+                a_ptr + slot * stride_a_slot + r[None, :] * stride_a_rank + k[:, None],
+                mask=k_ok[:, None] & r_ok[None, :],
+                other=0.0,
             ).to(tl.float32)
             shrunk += tl.dot(x_tile, a_tile)
         shrunk = shrunk.to(out_ptr.dtype.element_ty).to(tl.float32)
-        out = tl.dot(shrunk, b_tile)
-        tl.store(
-            out_ptr + rows[:, None] * stride_out + n[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=m_ok[:, None] & n_ok[None, :],
-        )
+        out_ptrs = out_ptr + rows[:, None] * stride_out + n[None, :]
+        tile_ok = m_ok[:, None] & n_ok[None, :]
+        # Rounded to the storage dtype before the add, as the reference's product is.
+        delta = tl.dot(shrunk, b_tile).to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = tl.load(out_ptrs, mask=tile_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, (y + delta).to(out_ptr.dtype.element_ty), mask=tile_ok)
 
 
-def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: LoraSegments) -> torch.Tensor:
+def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: LoraSegments) -> None:
+    check_tensor("y", y, 2)
     check_tensor("x", x, 2)
-    check_tensor("a", a, 2)
-    check_tensor("b", b, 2)
-    check_same_device(x=x, a=a, b=b, token_slots=segments.token_slots)
-    rank = segments.rank
-    require(a.shape[0] == x.shape[1], f"a {tuple(a.shape)} must have x's {x.shape[1]} input rows")
-    require(a.shape[1] == b.shape[0], f"a {tuple(a.shape)} and b {tuple(b.shape)} must share the rank columns")
-    require(a.shape[1] >= segments.num_slots * rank, f"a {tuple(a.shape)} holds fewer than {segments.num_slots} slots")
-    require(a.dtype == x.dtype == b.dtype, f"x, a, b must share a dtype, got {x.dtype}, {a.dtype}, {b.dtype}")
-    n_out = b.shape[1]
-    out = torch.zeros((x.shape[0], n_out), dtype=x.dtype, device=x.device)
-    n_seg = segments.seg_slot.numel()
+    check_tensor("a", a, 3)
+    check_tensor("b", b, 3)
+    check_same_device(y=y, x=x, a=a, b=b, token_slots=segments.token_slots)
+    require(a.shape[2] == x.shape[1], f"a {tuple(a.shape)} must be [slots, width, {x.shape[1]}] for x's inputs")
+    require(a.shape[:2] == b.shape[:2], f"a {tuple(a.shape)} and b {tuple(b.shape)} must share slots and width")
+    require(a.shape[0] >= segments.num_slots, f"a {tuple(a.shape)} holds fewer than {segments.num_slots} slots")
+    require(y.shape == (x.shape[0], b.shape[2]), f"y {tuple(y.shape)} must be [{x.shape[0]}, {b.shape[2]}]")
+    dtypes = (y.dtype, x.dtype, a.dtype, b.dtype)
+    require(len(set(dtypes)) == 1, f"y, x, a, b must share a dtype, got {', '.join(map(str, dtypes))}")
+    width, n_out, n_seg = a.shape[1], b.shape[2], segments.seg_slot.numel()
     if n_seg and n_out:
         block_n = min(triton.next_power_of_2(n_out), 64)
         grid = (n_seg, triton.cdiv(n_out, block_n))
-        _lora_delta_kernel[grid](
+        _lora_add_kernel[grid](
             x,
             a,
             b,
-            out,
+            y,
             segments.seg_start,
             segments.seg_len,
             segments.seg_slot,
@@ -102,13 +109,14 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: Lora
             n_out,
             x.stride(0),
             a.stride(0),
+            a.stride(1),
             b.stride(0),
-            out.stride(0),
-            RANK=rank,
-            RANK_P2=max(16, triton.next_power_of_2(rank)),
+            b.stride(1),
+            y.stride(0),
+            RANK=width,
+            RANK_P2=max(16, triton.next_power_of_2(width)),
             BLOCK_M=16,
             BLOCK_K=64,
             BLOCK_N=block_n,
             num_warps=4,
         )
-    return out

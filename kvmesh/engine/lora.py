@@ -1,9 +1,12 @@
 """LoRA adapters on one engine: loaded at any time, a bounded number resident, many in one step.
 
 ``LoraAdapters`` keeps every loaded adapter in host memory (float32, as read) and copies up to
-``max_loras`` of them into *slots*: per adapted projection, one stack per layer holding every slot's
-factors side by side (``A`` [in, slots * rank], ``B`` [slots * rank, out], lower ranks zero-padded to
-the worker's ``max_lora_rank``). A running sequence holds its adapter's slot; a free slot goes to
+``max_loras`` of them into *slots*: per fused projection of ours (qkv, o, gate_up, down), one stack per
+layer holding every slot's factors (``A`` [slots, width, in], ``B`` [slots, width, out]). A slot's
+``width`` is ``max_lora_rank`` per Hugging Face projection fused in it (q, k and v: three): their ``A``s
+stacked and their ``B``s block-diagonal, so a fused projection's adapted parts are one product pair
+(one call per projection and step: on a CPU, calls cost more than the zero blocks); lower ranks and
+parts an adapter does not target are zeros. A running sequence holds its adapter's slot; a free slot goes to
 the least recently used adapter no sequence holds (the adapter stays loaded, in host memory). A step
 binds which slot each token uses (``LoraSegments``) and every decoder layer adds, after each base
 projection, the product of each token's own slot through the one ``lora_delta`` op.
@@ -26,7 +29,7 @@ from kernels import Ops
 from kernels.lora_segments import LoraSegments
 from kvmesh.blocks import adapter_fingerprint
 from kvmesh.checkpoint.model_config import ModelConfig
-from kvmesh.checkpoint.peft_adapter import TARGETS, PeftAdapter, load_peft_adapter, projection_shape
+from kvmesh.checkpoint.peft_adapter import PeftAdapter, load_peft_adapter, projection_shape
 from kvmesh.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 
 # A name a request's ``model`` can carry and a URL path can hold.
@@ -70,17 +73,20 @@ class LoraAdapters:
         self.max_loras, self.rank = max_loras, max_rank
         self.model_fingerprint = model_fingerprint
         self.parts = fused_parts(cfg)
-        # HF projection -> (A [layers, in, slots * rank], B [layers, slots * rank, out]); made when
-        # the first adapter that targets that projection is loaded.
+        # Our fused projection -> (A [layers, slots, width, in], B [layers, slots, width, out]); made when
+        # the first adapter that targets a part of it is loaded.
         self.stacks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        # This step's tokens -> slots (None: no token uses an adapter); set by the runner around a forward.
+        # This step's tokens -> slots (None: no token uses an adapter), and the fused projections the
+        # adapters in those slots target: set by ``bind_step`` around a forward.
         self.segments: LoraSegments | None = None
+        self._step_modules: frozenset[str] = frozenset()
         self._lock = threading.Lock()
         self._adapters: dict[str, PeftAdapter] = {}
         self._users: Counter[str] = Counter()  # requests (queued or running) under each adapter
         self._slot_of: dict[str, int] = {}
         self._slot_refs = [0] * max_loras  # running sequences holding each slot
         self._slot_name: list[str | None] = [None] * max_loras
+        self._slot_modules: list[frozenset[str]] = [frozenset()] * max_loras
         self._last_used = [0] * max_loras
         self._clock = 0
 
@@ -99,8 +105,10 @@ class LoraAdapters:
             old = self._adapters.get(name)
             if old is not None and old.fingerprint != adapter.fingerprint:
                 raise AlreadyExists(f"adapter {name!r} is already loaded from {old.path}; unload it first")
-            for module in {m for _, m in adapter.targets}:
-                self._ensure_stack(module)
+            targeted = {m for _, m in adapter.targets}
+            for module, parts in self.parts.items():
+                if any(part in targeted for part, _, _ in parts):
+                    self._ensure_stack(module)
             self._adapters[name] = adapter
             return self._info(name)
 
@@ -152,8 +160,13 @@ class LoraAdapters:
                 slot = min(idle, key=lambda s: (self._slot_name[s] is not None, self._last_used[s]))
                 if self._slot_name[slot] is not None:
                     del self._slot_of[self._slot_name[slot]]
-                self._upload(self._get(name), slot)
+                adapter = self._get(name)
+                self._upload(adapter, slot)
                 self._slot_name[slot], self._slot_of[name] = name, slot
+                targeted = {m for _, m in adapter.targets}
+                self._slot_modules[slot] = frozenset(
+                    module for module, parts in self.parts.items() if any(p in targeted for p, _, _ in parts)
+                )
             self._slot_refs[slot] += 1
             self._last_used[slot] = self._clock
             return slot
@@ -164,16 +177,21 @@ class LoraAdapters:
 
     # -- the forward ----------------------------------------------------------------------------
 
+    def bind_step(self, slot_runs: list[tuple[int, int]], device: torch.device) -> None:
+        """Bind the next forward's tokens to slots: (slot or -1, tokens) per sequence in batch order."""
+        self.segments = LoraSegments.build(slot_runs, device)
+        self._step_modules = frozenset().union(*(self._slot_modules[s] for s, _ in slot_runs if s >= 0))
+
+    def unbind_step(self) -> None:
+        self.segments, self._step_modules = None, frozenset()
+
     def add(self, ops: Ops, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add to ``y`` (the output of our fused projection ``module`` at ``layer``, in place) each
         token's adapter product of its input ``x``."""
-        segments = self.segments
-        if segments is None:
-            return
-        for part, offset, width in self.parts[module]:
-            stack = self.stacks.get(part)
-            if stack is not None:
-                y[:, offset : offset + width] += ops.lora_delta(x, stack[0][layer], stack[1][layer], segments)
+        # Only projections some adapter of this step targets: the others' factors are all zeros here.
+        if module in self._step_modules:
+            stack = self.stacks[module]
+            ops.lora_add(y, x, stack[0][layer], stack[1][layer], self.segments)
 
     # -- internals ----------------------------------------------------------------------------------
 
@@ -190,22 +208,22 @@ class LoraAdapters:
 
     def _ensure_stack(self, module: str) -> None:
         if module not in self.stacks:
-            n_in, n_out = projection_shape(self.cfg, module)
-            cols, layers = self.max_loras * self.rank, self.cfg.num_layers
+            parts = self.parts[module]
+            n_in = projection_shape(self.cfg, parts[0][0])[0]
+            n_out = sum(width for _, _, width in parts)
+            shape = (self.cfg.num_layers, self.max_loras, len(parts) * self.rank)
             kw = {"dtype": self.dtype, "device": self.device}
-            self.stacks[module] = (torch.zeros(layers, n_in, cols, **kw), torch.zeros(layers, cols, n_out, **kw))
+            self.stacks[module] = (torch.zeros(*shape, n_in, **kw), torch.zeros(*shape, n_out, **kw))
 
     def _upload(self, adapter: PeftAdapter, slot: int) -> None:
-        cols = slice(slot * self.rank, (slot + 1) * self.rank)
-        for module in TARGETS:
-            if module not in self.stacks:
-                continue
-            a_stack, b_stack = self.stacks[module]
-            a_stack[:, :, cols] = 0
-            b_stack[:, cols, :] = 0
-            for layer in range(self.cfg.num_layers):
-                target = adapter.targets.get((layer, module))
-                if target is not None:
-                    r = target.rank
-                    a_stack[layer, :, cols.start : cols.start + r] = target.a.t().to(self.dtype)
-                    b_stack[layer, cols.start : cols.start + r, :] = target.b.t().to(self.dtype)
+        for module, (a_stack, b_stack) in self.stacks.items():
+            a_stack[:, slot] = 0
+            b_stack[:, slot] = 0
+            for p, (part, offset, width) in enumerate(self.parts[module]):
+                row = p * self.rank
+                for layer in range(self.cfg.num_layers):
+                    target = adapter.targets.get((layer, part))
+                    if target is not None:
+                        r = target.rank
+                        a_stack[layer, slot, row : row + r] = target.a.to(self.dtype)
+                        b_stack[layer, slot, row : row + r, offset : offset + width] = target.b.t().to(self.dtype)

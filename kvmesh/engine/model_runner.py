@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.lora_segments import LoraSegments
 from kvmesh.blocks import model_fingerprint
 from kvmesh.checkpoint.compressed import dequantized_tensors
 from kvmesh.checkpoint.files import weight_files, weights_id
@@ -121,8 +120,7 @@ class ModelRunner:
         dev = self.device
         meta = step_metadata(slots, tables, seq_lens, batch.num_new, dev, every_row_samples=len(logits_idx) == len(ids))
         if self.lora is not None:
-            runs = [(s.lora_slot, n) for s, n in zip(batch.seqs, batch.num_new)]
-            self.lora.segments = LoraSegments.build(runs, self.lora.rank, dev)
+            self.lora.bind_step([(s.lora_slot, n) for s, n in zip(batch.seqs, batch.num_new)], dev)
         try:
             out = self.model(
                 torch.tensor(ids, dtype=torch.long, device=dev),
@@ -134,7 +132,7 @@ class ModelRunner:
             )
         finally:
             if self.lora is not None:
-                self.lora.segments = None
+                self.lora.unbind_step()
         logits, hidden = out if self.wants_features else (out, None)
         self._adjust_logits(sampling, logits)
         # Launched (on a GPU still running): fill the grammar masks meanwhile, apply them on the
