@@ -37,6 +37,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: checkpoint's on CUDA, float32 on CPU)")
     p.add_argument("--quantization", choices=("fp8",), help="fp8 weights (CUDA only)")
+    p.add_argument("--lora", help="generate under this LoRA adapter (a PEFT folder)")
     p.add_argument("--json", action="store_true", help="print one JSON object with token_ids, text, finish_reason")
     grammar = p.add_mutually_exclusive_group()
     grammar.add_argument("--json-schema", help="constrain the output to this JSON Schema (JSON text)")
@@ -84,7 +85,9 @@ def _generate(args: argparse.Namespace) -> int:
         grammar=_grammar(args),
     )
     params = admitted(asked, prompt_ids, engine.model_config.vocab_size, engine.max_model_len, GENERATE_DEFAULTS)
-    rid = engine.add_request(prompt_ids, params)
+    if args.lora:
+        engine.load_adapter("lora", args.lora)
+    rid = engine.add_request(prompt_ids, params, adapter="lora" if args.lora else None)
     token_ids: list[int] = []
     parts: list[str] = []
     reason = None

@@ -18,7 +18,12 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from services.gateway.openai_requests import ChatCompletionRequest, CompletionRequest
+from services.gateway.openai_requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+)
 from services.gateway.openai_responses import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -27,10 +32,21 @@ from services.gateway.openai_responses import (
     Health,
     Model,
     ModelList,
+    Unloaded,
 )
 
 _REQUESTS = (CompletionRequest, ChatCompletionRequest)
-_RESPONSES = (Completion, ChatCompletion, ChatCompletionChunk, Model, ModelList, Health, ErrorResponse)
+_ADMIN_REQUESTS = (LoadLoraAdapterRequest, UnloadLoraAdapterRequest)
+_RESPONSES = (Completion, ChatCompletion, ChatCompletionChunk, Model, ModelList, Unloaded, Health, ErrorResponse)
+
+# What the admin API (LoRA adapters) can answer besides 200 (401 is added with auth).
+_ADMIN_ERRORS = {
+    400: "A bad adapter (the message names what is wrong), or one that running requests still use.",
+    403: "Not an admin tenant's key.",
+    404: "No worker has that adapter (unload).",
+    409: "Another adapter's files are loaded under that name.",
+    503: "No worker, or a worker could not be reached.",
+}
 
 # What a generation request can be answered with besides 200 (401 is added with auth):
 # bad input, an unknown model, a conflict a worker reported, a body over the size limit,
@@ -135,19 +151,30 @@ def _get(summary: str, responses: dict[str, Any], **extra: Any) -> dict[str, Any
     return {"get": {"summary": summary, "responses": responses, **extra}}
 
 
+def _post(summary: str, request: type[BaseModel], responses: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": _json(request)},
+            "responses": responses,
+        }
+    }
+
+
 def _ok(description: str, content: dict[str, Any]) -> dict[str, Any]:
     return {"200": {"description": description, "content": content}}
 
 
 def openapi_document(served: Served, auth: bool) -> dict[str, Any]:
     _, top = models_json_schema(
-        [(m, "validation") for m in _REQUESTS] + [(m, "serialization") for m in _RESPONSES],
+        [(m, "validation") for m in (*_REQUESTS, *_ADMIN_REQUESTS)] + [(m, "serialization") for m in _RESPONSES],
         ref_template="#/components/schemas/{model}",
     )
     schemas = top["$defs"]
     _bound(schemas, served)
     auth_errors = {401: "Missing or invalid API key."} if auth else {}
     generation_errors = dict(sorted((_GENERATION_ERRORS | auth_errors).items()))
+    admin_errors = dict(sorted((_ADMIN_ERRORS | auth_errors).items()))
     text = {"text/plain": {"schema": {"type": "string"}}}
     paths: dict[str, Any] = {
         "/v1/completions": _generation(
@@ -165,6 +192,16 @@ def openapi_document(served: Served, auth: bool) -> dict[str, Any]:
             "One model.",
             _ok("The model.", _json(Model)) | _errors(dict(sorted(({404: "Unknown model."} | auth_errors).items()))),
             parameters=[{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+        ),
+        "/v1/load_lora_adapter": _post(
+            "Load a LoRA adapter (a PEFT folder on the workers' disk) on every worker; requests then name it.",
+            LoadLoraAdapterRequest,
+            _ok("The adapter, as /v1/models lists it.", _json(Model)) | _errors(admin_errors),
+        ),
+        "/v1/unload_lora_adapter": _post(
+            "Unload a LoRA adapter from every worker.",
+            UnloadLoraAdapterRequest,
+            _ok("Unloaded.", _json(Unloaded)) | _errors(admin_errors),
         ),
         "/health": _get(
             "Whether the gateway takes requests.",

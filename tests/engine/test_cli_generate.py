@@ -6,6 +6,7 @@ import json
 import re
 
 from kvmesh.cli import main
+from kvmesh.engine.tokenizer import Tokenizer
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -66,3 +67,17 @@ def test_an_unenforceable_schema_is_a_clear_error(llama_with_tokenizer, capsys):
         capsys, "--model", str(llama_with_tokenizer), "--prompt", "x", "--json-schema", '{"not": {"type": "string"}}'
     )
     assert code == 2 and "keyword 'not' is not supported" in err
+
+
+def test_lora_generates_what_transformers_and_peft_do(llama_with_tokenizer, tmp_path, capsys):
+    from .peft_reference import ADAPTERS, peft_greedy, write_peft_adapter
+
+    adapter = write_peft_adapter(llama_with_tokenizer, tmp_path / "qv", 0, **ADAPTERS["qv"])
+    argv = ["--model", str(llama_with_tokenizer), "--prompt", "def f(x):", "--max-tokens", "8", "--json"]
+    code, out, _ = _run(capsys, *argv, "--lora", str(adapter))
+    result = json.loads(out)
+    _, base, _ = _run(capsys, *argv)
+    ids = Tokenizer(llama_with_tokenizer).encode("def f(x):", add_special_tokens=True)
+    expected, _ = peft_greedy(llama_with_tokenizer, adapter, ids, len(result["token_ids"]))
+    assert code == 0 and result["token_ids"] == expected
+    assert json.loads(base)["token_ids"] != result["token_ids"]

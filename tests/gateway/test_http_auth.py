@@ -116,3 +116,41 @@ async def test_grpc_uses_the_same_keys(model_dir) -> None:
     assert wrong.value.code() == grpc.StatusCode.UNAUTHENTICATED and wrong.value.details() == "invalid API key"
     assert missing.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert [t for c in chunks for t in c.token_ids] == TOKENS and models.models[0].id == "tiny"
+
+
+def test_only_admin_tenants_may_call_the_admin_api() -> None:
+    from kvmesh.errors import PermissionDenied
+
+    keys = ApiKeys.load(None, "k-ops ops, k-alice alice", "ops")
+    assert keys.admin("Bearer k-ops") == "ops"
+    with pytest.raises(PermissionDenied, match="admin call"):
+        keys.admin("Bearer k-alice")
+    with pytest.raises(Unauthenticated):
+        keys.admin("Bearer k-eve")
+    assert ApiKeys.load(None, "").admin(None) == ""  # auth off: anyone
+
+
+async def test_http_admin_api_loads_on_every_worker_for_admins_only(model) -> None:
+    mesh = FakeMesh()
+    keys = ApiKeys(["k-ops ops", "k-alice alice"], ["ops"])
+    body = {"lora_name": "sql", "lora_path": "/adapters/sql"}
+    async with http_gateway(model, mesh, keys=keys) as served, aiohttp.ClientSession() as http:
+        async with http.post(served.url + "/v1/load_lora_adapter", json=body, headers=_bearer("k-alice")) as r:
+            assert r.status == 403
+        assert not any(mesh.adapters.values())
+        async with http.post(served.url + "/v1/load_lora_adapter", json=body, headers=_bearer("k-ops")) as r:
+            assert r.status == 200 and (await r.json())["parent"] == "tiny"
+        assert all(names == {"sql"} for names in mesh.adapters.values())
+        async with http.get(served.url + "/v1/models/sql", headers=_bearer("k-alice")) as r:
+            assert r.status == 200 and (await r.json())["id"] == "sql"
+        await served.client(api_key="k-alice").completions.create(model="sql", prompt=PROMPT, max_tokens=4)
+        assert mesh.decodes[-1][1].adapter == "sql"
+        unload = {"lora_name": "sql"}
+        async with http.post(served.url + "/v1/unload_lora_adapter", json=unload, headers=_bearer("k-ops")) as r:
+            assert r.status == 200 and (await r.json())["deleted"]
+        async with http.post(served.url + "/v1/unload_lora_adapter", json=unload, headers=_bearer("k-ops")) as r:
+            assert r.status == 404
+
+
+def _bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
