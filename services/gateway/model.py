@@ -65,8 +65,3 @@ class ServedModel:
             created=int(time.time()),
             defaults=generation_defaults(path, tokenizer, **defaults),
         )
-
-    def check_name(self, requested: str) -> None:
-        """Requests may name this model or leave the name empty."""
-        if requested and requested != self.name:
-            raise UnknownModel(f"model {requested!r} is not served here; this gateway serves {self.name!r}")
