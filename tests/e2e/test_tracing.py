@@ -42,7 +42,15 @@ def _complete(spans: list[ReceivedSpan]) -> bool:
 
 
 async def _traced_completion(mesh, prompt: list[int], trace_id: str, caller: str) -> tuple[dict, dict[str, str]]:
-    body = {"model": "llama", "prompt": prompt, "max_tokens": 8, "temperature": 0, "return_timings": True}
+    # ignore_eos: a random prompt of the random model may well be answered with EOS early.
+    body = {
+        "model": "llama",
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "return_timings": True,
+        "ignore_eos": True,
+    }
     headers = {"traceparent": f"00-{trace_id}-{caller}-01"}
     return await asyncio.to_thread(_post, f"{http_url(mesh)}/v1/completions", body, headers)
 

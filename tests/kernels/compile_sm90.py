@@ -83,6 +83,12 @@ def _engine_like_calls() -> list[tuple[str, Callable[[], object]]]:
     tables, lens = torch.zeros(2, 64, dtype=torch.long), torch.tensor([150, 1000])
     qweight, scale = torch.zeros(512, 4096, dtype=torch.float8_e4m3fn), torch.ones(512)
     int8_weight = torch.zeros(512, 4096, dtype=torch.int8)
+    # A fused qkv projection's LoRA: 4 slots of width 3 x rank 16, three adapters' runs and base rows.
+    from kernels.lora_segments import LoraSegments
+
+    segments = LoraSegments.build([(0, 100), (-1, 50), (2, 120), (1, 30)], torch.device("cpu"))
+    lora_a, lora_b = torch.zeros(4, 48, 4096, dtype=bf16), torch.zeros(4, 48, 6144, dtype=bf16)
+    lora_y = torch.zeros(t, 6144, dtype=bf16)
     return [
         ("rms_norm", lambda: K["rms_norm"](x, ones, 1e-6)),
         ("fused_add_rms_norm", lambda: K["fused_add_rms_norm"](x, x, ones, 1e-6)),
@@ -97,6 +103,7 @@ def _engine_like_calls() -> list[tuple[str, Callable[[], object]]]:
         ("fp8_scaled_mm", lambda: K["fp8_scaled_mm"](torch.randn(4096, 4096, dtype=bf16), qweight, scale)),  # prefill
         ("int8_scaled_mm", lambda: K["int8_scaled_mm"](torch.randn(16, 4096, dtype=bf16), int8_weight, scale)),
         ("int8_scaled_mm", lambda: K["int8_scaled_mm"](torch.randn(4096, 4096, dtype=bf16), int8_weight, scale)),
+        ("lora_add", lambda: K["lora_add"](lora_y, x[:, :4096], lora_a, lora_b, segments)),
     ] + [  # attention and the matmul with wider rows, whose tiles must shrink to fit shared memory
         (f"{op} {dtype} D={dim}", call)
         for dtype, dim in ((torch.float32, 128), (torch.bfloat16, 256), (torch.float32, 256))
