@@ -31,6 +31,8 @@ class LoraSegments:
     @classmethod
     def build(cls, slot_runs: list[tuple[int, int]], device: torch.device) -> LoraSegments | None:
         """From (slot, tokens) per sequence in batch order; None when no token uses an adapter."""
+        if all(slot < 0 for slot, _ in slot_runs):
+            return None  # the usual step of a worker with adapters loaded but none asked for: no per-token work
         starts, lens, slots, per_token = [], [], [], []
         pos = 0
         for slot, n in slot_runs:
@@ -43,8 +45,6 @@ class LoraSegments:
                     slots.append(slot)
             per_token.extend([slot] * n)
             pos += n
-        if not slots:
-            return None
 
         def ints(v: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(v, dtype=dtype, device=device)

@@ -32,7 +32,7 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 
 # The projections an adapter may target (Hugging Face names, as PEFT's target_modules gives them).
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
 @dataclass(frozen=True)
@@ -125,11 +125,10 @@ def _read_weights(file: Path) -> tuple[dict[str, torch.Tensor], hashlib.blake2b]
     return tensors, digest
 
 
-def _scale(conf: dict, layer: int, module: str, rank: int) -> float:
-    """PEFT's scale for one module: an ``alpha_pattern`` key matching its full name (as PEFT matches
-    them: a suffix on a dot boundary, as a regex) overrides ``lora_alpha``."""
-    parent = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-    full = f"model.layers.{layer}.{parent}.{module}"
+def _scale(conf: dict, full: str, rank: int) -> float:
+    """PEFT's scale for the module named ``full`` (``model.layers.<i>.<parent>.<module>``): an
+    ``alpha_pattern`` key matching that name (as PEFT matches them: a suffix on a dot boundary, as a
+    regex) overrides ``lora_alpha``."""
     pattern = conf.get("alpha_pattern") or {}
     key = next((k for k in pattern if re.match(rf"(.*\.)?{k}$", full)), None)
     alpha = pattern[key] if key is not None else conf.get("lora_alpha", 8)
@@ -140,11 +139,13 @@ def _pair_factors(
     path: Path, tensors: dict[str, torch.Tensor], conf: dict, cfg: ModelConfig
 ) -> dict[tuple[int, str], LoraTarget]:
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    parents: dict[str, str] = {}  # HF module -> self_attn or mlp, as the tensor names say
     for name, t in tensors.items():
         m = _KEY.match(name)
         if m is None:
             raise InvalidArgument(f"{path}: tensor {name!r} is not a LoRA factor of a decoder layer's projection")
-        layer, module, half = int(m[1]), m[2], m[3]
+        layer, parent, module, half = int(m[1]), m[2], m[3], m[4]
+        parents[module] = parent
         if module not in TARGETS:
             raise InvalidArgument(f"{path}: target {module!r} is not a projection of {cfg.architecture}")
         if layer >= cfg.num_layers:
@@ -166,6 +167,6 @@ def _pair_factors(
             )
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise InvalidArgument(f"{where}: the factors hold NaN or infinite values")
-        scale = _scale(conf, layer, module, a.shape[0])
+        scale = _scale(conf, f"model.layers.{layer}.{parents[module]}.{module}", a.shape[0])
         targets[layer, module] = LoraTarget(a=a.float(), b=b.float() * scale)
     return targets

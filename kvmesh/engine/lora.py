@@ -105,10 +105,8 @@ class LoraAdapters:
             old = self._adapters.get(name)
             if old is not None and old.fingerprint != adapter.fingerprint:
                 raise AlreadyExists(f"adapter {name!r} is already loaded from {old.path}; unload it first")
-            targeted = {m for _, m in adapter.targets}
-            for module, parts in self.parts.items():
-                if any(part in targeted for part, _, _ in parts):
-                    self._ensure_stack(module)
+            for module in self._fused_targets(adapter):
+                self._ensure_stack(module)
             self._adapters[name] = adapter
             return self._info(name)
 
@@ -163,10 +161,7 @@ class LoraAdapters:
                 adapter = self._get(name)
                 self._upload(adapter, slot)
                 self._slot_name[slot], self._slot_of[name] = name, slot
-                targeted = {m for _, m in adapter.targets}
-                self._slot_modules[slot] = frozenset(
-                    module for module, parts in self.parts.items() if any(p in targeted for p, _, _ in parts)
-                )
+                self._slot_modules[slot] = self._fused_targets(adapter)
             self._slot_refs[slot] += 1
             self._last_used[slot] = self._clock
             return slot
@@ -200,6 +195,11 @@ class LoraAdapters:
         if adapter is None:
             raise NotFound(f"adapter {name!r} is not loaded on this worker")
         return adapter
+
+    def _fused_targets(self, adapter: PeftAdapter) -> frozenset[str]:
+        """Our fused projections with a part ``adapter`` targets."""
+        targeted = {module for _, module in adapter.targets}
+        return frozenset(fused for fused, parts in self.parts.items() if any(p in targeted for p, _, _ in parts))
 
     def _info(self, name: str) -> AdapterInfo:
         a = self._adapters[name]
