@@ -17,11 +17,11 @@ def _model(path: str):
     return model
 
 
-def hf_greedy(path: Path, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    """``n`` greedy tokens (EOS not special-cased) and each one's log-probability."""
+def greedy_steps(model, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """``n`` greedy tokens of a transformers (or PEFT) model, EOS not special-cased, and each step's
+    log-probabilities over the vocabulary."""
     from transformers import GenerationConfig
 
-    model = _model(str(path))
     # No EOS: generation runs exactly n steps without suppressing any token's logit.
     config = GenerationConfig(
         max_new_tokens=n,
@@ -32,7 +32,12 @@ def hf_greedy(path: Path, prompt: list[int], n: int) -> tuple[list[int], list[fl
         return_dict_in_generate=True,
     )
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), generation_config=config)
+        out = model.generate(input_ids=torch.tensor([prompt]), generation_config=config)
     ids = out.sequences[0, len(prompt) :].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, ids)]
-    return ids, logprobs
+    return ids, [torch.log_softmax(step[0].float(), -1) for step in out.logits]
+
+
+def hf_greedy(path: Path, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """``n`` greedy tokens (EOS not special-cased) and each one's log-probability."""
+    ids, steps = greedy_steps(_model(str(path)), prompt, n)
+    return ids, [lp[t].item() for lp, t in zip(steps, ids)]

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from .hf_reference import greedy_steps
+
 # name -> LoraConfig settings: the default Llama targets, every projection with rslora, and a rank
 # and alpha per module (rank_pattern / alpha_pattern), so each way PEFT scales is exercised.
 ADAPTERS = {
@@ -47,25 +49,14 @@ def write_peft_adapter(base: Path, out: Path, seed: int, **settings) -> Path:
 def peft_greedy(base: Path, adapter: Path | None, prompt: list[int], n: int, top: int = 5):
     """``n`` greedy tokens and, per token, the top-``top`` (token, logprob) pairs, with the adapter."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter).eval()
-    config = GenerationConfig(
-        max_new_tokens=n,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([prompt]), generation_config=config)
-    ids = out.sequences[0, len(prompt) :].tolist()
+    ids, steps = greedy_steps(model, prompt, n)
     tops = []
-    for step in out.logits:
-        lp = torch.log_softmax(step[0].float(), -1)
+    for lp in steps:
         values, tokens = lp.topk(top)
         tops.append(list(zip(tokens.tolist(), values.tolist())))
     return ids, tops
