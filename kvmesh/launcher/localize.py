@@ -50,15 +50,17 @@ def redis_settings(args: Sequence[str]) -> dict[str, list[str]]:
     return settings
 
 
-def local_addresses(value: str, addresses: Mapping[str, Mapping[int, int]], absent: set[str], host: str) -> str | None:
-    """``value`` with every ``<service>:<container port>`` pointing here; None when it names an ``absent`` service."""
+def local_addresses(value: str, addresses: Mapping[str, tuple[str, Mapping[int, int]]], absent: set[str]) -> str | None:
+    """``value`` with every ``<service>:<container port>`` pointing at that service's process here
+    (``addresses``: service -> its host and {container port: local port}); None when it names an ``absent`` service."""
     names_absent = False
 
     def local(m: re.Match[str]) -> str:
         nonlocal names_absent
         name, port = m.group(1), int(m.group(2))
-        if name in addresses and port in addresses[name]:
-            return f"{host}:{addresses[name][port]}"
+        if name in addresses and port in addresses[name][1]:
+            host, ports = addresses[name]
+            return f"{host}:{ports[port]}"
         names_absent |= name in absent
         return m.group(0)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh.launcher.compose import COMPOSE_FILE, ComposeFile, compose_variables, load_compose
+from kvmesh.launcher.hosts import Place
 from kvmesh.runtime.tls import TlsFiles
 
 # Start levels of hand-built specs (tests, benchmarks); a compose plan takes its own from depends_on.
@@ -32,6 +33,7 @@ class ProcessSpec:
     port: int
     metrics_port: int | None = None
     device: str | None = None
+    netns: str | None = None  # the network namespace it runs in (a host of a multi-host mesh); None: the launcher's
     health: str = "grpc"  # "grpc" (grpc.health.v1, overall SERVING) or "redis" (PING)
     workdir: Path | None = None  # created before start; the process runs there
     start_level: int | None = None  # None: LEVELS[role]
@@ -87,6 +89,8 @@ class MeshOptions:
     # (its certs service); False (`kvmesh up --insecure`): plaintext, for debugging.
     tls: bool = True
     host: str = "127.0.0.1"
+    # Process name -> the host it runs on (kvmesh.launcher.netns.Network.placement); None: all on ``host``.
+    placement: Mapping[str, Place] | None = None
     gateway_port: int | None = None  # None: the compose file's published port; 0: a free port
     # True: ports the compose file publishes keep their host port here (gateway gRPC 50051, HTTP 8000);
     # False: they get free (or base_port) ports like the rest, so meshes can run side by side.

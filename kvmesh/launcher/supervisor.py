@@ -280,9 +280,11 @@ class Mesh:
         log_path = self.run_dir / "logs" / f"{spec.name}.log"
         if spec.workdir is not None:
             spec.workdir.mkdir(parents=True, exist_ok=True)
+        # On a host of a multi-host mesh: `ip netns exec` joins its namespace, then execs the command.
+        on_host = ("ip", "netns", "exec", spec.netns) if spec.netns else ()
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(
-                [sys.executable, str(EXEC_CHILD), str(os.getpid()), *spec.argv],
+                [sys.executable, str(EXEC_CHILD), str(os.getpid()), *on_host, *spec.argv],
                 env={**os.environ, **spec.env},
                 cwd=spec.workdir,
                 stdin=subprocess.DEVNULL,

@@ -114,6 +114,8 @@ class _Instance:
     role: str
     name: str
     index: int  # replica number within the service
+    host: str  # the address it binds to and is reached at
+    netns: str | None  # its host's network namespace (None: the launcher's)
     # Local port per setting: {"KVMESH_PORT": 41001, "KVMESH_METRICS_PORT": 41002, "KVMESH_HTTP_PORT": 8000}
     ports: dict[str, int] = field(default_factory=dict)
 
@@ -171,10 +173,18 @@ class _Plan:
             count = self._count(s, role)
             for i in range(count):
                 name = f"{s.name}-{i}" if role in SCALED_ROLES else s.name
-                out.append(_Instance(s, role, name, i))
+                out.append(_Instance(s, role, name, i, *self._place(name)))
         if not any(i.role == "decode" for i in out):
             raise ComposeError(f"{self.compose.path}: no decode service")
         return out
+
+    def _place(self, name: str) -> tuple[str, str | None]:
+        placement = self.options.placement
+        if placement is None:
+            return self.options.host, None
+        if name not in placement:
+            raise ComposeError(f"process {name} is on none of the hosts (the hosts file places {', '.join(placement)})")
+        return placement[name].address, placement[name].netns
 
     def _certs_service(self, service: ComposeService) -> None:
         args = service.command[1:]
@@ -229,10 +239,11 @@ class _Plan:
             raise ComposeError(f"service {inst.service.name}: several replicas cannot share host port {host}")
         return host
 
-    def _assign_ports(self, instances: Sequence[_Instance]) -> dict[str, dict[int, int]]:
-        """Give every instance its ports; returns service name -> {container port: local port} (first replica)."""
+    def _assign_ports(self, instances: Sequence[_Instance]) -> dict[str, tuple[str, dict[int, int]]]:
+        """Give every instance its ports; returns service name -> its host and {container port: local port}
+        (of its first replica)."""
         ports = self._port_source(instances)
-        addresses: dict[str, dict[int, int]] = {}
+        addresses: dict[str, tuple[str, dict[int, int]]] = {}
         for inst in instances:
             s = inst.service
             if inst.role == "redis":
@@ -243,7 +254,7 @@ class _Plan:
                 for key, container_port in container.items():
                     inst.ports[key] = self._local_port(inst, key, container_port, ports)
             if inst.index == 0:  # a name with several replicas resolves to the first, as good as any
-                addresses[s.name] = {container[k]: inst.ports[k] for k in container}
+                addresses[s.name] = (inst.host, {container[k]: inst.ports[k] for k in container})
         return addresses
 
     # -- devices ---------------------------------------------------------------
@@ -296,7 +307,7 @@ class _Plan:
     def _redis(self, inst: _Instance, level: int) -> ProcessSpec:
         o = self.options
         settings = redis_settings(inst.service.command[1:])
-        settings |= {"port": [str(inst.port)], "bind": [o.host], "dir": ["."]}
+        settings |= {"port": [str(inst.port)], "bind": [inst.host], "dir": ["."]}
         if "aclfile" in settings:
             # In the certs volume: its local stand-in, or no password in a plaintext mesh.
             acl = local_path(settings["aclfile"][0], inst.service, self.compose.path.parent, self.run_dir)
@@ -314,8 +325,9 @@ class _Plan:
             "redis",
             tuple(argv),
             {},
-            o.host,
+            inst.host,
             inst.port,
+            netns=inst.netns,
             health="redis",
             workdir=self.run_dir / "redis",
             start_level=level,
@@ -328,7 +340,7 @@ class _Plan:
         inst: _Instance,
         level: int,
         device: str | None,
-        addresses: Mapping[str, Mapping[int, int]],
+        addresses: Mapping[str, tuple[str, Mapping[int, int]]],
         absent: set[str],
     ) -> ProcessSpec:
         o, s = self.options, inst.service
@@ -337,13 +349,13 @@ class _Plan:
         for key, value in s.environment.items():
             if value == "":
                 continue  # an empty variable counts as unset (kvmesh.runtime.flags)
-            local = local_addresses(value, addresses, absent, o.host)
+            local = local_addresses(value, addresses, absent)
             if local is None:
                 continue  # it points at a service that is not running here (e.g. --no-speculator)
             path = local_path(local, s, compose_dir, self.run_dir)
             env[key] = path if path is not None else local
         self._tls_settings(env)
-        env |= {"KVMESH_HOST": o.host, **{key: str(port) for key, port in inst.ports.items()}}
+        env |= {"KVMESH_HOST": inst.host, **{key: str(port) for key, port in inst.ports.items()}}
         if inst.role in SCALED_ROLES:
             env["KVMESH_WORKER_ID"] = inst.name
         if device is not None:
@@ -357,7 +369,7 @@ class _Plan:
         if o.grace_seconds is not None:
             env["KVMESH_GRACE_SECONDS"] = f"{o.grace_seconds:g}"
         env |= o.role_env.get(inst.role, {})
-        args = tuple(local_addresses(a, addresses, absent, o.host) for a in s.command[1:])
+        args = tuple(local_addresses(a, addresses, absent) for a in s.command[1:])
         if None in args:
             raise ComposeError(f"service {s.name}: its command names a service that is not running here: {s.command}")
         # Run from this checkout, so `-m services.<role>.main` is the launcher's own code.
@@ -367,10 +379,11 @@ class _Plan:
             inst.role,
             argv,
             env,
-            o.host,
+            inst.host,
             inst.port,
             inst.ports["KVMESH_METRICS_PORT"],
             device,
+            netns=inst.netns,
             workdir=REPO_ROOT,
             start_level=level,
             stop_grace_s=s.stop_grace_s,

@@ -16,23 +16,37 @@ _MESSAGE_SIZE = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
 
+# Both ends ping a connection every KEEPALIVE_TIME_MS and drop it when a ping is not answered within
+# KEEPALIVE_TIMEOUT_MS (gRPC also sets TCP_USER_TIMEOUT from it), so a peer that vanished without closing
+# its sockets (a host partitioned off the network, a crashed or frozen process) fails the calls to it
+# within ~10 s instead of TCP's ~15 minutes: the gateway migrates a stream from a decode worker it cannot
+# reach, and a decode worker frees a stream whose gateway is gone. Pings continue on a call that sends
+# nothing (a server stream's client, a stream's server while the engine thinks): no limit on pings
+# without data.
+KEEPALIVE_TIME_MS = 5_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+_KEEPALIVE = [
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
 SERVER_OPTIONS = [
     *_MESSAGE_SIZE,
+    *_KEEPALIVE,
     # Linux gRPC enables SO_REUSEPORT by default: a second process on the same
     # port would silently share traffic instead of failing to bind.
     ("grpc.so_reuseport", 0),
-    # Accept the clients' keepalive pings below (the default policy answers
-    # pings more often than every 5 minutes with GOAWAY "too_many_pings").
+    # Accept the clients' keepalive pings (the default policy answers pings more often than every
+    # 5 minutes with GOAWAY "too_many_pings"), a little more often than they are sent.
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS * 4 // 5),
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS),
 ]
 
 CHANNEL_OPTIONS = [
     *_MESSAGE_SIZE,
-    # Ping a quiet connection so a dead peer (a crashed prefill worker in the
-    # middle of PullKV) fails the call in ~40 s instead of hanging it.
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
+    *_KEEPALIVE,
     # A peer that died comes back on the same address (the supervisor restarts it there):
     # reconnect within 2 s rather than gRPC's default backoff of up to 2 minutes, during
     # which every call to it would fail at once although it serves again.

@@ -36,6 +36,29 @@ def write_model(path: Path) -> Path:
     return path
 
 
+def mesh_options(
+    model: Path,
+    decode_workers: int = 1,
+    role_env: dict[str, dict[str, str]] | None = None,
+    *,
+    prefill_workers: int = 1,
+) -> MeshOptions:
+    """The end-to-end tests' mesh: ``role_env`` settings for every process of a role on top of its own."""
+    env = {
+        # Never prefill on decode, so the tests see the disaggregated path every time.
+        "router": {"KVMESH_LOCAL_PREFILL_MAX_UNCACHED_TOKENS": "0", "KVMESH_LOCAL_PREFILL_MIN_HIT_FRACTION": "2"},
+        "prefill": {"KVMESH_NUM_BLOCKS": "128"},
+        "decode": {"KVMESH_NUM_BLOCKS": "128"},
+        # A free port for the OpenAI HTTP API rather than its default 8000, so meshes can run side by side.
+        "gateway": {"KVMESH_HTTP_PORT": str(free_port())},
+    }
+    for role, extra in (role_env or {}).items():
+        env[role] = {**env.get(role, {}), **extra}
+    return MeshOptions(
+        model=model, prefill=prefill_workers, decode=decode_workers, gateway_port=0, grace_seconds=3.0, role_env=env
+    )
+
+
 def start_mesh(
     model: Path,
     run_dir: Path,
@@ -47,19 +70,7 @@ def start_mesh(
     process_env: dict[str, dict[str, str]] | None = None,
 ) -> Mesh:
     """``role_env``: settings for every process of a role; ``process_env``: for one process (e.g. "decode-0")."""
-    env = {
-        # Never prefill on decode, so the tests see the disaggregated path every time.
-        "router": {"KVMESH_LOCAL_PREFILL_MAX_UNCACHED_TOKENS": "0", "KVMESH_LOCAL_PREFILL_MIN_HIT_FRACTION": "2"},
-        "prefill": {"KVMESH_NUM_BLOCKS": "128"},
-        "decode": {"KVMESH_NUM_BLOCKS": "128"},
-        # A free port for the OpenAI HTTP API rather than its default 8000, so meshes can run side by side.
-        "gateway": {"KVMESH_HTTP_PORT": str(free_port())},
-    }
-    for role, extra in (role_env or {}).items():
-        env[role] = {**env.get(role, {}), **extra}
-    options = MeshOptions(
-        model=model, prefill=prefill_workers, decode=decode_workers, gateway_port=0, grace_seconds=3.0, role_env=env
-    )
+    options = mesh_options(model, decode_workers, role_env, prefill_workers=prefill_workers)
     topology = build_topology(options, run_dir)
     if process_env:
         processes = tuple(replace(p, env={**p.env, **process_env.get(p.name, {})}) for p in topology.processes)
@@ -84,8 +95,8 @@ def http_url(mesh: Mesh) -> str:
 
 def metrics(mesh: Mesh, process: str) -> dict[str, float]:
     """The process's /metrics as {name or name{labels}: value}."""
-    port = mesh.topology.get(process).metrics_port
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    spec = mesh.topology.get(process)
+    text = urllib.request.urlopen(f"http://{spec.host}:{spec.metrics_port}/metrics", timeout=5).read().decode()
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
