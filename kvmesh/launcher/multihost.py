@@ -48,9 +48,7 @@ class HostedMesh:
         self.mesh = mesh
 
     @classmethod
-    def plan(
-        cls, options: MeshOptions, run_dir: Path, hosts: HostsFile | None = None, **mesh_args: Any
-    ) -> HostedMesh:
+    def plan(cls, options: MeshOptions, run_dir: Path, hosts: HostsFile | None = None, **mesh_args: Any) -> HostedMesh:
         network, topology = plan_on_hosts(options, run_dir, hosts)
         return cls(network, Mesh(topology, run_dir, **mesh_args))
 
