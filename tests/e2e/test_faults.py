@@ -13,9 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import secrets
 import signal
-import threading
 import time
 
 import grpc
@@ -30,6 +28,7 @@ from kvmesh.launcher import RestartPolicy
 from kvmesh.runtime import create_channel
 from kvmesh.structured.spec import GrammarSpec
 from tests.e2e.mesh_helpers import metrics, poll, start_mesh, traced
+from tests.e2e.stream_breaker import break_mid_stream, read_into
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -39,9 +38,6 @@ MAX_TOKENS = 460  # all the tiny model's context allows: a stream long enough to
 STALL_TIMEOUT_S = 4  # the gateway's bound on a decode stream's silence once tokens flow (a hung worker)
 PREFILL_TIMEOUT_S = 3  # the gateway's deadline on a Prefill call (a hung prefill worker)
 ROUTER_FALLBACK_S = 5  # how long the gateway routes on its last known workers while the router is out
-STREAMED_BEFORE_STOP = 3  # messages the client has (the first token from prefill, then decode's) at the stop
-BREAK_ATTEMPTS = 5  # streams started until one is still running when its worker is stopped
-CUT_GRACE_S = 1.0  # a stream that had ended reaches the client within this; a cut one waits on its worker
 SCHEMA = {"type": "array", "items": {"type": "boolean"}, "minItems": 80, "maxItems": 100}
 
 
@@ -86,14 +82,8 @@ def _request(max_tokens: int, prompt: list[int] = PROMPT, **sampling) -> gateway
     )
 
 
-async def _read_into(call, received: list) -> list[gateway_pb2.GenerateResponse]:
-    while (msg := await call.read()) != grpc.aio.EOF:
-        received.append(msg)
-    return received
-
-
 async def _complete(gateway, request) -> list[gateway_pb2.GenerateResponse]:
-    return await _read_into(gateway.Generate(request), [])
+    return await read_into(gateway.Generate(request), [])
 
 
 async def _tokens(gateway, n: int, prompt: list[int] = PROMPT) -> list[int]:
@@ -108,47 +98,6 @@ async def _live_workers(router) -> set[str]:
 async def _live_decode_workers(router) -> set[str]:
     resp = await router.ListWorkers(router_pb2.ListWorkersRequest(role=worker_pb2.WORKER_ROLE_DECODE))
     return {w.endpoint.worker_id for w in resp.workers}
-
-
-def _streaming(mesh, worker: str) -> bool:
-    """Whether ``worker`` holds a request; a worker still restarting after an earlier kill holds none."""
-    try:
-        return metrics(mesh, worker)["kvmesh_decode_active_requests"] > 0
-    except OSError:
-        return False
-
-
-class _Freezer(threading.Thread):
-    """Freezes (SIGSTOP) the decode worker streaming a request once the client has its first few tokens.
-
-    The tiny model streams a request's hundreds of tokens in well under a second, so this thread acts itself
-    instead of handing the pid back to the event loop: it finds the worker from the active-request gauges
-    (the only request in flight), then stops it the moment ``received`` (the client's messages so far, which
-    the test's reader appends to) shows the stream under way, so the gateway has tokens to resume after."""
-
-    def __init__(self, mesh, received: list) -> None:
-        super().__init__(daemon=True)
-        self.mesh = mesh
-        self.received = received
-        self.victim: str | None = None
-
-    def run(self) -> None:
-        deadline = time.monotonic() + 30
-        while self.victim is None and time.monotonic() < deadline:
-            for w in DECODE:
-                if _streaming(self.mesh, w):
-                    while len(self.received) < STREAMED_BEFORE_STOP and time.monotonic() < deadline:
-                        time.sleep(0.001)
-                    os.killpg(self.mesh.process(w).pid, signal.SIGSTOP)
-                    self.victim = w
-                    break
-
-    def frozen(self) -> str:
-        """The frozen worker, once the thread has ended (returned or raised; either way within its deadline)."""
-        self.join(60)
-        assert not self.is_alive(), "the freezer thread did not finish"
-        assert self.victim is not None, "no decode worker was seen streaming the request"
-        return self.victim
 
 
 async def _healed(mesh, router, victim: str, restarts: int) -> None:
@@ -189,28 +138,16 @@ async def _no_leaks(mesh) -> None:
 
 
 async def _break_mid_stream(mesh, gateway, request, how: str) -> tuple[list[gateway_pb2.GenerateResponse], str, str]:
-    """Start ``request``, then kill (SIGKILL) or hang (SIGSTOP) the decode worker streaming it. A stream can end
-    between the gauge's read and the stop landing; then the worker is thawed and the request sent again.
+    """Start ``request``, then kill (SIGKILL) or hang (SIGSTOP) the decode worker streaming it.
     Returns what the client got, the victim, and the trace id the broken request ran in."""
-    for _ in range(BREAK_ATTEMPTS):
-        # The last request's worker lets go a moment after its client is done; until then it would look
-        # like the one streaming this request.
-        idle = await asyncio.to_thread(poll, lambda: [_streaming(mesh, w) for w in DECODE], lambda s: not any(s))
-        assert not any(idle), f"decode workers still streaming before the request: {idle}"
-        received: list[gateway_pb2.GenerateResponse] = []
-        freezer = _Freezer(mesh, received)
-        freezer.start()
-        trace_id = secrets.token_hex(16)
-        traceparent = (("traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-01"),)
-        reader = asyncio.ensure_future(_read_into(gateway.Generate(request, metadata=traceparent), received))
-        victim = await asyncio.to_thread(freezer.frozen)
-        finished, _ = await asyncio.wait({reader}, timeout=CUT_GRACE_S)
-        if not finished:
-            break  # the client waits on the frozen worker: the stream is cut
-        os.killpg(mesh.process(victim).pid, signal.SIGCONT)  # it had finished first: go again
-        reader.result()  # unless it failed outright: that is this test's failure, not a retry
-    else:
-        raise AssertionError(f"every one of {BREAK_ATTEMPTS} streams ended before its worker was stopped")
+
+    def freeze(worker: str) -> None:
+        os.killpg(mesh.process(worker).pid, signal.SIGSTOP)
+
+    def thaw(worker: str) -> None:
+        os.killpg(mesh.process(worker).pid, signal.SIGCONT)
+
+    reader, victim, trace_id = await break_mid_stream(mesh, gateway, request, DECODE, freeze, thaw)
     try:
         if how == "kill":
             mesh.crash(victim)

@@ -23,6 +23,9 @@ from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.launcher.compose import REPO_ROOT
+from kvmesh.launcher.hosts import HostsFile
+from kvmesh.launcher.multihost import TCP_ONLY_UCX
+from kvmesh.launcher.netns import Network, can_make_hosts
 from kvmesh.launcher.spec import ProcessSpec, Topology, free_port
 from kvmesh.launcher.supervisor import Mesh
 from kvmesh.runtime import create_channel
@@ -37,6 +40,7 @@ N_NEW = 8
 BLOCKS = 12
 TTL_MS = 2000
 TRANSPORTS = ["grpc", pytest.param("nixl", marks=pytest.mark.skipif(load_nixl() is None, reason="NIXL not installed"))]
+NO_HOSTS = can_make_hosts()
 # A bound against hanging, not a speed test.
 CALL_TIMEOUT_S = 60
 
@@ -57,10 +61,12 @@ def colocated(e2e_model):
     return expected
 
 
-def _spec(name: str, role: str, model: Path, env: dict[str, str]) -> ProcessSpec:
+def _spec(name: str, role: str, model: Path, env: dict[str, str], network: Network | None) -> ProcessSpec:
+    """The worker, on the launcher's 127.0.0.1 or on its own host of ``network``."""
+    host = "127.0.0.1" if network is None else network.address(name)
     port, metrics_port = free_port(), free_port()
     env = {
-        "KVMESH_HOST": "127.0.0.1",
+        "KVMESH_HOST": host,
         "KVMESH_PORT": str(port),
         "KVMESH_METRICS_PORT": str(metrics_port),
         "KVMESH_MODEL": str(model),
@@ -78,33 +84,55 @@ def _spec(name: str, role: str, model: Path, env: dict[str, str]) -> ProcessSpec
         role,
         (sys.executable, "-m", f"services.{role}.main"),
         env,
-        "127.0.0.1",
+        host,
         port,
         metrics_port,
         "cpu",
+        None if network is None else network.netns(name),
         workdir=REPO_ROOT,
     )
 
 
+class PairStarter:
+    """Starts a prefill and a decode worker on ``transport`` (each may add env); with ``network``, each on a
+    host of its own (a network namespace; NIXL over TCP between them). ``close`` stops them all."""
+
+    def __init__(self, model: Path, run_dir: Path) -> None:
+        self.model, self.run_dir = model, run_dir
+        self.meshes: list[Mesh] = []
+        self.networks: list[Network] = []
+
+    def __call__(
+        self, transport: str, prefill_env: dict | None = None, decode_env: dict | None = None, *, network: bool = False
+    ) -> Mesh:
+        env = {"KVMESH_KV_TRANSPORT": transport, **(TCP_ONLY_UCX if network else {})}
+        hosts = None
+        if network:
+            hosts = Network(HostsFile.each_alone(["prefill", "decode"]))
+            self.networks.append(hosts.create())
+        specs = (
+            _spec("prefill", "prefill", self.model, {**env, **(prefill_env or {})}, hosts),
+            _spec("decode", "decode", self.model, {**env, **(decode_env or {})}, hosts),
+        )
+        mesh = Mesh(Topology(specs), self.run_dir / f"run{len(self.meshes)}")
+        self.meshes.append(mesh)
+        return mesh.start()
+
+    def close(self) -> None:
+        try:
+            for mesh in self.meshes:
+                mesh.kill("prefill", signal.SIGCONT)  # a test may have stopped it: let it stop cleanly
+                mesh.stop()
+        finally:
+            for network in self.networks:
+                network.remove()
+
+
 @pytest.fixture
 def start_pair(e2e_model, tmp_path):
-    """Starts a prefill and a decode worker on ``transport`` (each may add env); stops them after."""
-    meshes: list[Mesh] = []
-
-    def start(transport: str, prefill_env: dict | None = None, decode_env: dict | None = None) -> Mesh:
-        env = {"KVMESH_KV_TRANSPORT": transport}
-        specs = (
-            _spec("prefill", "prefill", e2e_model, {**env, **(prefill_env or {})}),
-            _spec("decode", "decode", e2e_model, {**env, **(decode_env or {})}),
-        )
-        mesh = Mesh(Topology(specs), tmp_path / f"run{len(meshes)}").start()
-        meshes.append(mesh)
-        return mesh
-
-    yield start
-    for mesh in meshes:
-        mesh.kill("prefill", signal.SIGCONT)  # a test may have stopped it: let it stop cleanly
-        mesh.stop()
+    starter = PairStarter(e2e_model, tmp_path)
+    yield starter
+    starter.close()
 
 
 class Pair:
@@ -146,8 +174,11 @@ async def eventually(check, attempts: int = 100, every_s: float = 0.1) -> bool:
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_hand_off_moves_the_right_bytes(start_pair, colocated, transport):
-    mesh = start_pair(transport)
+@pytest.mark.parametrize(
+    "hosts", ["one", pytest.param("two", marks=pytest.mark.skipif(bool(NO_HOSTS), reason=NO_HOSTS or ""))]
+)
+async def test_hand_off_moves_the_right_bytes(start_pair, colocated, transport, hosts):
+    mesh = start_pair(transport, network=hosts == "two")
     pair = Pair(mesh)
     try:
         for i in range(2):  # the second reuses the cached handshake / channel
@@ -163,6 +194,9 @@ async def test_hand_off_moves_the_right_bytes(start_pair, colocated, transport):
     assert p["kvmesh_prefill_blocks_sent_total"] == (0 if transport == "nixl" else 2 * BLOCKS)
     assert await eventually(lambda: metrics(mesh, "prefill")["kvmesh_prefill_leases_acked_total"] == 2)
     assert metrics(mesh, "prefill")["kvmesh_engine_kv_blocks_in_use"] == 0
+    if hosts == "two":  # the KV crossed the decode host's link, not a shared-memory shortcut
+        network = start_pair.networks[-1]
+        assert network.bytes_through("decode") > d["kvmesh_decode_bytes_pulled_total"]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
