@@ -17,9 +17,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvmesh.errors import ModelLoadError
-from kvmesh.launcher.compose import COMPOSE_FILE, compose_variables
+from kvmesh.launcher.compose import COMPOSE_FILE, ComposeError, compose_variables
+from kvmesh.launcher.hosts import HostsFile
+from kvmesh.launcher.multihost import plan_on_hosts
+from kvmesh.launcher.netns import Network, NetworkError, can_make_hosts
 from kvmesh.launcher.restart import RestartPolicy
-from kvmesh.launcher.spec import MeshOptions, describe
+from kvmesh.launcher.spec import MeshOptions, Topology, describe
 from kvmesh.launcher.supervisor import Mesh, MeshError, StartInterrupted
 from kvmesh.launcher.topology import build_topology, compose_model_path
 
@@ -105,6 +108,12 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     )
     p.add_argument("--host", default="127.0.0.1", help="address every service binds to")
     p.add_argument(
+        "--hosts",
+        type=Path,
+        help="a hosts file (compose/hosts.yml): run each process on the host it names, every host a network "
+        "namespace with its own address on a private bridge (Linux, root), KV between hosts over TCP",
+    )
+    p.add_argument(
         "--gateway-port",
         type=int,
         help="the gateway's public gRPC port (default: the compose file's published port, 50051; 0: a free one)",
@@ -183,7 +192,7 @@ def run_up(args: argparse.Namespace) -> int:
             return 2
         options = replace(options, model=model)
         run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="kvmesh-run-"))
-        topology = build_topology(options, run_dir)
+        network, topology = _plan(args, options, run_dir)
         policy = (
             RestartPolicy(
                 initial_backoff_s=args.restart_backoff,
@@ -207,7 +216,28 @@ def run_up(args: argparse.Namespace) -> int:
         restart=policy,
     )
     banner = [f"kvmesh is up: model {args.model_name or model.name} ({model})" + (f" -- {label}" if label else "")]
-    return serve_mesh(mesh, [*banner, *describe(topology, run_dir), "Ctrl-C stops the mesh."])
+    banner = [*banner, *describe(topology, run_dir), "Ctrl-C stops the mesh."]
+    if network is None:
+        return serve_mesh(mesh, banner)
+    try:
+        network.create()
+    except NetworkError as e:
+        _say(f"--hosts: {e}")
+        return 1
+    try:
+        return serve_mesh(mesh, banner)
+    finally:
+        network.remove()
+
+
+def _plan(args: argparse.Namespace, options: MeshOptions, run_dir: Path) -> tuple[Network | None, Topology]:
+    """The mesh's processes, on the hosts of ``--hosts`` (and that network, not made yet) or all here."""
+    if args.hosts is None:
+        return None, build_topology(options, run_dir)
+    why_not = can_make_hosts()
+    if why_not is not None:
+        raise ComposeError(f"--hosts: {why_not}")
+    return plan_on_hosts(options, run_dir, HostsFile.load(args.hosts))
 
 
 def serve_mesh(mesh: Mesh, banner: Sequence[str]) -> int:

@@ -141,8 +141,10 @@ class Network:
         _run("ip", "-n", ns, "link", "set", "lo", "up")
 
     def remove(self) -> None:
-        """Delete every namespace (their veth pairs go with them) and the bridge; safe to call twice."""
-        for ns in self._made:
+        """Delete every link, namespace and the bridge; safe to call twice."""
+        for i, ns in enumerate(self._made):
+            # A veth goes with its namespace, but only once the kernel gets to it: delete it now.
+            subprocess.run(["ip", "link", "del", self._port(self.hosts[i])], capture_output=True, check=False)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
         self._made.clear()
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
