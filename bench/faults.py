@@ -88,9 +88,9 @@ class Tally:
 
 
 def metrics(mesh: Mesh, name: str) -> dict[str, float]:
-    port = mesh.topology.get(name).metrics_port
+    spec = mesh.topology.get(name)
     try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        text = urllib.request.urlopen(f"http://{spec.host}:{spec.metrics_port}/metrics", timeout=5).read().decode()
     except OSError:
         return {}
     out: dict[str, float] = {}
@@ -221,6 +221,14 @@ class Bench:
             await asyncio.sleep(0.25)
         return 0.0 if last_failure is None else last_failure - kill_t
 
+    async def strike(self, name: str) -> float:
+        """The fault: SIGKILL ``name``; returns the seconds until it serves again (restarted)."""
+        restarts, kill_t = self.mesh.restarts(name), time.monotonic()
+        self.mesh.crash(name)
+        while self.mesh.restarts(name) == restarts or not await self.serving(name):
+            await asyncio.sleep(0.1)
+        return time.monotonic() - kill_t
+
     def victim_process(self, victim: str) -> str | None:
         if victim == "none":
             return None
@@ -275,19 +283,13 @@ class Bench:
             while sum(1 for p in progress if p) < args.streams // 2 and not all(j.done() for j in jobs):
                 await asyncio.sleep(0.01)
             name = await asyncio.to_thread(self.victim_process, victim)
-        restarts = self.mesh.restarts(name) if name else 0
         kill_t = time.monotonic()
-        if name:
-            self.mesh.crash(name)
+        back = asyncio.ensure_future(self.strike(name)) if name else None
         hang_at.append(kill_t + args.hang_after)
         stop = asyncio.Event()
         probes = asyncio.ensure_future(self.probes(kill_t, stop))
         await asyncio.gather(*jobs)
-        back_s = 0.0
-        if name:
-            while self.mesh.restarts(name) == restarts or not await self.serving(name):
-                await asyncio.sleep(0.1)
-            back_s = time.monotonic() - kill_t
+        back_s = 0.0 if back is None else await back
         await self.healthy()
         await asyncio.sleep(1.0)  # a few probes against the healed mesh
         stop.set()

@@ -37,3 +37,6 @@ clients/install.sh
 
 # helm and kubectl-validate into .tools/bin: tests/deploy/ validates deploy/helm/ with them.
 scripts/install_deploy_tools.sh
+
+# Toxiproxy into .tools/bin: the multi-host tests and bench put it on a link between hosts.
+scripts/install_fault_tools.sh

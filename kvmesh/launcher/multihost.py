@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kvmesh.launcher.faultproxy import FaultProxy
 from kvmesh.launcher.hosts import HostsFile
 from kvmesh.launcher.netns import Network
 from kvmesh.launcher.spec import MeshOptions, Topology
@@ -40,27 +41,49 @@ def plan_on_hosts(options: MeshOptions, run_dir: Path, hosts: HostsFile | None =
 
 
 class HostedMesh:
-    """A ``Mesh`` and the network of hosts it runs on: ``start`` makes the network, then starts the mesh;
-    ``stop`` stops the mesh, then removes the network (also when start failed half-way)."""
+    """A mesh and the network of hosts it runs on: ``start`` makes the network, then starts the mesh;
+    ``stop`` stops the mesh, then removes the network (also when start failed half-way). ``behind_proxy``
+    (before ``start``) puts a process behind a Toxiproxy on its host, for faults on its link."""
 
-    def __init__(self, network: Network, mesh: Mesh) -> None:
-        self.network = network
-        self.mesh = mesh
+    def __init__(self, network: Network, topology: Topology, run_dir: Path, **mesh_args: Any) -> None:
+        self.network, self.run_dir = network, run_dir
+        self.mesh = Mesh(topology, run_dir, **mesh_args)
+        self.proxies: list[FaultProxy] = []
+        self._network_up = False
 
     @classmethod
     def plan(cls, options: MeshOptions, run_dir: Path, hosts: HostsFile | None = None, **mesh_args: Any) -> HostedMesh:
         network, topology = plan_on_hosts(options, run_dir, hosts)
-        return cls(network, Mesh(topology, run_dir, **mesh_args))
+        return cls(network, topology, run_dir, **mesh_args)
 
     def host_of(self, process: str) -> str:
         return self.network.hosts_file.host_of(process)
 
+    def _up(self) -> None:
+        if not self._network_up:
+            self.network.create()
+            self._network_up = True
+
+    def behind_proxy(self, process: str) -> tuple[FaultProxy, str]:
+        """A Toxiproxy on ``process``'s host in front of its gRPC port, which it advertises instead of its own;
+        returns the proxy and the proxy's name for ``add_toxic``."""
+        self._up()
+        proxy = FaultProxy(self.network, self.host_of(process))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.proxies.append(proxy.start(self.run_dir / f"toxiproxy-{process}.log"))
+        spec = self.mesh.topology.get(process)
+        address = proxy.proxy(process, spec.address)
+        placed = replace(spec, env={**spec.env, "KVMESH_ADVERTISE_ADDRESS": address})
+        processes = tuple(placed if p.name == process else p for p in self.mesh.topology.processes)
+        self.mesh.topology = replace(self.mesh.topology, processes=processes)
+        return proxy, process
+
     def start(self) -> HostedMesh:
-        self.network.create()
+        self._up()
         try:
             self.mesh.start()
         except BaseException:
-            self.network.remove()
+            self._down()
             raise
         return self
 
@@ -68,7 +91,14 @@ class HostedMesh:
         try:
             self.mesh.stop()
         finally:
-            self.network.remove()
+            self._down()
+
+    def _down(self) -> None:
+        for proxy in self.proxies:
+            proxy.stop()
+        self.proxies.clear()
+        self.network.remove()
+        self._network_up = False
 
     def __enter__(self) -> HostedMesh:
         return self.start()

@@ -31,11 +31,26 @@ _PEER = {
 }
 
 
+# Once the router was unreachable, Route calls get this deadline until one is answered: during an outage
+# (a partitioned router host answers nothing) each request falls back to the last known workers within a
+# second instead of waiting out the full deadline, and the first answer restores it.
+SUSPECT_ROUTE_TIMEOUT_S = 1.0
+
+
 class GrpcBackends:
-    def __init__(self, router_address: str, *, rpc_timeout_s: float = 10.0, prefill_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        router_address: str,
+        *,
+        rpc_timeout_s: float = 10.0,
+        prefill_timeout_s: float = 600.0,
+        suspect_route_timeout_s: float = SUSPECT_ROUTE_TIMEOUT_S,
+    ) -> None:
         self._router_address = router_address
         self._rpc_timeout_s = rpc_timeout_s
         self._prefill_timeout_s = prefill_timeout_s
+        self._suspect_route_timeout_s = min(suspect_route_timeout_s, rpc_timeout_s)
+        self._router_suspect = False  # its last Route call found it unreachable
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[tuple[type, str], Any] = {}
 
@@ -50,13 +65,17 @@ class GrpcBackends:
 
     async def route(self, request: router_pb2.RouteRequest) -> router_pb2.RouteResponse:
         stub = self._stub(router_pb2_grpc.RouterServiceStub, self._router_address)
+        timeout = self._suspect_route_timeout_s if self._router_suspect else self._rpc_timeout_s
         try:
-            return await stub.Route(request, timeout=self._rpc_timeout_s)
+            plan = await stub.Route(request, timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            error = from_rpc_error(e, f"router ({self._router_address})", self._rpc_timeout_s)
-            if _unreachable(e, self._channels[self._router_address]):
+            error = from_rpc_error(e, f"router ({self._router_address})", timeout)
+            self._router_suspect = _unreachable(e, self._channels[self._router_address])
+            if self._router_suspect:
                 raise RouterUnreachable(error.message) from None
             raise error from None
+        self._router_suspect = False
+        return plan
 
     async def prefill(self, address: str, request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
         stub = self._stub(prefill_pb2_grpc.PrefillServiceStub, address)

@@ -4,7 +4,8 @@ A partition is not a crash: the processes on the host keep running and nothing c
 keepalives, deadlines and leases can tell. A decode host cut off mid-stream: the gateway moves the stream
 to the other decode worker (the client sees the same tokens), and once the link is back the cut-off worker
 has let go of the stream its gateway abandoned. A host that returns after its router lease expired is
-routed to only after it registered again.
+routed to only after it registered again. A link that resets every connection (Toxiproxy in front of the
+prefill worker) costs a retry, not the request.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ import pytest
 from kvmesh.api.common.v1 import sampling_pb2, worker_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
 from kvmesh.launcher.multihost import HostedMesh
 from kvmesh.launcher.netns import can_make_hosts
 from kvmesh.runtime import create_channel
+from kvmesh.sampling import SamplingParams
 from tests.e2e.mesh_helpers import mesh_options, metrics, poll
 from tests.e2e.stream_breaker import break_mid_stream, read_into
 
@@ -34,10 +38,28 @@ LEASE_TTL_MS = 3000  # the router's: a cut-off worker leaves routing this long a
 
 @pytest.fixture(scope="module")
 def hosted(e2e_model, tmp_path_factory):
+    """Every process on its own host; the prefill worker's peers reach it through a Toxiproxy on its host."""
     options = mesh_options(e2e_model, decode_workers=2, role_env={"router": {"KVMESH_LEASE_TTL_MS": str(LEASE_TTL_MS)}})
     m = HostedMesh.plan(options, tmp_path_factory.mktemp("multihost"))
+    try:
+        m.behind_proxy("prefill-0")
+    except BaseException:
+        m.stop()
+        raise
     with m:
         yield m
+
+
+@pytest.fixture(scope="module")
+def reference(e2e_model):
+    """Greedy tokens as one engine in this process gives them."""
+    engine = LLMEngine(e2e_model, EngineConfig(num_blocks=64))
+
+    def tokens(prompt: list[int], n: int) -> list[int]:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        return engine.generate([prompt], params)[0].token_ids
+
+    return tokens
 
 
 @pytest.fixture
@@ -149,3 +171,36 @@ async def test_a_host_back_after_its_lease_expired_is_routed_to_only_once_regist
     for i in range(8):  # and it serves: fresh prompts spread over both workers
         await read_into(gateway.Generate(_request([40 + i, 41 + i, *PROMPT], 4)), [])
     assert metrics(hosted.mesh, victim)["kvmesh_decode_requests_total"] > served_before
+
+
+async def test_a_prefill_link_resetting_every_connection_costs_a_retry_not_the_request(
+    hosted, stubs, reference
+) -> None:
+    gateway, _ = stubs
+    (proxy,) = hosted.proxies
+    retries = _retries(hosted)
+    toxic = proxy.add_toxic("prefill-0", "reset_peer", timeout=0)
+    try:
+        prompt = [9, 8, 7, *PROMPT]
+        got = await read_into(gateway.Generate(_request(prompt, 16)), [])
+    finally:
+        proxy.remove_toxic("prefill-0", toxic)
+    # The gateway's Prefill call was reset; it routed the request again, without that worker, and the
+    # decode worker computed the prompt itself: the same tokens.
+    assert _tokens(got) == reference(prompt, 16)
+    assert _retries(hosted) > retries
+    # Once the link is clean again, prefill-0 serves hand-offs again (the gateway reconnects within 2 s).
+    prompt = [6, 5, 4, *PROMPT]
+    served = metrics(hosted.mesh, "prefill-0")["kvmesh_prefill_requests_total"]
+    for attempt in range(50):
+        got = await read_into(gateway.Generate(_request([attempt, *prompt], 4)), [])
+        if metrics(hosted.mesh, "prefill-0")["kvmesh_prefill_requests_total"] > served:
+            break
+        await asyncio.sleep(0.1)
+    assert metrics(hosted.mesh, "prefill-0")["kvmesh_prefill_requests_total"] > served
+    assert _tokens(got) == reference([attempt, *prompt], 4)
+
+
+def _retries(hosted: HostedMesh) -> float:
+    found = metrics(hosted.mesh, "gateway")
+    return sum(v for k, v in found.items() if k.startswith("kvmesh_gateway_retries_total"))

@@ -66,6 +66,27 @@ async def test_a_router_that_cannot_be_asked_is_unreachable_but_its_own_unavaila
         await dead.close()
 
 
+async def test_after_the_router_was_unreachable_route_calls_wait_less_until_it_answers_again() -> None:
+    mesh = Mesh()
+    rt = Runtime("router", build_mesh(mesh), metrics_port=None)
+    await rt.start()
+    backends = GrpcBackends(f"127.0.0.1:{rt.port}", rpc_timeout_s=1.0, suspect_route_timeout_s=0.2)
+    try:
+        mesh.route_delay_s = 5.0  # hung
+        with pytest.raises(RouterUnreachable, match="no answer within 1 s"):
+            await backends.route(router_pb2.RouteRequest())
+        with pytest.raises(RouterUnreachable, match="no answer within 0.2 s"):  # the outage is known: fall back soon
+            await backends.route(router_pb2.RouteRequest())
+        mesh.route_delay_s = 0.0
+        await backends.route(router_pb2.RouteRequest())  # it answers again: the full deadline is back
+        mesh.route_delay_s = 5.0
+        with pytest.raises(RouterUnreachable, match="no answer within 1 s"):
+            await backends.route(router_pb2.RouteRequest())
+    finally:
+        await rt.stop(grace_seconds=0)
+        await backends.close()
+
+
 @asynccontextmanager
 async def held_decode_stream() -> AsyncIterator[tuple[Mesh, Runtime, AsyncIterator]]:
     """A decode stream through the backends that got its first message; the server holds the rest."""
