@@ -14,6 +14,7 @@ import pytest
 
 from kvmesh.launcher.cli import add_up_parser
 from kvmesh.launcher.compose import REPO_ROOT
+from kvmesh.launcher.netns import can_make_hosts
 from tests.launcher.helpers import alive, kill_if_alive, read_pid, wait_gone
 
 
@@ -116,8 +117,9 @@ def test_a_supervising_launcher_restarts_a_crashed_child(launch, tmp_path) -> No
     assert wait_gone([restarted, pids["gateway"]]) == []
 
 
-def test_up_refuses_a_missing_model_folder(tmp_path: Path) -> None:
-    result = subprocess.run(
+def _up(*args: str) -> subprocess.CompletedProcess:
+    """``kvmesh up ARGS`` (without installing anything first), as a process."""
+    return subprocess.run(
         [
             sys.executable,
             "-c",
@@ -125,16 +127,27 @@ def test_up_refuses_a_missing_model_folder(tmp_path: Path) -> None:
             "p = argparse.ArgumentParser(); add_up_parser(p.add_subparsers());"
             "sys.exit(run_up(p.parse_args(sys.argv[1:])))",
             "up",
-            "--model",
-            str(tmp_path / "nope"),
+            *args,
         ],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+def test_up_refuses_a_missing_model_folder(tmp_path: Path) -> None:
+    result = _up("--model", str(tmp_path / "nope"))
     assert result.returncode == 2
     assert f"--model {tmp_path / 'nope'}: not a directory" in result.stderr
+
+
+@pytest.mark.skipif(bool(can_make_hosts()), reason=can_make_hosts() or "")
+def test_up_refuses_a_hosts_file_that_leaves_a_process_out_before_starting_anything(tmp_path: Path) -> None:
+    (tmp_path / "hosts.yml").write_text("hosts:\n  one: [redis, router, gateway, kvstore, speculator, prefill-0]\n")
+    result = _up("--model", str(tmp_path), "--hosts", str(tmp_path / "hosts.yml"))
+    assert result.returncode == 2
+    assert "decode-0 is on none of the hosts" in result.stderr
 
 
 def test_up_takes_replica_counts_and_a_restart_policy() -> None:
