@@ -20,12 +20,11 @@ from collections.abc import Mapping
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvmesh.runtime.advertise import WILDCARDS
 from kvmesh.runtime.channel import create_blocking_channel
 from kvmesh.runtime.flags import TLS_FLAGS
 from kvmesh.runtime.identity import PLAINTEXT_ROLES, certificate_role
 from kvmesh.runtime.tls import TlsFiles
-
-_WILDCARDS = {"", "0.0.0.0", "::", "[::]"}
 
 
 def add_health_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -53,7 +52,7 @@ def default_address(environ: Mapping[str, str]) -> str | None:
     if not port:
         return None
     host = environ.get("KVMESH_HOST", "")
-    host = "127.0.0.1" if host in _WILDCARDS else host
+    host = "127.0.0.1" if host in WILDCARDS else host
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 

@@ -12,6 +12,7 @@ from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.flags import ENGINE_FLAGS, engine_config, model_path
 from kvmesh.engine.metrics import EngineCollector
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
+from kvmesh.runtime.advertise import advertised_address
 from kvmesh.runtime.counters import CountersCollector
 from kvmesh.speculation.draft_length import parse_draft_costs
 from kvmesh.speculation.drafter import Drafter
@@ -61,7 +62,7 @@ FLAGS = [
 
 def build(ctx: ServiceContext) -> ServiceDef:
     args = ctx.args
-    address = args.advertise_address or f"{args.host}:{args.port}"
+    address = advertised_address(args.host, args.port, args.advertise_address)
     servicer = DecodeServicer()
     adapters = AdapterServicer()
     grpc_source = GrpcKVSource(pull_timeout_s=args.kv_pull_timeout_seconds)

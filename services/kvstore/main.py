@@ -20,6 +20,7 @@ from kvmesh.api.common.v1 import kv_pb2, worker_pb2
 from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.chunking import DEFAULT_CHUNK_BYTES
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
+from kvmesh.runtime.advertise import advertised_address
 from kvmesh.runtime.counters import CountersCollector
 from kvmesh.worker import RouterLink, register_link_metrics
 from kvmesh.worker.kv_transport import KV_TRANSPORT_FLAGS, load_transport
@@ -97,7 +98,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
     ctx.registry.register(StoreMetrics(servicer))
     link: RouterLink | None = None
     if args.router_address:
-        address = args.advertise_address or f"{args.host}:{args.port}"
+        address = advertised_address(args.host, args.port, args.advertise_address)
         link = RouterLink(
             args.router_address,
             worker_id=args.worker_id or f"kvstore@{address}",

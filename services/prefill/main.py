@@ -13,6 +13,7 @@ from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.flags import ENGINE_FLAGS, engine_config, model_path
 from kvmesh.engine.metrics import EngineCollector
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
+from kvmesh.runtime.advertise import advertised_address
 from kvmesh.runtime.counters import CountersCollector
 from kvmesh.worker.adapters import AdapterServicer, load_startup_adapters
 from kvmesh.worker.engine_link import attach_router
@@ -37,7 +38,7 @@ FLAGS = [
 
 def build(ctx: ServiceContext) -> ServiceDef:
     args = ctx.args
-    address = args.advertise_address or f"{args.host}:{args.port}"
+    address = advertised_address(args.host, args.port, args.advertise_address)
     state: dict = {}
     servicer = PrefillServicer(address)
     adapters = AdapterServicer()
