@@ -18,7 +18,9 @@ split / colocated of the same transport.
 other process alone on a host: compose/hosts.yml; every timeout at its default). bench/faults.py's storm (``--streams``
 concurrent greedy streams with known outputs), but instead of a kill a host is cut off the network for
 ``--cut-s`` seconds in the middle, then healed: the busiest decode host, a prefill host, the kvstore (+
-speculator) host, the router's, Redis's, and the link between the gateway and the busiest decode worker.
+speculator) host, the router's, Redis's, and the link between the gateway and the busiest decode worker;
+and through Toxiproxy in front of prefill-0 (its peers reach it through the proxy), for as long: every
+connection reset (``prefill-resets``), or 20 ms added each way (``prefill-latency``).
 Columns as bench/faults.py, with ``hangs`` = not finished ``--hang-after`` seconds after the cut (shorter
 than the cut: a stream that waits for the heal counts), ``serve again s`` = from the heal until every
 process serves and every worker is registered again, and ``restarts`` = processes that exited meanwhile.
@@ -34,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -62,7 +65,14 @@ PROMPT_LENGTHS = (1000, 8000)
 STREAMS, STREAM_PROMPT, STREAM_TOKENS = 16, 128, 64
 # SmolLM2's vocabulary, clear of its special tokens at the bottom.
 TOKEN_IDS = (100, 49000)
-CASES = ("decode", "prefill", "kvstore", "router", "redis", "gateway-link")
+CASES = ("decode", "prefill", "kvstore", "router", "redis", "gateway-link", "prefill-resets", "prefill-latency")
+# The Toxiproxy cases: prefill-0 is behind a proxy on its host; for --cut-s its link resets every connection,
+# or adds 20 ms each way: (toxic, direction, attributes).
+PROXIED = "prefill-0"
+TOXICS = {
+    "prefill-resets": [("reset_peer", "downstream", {"timeout": 0})],
+    "prefill-latency": [("latency", direction, {"latency": 20}) for direction in ("upstream", "downstream")],
+}
 # Never prefill on decode: every prompt takes the hand-off, the path under test.
 DISAGGREGATED = {"KVMESH_LOCAL_PREFILL_MAX_UNCACHED_TOKENS": "0", "KVMESH_LOCAL_PREFILL_MIN_HIT_FRACTION": "2"}
 
@@ -203,22 +213,37 @@ class PartitionBench(faults.Bench):
         return result | {"case": victim, "restarts": restarted}
 
     def victim_process(self, victim: str) -> str | None:
+        if victim.startswith("prefill-"):
+            return PROXIED
         return super().victim_process("decode" if victim == "gateway-link" else victim)
 
-    async def strike(self, name: str) -> float:
-        """Cut ``name``'s host (the gateway-link case: only the link between it and the gateway) for ``--cut-s``,
-        heal it, and return the seconds from the heal until the whole mesh serves again."""
+    def fault(self, name: str) -> tuple[Callable[[], None], Callable[[], None]]:
+        """What this round's case does to ``name``'s link, and how it is undone."""
         network, host = self.hosted.network, self.hosted.host_of(name)
-        gateway = self.hosted.host_of("gateway")
         if self.case == "gateway-link":
-            network.cut_between(gateway, host)
-        else:
-            network.cut(host)
+            gateway = self.hosted.host_of("gateway")
+            return lambda: network.cut_between(gateway, host), lambda: network.heal_between(gateway, host)
+        if self.case in TOXICS:
+            (proxy,) = self.hosted.proxies
+            added: list[str] = []
+
+            def inflict() -> None:
+                added[:] = [proxy.add_toxic(PROXIED, kind, stream, **a) for kind, stream, a in TOXICS[self.case]]
+
+            def undo() -> None:
+                for toxic in added:
+                    proxy.remove_toxic(PROXIED, toxic)
+
+            return inflict, undo
+        return lambda: network.cut(host), lambda: network.heal(host)
+
+    async def strike(self, name: str) -> float:
+        """Cut ``name``'s host (or the case's link) for ``--cut-s``, heal it, and return the seconds from the
+        heal until the whole mesh serves again."""
+        inflict, undo = self.fault(name)
+        inflict()
         await asyncio.sleep(self.args.cut_s)
-        if self.case == "gateway-link":
-            network.heal_between(gateway, host)
-        else:
-            network.heal(host)
+        undo()
         healed = time.monotonic()
         await self.healthy()
         return time.monotonic() - healed
@@ -236,7 +261,9 @@ async def partitions(args: argparse.Namespace, tmp: Path) -> dict:
     )  # fmt: skip
     hosts = HostsFile.load(REPO_ROOT / "compose" / "hosts.yml")
     policy = RestartPolicy(initial_backoff_s=0.5, max_restarts=20)
-    with HostedMesh.plan(options, tmp, hosts, restart=policy, on_progress=lambda m: None) as hosted:
+    hosted = HostedMesh.plan(options, tmp, hosts, restart=policy, on_progress=lambda m: None)
+    hosted.behind_proxy(PROXIED)
+    with hosted:
         bench = PartitionBench(hosted, args)
         await bench.healthy()
         await bench.references([args.max_tokens])
