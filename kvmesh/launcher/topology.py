@@ -15,9 +15,12 @@ drift apart:
   is healthy); stop goes in reverse;
 - environment: the service's ``environment``, with what only makes sense in a
   container rewritten: ``<service>:<port>`` addresses point at that process
-  here (127.0.0.1 and its local port), paths inside a mounted volume point at
+  here (its host and local port), paths inside a mounted volume point at
   the bind source or at ``<run_dir>/volumes/<name>``, ``KVMESH_HOST`` is the
-  local host, and each worker's ``KVMESH_WORKER_ID`` is its process name;
+  process's host, and each worker's ``KVMESH_WORKER_ID`` is its process name;
+- hosts: every process on ``MeshOptions.host`` (127.0.0.1), or each on the host
+  ``MeshOptions.placement`` gives it (its address and network namespace:
+  ``kvmesh.launcher.multihost``);
 - ports: each process needs its own, so every container port is remapped:
   published ones to their host port (the gateway's 50051), the rest to
   consecutive ports from ``base_port`` or free ones;
