@@ -41,10 +41,12 @@ from opentelemetry.trace import Span
 from kvmesh import tracing
 from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.api.router.v1 import router_pb2
 from kvmesh.errors import InvalidArgument, KvmeshError, ResourceExhausted, Unavailable
 from kvmesh.sampling import SamplingParams, admitted
 from services.gateway.adapters import Adapters
 from services.gateway.auth import ANONYMOUS, tenant_cache_salt, tenant_digest
+from services.gateway.avoided_workers import AvoidedWorkers
 from services.gateway.backends import Backends
 from services.gateway.chat_messages import template_messages
 from services.gateway.metrics import GatewayMetrics
@@ -104,6 +106,7 @@ class Gateway:
         tool_call_format: ToolCallFormat = FORMATS[DEFAULT_FORMAT],
         migration: MigrationPolicy = MigrationPolicy(),
         known_workers: LastKnownWorkers | None = None,
+        avoided_workers: AvoidedWorkers | None = None,
     ) -> None:
         if max_inflight <= 0:
             raise ValueError(f"max_inflight must be > 0, got {max_inflight}")
@@ -113,6 +116,7 @@ class Gateway:
         self._tool_format = tool_call_format
         self._migration = migration
         self._inflight = 0
+        self._avoided = avoided_workers or AvoidedWorkers()
         self.adapters = Adapters(backends, model.name)
         self._workers = WorkerCalls(
             model,
@@ -260,7 +264,7 @@ class Gateway:
         attempts = migrations = 0
         while True:
             try:
-                plan = await self._workers.route(job, excluded)
+                plan = await self._route(job, excluded)
             except Unavailable as e:
                 if failure is None:
                     raise
@@ -282,9 +286,11 @@ class Gateway:
                 async with aclosing(chunks):
                     async for chunk in chunks:
                         yield chunk
+                self._avoided.served(plan.decode_worker.worker_id, plan.prefill_worker.worker_id)
                 return
             except WorkerFailed as e:
                 excluded.append(e.worker_id)
+                self._avoided.failed(e.worker_id)
                 failure = e
                 if stream.tokens_sent:
                     if migrations >= self._migration.max_migrations:
@@ -315,6 +321,17 @@ class Gateway:
                     error=e.message,
                 )
                 self._metrics.retries.labels(e.stage).inc()
+
+    async def _route(self, job: Job, excluded: list[str]) -> router_pb2.RouteResponse:
+        """A plan without the workers this request or, lately, this gateway could not reach (or, when that
+        leaves nobody, without this request's alone)."""
+        avoided = [w for w in self._avoided.avoided() if w not in excluded]
+        if avoided:
+            try:
+                return await self._workers.route(job, [*excluded, *avoided])
+            except Unavailable:
+                pass  # nobody else is left: try them after all
+        return await self._workers.route(job, excluded)
 
     # -- prompts ---------------------------------------------------------------
 
