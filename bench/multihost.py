@@ -107,6 +107,7 @@ class PerfMesh:
         self.hosted = HostedMesh.plan(options, run_dir, hosts)
         self.caps = ["none"] if placement == "colocated" else list(CAPS)
         self.samples: dict[str, list[dict]] = {cap: [] for cap in self.caps}
+        self.failures: dict[str, list[str]] = {cap: [] for cap in self.caps}
 
     @property
     def name(self) -> str:
@@ -158,7 +159,12 @@ def perf(args: argparse.Namespace, tmp: Path) -> dict:
             shift = rnd % len(runs)
             for m, cap in runs[shift:] + runs[:shift]:
                 m.cap(cap)
-                sample = asyncio.run(m.measure(cap, rng))
+                try:
+                    sample = asyncio.run(m.measure(cap, rng))
+                except grpc.aio.AioRpcError as e:  # kept, and the run goes on: the logs say why
+                    m.failures[cap].append(f"round {rnd}: {e.code().name}: {e.details()}")
+                    print(f"round {rnd} {m.name} {cap}: FAILED {m.failures[cap][-1]}", flush=True)
+                    continue
                 m.samples[cap].append(sample)
                 shown = ", ".join(f"{k} {v:.1f}" for k, v in sample.items())
                 print(f"round {rnd} {m.name} {cap}: {shown}", flush=True)
@@ -168,14 +174,15 @@ def perf(args: argparse.Namespace, tmp: Path) -> dict:
     rows = []
     for m in meshes:
         for cap in m.caps:
-            med = {k: statistics.median(s[k] for s in m.samples[cap]) for k in m.samples[cap][0]}
-            row = {"placement": m.placement, "transport": m.transport, "cap": cap}
+            samples = m.samples[cap]
+            med = {k: statistics.median(s[k] for s in samples) for k in (samples[0] if samples else {})}
+            row = {"placement": m.placement, "transport": m.transport, "cap": cap, "failures": m.failures[cap]}
             rows.append(row | med | {"samples": m.samples[cap]})
     for r in rows:
         anchor = next(a for a in rows if a["placement"] == "colocated" and a["transport"] == r["transport"])
-        for n in PROMPT_LENGTHS:
-            r[f"ttft_{n}_ratio"] = r[f"ttft_{n}_ms"] / anchor[f"ttft_{n}_ms"]
-        r["tokens_per_s_ratio"] = r["tokens_per_s"] / anchor["tokens_per_s"]
+        for key in [*(f"ttft_{n}_ms" for n in PROMPT_LENGTHS), "tokens_per_s"]:
+            value, base = r.get(key), anchor.get(key)
+            r[f"{key}_ratio"] = value / base if value is not None and base is not None else None
     return {"rows": rows}
 
 
@@ -183,13 +190,18 @@ def print_perf(result: dict) -> None:
     headers = ["placement", "transport", "link cap"]
     for n in PROMPT_LENGTHS:
         headers += [f"TTFT {n // 1000}k ms", "x coloc", "hand-off ms"]
-    headers += ["tok/s (16)", "x coloc"]
+    headers += ["tok/s (16)", "x coloc", "failed"]
+
+    def cell(r: dict, key: str, spec: str) -> str:
+        return "-" if r.get(key) is None else format(r[key], spec)
+
     rows = []
     for r in result["rows"]:
         row = [r["placement"], r["transport"], r["cap"]]
         for n in PROMPT_LENGTHS:
-            row += [f"{r[f'ttft_{n}_ms']:.0f}", f"{r[f'ttft_{n}_ratio']:.2f}", f"{r[f'transfer_{n}_ms']:.0f}"]
-        row += [f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s_ratio']:.2f}"]
+            ttft = f"ttft_{n}_ms"
+            row += [cell(r, ttft, ".0f"), cell(r, f"{ttft}_ratio", ".2f"), cell(r, f"transfer_{n}_ms", ".0f")]
+        row += [cell(r, "tokens_per_s", ".1f"), cell(r, "tokens_per_s_ratio", ".2f"), str(len(r["failures"]))]
         rows.append(row)
     print_table(headers, rows)
 
@@ -312,13 +324,14 @@ def main() -> int:
     ap.add_argument("--json", default="bench/results/multihost.json")
     args = ap.parse_args()
     result: dict = {"config": vars(args)}
-    with tempfile.TemporaryDirectory(prefix="kvmesh-multihost-") as tmp:
-        if args.part in ("perf", "both"):
-            result["perf"] = perf(args, Path(tmp) / "perf")
-            print_perf(result["perf"])
-        if args.part in ("partitions", "both"):
-            result["partitions"] = asyncio.run(partitions(args, Path(tmp) / "partitions"))
-            print_partitions(result["partitions"])
+    tmp = Path(tempfile.mkdtemp(prefix="kvmesh-multihost-"))
+    print(f"meshes' logs in {tmp}", flush=True)
+    if args.part in ("perf", "both"):
+        result["perf"] = perf(args, tmp / "perf")
+        print_perf(result["perf"])
+    if args.part in ("partitions", "both"):
+        result["partitions"] = asyncio.run(partitions(args, tmp / "partitions"))
+        print_partitions(result["partitions"])
     write_json(args.json, result)
     if "perf" in result:
         print_perf(result["perf"])
