@@ -96,6 +96,10 @@ def perf_options(model: Path, transport: str) -> MeshOptions:
     )  # fmt: skip
 
 
+class NotHandedOff(RuntimeError):
+    pass
+
+
 class PerfMesh:
     """One mesh of the perf part: its placement, transport and the numbers measured on it."""
 
@@ -125,6 +129,8 @@ class PerfMesh:
             for n in PROMPT_LENGTHS:
                 wait_for_idle_cpu()
                 r = await ttft_one(gateway, fresh(rng, n))
+                if not r["prefill_ms"]:  # decode prefilled it: the prefill worker was gone (killed for memory, say)
+                    raise NotHandedOff(f"the {n}-token prompt was not handed off: is the prefill worker alive?")
                 out |= {f"{k.removesuffix('_ms')}_{n}_ms": v for k, v in r.items()}
         gw = mesh.topology.get("gateway")
         url = f"http://{gw.host}:{gw.env['KVMESH_HTTP_PORT']}"
@@ -146,7 +152,7 @@ async def warm_up(m: PerfMesh, rng: torch.Generator) -> None:
 
 def perf(args: argparse.Namespace, tmp: Path) -> dict:
     model = default_model_path()
-    meshes = [PerfMesh(p, t, model, tmp / f"{p}-{t}") for t in TRANSPORTS for p in ("colocated", "split")]
+    meshes = [PerfMesh(p, t, model, tmp / f"{p}-{t}") for t in args.transports for p in ("colocated", "split")]
     rng = torch.Generator().manual_seed(5)
     started: list[PerfMesh] = []
     try:
@@ -161,8 +167,9 @@ def perf(args: argparse.Namespace, tmp: Path) -> dict:
                 m.cap(cap)
                 try:
                     sample = asyncio.run(m.measure(cap, rng))
-                except grpc.aio.AioRpcError as e:  # kept, and the run goes on: the logs say why
-                    m.failures[cap].append(f"round {rnd}: {e.code().name}: {e.details()}")
+                except (grpc.aio.AioRpcError, NotHandedOff) as e:  # kept, and the run goes on: the logs say why
+                    why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                    m.failures[cap].append(f"round {rnd}: {why}")
                     print(f"round {rnd} {m.name} {cap}: FAILED {m.failures[cap][-1]}", flush=True)
                     continue
                 m.samples[cap].append(sample)
@@ -316,6 +323,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", choices=("perf", "partitions", "both"), default="both")
     ap.add_argument("--rounds", type=int, default=3, help="perf: measurements per mesh and cap")
+    ap.add_argument(
+        "--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS,
+        help="perf: a colocated and a split mesh each (all up at once: an 8k-token prefill takes ~3.6 GB)",
+    )  # fmt: skip
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     ap.add_argument("--streams", type=int, default=16, help="partitions: concurrent streams")
     ap.add_argument("--max-tokens", type=int, default=128)
