@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
@@ -102,6 +102,20 @@ def metrics(mesh: Mesh, process: str) -> dict[str, float]:
         for s in family.samples:
             key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
             out[key] = s.value
+    return out
+
+
+def held(mesh: Mesh, prefill: Sequence[str], decode: Sequence[str]) -> dict[str, float]:
+    """What finished requests must have given back, per process: every value is 0 once all are done."""
+    out = {"gateway in flight": metrics(mesh, "gateway")["kvmesh_gateway_inflight_requests"]}
+    for w in prefill:
+        m = metrics(mesh, w)
+        out[f"{w} leases"] = m["kvmesh_prefill_active_leases"]
+        out[f"{w} blocks"] = m["kvmesh_engine_kv_blocks_in_use"]
+    for w in decode:
+        m = metrics(mesh, w)
+        out[f"{w} blocks"] = m["kvmesh_engine_kv_blocks_in_use"]
+        out[f"{w} requests"] = m["kvmesh_decode_active_requests"]
     return out
 
 

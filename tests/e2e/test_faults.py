@@ -27,7 +27,7 @@ from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.launcher import RestartPolicy
 from kvmesh.runtime import create_channel
 from kvmesh.structured.spec import GrammarSpec
-from tests.e2e.mesh_helpers import metrics, poll, start_mesh, traced
+from tests.e2e.mesh_helpers import held, metrics, poll, start_mesh, traced
 from tests.e2e.stream_breaker import break_mid_stream, read_into
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -116,25 +116,10 @@ async def _healed(mesh, router, victim: str, restarts: int) -> None:
     raise AssertionError(f"{victim} did not come back: restarts {mesh.restarts(victim)}")
 
 
-def _held(mesh) -> dict[str, float]:
-    """What a finished request must have given back, per process: every value is 0 once all are done."""
-    prefill = metrics(mesh, "prefill-0")
-    held = {
-        "prefill-0 leases": prefill["kvmesh_prefill_active_leases"],
-        "prefill-0 blocks": prefill["kvmesh_engine_kv_blocks_in_use"],
-        "gateway in flight": metrics(mesh, "gateway")["kvmesh_gateway_inflight_requests"],
-    }
-    for w in DECODE:
-        m = metrics(mesh, w)
-        held[f"{w} blocks"] = m["kvmesh_engine_kv_blocks_in_use"]
-        held[f"{w} requests"] = m["kvmesh_decode_active_requests"]
-    return held
-
-
 async def _no_leaks(mesh) -> None:
     """Each process lets go a moment after the client has its last token: poll until all have, then assert."""
-    held = await asyncio.to_thread(poll, lambda: _held(mesh), lambda h: not any(h.values()))
-    assert not any(held.values()), held
+    left = await asyncio.to_thread(poll, lambda: held(mesh, ["prefill-0"], DECODE), lambda h: not any(h.values()))
+    assert not any(left.values()), left
 
 
 async def _break_mid_stream(mesh, gateway, request, how: str) -> tuple[list[gateway_pb2.GenerateResponse], str, str]:

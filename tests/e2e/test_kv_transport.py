@@ -61,7 +61,7 @@ def colocated(e2e_model):
     return expected
 
 
-def _spec(name: str, role: str, model: Path, env: dict[str, str], network: Network | None) -> ProcessSpec:
+def _spec(name: str, role: str, model: Path, env: dict[str, str], network: Network | None = None) -> ProcessSpec:
     """The worker, on the launcher's 127.0.0.1 or on its own host of ``network``."""
     host = "127.0.0.1" if network is None else network.address(name)
     port, metrics_port = free_port(), free_port()

@@ -24,7 +24,7 @@ from kvmesh.launcher.multihost import HostedMesh
 from kvmesh.launcher.netns import can_make_hosts
 from kvmesh.runtime import create_channel
 from kvmesh.sampling import SamplingParams
-from tests.e2e.mesh_helpers import mesh_options, metrics, poll
+from tests.e2e.mesh_helpers import held, mesh_options, metrics, poll
 from tests.e2e.stream_breaker import break_mid_stream, read_into
 
 NO_HOSTS = can_make_hosts()
@@ -100,22 +100,6 @@ def _link_event(hosted: HostedMesh, worker: str, event: str) -> float:
     return metrics(hosted.mesh, worker).get(f"kvmesh_router_link_events_total{{event={event}}}", 0)
 
 
-def _held(hosted: HostedMesh) -> dict[str, float]:
-    """What finished requests must have given back, per process: every value is 0 once all are done."""
-    mesh = hosted.mesh
-    prefill = metrics(mesh, "prefill-0")
-    held = {
-        "prefill-0 leases": prefill["kvmesh_prefill_active_leases"],
-        "prefill-0 blocks": prefill["kvmesh_engine_kv_blocks_in_use"],
-        "gateway in flight": metrics(mesh, "gateway")["kvmesh_gateway_inflight_requests"],
-    }
-    for w in DECODE:
-        m = metrics(mesh, w)
-        held[f"{w} blocks"] = m["kvmesh_engine_kv_blocks_in_use"]
-        held[f"{w} requests"] = m["kvmesh_decode_active_requests"]
-    return held
-
-
 async def test_a_decode_host_cut_off_mid_stream_is_invisible_to_the_client(hosted, stubs) -> None:
     gateway, router = stubs
     network = hosted.network
@@ -140,8 +124,10 @@ async def test_a_decode_host_cut_off_mid_stream_is_invisible_to_the_client(hoste
     assert metrics(hosted.mesh, "gateway")["kvmesh_gateway_migrations_total{outcome=resumed}"] == migrated + 1
     # Back on the network, the victim has let go of the stream nobody reads any more (its keepalive
     # found the gateway's end gone), and nothing else is held anywhere.
-    held = await asyncio.to_thread(poll, lambda: _held(hosted), lambda h: not any(h.values()), 300)
-    assert not any(held.values()), held
+    left = await asyncio.to_thread(
+        poll, lambda: held(hosted.mesh, ["prefill-0"], DECODE), lambda h: not any(h.values()), 300
+    )
+    assert not any(left.values()), left
     await _wait_routed(router, set(DECODE))
 
 

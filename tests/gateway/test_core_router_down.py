@@ -6,6 +6,7 @@ import pytest
 
 from kvmesh.api.router.v1 import router_pb2
 from kvmesh.errors import Unavailable
+from services.gateway.avoided_workers import AvoidedWorkers
 from services.gateway.backends import RouterUnreachable
 from services.gateway.route_fallback import LastKnownWorkers
 from tests.gateway.fakes import DECODE_TOKENS, FIRST_TOKEN, FakeMesh, endpoint
@@ -22,20 +23,28 @@ class Clock:
         return self.t
 
 
-async def _learned_both(gateway, mesh: FakeMesh) -> None:
-    """Two requests while the router is up: it names d0, then d1 (d0 is excluded after failing)."""
+def _gateway(model, mesh: FakeMesh, clock: Clock):
+    return make_gateway(
+        model, mesh, known_workers=LastKnownWorkers(30.0, now=clock), avoided_workers=AvoidedWorkers(now=clock)
+    )
+
+
+async def _learned_both(gateway, mesh: FakeMesh, clock: Clock) -> None:
+    """Two requests while the router is up: it names d0, then d1 (d0 is excluded after failing); then long
+    enough that the gateway no longer avoids d0."""
     await collect(gateway, request())
     mesh.dead.add("d0")
     await collect(gateway, request())
     mesh.dead.clear()
+    clock.t += 10
 
 
 async def test_a_down_router_is_stood_in_for_by_its_last_known_workers_with_local_prefill(model) -> None:
     mesh, clock = FakeMesh(), Clock()
-    gateway = make_gateway(model, mesh, known_workers=LastKnownWorkers(30.0, now=clock))
-    await _learned_both(gateway, mesh)
+    gateway = _gateway(model, mesh, clock)
+    await _learned_both(gateway, mesh, clock)
     mesh.router_down = True
-    clock.t += 29
+    clock.t += 19
     decodes_before = len(mesh.decodes)
 
     for _ in range(2):
@@ -51,8 +60,8 @@ async def test_a_down_router_is_stood_in_for_by_its_last_known_workers_with_loca
 
 async def test_a_known_worker_that_fails_is_skipped_during_the_outage(model) -> None:
     mesh, clock = FakeMesh(), Clock()
-    gateway = make_gateway(model, mesh, known_workers=LastKnownWorkers(30.0, now=clock))
-    await _learned_both(gateway, mesh)
+    gateway = _gateway(model, mesh, clock)
+    await _learned_both(gateway, mesh, clock)
     mesh.router_down = True
     mesh.dead.add("d0")
 
@@ -60,8 +69,8 @@ async def test_a_known_worker_that_fails_is_skipped_during_the_outage(model) -> 
         assert [t for c in await collect(gateway, request()) for t in c.token_ids] == TOKENS
     mesh.decode_workers = ["d0"]  # the router drops d1 from now on, but it is down: the gateway keeps it
     assert [t for c in await collect(gateway, request()) for t in c.token_ids] == TOKENS
-    mesh.dead.add("d1")
-    with pytest.raises(Unavailable, match="d1 .* failed: unreachable: connection refused"):
+    mesh.dead.add("d1")  # and now both: d1 fails, then d0, which the gateway had left out while it could
+    with pytest.raises(Unavailable, match="d0 .* failed: unreachable: connection refused .after a retry"):
         await collect(gateway, request())
 
 
