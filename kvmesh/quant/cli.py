@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvmesh.checkpoint.formats import FORMATS
+from kvmesh.checkpoint.format_names import FORMAT_NAMES
 
 SEARCH_FORMATS = "fp8-channel,nvfp4"
 
@@ -15,7 +15,7 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quantize", help="quantize a model's weights; write the checkpoint and a fidelity report")
     p.add_argument("--model", help="unquantized Hugging Face folder (default: the default model)")
     p.add_argument("--out", required=True, help="folder to write the quantized checkpoint and fidelity.json to")
-    p.add_argument("--format", choices=sorted(FORMATS), help="one format for every decoder projection")
+    p.add_argument("--format", choices=sorted(FORMAT_NAMES), help="one format for every decoder projection")
     p.add_argument("--plan", choices=("auto",), help="auto: search a per-layer-group plan under --budget-bits")
     p.add_argument("--budget-bits", type=float, help="average stored bits per projection weight (with --plan auto)")
     p.add_argument(
@@ -28,7 +28,7 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-trials", type=int, default=4, help="whole configs the local search measures per budget")
     p.add_argument(
         "--head-format",
-        choices=sorted(FORMATS),
+        choices=sorted(FORMAT_NAMES),
         help="also quantize the LM head (tied: the embedding) in this format (kept bf16 by default)",
     )
     p.add_argument("--eval-tokens", type=int, default=20000, help="scored tokens of the eval set (default 20000)")

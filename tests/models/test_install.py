@@ -23,6 +23,15 @@ def test_installing_again_is_a_no_op(monkeypatch):
     assert (installer.model_dir(DEFAULT_MODEL) / "provenance.json").read_text() == before
 
 
+def test_an_installed_model_is_readable_by_every_user():
+    # Containers mount the folder read-only and run as their own uid (compose/Dockerfile).
+    installer.install(DEFAULT_MODEL, log=lambda _: None)
+    folder = installer.model_dir(DEFAULT_MODEL)
+    assert folder.stat().st_mode & 0o555 == 0o555
+    for path in folder.iterdir():
+        assert path.stat().st_mode & 0o444 == 0o444, path.name
+
+
 def test_a_gguf_with_another_hash_is_refused_and_nothing_is_left(tmp_path, monkeypatch):
     monkeypatch.setenv("KVMESH_MODELS_DIR", str(tmp_path))
     tampered = dataclasses.replace(DEFAULT_MODEL, gguf_sha256="0" * 64)
