@@ -45,6 +45,9 @@ import torch  # noqa: E402
 from _table import print_table  # noqa: E402
 
 DEVICE = "cuda"
+# --dry-run divides the token and row counts by this (and runs on the CPU in Triton's interpreter),
+# so the script's every line runs in tests without a GPU.
+SCALE = 1
 # Llama-3-8B attention and MLP shapes.
 HQ, HK, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 HIDDEN, INTERMEDIATE = 4096, 14336
@@ -56,8 +59,24 @@ FP8_CASES = [
     (16, HIDDEN, INTERMEDIATE),
     (4096, HIDDEN, INTERMEDIATE),
 ]  # fmt: skip  (M, N, K): gate_up and down projections
-TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 2e-3}  # bf16 operands; tf32 dots
+# The 16-bit dtype every "bf16" check runs in: float16 on a dry run, whose interpreter computes
+# bfloat16 wrongly (numpy has none).
+LOWP = torch.bfloat16
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 2e-3}  # 16-bit operands; tf32 dots
 UNOWNED = 1.0e4  # cache slots past a sequence's end: a kernel that reads them is far off
+
+
+def n(count: int) -> int:
+    """A token or row count, shrunk on a dry run."""
+    return max(1, count // SCALE)
+
+
+def dry_run_sizes() -> None:
+    """Tiny shapes on the CPU: every section runs, in minutes, in Triton's interpreter."""
+    global DEVICE, SCALE, LOWP, HIDDEN, INTERMEDIATE, DECODE_CASES, PREFILL_CASES, FP8_CASES
+    DEVICE, SCALE, LOWP, HIDDEN, INTERMEDIATE = "cpu", 64, torch.float16, 256, 512
+    DECODE_CASES, PREFILL_CASES = [(2, 64)], [(1, 0, 64), (1, 48, 16)]
+    FP8_CASES = [(1, 2 * INTERMEDIATE, HIDDEN), (64, HIDDEN, INTERMEDIATE)]
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -160,13 +179,19 @@ def guarded(report: Report, section: str, run: Callable[[], None]) -> None:
     print(f"\n== {section}")
     try:
         run()
-        torch.cuda.synchronize()  # surface asynchronous launch errors inside their section
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()  # surface asynchronous launch errors inside their section
     except Exception:
         report.errors.append(f"{section}: {traceback.format_exc(limit=6)}")
         print(f"  ERROR in {section}:\n{traceback.format_exc(limit=6)}")
 
 
 def bench_ms(fn: Callable[[], object]) -> float:
+    if DEVICE != "cuda":  # a dry run: the interpreter's time says nothing, the code path is what counts
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t0)
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
@@ -176,14 +201,15 @@ def bench_ms(fn: Callable[[], object]) -> float:
 
 
 def measure_ceilings(report: Report) -> None:
-    src = torch.randn(1 << 29, device=DEVICE, dtype=torch.bfloat16)  # 1 GiB
+    src = torch.randn(n(1 << 29), device=DEVICE, dtype=LOWP)  # 1 GiB
     dst = torch.empty_like(src)
     ms = bench_ms(lambda: dst.copy_(src))
     report.ceilings["copy_GBps"] = 2 * src.numel() * 2 / ms / 1e6
-    a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
+    side = n(8192)
+    a = torch.randn(side, side, device=DEVICE, dtype=LOWP)
+    b = torch.randn(side, side, device=DEVICE, dtype=LOWP)
     ms = bench_ms(lambda: a @ b)
-    report.ceilings["matmul_bf16_TFLOPs"] = matmul_flops(8192, 8192, 8192) / ms / 1e9
+    report.ceilings["matmul_bf16_TFLOPs"] = matmul_flops(side, side, side) / ms / 1e9
     c = report.ceilings
     print(f"  copy {c['copy_GBps']:.0f} GB/s, bf16 matmul {c['matmul_bf16_TFLOPs']:.0f} TFLOP/s")
 
@@ -192,9 +218,9 @@ def check_elementwise(report: Report, k: Any) -> None:
     from kernels import reference
     from kernels.triton.testing import poisoned_allocations, relative_error
 
-    bf16, dev, eps = torch.bfloat16, DEVICE, 1e-6
-    x = torch.randn(1000, HIDDEN, device=dev).to(bf16)
-    res = torch.randn(1000, HIDDEN, device=dev).to(bf16)
+    bf16, dev, eps = LOWP, DEVICE, 1e-6
+    x = torch.randn(n(1000), HIDDEN, device=dev).to(bf16)
+    res = torch.randn(n(1000), HIDDEN, device=dev).to(bf16)
     w = (1 + 0.1 * torch.randn(HIDDEN, device=dev)).to(bf16)
     with poisoned_allocations():
         out = k.rms_norm(x, w, eps)
@@ -204,22 +230,23 @@ def check_elementwise(report: Report, k: Any) -> None:
     report.check("fused_add_rms_norm bf16", relative_error(fused, ref_fused.float()), 1e-2)
     report.check_true("fused_add_rms_norm residual sum bitwise", torch.equal(summed, ref_summed))
 
-    qkv = torch.randn(777, (HQ + 2 * HK) * HEAD_DIM, device=dev).to(bf16)
-    q = qkv[:, : HQ * HEAD_DIM].view(777, HQ, HEAD_DIM)
-    kk = qkv[:, HQ * HEAD_DIM : (HQ + HK) * HEAD_DIM].view(777, HK, HEAD_DIM)
-    v = qkv[:, (HQ + HK) * HEAD_DIM :].view(777, HK, HEAD_DIM)
+    rows = n(777)
+    qkv = torch.randn(rows, (HQ + 2 * HK) * HEAD_DIM, device=dev).to(bf16)
+    q = qkv[:, : HQ * HEAD_DIM].view(rows, HQ, HEAD_DIM)
+    kk = qkv[:, HQ * HEAD_DIM : (HQ + HK) * HEAD_DIM].view(rows, HK, HEAD_DIM)
+    v = qkv[:, (HQ + HK) * HEAD_DIM :].view(rows, HK, HEAD_DIM)
     qn_w = torch.randn(HEAD_DIM, device=dev).to(bf16)
     with poisoned_allocations():
         qn = k.rms_norm(q, qn_w, eps)
     qn_ref = reference.rms_norm(q.float(), qn_w.float(), eps)
     report.check("rms_norm bf16 over strided heads", relative_error(qn, qn_ref), 1e-2)
 
-    gate_up = (2 * torch.randn(1000, 2 * INTERMEDIATE, device=dev)).to(bf16)
+    gate_up = (2 * torch.randn(n(1000), 2 * INTERMEDIATE, device=dev)).to(bf16)
     with poisoned_allocations():
         out = k.silu_and_mul(gate_up)
     report.check("silu_and_mul bf16", relative_error(out, reference.silu_and_mul(gate_up.float())), 1e-2)
 
-    positions = torch.randint(0, 8192, (777,), device=dev)
+    positions = torch.randint(0, 8192, (rows,), device=dev)
     table = rope_table(8192, HEAD_DIM).to(dev)
     with poisoned_allocations():
         q_rot, k_rot = k.rotary_embedding(positions, q, kk, table)
@@ -227,8 +254,8 @@ def check_elementwise(report: Report, k: Any) -> None:
     report.check("rotary q bf16", relative_error(q_rot, q_ref), 1e-2)
     report.check("rotary k bf16", relative_error(k_rot, k_ref), 1e-2)
 
-    slots = torch.randperm(64 * BLOCK_SIZE, device=dev)[:777]  # no slot written twice
-    slots[torch.randperm(777, device=dev)[:300]] = -1  # padding
+    slots = torch.randperm(64 * BLOCK_SIZE, device=dev)[:rows]  # no slot written twice
+    slots[torch.randperm(rows, device=dev)[: rows * 3 // 8]] = -1  # padding
     cache_shape = (64, BLOCK_SIZE, HK, HEAD_DIM)
     kc, vc = (torch.full(cache_shape, float("nan"), device=dev, dtype=bf16) for _ in range(2))
     kr, vr = kc.clone(), vc.clone()
@@ -244,11 +271,11 @@ def check_attention(report: Report, k: Any) -> None:
 
     dev = DEVICE
     # (kv heads, group, head_dim, dtype): MHA, GQA 4 and 8, a smaller and a larger head, fp32 (tf32 dots).
-    variants = [(8, 1, 128, torch.bfloat16), (8, 4, 128, torch.bfloat16), (4, 8, 128, torch.bfloat16),
-                (8, 4, 64, torch.bfloat16), (2, 4, 256, torch.bfloat16), (8, 4, 128, torch.float32)]  # fmt: skip
+    variants = [(8, 1, 128, LOWP), (8, 4, 128, LOWP), (4, 8, 128, LOWP),
+                (8, 4, 64, LOWP), (2, 4, 256, LOWP), (8, 4, 128, torch.float32)]  # fmt: skip
     for hk, group, d, dtype in variants:
         name = f"Hk={hk} G={group} D={d} {str(dtype).removeprefix('torch.')}"
-        lens = [1, 16, 257, 1000, 4097, 20000] + torch.randint(2, 3000, (2,)).tolist()
+        lens = [1, 16, n(257), n(1000), n(4097), n(20000)] + torch.randint(2, n(3000) + 2, (2,)).tolist()
         kv = paged_kv(lens, hk, d, dtype, dev)
         q = torch.randn(len(lens), hk * group, d, device=dev).to(dtype)
         with poisoned_allocations():
@@ -257,7 +284,7 @@ def check_attention(report: Report, k: Any) -> None:
                                                kv.seq_lens, d**-0.5)  # fmt: skip
         report.check(f"decode {name}", relative_error(out, ref), TOLERANCE[dtype])
 
-        cases = [(0, 1000), (77, 1), (500, 129), (4000, 300), (0, 3), (1, 64)]  # (prefix, new tokens)
+        cases = [(0, n(1000)), (77, 1), (n(500), n(129)), (n(4000), n(300)), (0, 3), (1, 64)]  # (prefix, new tokens)
         news = [n for _, n in cases]
         kv = paged_kv([p + n for p, n in cases], hk, d, dtype, dev)
         qsl = query_start_loc(news, dev)
@@ -271,21 +298,21 @@ def check_attention(report: Report, k: Any) -> None:
 
 def check_batch_invariance(report: Report, k: Any) -> None:
     dev, batch, at = DEVICE, 37, 17
-    lens = torch.randint(1, 3000, (batch,)).tolist()
-    lens[at] = 5000
-    kv = paged_kv(lens, HK, HEAD_DIM, torch.bfloat16, dev)
-    q = torch.randn(batch, HQ, HEAD_DIM, device=dev).to(torch.bfloat16)
+    lens = torch.randint(1, n(3000) + 1, (batch,)).tolist()
+    lens[at] = n(5000)
+    kv = paged_kv(lens, HK, HEAD_DIM, LOWP, dev)
+    q = torch.randn(batch, HQ, HEAD_DIM, device=dev).to(LOWP)
     batched = k.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.088)
     alone = k.paged_decode_attention(q[at : at + 1], kv.k_cache, kv.v_cache, kv.block_tables[at : at + 1],
                                      kv.seq_lens[at : at + 1], 0.088)  # fmt: skip
     report.check_true("decode bitwise alone vs batch of 37", torch.equal(alone[0], batched[at]))
 
-    news = torch.randint(1, 300, (batch,)).tolist()
-    prefixes = torch.randint(0, 2000, (batch,)).tolist()
-    news[at], prefixes[at] = 700, 1500
-    kv = paged_kv([p + n for p, n in zip(prefixes, news)], HK, HEAD_DIM, torch.bfloat16, dev)
+    news = torch.randint(1, n(300) + 1, (batch,)).tolist()
+    prefixes = torch.randint(0, n(2000) + 1, (batch,)).tolist()
+    news[at], prefixes[at] = n(700), n(1500)
+    kv = paged_kv([p + n for p, n in zip(prefixes, news)], HK, HEAD_DIM, LOWP, dev)
     qsl = query_start_loc(news, dev)
-    q = torch.randn(sum(news), HQ, HEAD_DIM, device=dev).to(torch.bfloat16)
+    q = torch.randn(sum(news), HQ, HEAD_DIM, device=dev).to(LOWP)
     batched = k.paged_extend_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, qsl, kv.seq_lens, 0.088)
     a, b = int(qsl[at]), int(qsl[at + 1])
     alone = k.paged_extend_attention(q[a:b], kv.k_cache, kv.v_cache, kv.block_tables[at : at + 1],
@@ -294,20 +321,7 @@ def check_batch_invariance(report: Report, k: Any) -> None:
     report.check_true("extend bitwise alone vs batch of 37", torch.equal(alone, batched[a:b]))
 
 
-def check_8bit_weights(report: Report, k: Any) -> None:
-    from torch import nn
-
-    from kernels import reference
-    from kernels.quantized_linear import quantize_int8_weight, quantize_model
-    from kernels.triton.testing import poisoned_allocations, relative_error
-
-    dev = DEVICE
-    weight = (torch.randn(4096, 4000, device=dev) * torch.logspace(-3, 1, 4096, device=dev)[:, None]).to(torch.bfloat16)
-    weight[11] = 0
-    with poisoned_allocations():
-        q, scale = k.quantize_fp8_weight(weight)
-    rq, rscale = reference.quantize_fp8_weight(weight)
-    report.check("fp8 quantize scales", relative_error(scale, rscale), 1e-6)
+def _check_fp8_values(report: Report, q: torch.Tensor, rq: torch.Tensor) -> None:
     # Triton's fp32 division may differ from torch's by an ulp, which can flip a value sitting
     # on an fp8 rounding boundary: allow a rare one-step difference, never more.
     ours, theirs = q.float(), rq.float()
@@ -316,16 +330,17 @@ def check_8bit_weights(report: Report, k: Any) -> None:
     one_step = (ours - theirs).abs() <= torch.maximum(ours.abs().maximum(theirs.abs()) / 8, torch.tensor(2.0**-9))
     report.check_true("fp8 quantized values match the reference", fraction < 1e-4 and bool(one_step.all()),
                       f"({fraction:.1e} of values one step apart)")  # fmt: skip
-    for m in (1, 16, 100, 4096):
-        x = torch.randn(m, 4000, device=dev).to(torch.bfloat16)
-        bias = torch.randn(4096, device=dev).to(torch.bfloat16)
-        with poisoned_allocations():
-            out = k.fp8_scaled_mm(x, rq, rscale, bias)
-        ref = reference.fp8_scaled_mm(x.float(), rq, rscale, bias.float())
-        report.check(f"fp8_scaled_mm bf16 x fp8 M={m}", relative_error(out, ref), 1e-2)
 
-    model = nn.Sequential(nn.Linear(HIDDEN, 1024), nn.SiLU(), nn.Linear(1024, 512, bias=False)).to(dev, torch.bfloat16)
-    x = torch.randn(33, HIDDEN, device=dev).to(torch.bfloat16)
+
+def _check_fp8_model(report: Report) -> None:
+    from torch import nn
+
+    from kernels.quantized_linear import quantize_model
+    from kernels.triton.testing import relative_error
+
+    dev = DEVICE
+    model = nn.Sequential(nn.Linear(HIDDEN, 1024), nn.SiLU(), nn.Linear(1024, 512, bias=False)).to(dev, LOWP)
+    x = torch.randn(33, HIDDEN, device=dev).to(LOWP)
     with torch.no_grad():
         before = model(x).float()
         replaced = quantize_model(model, "fp8")
@@ -333,10 +348,41 @@ def check_8bit_weights(report: Report, k: Any) -> None:
     report.check_true("quantize_model(fp8) replaced both linears", replaced == 2)
     report.check("fp8 QuantizedLinear model vs bf16 model (fp8 weight error)", relative_error(after, before), 5e-2)
 
+
+def check_8bit_weights(report: Report, k: Any) -> None:
+    from kernels import reference
+    from kernels.quantized_linear import quantize_int8_weight
+    from kernels.triton.testing import poisoned_allocations, relative_error
+
+    dev = DEVICE
+    rows, cols = n(4096), n(4000)
+    weight = (torch.randn(rows, cols, device=dev) * torch.logspace(-3, 1, rows, device=dev)[:, None]).to(LOWP)
+    weight[11] = 0
+    with poisoned_allocations():
+        q, scale = k.quantize_fp8_weight(weight)
+    rq, rscale = reference.quantize_fp8_weight(weight)
+    report.check("fp8 quantize scales", relative_error(scale, rscale), 1e-6)
+    if DEVICE != "cuda":
+        print("  skip fp8 quantized values: the interpreter rounds to fp8 wrongly (tests/kernels/test_fp8.py)")
+    else:
+        _check_fp8_values(report, q, rq)
+    for m in (1, 16, 100, n(4096)):
+        x = torch.randn(m, cols, device=dev).to(LOWP)
+        bias = torch.randn(rows, device=dev).to(LOWP)
+        with poisoned_allocations():
+            out = k.fp8_scaled_mm(x, rq, rscale, bias)
+        ref = reference.fp8_scaled_mm(x.float(), rq, rscale, bias.float())
+        report.check(f"fp8_scaled_mm bf16 x fp8 M={m}", relative_error(out, ref), 1e-2)
+
+    if DEVICE != "cuda":
+        print("  skip quantize_model(fp8): fp8 linears need CUDA")
+    else:
+        _check_fp8_model(report)
+
     # int8 weights run the same Triton matmul (the widening is the only difference).
     iq, iscale = quantize_int8_weight(weight)
-    for m in (1, 16, 4096):
-        x = torch.randn(m, 4000, device=dev).to(torch.bfloat16)
+    for m in (1, 16, n(4096)):
+        x = torch.randn(m, cols, device=dev).to(LOWP)
         with poisoned_allocations():
             out = k.int8_scaled_mm(x, iq, iscale, None)
         report.check(
@@ -346,6 +392,29 @@ def check_8bit_weights(report: Report, k: Any) -> None:
         )
 
 
+def check_lora(report: Report, k: Any) -> None:
+    """LoRA's batched add (several adapters and base-model rows in one batch) against the reference."""
+    from kernels import reference
+    from kernels.lora_segments import LoraSegments
+    from kernels.triton.testing import poisoned_allocations, relative_error
+
+    runs = [(0, n(1000)), (2, 1), (-1, 3), (1, 1), (2, n(300)), (3, 17)]  # (slot, tokens): prefills, decodes, base
+    segments = LoraSegments.build(runs, torch.device(DEVICE))
+    tokens = sum(count for _, count in runs)
+    for rank, n_out in ((16, HIDDEN), (48, 2 * INTERMEDIATE)):
+        x = torch.randn(tokens, HIDDEN, device=DEVICE).to(LOWP)
+        a = (torch.randn(4, rank, HIDDEN, device=DEVICE) / HIDDEN**0.5).to(LOWP)
+        b = torch.randn(4, rank, n_out, device=DEVICE).to(LOWP)
+        y = torch.randn(tokens, n_out, device=DEVICE).to(LOWP)
+        ours, ref = y.clone(), y.float()
+        with poisoned_allocations():
+            k.lora_add(ours, x, a, b, segments)
+        reference.lora_add(ref, x.float(), a.float(), b.float(), segments)
+        report.check(f"lora_add bf16 rank={rank} out={n_out}", relative_error(ours, ref), 1e-2)
+        base = torch.tensor([s < 0 for s, count in runs for _ in range(count)], device=DEVICE)
+        report.check_true(f"lora_add rank={rank}: base-model rows untouched", torch.equal(ours[base], y[base]))
+
+
 def time_decode(report: Report, k: Any) -> None:
     import torch.nn.functional as F
 
@@ -353,8 +422,8 @@ def time_decode(report: Report, k: Any) -> None:
     from kernels.triton.testing import relative_error
 
     for batch, context in DECODE_CASES:
-        kv = paged_kv([context] * batch, HK, HEAD_DIM, torch.bfloat16, DEVICE)
-        q = torch.randn(batch, HQ, HEAD_DIM, device=DEVICE).to(torch.bfloat16)
+        kv = paged_kv([context] * batch, HK, HEAD_DIM, LOWP, DEVICE)
+        q = torch.randn(batch, HQ, HEAD_DIM, device=DEVICE).to(LOWP)
         scale = HEAD_DIM**-0.5
 
         def ours() -> torch.Tensor:
@@ -375,8 +444,8 @@ def time_decode(report: Report, k: Any) -> None:
 
 
 def _sdpa_decode_ms(F: Any, batch: int, context: int) -> tuple[float, str]:
-    q = torch.randn(batch, HQ, 1, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
-    kk = torch.randn(batch, HK, context, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+    q = torch.randn(batch, HQ, 1, HEAD_DIM, device=DEVICE, dtype=LOWP)
+    kk = torch.randn(batch, HK, context, HEAD_DIM, device=DEVICE, dtype=LOWP)
     v = torch.randn_like(kk)
     try:
         F.scaled_dot_product_attention(q, kk, v, enable_gqa=True)
@@ -394,9 +463,9 @@ def time_extend(report: Report, k: Any) -> None:
     from kernels.triton.testing import relative_error
 
     for batch, prefix, new in PREFILL_CASES:
-        kv = paged_kv([prefix + new] * batch, HK, HEAD_DIM, torch.bfloat16, DEVICE)
+        kv = paged_kv([prefix + new] * batch, HK, HEAD_DIM, LOWP, DEVICE)
         qsl = query_start_loc([new] * batch, DEVICE)
-        q = torch.randn(batch * new, HQ, HEAD_DIM, device=DEVICE).to(torch.bfloat16)
+        q = torch.randn(batch * new, HQ, HEAD_DIM, device=DEVICE).to(LOWP)
         scale = HEAD_DIM**-0.5
 
         def ours() -> torch.Tensor:
@@ -423,8 +492,8 @@ def time_extend(report: Report, k: Any) -> None:
 def _sdpa_extend_ms(F: Any, batch: int, prefix: int, new: int) -> float | None:
     """SDPA on the same unpaged shapes, K/V expanded to the query heads so the flash/cuDNN
     kernels take it; the causal mask aligned to the bottom right when there is a prefix."""
-    q = torch.randn(batch, HQ, new, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
-    kk = torch.randn(batch, HQ, prefix + new, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+    q = torch.randn(batch, HQ, new, HEAD_DIM, device=DEVICE, dtype=LOWP)
+    kk = torch.randn(batch, HQ, prefix + new, HEAD_DIM, device=DEVICE, dtype=LOWP)
     v = torch.randn_like(kk)
     if prefix == 0:
         return bench_ms(lambda: F.scaled_dot_product_attention(q, kk, v, is_causal=True))
@@ -438,8 +507,8 @@ def _sdpa_extend_ms(F: Any, batch: int, prefix: int, new: int) -> float | None:
 
 def time_fp8(report: Report, k: Any) -> None:
     for m, n, kd in FP8_CASES:
-        x = torch.randn(m, kd, device=DEVICE).to(torch.bfloat16)
-        w = torch.randn(n, kd, device=DEVICE).to(torch.bfloat16)
+        x = torch.randn(m, kd, device=DEVICE).to(LOWP)
+        w = torch.randn(n, kd, device=DEVICE).to(LOWP)
         q, scale = k.quantize_fp8_weight(w)
         bf16_ms = bench_ms(lambda: torch.matmul(x, w.t()))
         fp8_ms = bench_ms(lambda: k.fp8_scaled_mm(x, q, scale))
@@ -454,7 +523,7 @@ def time_fp8(report: Report, k: Any) -> None:
 def time_elementwise(report: Report, k: Any) -> None:
     from kernels import reference
 
-    t, bf16, dev = 8192, torch.bfloat16, DEVICE
+    t, bf16, dev = n(8192), LOWP, DEVICE
     x = torch.randn(t, HIDDEN, device=dev).to(bf16)
     res = torch.randn(t, HIDDEN, device=dev).to(bf16)
     w = torch.ones(HIDDEN, device=dev, dtype=bf16)
@@ -495,8 +564,8 @@ def sweep_attention(report: Report, k: Any, deadline: float) -> None:
     decode_variants = [(block_n, warps, stages, min_split) for block_n, warps, stages in
                        [(64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 8, 2)] for min_split in (256, 1024)]  # fmt: skip
     for batch, context in DECODE_CASES:
-        kv = paged_kv([context] * batch, HK, HEAD_DIM, torch.bfloat16, DEVICE)
-        q = torch.randn(batch, HQ, HEAD_DIM, device=DEVICE).to(torch.bfloat16)
+        kv = paged_kv([context] * batch, HK, HEAD_DIM, LOWP, DEVICE)
+        q = torch.randn(batch, HQ, HEAD_DIM, device=DEVICE).to(LOWP)
         for block_n, warps, stages, min_split in decode_variants:
             if time.monotonic() > deadline:
                 return
@@ -511,9 +580,9 @@ def sweep_attention(report: Report, k: Any, deadline: float) -> None:
         del kv
     extend_variants = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 4)]
     for batch, prefix, new in PREFILL_CASES:
-        kv = paged_kv([prefix + new] * batch, HK, HEAD_DIM, torch.bfloat16, DEVICE)
+        kv = paged_kv([prefix + new] * batch, HK, HEAD_DIM, LOWP, DEVICE)
         qsl = query_start_loc([new] * batch, DEVICE)
-        q = torch.randn(batch * new, HQ, HEAD_DIM, device=DEVICE).to(torch.bfloat16)
+        q = torch.randn(batch * new, HQ, HEAD_DIM, device=DEVICE).to(LOWP)
         for block_m, block_n, warps, stages in extend_variants:
             if time.monotonic() > deadline:
                 return
@@ -536,8 +605,8 @@ def sweep_attention(report: Report, k: Any, deadline: float) -> None:
         False: [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (64, 128, 64, 4, 4)],
     }
     for m, n, kd in FP8_CASES:
-        x = torch.randn(m, kd, device=DEVICE).to(torch.bfloat16)
-        qweight, scale = k.quantize_fp8_weight(torch.randn(n, kd, device=DEVICE).to(torch.bfloat16))
+        x = torch.randn(m, kd, device=DEVICE).to(LOWP)
+        qweight, scale = k.quantize_fp8_weight(torch.randn(n, kd, device=DEVICE).to(LOWP))
         for block_m, block_n, block_k, warps, stages in fp8_variants[m <= 64]:
             if time.monotonic() > deadline:
                 return
@@ -618,16 +687,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="stop starting sweep variants after this many seconds (default 420: one 8-minute run)",
     )
     parser.add_argument("--checks-only", action="store_true", help="correctness only, no timings")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="on the CPU in Triton's interpreter (TRITON_INTERPRET=1), tiny shapes"
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if args.dry_run:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            print("kernels_gpu: --dry-run runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        dry_run_sizes()
+    elif os.environ.get("TRITON_INTERPRET") == "1":
         print("kernels_gpu: TRITON_INTERPRET=1 would interpret the kernels on the CPU; unset it", file=sys.stderr)
         return 2
-    if not torch.cuda.is_available():
+    if not args.dry_run and not torch.cuda.is_available():
         print(
             "kernels_gpu: no CUDA device here. This script checks and times the Triton kernels on a GPU: run "
             "bench/kernels_gpu.sh on a CUDA machine (the CPU checks are pytest tests/kernels).",
@@ -639,7 +717,8 @@ def main(argv: list[str] | None = None) -> int:
     import kernels.triton as triton_kernels
 
     k = argparse.Namespace(**triton_kernels.KERNELS)
-    report = Report(device=torch.cuda.get_device_name(), versions={"torch": torch.__version__,
+    device = "cpu (dry run: Triton interpreter, float16 for bfloat16)" if args.dry_run else torch.cuda.get_device_name()
+    report = Report(device=device, versions={"torch": torch.__version__,
                                                                    "triton": triton.__version__})  # fmt: skip
     print(f"{report.device}: torch {torch.__version__}, triton {triton.__version__}")
     guarded(report, "ceilings", lambda: measure_ceilings(report))
@@ -647,12 +726,13 @@ def main(argv: list[str] | None = None) -> int:
     guarded(report, "correctness: attention", lambda: check_attention(report, k))
     guarded(report, "correctness: batch invariance", lambda: check_batch_invariance(report, k))
     guarded(report, "correctness: fp8 and int8 weights", lambda: check_8bit_weights(report, k))
+    guarded(report, "correctness: LoRA", lambda: check_lora(report, k))
     if not args.checks_only and report.ceilings:
         guarded(report, "timing: decode attention", lambda: time_decode(report, k))
         guarded(report, "timing: prefill/extend attention", lambda: time_extend(report, k))
         guarded(report, "timing: fp8 matmul", lambda: time_fp8(report, k))
         guarded(report, "timing: elementwise kernels", lambda: time_elementwise(report, k))
-        if not args.no_sweep:
+        if not args.no_sweep and not args.dry_run:
             guarded(report, "sweep", lambda: sweep_attention(report, k, started + args.budget_s))
     write_json(report, args.json or default_json_path(os.environ))
     print_summary(report)
