@@ -1,6 +1,7 @@
 """bench/gpu_check.sh --dry-run: the GPU run's every part on this CPU (Triton's interpreter, tiny
 shapes), so the script a lent GPU runs cannot rot between runs. Its checks must pass here too:
-the kernels against their references, the engine's greedy tokens against transformers'."""
+the kernels against their references, the engine's greedy tokens against transformers', the
+mesh's hand-offs on both transports."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def test_the_dry_run_passes_and_writes_each_part(dry_run) -> None:
     run, out = dry_run
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert "gpu_check: PASSED" in run.stdout
-    for name in ("kernels_gpu.json", "kernels_gpu.log", "gpu_engine.json", "gpu_engine.log"):
+    for name in ("kernels_gpu.json", "kernels_gpu.log", "gpu_engine.json", "gpu_engine.log", "gpu_mesh.json"):
         assert (out / name).stat().st_size > 0, name
 
 
@@ -55,3 +56,13 @@ def test_the_engine_matches_transformers_and_is_measured_against_its_roofline(dr
     assert check["identical"] == check["prompts"] > 0
     assert {s["batch"] for s in report["speeds"]} == {1, 4}
     assert all(0 < s["fraction_of_roofline"] and s["decode_tokens_per_s"] > 0 for s in report["speeds"])
+
+
+def test_the_mesh_hands_every_request_off_on_both_transports_with_the_same_text(dry_run) -> None:
+    _, out = dry_run
+    report = json.loads((out / "gpu_mesh.json").read_text())
+    assert report["passed"] and not report["errors"], report
+    assert [r["transport"] for r in report["runs"]] == ["nixl", "grpc"]
+    for run in report["runs"]:
+        assert run["remote_prefills"] == run["streams"] == 4
+        assert run["bytes_pulled"] > 0 and run["transfer_failures"] == 0 and run["kv_transfer_seconds"] > 0
