@@ -41,13 +41,11 @@ import random
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -58,6 +56,7 @@ from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc  # noqa: E402
 from kvmesh.launcher import Mesh, MeshOptions, RestartPolicy, build_topology  # noqa: E402
 from kvmesh.launcher.compose import REPO_ROOT  # noqa: E402
+from kvmesh.launcher.scrape import scrape  # noqa: E402
 from kvmesh.runtime import create_channel
 
 MODEL = REPO_ROOT / "models" / "pycode-small"
@@ -88,17 +87,10 @@ class Tally:
 
 
 def metrics(mesh: Mesh, name: str) -> dict[str, float]:
-    spec = mesh.topology.get(name)
     try:
-        text = urllib.request.urlopen(f"http://{spec.host}:{spec.metrics_port}/metrics", timeout=5).read().decode()
+        return scrape(mesh.topology.get(name), timeout_s=5)
     except OSError:
         return {}
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[s.name + ("{" + labels + "}" if labels else "")] = s.value
-    return out
 
 
 def request(prompt: str, max_tokens: int) -> gateway_pb2.GenerateRequest:

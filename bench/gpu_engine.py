@@ -25,7 +25,6 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent))
 
 from _table import print_table  # noqa: E402
+from kernels_gpu import guarded  # noqa: E402
 
 _LLAMA = {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "initializer_range": 0.1}
 SHAPES: dict[str, dict[str, Any]] = {
@@ -84,16 +84,6 @@ class Report:
     @property
     def passed(self) -> bool:
         return not self.errors and all(c["identical"] == c["prompts"] for c in self.checks)
-
-
-def guarded(report: Report, section: str, run: Callable[[], None]) -> None:
-    """Run one section; an exception is recorded and the next section still runs."""
-    print(f"\n== {section}", flush=True)
-    try:
-        run()
-    except Exception:
-        report.errors.append(f"{section}: {traceback.format_exc(limit=8)}")
-        print(f"  ERROR in {section}:\n{traceback.format_exc(limit=8)}", flush=True)
 
 
 def _sync(device: str) -> None:

@@ -35,10 +35,9 @@ sys.path.insert(0, str(BENCH.parent))
 from _side_by_side import running_mesh  # noqa: E402
 from _table import print_table  # noqa: E402
 from gpu_engine import DRY_SHAPES, SHAPES, write_model  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from kvmesh.launcher.scrape import scrape  # noqa: E402
 from kvmesh.launcher.spec import MeshOptions, free_port  # noqa: E402
-from kvmesh.launcher.supervisor import Mesh  # noqa: E402
 from kvmesh.models.bpe import train_tokenizer, write_tokenizer  # noqa: E402
 
 TRANSPORTS = ("nixl", "grpc")
@@ -95,26 +94,15 @@ def complete(url: str, prompt: list[int], max_tokens: int) -> str:
         return json.load(reply)["choices"][0]["text"]
 
 
-def metrics(mesh: Mesh, process: str) -> dict[str, float]:
-    spec = mesh.topology.get(process)
-    text = urllib.request.urlopen(f"http://{spec.host}:{spec.metrics_port}/metrics", timeout=10).read().decode()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
-    return out
-
-
 def run_transport(workdir: Path, model: Path, plan: Plan, transport: str, prompts: list[list[int]]) -> dict[str, Any]:
     with running_mesh(options(model, plan, transport), workdir, f"{transport}-") as (url, mesh, _):
         complete(url, prompts[0][:8], 2)  # warm-up: the first step of each worker
-        before = metrics(mesh, "decode-0")
+        before = scrape(mesh.topology.get("decode-0"))
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             outputs = list(pool.map(lambda p: complete(url, p, plan.max_tokens), prompts))
         seconds = time.perf_counter() - t0
-        decode, gateway = metrics(mesh, "decode-0"), metrics(mesh, "gateway")
+        decode, gateway = scrape(mesh.topology.get("decode-0")), scrape(mesh.topology.get("gateway"))
     pulled = decode["kvmesh_decode_bytes_pulled_total"] - before["kvmesh_decode_bytes_pulled_total"]
     transfer_s = gateway.get("kvmesh_gateway_request_phase_seconds_sum{phase=kv_transfer}", 0.0)
     return {

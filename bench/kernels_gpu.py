@@ -175,11 +175,11 @@ class Report:
 
 
 def guarded(report: Report, section: str, run: Callable[[], None]) -> None:
-    """Run one section; an exception is recorded and the next section still runs."""
-    print(f"\n== {section}")
+    """Run one section; an exception is recorded (in ``report.errors``) and the next section still runs."""
+    print(f"\n== {section}", flush=True)
     try:
         run()
-        if DEVICE == "cuda":
+        if torch.cuda.is_initialized():
             torch.cuda.synchronize()  # surface asynchronous launch errors inside their section
     except Exception:
         report.errors.append(f"{section}: {traceback.format_exc(limit=6)}")

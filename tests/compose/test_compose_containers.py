@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -22,6 +20,7 @@ import pytest
 
 from kvmesh.launcher import free_port
 from kvmesh.launcher.compose import REPO_ROOT
+from tests.compose.kvmesh_up import kvmesh_up
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -40,33 +39,22 @@ def _env(**extra: str) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")} | BLOCKS | extra
 
 
-def _chat(base: str, content: str, max_tokens: int, ignore_eos: bool = False) -> str:
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": ignore_eos,
-    }
-    request = urllib.request.Request(
-        f"{base}/v1/chat/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+def _greedy_chat(base: str, content: str, max_tokens: int, **extra: object) -> urllib.request.Request:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+    return urllib.request.Request(
+        f"{base}/v1/chat/completions",
+        data=json.dumps(body | {"temperature": 0} | extra).encode(),
+        headers={"content-type": "application/json"},
     )
-    with urllib.request.urlopen(request, timeout=300) as reply:
+
+
+def _chat(base: str, content: str, max_tokens: int, ignore_eos: bool = False) -> str:
+    with urllib.request.urlopen(_greedy_chat(base, content, max_tokens, ignore_eos=ignore_eos), timeout=300) as reply:
         return json.load(reply)["choices"][0]["message"]["content"]
 
 
 def _stream_chat(base: str, content: str, max_tokens: int) -> Iterator[dict]:
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    request = urllib.request.Request(
-        f"{base}/v1/chat/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
-    )
+    request = _greedy_chat(base, content, max_tokens, ignore_eos=True, stream=True)
     with urllib.request.urlopen(request, timeout=300) as reply:
         for raw in reply:
             line = raw.decode().strip()
@@ -77,33 +65,14 @@ def _stream_chat(base: str, content: str, max_tokens: int) -> Iterator[dict]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[str, str]:
     """The answers `kvmesh up` gives on the default model: the same compose file, as processes."""
-    run_dir = tmp_path_factory.mktemp("up")
-    (run_dir / "empty.env").write_text("")  # not the developer's compose/.env
-    argv = [sys.executable, "-m", "kvmesh.cli", "up", "--device", "cpu", "--no-publish"]
-    argv += ["--env-file", str(run_dir / "empty.env"), "--run-dir", str(run_dir), "--log-level", "warning"]
-    with open(run_dir / "up.stderr", "w") as err:
-        proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=err, text=True)
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("kvmesh is up"):
-                break
-        else:
-            raise AssertionError(f"kvmesh up ended (code {proc.wait()}):\n{(run_dir / 'up.stderr').read_text()}")
-        plan = {p["name"]: p for p in json.loads((run_dir / "topology.json").read_text())}
+    flags = ["--device", "cpu", "--no-publish", "--log-level", "warning"]
+    with kvmesh_up(tmp_path_factory.mktemp("up"), *flags, env=_env()) as (_, plan):
         base = f"http://127.0.0.1:{plan['gateway']['env']['KVMESH_HTTP_PORT']}"
         return {
             "short": _chat(base, SHORT, 32),
             "long": _chat(base, LONG, 16),
             "stream": _chat(base, SHORT, STREAM_TOKENS, ignore_eos=True),
         }
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @dataclass

@@ -6,7 +6,6 @@ One mesh for the module: starting one costs ~20 s here.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -29,6 +28,7 @@ from kvmesh.launcher.health_cli import check_health
 from kvmesh.runtime import create_channel
 from kvmesh.runtime.certs import role_identity
 from kvmesh.runtime.tls import TlsFiles
+from tests.compose.kvmesh_up import kvmesh_up
 from tests.e2e.mesh_helpers import write_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -64,45 +64,9 @@ class Up:
 def up(tmp_path_factory) -> Iterator[Up]:
     model = write_model(tmp_path_factory.mktemp("compose-model") / "llama")
     run_dir = tmp_path_factory.mktemp("up")
-    empty_env_file = run_dir / "empty.env"
-    empty_env_file.write_text("")  # not the developer's compose/.env
-    argv = [
-        sys.executable,
-        "-m",
-        "kvmesh.cli",
-        "up",
-        "--model",
-        str(model),
-        "--device",
-        "cpu",
-        "--no-publish",
-        "--env-file",
-        str(empty_env_file),
-        "--run-dir",
-        str(run_dir),
-        "--log-level",
-        "warning",
-    ]
-    with open(run_dir / "up.stderr", "w") as err:
-        proc = subprocess.Popen(
-            argv, cwd=REPO_ROOT, env=_clean_env(**COMPOSE_SETTINGS), stdout=subprocess.PIPE, stderr=err, text=True
-        )
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("kvmesh is up"):
-                break
-        else:
-            raise AssertionError(f"kvmesh up ended (code {proc.wait()}):\n{(run_dir / 'up.stderr').read_text()}")
-        plan = {p["name"]: p for p in json.loads((run_dir / "topology.json").read_text())}
+    flags = ["--model", str(model), "--device", "cpu", "--no-publish", "--log-level", "warning"]
+    with kvmesh_up(run_dir, *flags, env=_clean_env(**COMPOSE_SETTINGS)) as (proc, plan):
         yield Up(proc, run_dir, plan, model)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            proc.kill()  # the children follow it (parent-death signal)
-            proc.wait()
 
 
 def scrape(port: int) -> dict[str, float]:

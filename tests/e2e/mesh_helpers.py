@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import shutil
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from kvmesh.launcher.restart import RestartPolicy
+from kvmesh.launcher.scrape import scrape
 from kvmesh.launcher.spec import MeshOptions, free_port
 from kvmesh.launcher.supervisor import Mesh
 from kvmesh.launcher.topology import build_topology
@@ -95,14 +93,7 @@ def http_url(mesh: Mesh) -> str:
 
 def metrics(mesh: Mesh, process: str) -> dict[str, float]:
     """The process's /metrics as {name or name{labels}: value}."""
-    spec = mesh.topology.get(process)
-    text = urllib.request.urlopen(f"http://{spec.host}:{spec.metrics_port}/metrics", timeout=5).read().decode()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
-            out[key] = s.value
-    return out
+    return scrape(mesh.topology.get(process), timeout_s=5)
 
 
 def held(mesh: Mesh, prefill: Sequence[str], decode: Sequence[str]) -> dict[str, float]:
