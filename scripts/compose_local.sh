@@ -13,7 +13,7 @@
 # KVMESH_BUILD_FRESH=1 (remake the base, build without the layer cache), and every
 # variable the compose file reads (KVMESH_DECODE_REPLICAS, KVMESH_GATEWAY_HTTP_PORT ...).
 # On a machine with Docker and a registry none of this is needed: `docker compose -f
-# compose/docker-compose.cpu.yml up` builds from the public python image (docs/deployment.md).
+# compose/docker-compose.cpu.yml up` builds from the public python image (docs/deploy.md).
 #
 # Why docker-compose and not podman-compose: compose's start order waits on health
 # (`condition: service_healthy`, `service_completed_successfully`), which docker-compose 1.29
