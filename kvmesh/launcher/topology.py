@@ -57,6 +57,7 @@ from kvmesh.launcher.localize import (
 )
 from kvmesh.launcher.spec import (
     KVMESH_ROLES,
+    PORT_SETTING,
     SCALED_ROLES,
     MeshOptions,
     ProcessSpec,
@@ -214,6 +215,8 @@ class _Plan:
 
     def _fixed_ports(self, instances: Sequence[_Instance]) -> set[int]:
         fixed = {p for p in (self.options.gateway_port, self.options.redis_port) if p}
+        for env in self.options.role_env.values():  # e.g. a KVMESH_HTTP_PORT the caller picked
+            fixed |= {int(v) for k, v in env.items() if PORT_SETTING.fullmatch(k) and v.isdigit()}
         if self.options.publish:
             for inst in instances:
                 fixed |= {m.host for m in inst.service.ports if m.host}

@@ -226,6 +226,16 @@ def test_free_ports_are_never_handed_out_twice_nor_the_fixed_ones() -> None:
     assert len(ports) == len(set(ports)) and topo.get("gateway").port == 50051
 
 
+def test_a_port_a_role_setting_picked_is_never_handed_out_again() -> None:
+    # The caller picked 41000 for the gateway's HTTP API; the OS happens to offer it again to the planner.
+    options = _options(publish=False, role_env={"gateway": {"KVMESH_HTTP_PORT": "41000"}})
+    topo = _plan(options, ports=_ports(41000))
+
+    assert topo.get("gateway").env["KVMESH_HTTP_PORT"] == "41000"
+    others = [port for p in topo.processes for port in (p.port, p.metrics_port) if port is not None]
+    assert 41000 not in others
+
+
 def test_every_port_setting_of_a_service_is_mapped_and_published_ones_keep_their_host_port() -> None:
     gateway = _plan().get("gateway")
     assert gateway.env["KVMESH_HTTP_PORT"] == "8000" and gateway.port == 50051  # both published by the compose file
