@@ -12,15 +12,28 @@ code, and a failure seen once in CI must be diagnosable from its report.
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from kvmesh.launcher.supervisor import MeshError
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Workers these tests start (meshes, containers) decode eagerly, as compiling every mesh's graphs would
+    # cost minutes each; the compiled path has tests of its own, which compile into this run's own cache.
+    os.environ["KVMESH_COMPILE"] = os.environ["KVMESH_DECODE_COMPILE"] = "0"  # the flag; the compose files' variable
+    os.environ["KVMESH_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="kvmesh-compile-cache-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(os.environ.pop("KVMESH_COMPILE_CACHE", ""), ignore_errors=True)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -23,16 +23,22 @@ first request and no later step compiles.
 from __future__ import annotations
 
 import functools
+import itertools
+import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
+import structlog
 import torch
 from torch.fx.experimental import _config as fx_config
 
 from kernels import Ops
 from kernels.small_rows_linear import one_row_runs_reordered, streamed_rows
+from kvmesh.engine.compile_cache import compile_cache, compile_key, compiled_graph_counts
 from kvmesh.engine.model import AttentionMetadata, CausalLM
 from kvmesh.engine.synthetic_step import synthetic_step
+
+log = structlog.get_logger(__name__)
 
 # Graphs one warmed-up engine holds (one sequence; symbolic), with room to spare; past it
 # dynamo would run eagerly.
@@ -132,8 +138,14 @@ def _own_code(fn: Callable) -> Callable:
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
 
 
-def compile_decode(model: CausalLM, kv_cache: torch.Tensor) -> None:
-    """Route ``model``'s decode steps through compiled graphs and build them now."""
+def compile_decode(model: CausalLM, kv_cache: torch.Tensor, settings: Mapping[str, object]) -> None:
+    """Route ``model``'s decode steps through compiled graphs and build them now, or load them from
+    the compile cache's folder for ``settings`` and this toolchain (``kvmesh.engine.compile_cache``)."""
+    with compile_cache(compile_key(settings)):
+        _compile_decode(model, kv_cache)
+
+
+def _compile_decode(model: CausalLM, kv_cache: torch.Tensor) -> None:
     # Imported only when compiling: with inductor imported at engine import, the Triton kernel
     # tests later in the same pytest process failed (tl.cdiv stayed a JITFunction under the interpreter).
     from torch._inductor import config as inductor_config
@@ -150,16 +162,30 @@ def compile_decode(model: CausalLM, kv_cache: torch.Tensor) -> None:
     # The graphs of one row and of a few: frozen in bf16 and where one float32 row runs reordered.
     freeze_small = kv_cache.dtype == torch.bfloat16 or reordered_alone
     # One sequence on 3 free pool blocks; new_tokens picks the graph (1, 2..few_rows, more rows).
-    warm_up = functools.partial(synthetic_step, model, kv_cache, batch=1, width=3, seq_len=3 * kv_cache.shape[3])
+    step = functools.partial(synthetic_step, model, kv_cache, batch=1, width=3, seq_len=3 * kv_cache.shape[3])
+    graphs = 3 if streamed_rows(model) >= 2 else 2
+    built = itertools.count(1)
+
+    def warm_up(new_tokens: int, rows: str) -> None:
+        before, start = compiled_graph_counts(), time.perf_counter()
+        log.info(f"compiling decode graph {next(built)}/{graphs} ({rows})")
+        step(new_tokens=new_tokens)
+        after = compiled_graph_counts()
+        log.info(
+            "decode graph ready",
+            seconds=round(time.perf_counter() - start, 1),
+            **{k: after[k] - before[k] for k in after},
+        )
+
     with fx_config.patch(use_duck_shape=False), inductor_config.patch(cpp_wrapper=True):
         with inductor_config.patch(freezing=freeze_small):
             compiled.mark_rows_unbacked = reordered_alone
-            warm_up(new_tokens=1)
+            warm_up(1, "one sequence")
             compiled.mark_rows_unbacked = False
             compiled.few_rows = streamed_rows(model)
             if compiled.few_rows >= 2:
                 compiled.mark_few_rows = True
-                warm_up(new_tokens=2)
+                warm_up(2, f"2 to {compiled.few_rows} rows")
                 compiled.mark_few_rows = False
         with inductor_config.patch(freezing=True):
-            warm_up(new_tokens=max(2, compiled.few_rows + 1))
+            warm_up(max(2, compiled.few_rows + 1), "batched")

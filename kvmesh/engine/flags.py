@@ -30,12 +30,6 @@ ENGINE_FLAGS = [
         type=bool,
     ),
     Flag(
-        "--compile",
-        "torch.compile the decode step (inductor): faster steps, about 2 minutes more start-up on CPU",
-        default=False,
-        type=bool,
-    ),
-    Flag(
         "--small-rows-linears",
         "CPU: decode and verify products on a oneDNN-reordered second copy of the weights, "
         "or streamed by kernels/cpu where that is faster (kernels/small_rows_linear.py; "
@@ -70,6 +64,18 @@ ENGINE_FLAGS = [
 ]
 
 
+# Workers that decode: their decode steps run compiled graphs unless told otherwise. A prefill
+# worker never runs a decode step, so it has no such flag.
+COMPILE_FLAG = Flag(
+    "--compile",
+    "torch.compile the decode step (inductor, graphs kept in the compile cache, $KVMESH_COMPILE_CACHE): "
+    "faster steps; the first start of a model and configuration compiles (minutes on CPU), later ones load "
+    "from the cache; --no-compile runs eager (debugging)",
+    default=True,
+    type=bool,
+)
+
+
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     return EngineConfig(
         device=args.device,
@@ -81,7 +87,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         max_model_len=args.max_model_len,
         quantization=args.quantization,
         quantize_lm_head=args.quantize_lm_head,
-        compile=args.compile,
+        compile=getattr(args, "compile", False),
         small_rows_linears=args.small_rows_linears,
         fault_after_steps=args.inject_engine_fault_after_steps,
         max_loras=args.max_loras,

@@ -84,9 +84,25 @@ class ModelRunner:
             mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
         )
         if cfg.compile:
-            compile_decode(self.model, self.kv.tensor)  # before any block holds KV
+            compile_decode(self.model, self.kv.tensor, self._compile_settings())  # before any block holds KV
         if drafter is not None:
             drafter.calibrate(self.model, self.kv.tensor, self.max_model_len)  # likewise
+
+    def _compile_settings(self) -> dict[str, object]:
+        """What, beside the toolchain, a compiled decode graph of this runner depends on
+        (``kvmesh.engine.compile_cache``): the model's fingerprint names weights, dtype, block size
+        and quantization; the rest are shapes and flags that change the traced code."""
+        cfg = self.config
+        return {
+            "model": self.fingerprint,
+            "device": str(self.device),
+            "kv_pool": list(self.kv.tensor.shape),
+            "max_model_len": self.max_model_len,
+            "small_rows_linears": cfg.small_rows_linears,
+            "max_loras": cfg.max_loras,
+            "max_lora_rank": cfg.max_lora_rank,
+            "feature_layers": list(self.model.feature_layers),
+        }
 
     def forward(
         self, batch: ScheduledBatch, stats: EngineStats

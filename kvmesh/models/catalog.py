@@ -34,13 +34,16 @@ CATALOG = {m.name: m for m in (SMOLLM2_135M_INSTRUCT,)}
 DEFAULT_MODEL = SMOLLM2_135M_INSTRUCT
 
 
+def cache_dir() -> Path:
+    """kvmesh's cache folder: $KVMESH_CACHE, else ~/.cache/kvmesh (installed models, compiled graphs)."""
+    cache = os.environ.get("KVMESH_CACHE")
+    return Path(cache).expanduser() if cache else Path.home() / ".cache" / "kvmesh"
+
+
 def models_dir() -> Path:
     """Where installed models live: $KVMESH_MODELS_DIR, else $KVMESH_CACHE/models, else ~/.cache/kvmesh/models."""
     explicit = os.environ.get("KVMESH_MODELS_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    cache = os.environ.get("KVMESH_CACHE")
-    return (Path(cache).expanduser() if cache else Path.home() / ".cache" / "kvmesh") / "models"
+    return Path(explicit).expanduser() if explicit else cache_dir() / "models"
 
 
 def model_dir(model: PackagedModel) -> Path:

@@ -9,7 +9,7 @@ from kvmesh.api.common.v1 import kv_pb2, worker_pb2
 from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.flags import ENGINE_FLAGS, engine_config, model_path
+from kvmesh.engine.flags import COMPILE_FLAG, ENGINE_FLAGS, engine_config, model_path
 from kvmesh.engine.metrics import EngineCollector
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
 from kvmesh.runtime.advertise import advertised_address
@@ -31,6 +31,7 @@ from services.speculator.client import SpeculatorProposer
 
 FLAGS = [
     *ENGINE_FLAGS,
+    COMPILE_FLAG,
     *KV_TRANSPORT_FLAGS,
     Flag("--advertise-address", "host:port the gateway uses to reach this worker (default: host:port)"),
     Flag("--speculator-address", "speculator host:port (unset: drafts from an in-process prompt lookup)"),

@@ -135,7 +135,8 @@ def test_persistence_volumes_and_the_monitoring_profile(tmp_path) -> None:
     redis = services["redis"]["command"]
     assert redis[redis.index("--appendonly") + 1] == "yes" and "--save" in redis
     assert "redis-data:/data:rw" in services["redis"]["volumes"]
-    assert set(config["volumes"]) == {"certs", "redis-data", "kvstore-data", "prometheus-data"}
+    assert "compile-cache:/var/cache/kvmesh/compile:rw" in services["decode"]["volumes"]
+    assert set(config["volumes"]) == {"certs", "compile-cache", "redis-data", "kvstore-data", "prometheus-data"}
     assert services["prometheus"]["profiles"] == ["monitoring"] and services["grafana"]["profiles"] == ["monitoring"]
     assert not any(services[n].get("profiles") for n in ("redis", *KVMESH_SERVICES))
 
