@@ -25,7 +25,7 @@ from kvmesh.engine.kv_handoff import KVHandoff
 from kvmesh.engine.lora import AdapterInfo, LoraAdapters
 from kvmesh.engine.model_runner import ModelRunner
 from kvmesh.engine.outputs import Completion, EngineStats, InjectedFault, RequestOutput
-from kvmesh.engine.sampler import token_logprobs, verify
+from kvmesh.engine.sampler import DRAFTS, position_generator, token_logprobs, verify
 from kvmesh.engine.scheduler import Scheduler
 from kvmesh.engine.sequence import Sequence, TokenLogprob
 from kvmesh.engine.stop import check_stop, releasable_text
@@ -34,9 +34,6 @@ from kvmesh.errors import FailedPrecondition, InvalidArgument, KvmeshError, NotF
 from kvmesh.sampling import SamplingParams, admitted
 
 log = structlog.get_logger(__name__)
-
-# Mixes the resume point into a resumed request's seed (an odd 63-bit constant: the golden ratio).
-_RESUME_SEED_STEP = 0x4F1BBCDCBFA53E0B
 
 
 class LLMEngine(KVHandoff):
@@ -139,7 +136,7 @@ class LLMEngine(KVHandoff):
             traceparent=traceparent,
         )
         if params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(params.seed)
+            seq.draft_generator = position_generator(params.seed, 0, DRAFTS)
         if self.tokenizer is not None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids)
         if first_token is not None and not 0 <= first_token < self.model_config.vocab_size:
@@ -199,11 +196,6 @@ class LLMEngine(KVHandoff):
         # The text the first worker had released: all of it but a tail that might begin a
         # stop string, which it held back (and this worker releases or cuts later, as it would have).
         seq.emitted_text_len = len(releasable_text(seq, finished=False))
-        if p.seed is not None:
-            # The same seed from the same point again, not the stream of draws that made the
-            # first tokens: a resumed sampled request is a valid continuation, reproducible for
-            # a given resume point, but not the text an unbroken run would have sampled.
-            seq.generator = torch.Generator().manual_seed((p.seed + _RESUME_SEED_STEP * len(resume_ids)) % 2**63)
 
     def _admissible(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         """``params`` resolved with the contract's defaults and checked with the prompt (kvmesh.sampling),
@@ -292,9 +284,13 @@ class LLMEngine(KVHandoff):
         drafts, seq.draft_ids = seq.draft_ids, []
         draft_probs, seq.draft_probs = seq.draft_probs, None
         k = len(drafts)
-        gen = seq.generator or self._default_gen
+        seed, position = seq.params.seed, len(seq.output_ids)
+        if seed is None or seq.params.greedy:
+            gens = [self._default_gen] * (k + 1)
+        else:  # a resumed request's output starts with what it resumes: positions run on from there
+            gens = [position_generator(seed, position + i) for i in range(k + 1)]
         probs = draft_probs[:k] if k and draft_probs is not None else None
-        tokens = verify(rows, drafts, seq.params, gen, greedy, probs)
+        tokens = verify(rows, drafts, seq.params, gens, greedy, probs)
         if hidden is not None:  # the row that sampled the last token
             seq.feature = hidden[row + len(tokens) - 1]
         if k:

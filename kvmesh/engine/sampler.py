@@ -1,8 +1,11 @@
 """Choosing each sequence's next token(s) from its logits.
 
 Greedy rows are one batched argmax. Sampled rows apply temperature, top-k,
-top-p and min-p, then draw with the request's own ``torch.Generator`` so a
-seeded request is reproducible whatever else shares its batch. Logprobs are
+top-p and min-p, then draw. A seeded request draws output position i from a
+generator keyed by (seed, i) alone (``position_generator``): its text depends
+neither on what else shares its batch nor on where its earlier tokens were
+sampled, so a stream handed from prefill to decode, or resumed on another
+worker after a migration, samples what one unbroken run would have. Logprobs are
 those of the model's distribution (log-softmax of the logits, after the
 request's own logit_bias, penalties and grammar mask; before temperature,
 top-k, top-p and min-p).
@@ -25,6 +28,8 @@ of its own, so output is distributed exactly as without speculation:
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -50,6 +55,29 @@ def filter_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs / probs.sum()
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit integers that scatters nearby inputs."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+# Streams of one seed: the draws that pick output tokens, and an EAGLE head's draft draws
+# (independent of the first, as rejection sampling needs).
+TOKENS, DRAFTS = 0, 1
+
+
+def position_generator(seed: int, position: int, stream: int = TOKENS) -> torch.Generator:
+    """The generator of output position ``position`` (0: the first generated token) of a request
+    seeded ``seed``: a function of those alone, as a counter-based generator's draws are."""
+    key = _mix64(_mix64(_mix64(seed & _MASK64) ^ stream) ^ position)
+    return torch.Generator().manual_seed(key >> 1)
+
+
 def _draw(probs: torch.Tensor, gen: torch.Generator) -> int:
     return int(torch.multinomial(probs, 1, generator=gen).item())
 
@@ -58,14 +86,15 @@ def verify(
     rows: torch.Tensor,
     drafts: list[int],
     params: SamplingParams,
-    gen: torch.Generator,
+    gens: Sequence[torch.Generator],
     greedy_rows: list[int],
     draft_probs: torch.Tensor | None = None,
 ) -> list[int]:
     """Tokens to append for one sequence: accepted drafts plus one model token (1..k+1 tokens).
 
-    ``rows`` [k+1, V] are its logits; ``greedy_rows`` their argmaxes (computed batched);
-    ``draft_probs`` [k, V] the distributions the drafts were sampled from (None: point masses).
+    ``rows`` [k+1, V] are its logits; ``gens`` [k+1] the generators of their output positions
+    (unused when greedy); ``greedy_rows`` their argmaxes (computed batched); ``draft_probs`` [k, V]
+    the distributions the drafts were sampled from (None: point masses).
     """
     out: list[int] = []
     for i, draft in enumerate(drafts):
@@ -76,7 +105,7 @@ def verify(
             probs = filter_probs(rows[i], params)
             q = draft_probs[i] if draft_probs is not None else None
             accept_p = float(probs[draft]) if q is None else min(1.0, float(probs[draft]) / max(float(q[draft]), 1e-30))
-            if float(torch.rand((), generator=gen)) >= accept_p:
+            if float(torch.rand((), generator=gens[i])) >= accept_p:
                 if q is None:
                     residual = probs.clone()
                     residual[draft] = 0.0
@@ -84,10 +113,10 @@ def verify(
                     residual = (probs - q.to(probs.dtype)).clamp_(min=0.0)
                 # Zero only when p == q, where rejection cannot happen (float dust aside): draw from p then.
                 total = float(residual.sum())
-                return out + [_draw(residual / total if total > 0 else probs, gen)]
+                return out + [_draw(residual / total if total > 0 else probs, gens[i])]
         out.append(draft)
     last = len(drafts)
-    return out + [greedy_rows[last] if params.greedy else _draw(filter_probs(rows[last], params), gen)]
+    return out + [greedy_rows[last] if params.greedy else _draw(filter_probs(rows[last], params), gens[last])]
 
 
 def token_logprobs(rows: torch.Tensor, tokens: list[int], n_top: int) -> list[TokenLogprob]:

@@ -62,7 +62,8 @@ class Sequence:
     # Hashes of this sequence's full blocks, in order (extended as blocks fill).
     block_hashes: list[BlockHash] = field(default_factory=list)
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
+    # A seeded request's generator for an EAGLE head's draft draws (kvmesh.engine.sampler.DRAFTS).
+    draft_generator: torch.Generator | None = None
     detok: IncrementalDetokenizer | None = None
     # Keep the prompt's full blocks referenced after finishing (a prefill worker's hand-off).
     hold_prompt_blocks: bool = False

@@ -4,6 +4,7 @@ and the options ``kvmesh up``, the end-to-end tests and the benchmarks set on to
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from kvmesh.launcher.compose import COMPOSE_FILE, ComposeFile, compose_variables, load_compose
 from kvmesh.launcher.hosts import Place
+from kvmesh.runtime.flags import parse_bool
 from kvmesh.runtime.tls import TlsFiles
 
 # Start levels of hand-built specs (tests, benchmarks); a compose plan takes its own from depends_on.
@@ -155,5 +157,17 @@ def describe(topology: Topology, run_dir: Path) -> Sequence[str]:
         )
         metrics = f"  metrics http://{p.host}:{p.metrics_port}/metrics" if p.metrics_port else ""
         device = f"  device {p.device}" if p.device else ""
-        lines.append(f"  {p.name:<12} {where:<24}{others}{metrics}{device}  log {run_dir / 'logs' / (p.name + '.log')}")
+        steps = f"  {decode_steps(p)} decode steps" if p.role == "decode" else ""
+        log = f"  log {run_dir / 'logs' / (p.name + '.log')}"
+        lines.append(f"  {p.name:<12} {where:<24}{others}{metrics}{device}{steps}{log}")
     return lines
+
+
+def decode_steps(p: ProcessSpec) -> str:
+    """How a decode worker runs its decode steps ("compiled" or "eager"): its --compile, from its
+    settings, else the launcher's environment, else the flag's default (on: engine.flags.COMPILE_FLAG)."""
+    raw = p.env.get("KVMESH_COMPILE", os.environ.get("KVMESH_COMPILE", "1"))
+    try:
+        return "compiled" if parse_bool(raw) else "eager"
+    except ValueError:
+        return f"invalid KVMESH_COMPILE={raw!r}"

@@ -77,7 +77,8 @@ def common_flags(default_port: int, default_metrics_port: int) -> list[Flag]:
     ]
 
 
-def _parse_bool(raw: str) -> bool:
+def parse_bool(raw: str) -> bool:
+    """A boolean flag's value as its environment variable spells it (1/0, true/false, yes/no, on/off)."""
     value = raw.strip().lower()
     if value in _TRUE:
         return True
@@ -122,7 +123,7 @@ def parse_flags(
         raw = env.get(f.env_var, "")
         if raw:  # an empty variable (`KVMESH_X=` in a compose file) counts as unset
             try:
-                value = _parse_bool(raw) if f.type is bool else f.type(raw)
+                value = parse_bool(raw) if f.type is bool else f.type(raw)
             except ValueError as exc:
                 parser.error(f"{f.env_var}={raw!r} is not a valid {f.name}: {exc}")
             if f.choices is not None and value not in f.choices:

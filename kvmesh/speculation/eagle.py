@@ -277,7 +277,8 @@ class EagleProposer:
             out.update({s.request_id: d[:k] for (s, k), d in zip(greedy, drafts)})
         for s, k in ready:
             if not s.params.greedy:
-                out[s.request_id] = self.head.sample(s.feature, s.all_ids[-1], k, s.params, s.generator or self._gen)
+                gen = s.draft_generator or self._gen
+                out[s.request_id] = self.head.sample(s.feature, s.all_ids[-1], k, s.params, gen)
         return out
 
     def propose(self, wants: list[tuple[Sequence, int]]) -> dict[str, list[int]]:

@@ -26,7 +26,9 @@ pytestmark = pytest.mark.timeout(1800)
 
 SCRIPT = REPO_ROOT / "scripts" / "compose_local.sh"
 MODEL = "smollm2-135m-instruct"
-BLOCKS = {"KVMESH_PREFILL_NUM_BLOCKS": "256", "KVMESH_DECODE_NUM_BLOCKS": "256"}
+# Compose settings of both meshes: small KV pools, and eager decode steps (compiling them costs minutes a start;
+# tests/engine/test_compile_cache.py has the compiled path).
+SETTINGS = {"KVMESH_PREFILL_NUM_BLOCKS": "256", "KVMESH_DECODE_NUM_BLOCKS": "256", "KVMESH_DECODE_COMPILE": "0"}
 SHORT = "What is the capital of France? Answer in one sentence."
 # Over the router's local-prefill limit (1024 uncached tokens): prefilled by the prefill
 # container, its KV handed to a decode container.
@@ -36,7 +38,7 @@ STREAM_TOKENS = 160
 
 def _env(**extra: str) -> dict[str, str]:
     """This environment without the developer's KVMESH_* settings, plus ``extra``."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")} | BLOCKS | extra
+    return {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")} | SETTINGS | extra
 
 
 def _greedy_chat(base: str, content: str, max_tokens: int, **extra: object) -> urllib.request.Request:

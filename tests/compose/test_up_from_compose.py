@@ -38,8 +38,9 @@ COMPOSE_SETTINGS = {"KVMESH_PREFILL_NUM_BLOCKS": "128", "KVMESH_DECODE_NUM_BLOCK
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
-    """This environment without any KVMESH_* setting of the developer's, plus ``extra``."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")} | extra
+    """This environment without any KVMESH_* setting of the developer's, eager decode steps (compiling costs a
+    start minutes; tests/engine/test_compile_cache.py has that path), plus ``extra``."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")} | {"KVMESH_DECODE_COMPILE": "0"} | extra
 
 
 @dataclass

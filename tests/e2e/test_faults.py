@@ -78,7 +78,7 @@ async def stubs(faults_mesh):
 def _request(max_tokens: int, prompt: list[int] = PROMPT, **sampling) -> gateway_pb2.GenerateRequest:
     return gateway_pb2.GenerateRequest(
         token_ids=gateway_pb2.TokenIds(ids=prompt),
-        sampling=sampling_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, **sampling),
+        sampling=sampling_pb2.SamplingParams(**({"temperature": 0.0, "max_tokens": max_tokens} | sampling)),
     )
 
 
@@ -163,13 +163,19 @@ def _migration_is_traced(otlp, trace_id: str, victim: str) -> None:
     assert resumed(spans)[0].attributes["kvmesh.resumed_tokens"] > 0
 
 
-@pytest.mark.parametrize("how", ["kill", "hang"])
+@pytest.mark.parametrize(
+    ("how", "sampling"),
+    [("kill", {}), ("hang", {}), ("kill", {"temperature": 1.0, "seed": 5})],
+    ids=["kill", "hang", "kill-seeded-sampling"],
+)
 async def test_a_decode_worker_dying_or_hanging_mid_stream_is_invisible_to_the_client(
-    faults_mesh, stubs, otlp, how
+    faults_mesh, stubs, otlp, how, sampling
 ) -> None:
     mesh, (gateway, router) = faults_mesh, stubs
-    request = _request(MAX_TOKENS, ignore_eos=True)
-    expected = await _complete(gateway, request)  # greedy: the text any healthy worker gives
+    request = _request(MAX_TOKENS, ignore_eos=True, **sampling)
+    # Greedy, or sampled with a seed (output position i draws from (seed, i) alone): the text any healthy worker
+    # gives, and the one the stream must carry on with after it moved.
+    expected = await _complete(gateway, request)
     migrated_before = metrics(mesh, "gateway").get("kvmesh_gateway_migrations_total{outcome=resumed}", 0)
 
     restarts = {w: mesh.restarts(w) for w in DECODE}

@@ -110,13 +110,30 @@ def test_a_resumed_structured_output_starts_with_its_grammar_advanced(engine) ->
         engine.add_request(prompt, params, resume_ids=engine.tokenizer.encode("zz"))  # JSON starts with {
 
 
-def test_a_seeded_resume_is_reproducible_and_valid(engine) -> None:
+@pytest.mark.parametrize("cut", [1, 5, 17])
+def test_a_seeded_resume_samples_what_the_unbroken_stream_did(engine, cut) -> None:
+    # Output position i draws from (seed, i) alone, so the worker that resumes draws what the first would have.
     prompt = engine.tokenizer.encode("x = ")
     params = SamplingParams(max_tokens=24, temperature=1.0, seed=7, ignore_eos=True)
+    full, text, _ = _stream(engine, prompt, params)
+    before = _delivered_text(engine, prompt, params, cut)
+
+    rest, rest_text, _ = _stream(engine, prompt, params, resume_ids=full[:cut])
+
+    assert full[:cut] + rest == full and before + rest_text == text
+    other_seed, _, _ = _stream(engine, prompt, SamplingParams(max_tokens=24, temperature=1.0, seed=8, ignore_eos=True))
+    assert other_seed != full  # the seed matters (24 draws at temperature 1 from a random model)
+
+
+def test_a_seeded_request_handed_off_after_its_first_token_samples_the_same_text(engine) -> None:
+    prompt = engine.tokenizer.encode("y = ")
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=11, ignore_eos=True)
     full, _, _ = _stream(engine, prompt, params)
-    a, _, _ = _stream(engine, prompt, params, resume_ids=full[:5])
-    b, _, _ = _stream(engine, prompt, params, resume_ids=full[:5])
-    assert a == b and len(a) == 19
+
+    # As a decode worker continues a prefill: the first token is streamed as its first output.
+    decoded, _, _ = _stream(engine, prompt, params, first_token=full[0])
+
+    assert decoded == full
 
 
 def test_resume_refuses_what_leaves_no_room(engine) -> None:

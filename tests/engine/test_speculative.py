@@ -92,7 +92,7 @@ def test_rejection_sampling_preserves_the_target_distribution():
     first = torch.zeros(v)
     second_given_draft = torch.zeros(v)
     for _ in range(n):
-        toks = verify(rows, drafts, params, gen, rows.argmax(-1).tolist())
+        toks = verify(rows, drafts, params, [gen] * 3, rows.argmax(-1).tolist())
         first[toks[0]] += 1
         if toks[0] == drafts[0]:
             second_given_draft[toks[1]] += 1

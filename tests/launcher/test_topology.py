@@ -310,6 +310,17 @@ _ROUTER = """
 """
 
 
+def test_describe_says_how_each_decode_worker_runs_its_steps(monkeypatch) -> None:
+    monkeypatch.delenv("KVMESH_COMPILE", raising=False)
+    topo = _plan(_options(compose_vars={"KVMESH_DECODE_REPLICAS": "2"}))
+    assert sum("compiled decode steps" in line for line in describe(topo, RUN)) == 2  # the default
+
+    topo = _plan(_options(role_env={"decode": {"KVMESH_COMPILE": "off"}}))
+    lines = describe(topo, RUN)
+    assert any(line.lstrip().startswith("decode-0") and "eager decode steps" in line for line in lines)
+    assert not any("compiled" in line for line in lines)
+
+
 def test_a_command_s_arguments_are_mapped_too(tmp_path) -> None:
     options = _compose(
         tmp_path,

@@ -246,7 +246,7 @@ def test_rejection_sampling_with_a_draft_distribution_keeps_the_target_distribut
         counts = Counter()
         for _ in range(n):
             d = int(torch.multinomial(q, 1, generator=gen))
-            counts[verify(logits, [d], params, gen, [0, 0], q.unsqueeze(0) if use_q else None)[0]] += 1
+            counts[verify(logits, [d], params, [gen] * 2, [0, 0], q.unsqueeze(0) if use_q else None)[0]] += 1
         expected = Counter({i: round(float(p[i]) * n) for i in range(6)})
         assert _chi_square_p(counts, expected) > 1e-3, (use_q, counts)
     # The test can fail: accepting every draft gives q's distribution, not p's.
