@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(REPO))
 
 from _common import write_json  # noqa: E402
+from _kvmesh_up import kvmesh_up  # noqa: E402
 from _table import print_table  # noqa: E402
 
 from kvmesh.launcher import free_port  # noqa: E402
@@ -105,24 +105,10 @@ def containers_round(state: Path) -> dict[str, float]:
 
 
 def processes_round(run_dir: Path) -> dict[str, float]:
-    (run_dir / "empty.env").write_text("")
-    argv = [sys.executable, "-m", "kvmesh.cli", "up", "--device", "cpu", "--no-publish", "--log-level", "warning"]
-    argv += ["--env-file", str(run_dir / "empty.env"), "--run-dir", str(run_dir)]
-    t0 = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert proc.stdout is not None
-        if not any(line.startswith("kvmesh is up") for line in proc.stdout):
-            raise RuntimeError(f"kvmesh up ended with {proc.wait()}")
-        healthy = time.monotonic() - t0
-        plan = {p["name"]: p for p in json.loads((run_dir / "topology.json").read_text())}
-        _chat(int(plan["gateway"]["env"]["KVMESH_HTTP_PORT"]))
-        answered = time.monotonic() - t0
-    finally:
-        t1 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
-    return {"healthy_s": healthy, "answered_s": answered, "down_s": time.monotonic() - t1}
+    with kvmesh_up(run_dir, _env()) as up:
+        _chat(up.http_port)
+        answered = time.monotonic() - up.started_at
+    return {"healthy_s": up.healthy_s, "answered_s": answered, "down_s": up.stop_s}
 
 
 def main() -> None:

@@ -16,9 +16,7 @@ import argparse
 import concurrent.futures
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,10 +24,10 @@ import urllib.request
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
 from _common import write_json  # noqa: E402
+from _kvmesh_up import kvmesh_up  # noqa: E402
 from _table import print_table  # noqa: E402
 from engine import QUESTIONS  # noqa: E402
 
@@ -61,28 +59,14 @@ def _streams_tok_s(port: int) -> float:
 
 
 def start(run_dir: Path, compile_cache: Path, compiled: bool) -> dict[str, float]:
-    (run_dir / "empty.env").write_text("")
-    argv = [sys.executable, "-m", "kvmesh.cli", "up", "--device", "cpu", "--no-publish", "--log-level", "warning"]
-    argv += ["--env-file", str(run_dir / "empty.env"), "--run-dir", str(run_dir), "--start-timeout", "900"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
     env |= {"KVMESH_DECODE_COMPILE": str(int(compiled)), "KVMESH_COMPILE_CACHE": str(compile_cache)}
-    t0 = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert proc.stdout is not None
-        if not any(line.startswith("kvmesh is up") for line in proc.stdout):
-            raise RuntimeError(f"kvmesh up ended with {proc.wait()}")
-        healthy = time.monotonic() - t0
-        plan = {p["name"]: p for p in json.loads((run_dir / "topology.json").read_text())}
-        port = int(plan["gateway"]["env"]["KVMESH_HTTP_PORT"])
-        _chat(port, QUESTIONS[0], 16)
-        answered = time.monotonic() - t0
-        _streams_tok_s(port)  # a first round of 16 pays one-off costs (allocator, caches): not counted
-        tok_s = _streams_tok_s(port)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
-    return {"healthy_s": healthy, "answered_s": answered, "tok_s_16_streams": tok_s}
+    with kvmesh_up(run_dir, env, "--start-timeout", "900") as up:
+        _chat(up.http_port, QUESTIONS[0], 16)
+        answered = time.monotonic() - up.started_at
+        _streams_tok_s(up.http_port)  # a first round of 16 pays one-off costs (allocator, caches): not counted
+        tok_s = _streams_tok_s(up.http_port)
+    return {"healthy_s": up.healthy_s, "answered_s": answered, "tok_s_16_streams": tok_s}
 
 
 def main() -> None:
