@@ -29,10 +29,10 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(REPO))
 
 from _common import write_json  # noqa: E402
-from _kvmesh_up import kvmesh_up  # noqa: E402
 from _table import print_table  # noqa: E402
 
 from kvmesh.launcher import free_port  # noqa: E402
+from kvmesh.launcher.up_process import kvmesh_up  # noqa: E402
 
 SCRIPT = REPO / "scripts" / "compose_local.sh"
 IMAGES = ["localhost/kvmesh:cpu", "localhost/kvmesh-redis:bookworm", "localhost/kvmesh-base:bookworm"]
@@ -105,7 +105,7 @@ def containers_round(state: Path) -> dict[str, float]:
 
 
 def processes_round(run_dir: Path) -> dict[str, float]:
-    with kvmesh_up(run_dir, _env()) as up:
+    with kvmesh_up(run_dir, "--device", "cpu", "--no-publish", "--log-level", "warning", env=_env()) as up:
         _chat(up.http_port)
         answered = time.monotonic() - up.started_at
     return {"healthy_s": up.healthy_s, "answered_s": answered, "down_s": up.stop_s}

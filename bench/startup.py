@@ -25,11 +25,13 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH.parent))
 
 from _common import write_json  # noqa: E402
-from _kvmesh_up import kvmesh_up  # noqa: E402
 from _table import print_table  # noqa: E402
 from engine import QUESTIONS  # noqa: E402
+
+from kvmesh.launcher.up_process import kvmesh_up  # noqa: E402
 
 STREAMS, NEW_TOKENS = 16, 64
 
@@ -61,7 +63,8 @@ def _streams_tok_s(port: int) -> float:
 def start(run_dir: Path, compile_cache: Path, compiled: bool) -> dict[str, float]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
     env |= {"KVMESH_DECODE_COMPILE": str(int(compiled)), "KVMESH_COMPILE_CACHE": str(compile_cache)}
-    with kvmesh_up(run_dir, env, "--start-timeout", "900") as up:
+    flags = ["--device", "cpu", "--no-publish", "--log-level", "warning", "--start-timeout", "900"]
+    with kvmesh_up(run_dir, *flags, env=env) as up:
         _chat(up.http_port, QUESTIONS[0], 16)
         answered = time.monotonic() - up.started_at
         _streams_tok_s(up.http_port)  # a first round of 16 pays one-off costs (allocator, caches): not counted

@@ -20,7 +20,7 @@ import pytest
 
 from kvmesh.launcher import free_port
 from kvmesh.launcher.compose import REPO_ROOT
-from tests.compose.kvmesh_up import kvmesh_up
+from kvmesh.launcher.up_process import kvmesh_up
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -68,8 +68,8 @@ def _stream_chat(base: str, content: str, max_tokens: int) -> Iterator[dict]:
 def reference(tmp_path_factory) -> dict[str, str]:
     """The answers `kvmesh up` gives on the default model: the same compose file, as processes."""
     flags = ["--device", "cpu", "--no-publish", "--log-level", "warning"]
-    with kvmesh_up(tmp_path_factory.mktemp("up"), *flags, env=_env()) as (_, plan):
-        base = f"http://127.0.0.1:{plan['gateway']['env']['KVMESH_HTTP_PORT']}"
+    with kvmesh_up(tmp_path_factory.mktemp("up"), *flags, env=_env()) as up:
+        base = f"http://127.0.0.1:{up.http_port}"
         return {
             "short": _chat(base, SHORT, 32),
             "long": _chat(base, LONG, 16),

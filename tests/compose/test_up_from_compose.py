@@ -25,10 +25,10 @@ from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.launcher import free_port
 from kvmesh.launcher.compose import REPO_ROOT
 from kvmesh.launcher.health_cli import check_health
+from kvmesh.launcher.up_process import kvmesh_up
 from kvmesh.runtime import create_channel
 from kvmesh.runtime.certs import role_identity
 from kvmesh.runtime.tls import TlsFiles
-from tests.compose.kvmesh_up import kvmesh_up
 from tests.e2e.mesh_helpers import write_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -66,8 +66,8 @@ def up(tmp_path_factory) -> Iterator[Up]:
     model = write_model(tmp_path_factory.mktemp("compose-model") / "llama")
     run_dir = tmp_path_factory.mktemp("up")
     flags = ["--model", str(model), "--device", "cpu", "--no-publish", "--log-level", "warning"]
-    with kvmesh_up(run_dir, *flags, env=_clean_env(**COMPOSE_SETTINGS)) as (proc, plan):
-        yield Up(proc, run_dir, plan, model)
+    with kvmesh_up(run_dir, *flags, env=_clean_env(**COMPOSE_SETTINGS)) as up:
+        yield Up(up.proc, run_dir, up.plan, model)
 
 
 def scrape(port: int) -> dict[str, float]:
