@@ -11,6 +11,11 @@ Native CPU kernels (``kernels.cpu``, C++ built on first use) register themselves
 when loaded, and are then picked for CPU tensors. ``Ops`` for the CPU loads them (every
 CPU model runs their decode attention); where they cannot be built or run, the
 references stay, with a warning that says why.
+
+``Ops(device, batch_invariant=True)`` (deterministic serving, CPU only so far) takes, per op,
+the form whose result for a row does not depend on the rows beside it: a batch-invariant
+native kernel where the usual one depends on the batch (extend attention), else the native
+kernel, else the reference (whose row-wise ops tests/kernels/test_cpu_batch_invariance.py checks).
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ _TRITON: dict[str, Callable[..., Any]] = {}
 _triton_import_tried = False
 # op name -> native CPU implementation, filled by kernels.cpu.load().
 _CPU_NATIVE: dict[str, Callable[..., Any]] = {}
+# op name -> batch-invariant native CPU implementation, where _CPU_NATIVE's depends on the batch.
+_CPU_INVARIANT: dict[str, Callable[..., Any]] = {}
 _cpu_native_warned = False  # the reason they could not load is logged once per process
 _log = logging.getLogger(__name__)
 
@@ -58,6 +65,12 @@ def register_cpu_native(name: str, fn: Callable[..., Any]) -> None:
     if name not in OPS:
         raise KeyError(f"unknown op {name!r}")
     _CPU_NATIVE[name] = fn
+
+
+def register_cpu_invariant(name: str, fn: Callable[..., Any]) -> None:
+    if name not in OPS:
+        raise KeyError(f"unknown op {name!r}")
+    _CPU_INVARIANT[name] = fn
 
 
 def use_triton(device: torch.device) -> bool:
@@ -89,10 +102,27 @@ def get_op(name: str, device: torch.device) -> Callable[..., Any]:
     return getattr(reference, name)
 
 
-class Ops:
-    """The ops resolved once for one device, so the hot path does no lookups."""
+def get_invariant_op(name: str) -> Callable[..., Any]:
+    """The batch-invariant implementation of ``name`` for CPU tensors (native kernels loaded)."""
+    if name not in OPS:
+        raise KeyError(f"unknown op {name!r}")
+    return _CPU_INVARIANT.get(name) or _CPU_NATIVE.get(name) or getattr(reference, name)
 
-    def __init__(self, device: torch.device) -> None:
+
+class Ops:
+    """The ops resolved once for one device, so the hot path does no lookups. With
+    ``batch_invariant``, KernelUnavailable (saying why) where they cannot run."""
+
+    def __init__(self, device: torch.device, batch_invariant: bool = False) -> None:
+        if batch_invariant:
+            if device.type != "cpu":
+                raise KernelUnavailable(f"batch-invariant kernels run on CPU only so far, not on {device}")
+            from kernels import cpu
+
+            cpu.load()
+            for name in OPS:
+                setattr(self, name, get_invariant_op(name))
+            return
         if device.type == "cpu":
             _load_cpu_native()
         for name in OPS:

@@ -38,6 +38,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: checkpoint's on CUDA, float32 on CPU)")
     p.add_argument("--quantization", choices=("fp8",), help="fp8 weights (CUDA only)")
     p.add_argument("--lora", help="generate under this LoRA adapter (a PEFT folder)")
+    p.add_argument(
+        "--deterministic", action="store_true", help="batch-invariant execution, as the workers' --deterministic"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object with token_ids, text, finish_reason")
     grammar = p.add_mutually_exclusive_group()
     grammar.add_argument("--json-schema", help="constrain the output to this JSON Schema (JSON text)")
@@ -66,7 +69,12 @@ def _generate(args: argparse.Namespace) -> int:
     if model is None:
         model = default_model_path()
         print(f"[kvmesh] serving the embedded default model: {model_label(model)}", file=sys.stderr)
-    engine = LLMEngine(model, EngineConfig(device=args.device, dtype=args.dtype, quantization=args.quantization))
+    engine = LLMEngine(
+        model,
+        EngineConfig(
+            device=args.device, dtype=args.dtype, quantization=args.quantization, deterministic=args.deterministic
+        ),
+    )
     if engine.tokenizer is None:
         raise KvmeshError(f"{model}/tokenizer.json: missing; `generate` needs a tokenizer for text prompts")
     text = args.prompt

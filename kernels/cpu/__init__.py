@@ -12,9 +12,12 @@ the ops where a CPU engine is bound by something torch's own kernels do badly.
   (the DRAM rate bf16 products reach), so int8 weights halve a decode step's weight time.
 - ``streamed_mm`` (``streamed_mm.cpp``): the same loop over float weights, for the few-row
   products where it outruns torch's (``kernels.small_rows_linear`` measures where).
+- ``invariant_mm`` (``streamed_mm.cpp``): that loop for any number of rows, so a row's product
+  does not depend on its batch (``kernels.invariant_linear``, deterministic serving).
 - ``paged_decode_attention`` (``paged_decode_attention.cpp``): one query row per sequence over
   the paged cache, read in place; and ``paged_extend_attention`` (``extend_attention.py``),
-  whose rows that attend as decodes go through it, so they round as decode steps do.
+  whose rows that attend as decodes go through it, so they round as decode steps do
+  (``invariant_extend_attention``: every row, for deterministic serving).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.dispatch import register_cpu_native
+from kernels.dispatch import register_cpu_invariant, register_cpu_native
 from kernels.errors import KernelUnavailable
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("streamed_mm.cpp", "paged_decode_attention.cpp")]
@@ -68,14 +71,16 @@ def _build() -> str | None:
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler or ninja, a failed build
         lines = str(exc).strip().splitlines()
         return f"{type(exc).__name__}: {lines[-1] if lines else 'no message'}"  # a build's last line says why
-    from kernels.cpu.extend_attention import paged_extend_attention
+    from kernels.cpu.extend_attention import invariant_extend_attention, paged_extend_attention
 
     torch.library.register_fake("kvmesh_cpu::int8_scaled_mm")(_fake_scaled_mm)
     torch.library.register_fake("kvmesh_cpu::streamed_mm")(_fake_streamed_mm)
+    torch.library.register_fake("kvmesh_cpu::invariant_mm")(_fake_streamed_mm)
     torch.library.register_fake("kvmesh_cpu::paged_decode_attention")(_fake_decode_attention)
     register_cpu_native("int8_scaled_mm", torch.ops.kvmesh_cpu.int8_scaled_mm)
     register_cpu_native("paged_decode_attention", torch.ops.kvmesh_cpu.paged_decode_attention)
     register_cpu_native("paged_extend_attention", paged_extend_attention)
+    register_cpu_invariant("paged_extend_attention", invariant_extend_attention)
     return None
 
 

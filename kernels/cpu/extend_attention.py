@@ -6,6 +6,10 @@ a prefill's step, a speculative verify's few rows in bf16) sent to the native
 what a decode step gives it: the same kernel, one task per (row, head) whatever the batch, so
 greedy speculation and steps shared with a prefill decode exactly as plain decoding does.
 Prefill chunks keep the reference's one masked call.
+
+``invariant_extend_attention`` (deterministic serving) sends every row there, prefill chunks
+included: a token's attention is then the same bits whether it was computed in a prefill, in
+any chunk split, over a cached prefix, in a verify or as a decode.
 """
 
 from __future__ import annotations
@@ -39,3 +43,21 @@ def rows_as_native_decodes(
 
 # ``kernels.reference.paged_extend_attention``, its decode rows on the native kernel.
 paged_extend_attention = partial(reference.extend_attention, rows_as_native_decodes)
+
+
+def invariant_extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``paged_extend_attention`` with every row computed as a native decode at its own position."""
+    starts = query_start_loc[:-1]
+    out = torch.empty_like(q)
+    rows_as_native_decodes(
+        out, q, k_cache, v_cache, block_tables, starts, query_start_loc[1:] - starts, seq_lens, scale
+    )
+    return out

@@ -46,6 +46,9 @@ constexpr int64_t kBlocksPerTask = 8;
 // to x's dtype in one pass. SmolLM2's layers, bf16: streamed 29.6 / 48.8 / 68.9 ms at 17 / 32 /
 // 48 rows, widened 45.8 / 47.2 / 50.8 ms (the GEMM also repacks the fresh weight every call).
 constexpr int64_t kMaxStreamedRows = 32;
+// Rows of x per pass over the weight (a multiple of kMaxXRows): 48 rows of SmolLM2's widest
+// input (1,536 float32) are 295 KB, inside a core's L2.
+constexpr int64_t kChunkRows = 48;
 
 // 16 weights from w as float32 (exact for every type); the _masked forms read the first
 // lanes of mask only.
@@ -139,6 +142,9 @@ void dequantize(const int8_t* W, const float* S, int64_t N, int64_t K, T* out) {
 }
 
 // O [M, N] = X [M, K] @ (W [N, K] * S [N])^T + B [N] (S, B: nullptr for none).
+// Rows of X go in chunks of kChunkRows, each a pass over the whole weight: a chunk's rows stay
+// in cache while the weight streams (a prefill chunk of 512 rows would not), and the weight is
+// read once per chunk rather than once per kMaxXRows rows.
 template <typename Wt, typename T>
 void stream_rows(const float* X, int64_t M, int64_t K, const Wt* W, int64_t N, const float* S,
                  const float* B, T* O) {
@@ -146,17 +152,20 @@ void stream_rows(const float* X, int64_t M, int64_t K, const Wt* W, int64_t N, c
   constexpr Block kBlocks[kMaxXRows] = {dot_block<1, Wt, T>, dot_block<2, Wt, T>, dot_block<3, Wt, T>,
                                         dot_block<4, Wt, T>, dot_block<5, Wt, T>, dot_block<6, Wt, T>};
   const int64_t blocks = (N + kWeightRows - 1) / kWeightRows;
-  at::parallel_for(0, blocks, kBlocksPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block) {
-      const int64_t n0 = block * kWeightRows;
-      const int rows = static_cast<int>(std::min<int64_t>(kWeightRows, N - n0));
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxXRows) {
-        const int mb = static_cast<int>(std::min<int64_t>(kMaxXRows, M - m0));
-        kBlocks[mb - 1](X + m0 * K, K, W + n0 * K, rows, S ? S + n0 : nullptr, B ? B + n0 : nullptr,
-                        O + m0 * N + n0, N);
+  for (int64_t c0 = 0; c0 < M; c0 += kChunkRows) {
+    const int64_t c1 = std::min<int64_t>(M, c0 + kChunkRows);
+    at::parallel_for(0, blocks, kBlocksPerTask, [&](int64_t begin, int64_t end) {
+      for (int64_t block = begin; block < end; ++block) {
+        const int64_t n0 = block * kWeightRows;
+        const int rows = static_cast<int>(std::min<int64_t>(kWeightRows, N - n0));
+        for (int64_t m0 = c0; m0 < c1; m0 += kMaxXRows) {
+          const int mb = static_cast<int>(std::min<int64_t>(kMaxXRows, c1 - m0));
+          kBlocks[mb - 1](X + m0 * K, K, W + n0 * K, rows, S ? S + n0 : nullptr, B ? B + n0 : nullptr,
+                          O + m0 * N + n0, N);
+        }
       }
-    }
-  });
+    });
+  }
 }
 
 // The rows of x as float32: x itself, or widened (exactly) into ``buffer``. A torch conversion
@@ -214,14 +223,14 @@ at::Tensor int8_scaled_mm(const at::Tensor& x, const at::Tensor& qweight, const 
   return out;
 }
 
-at::Tensor streamed_mm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+// x [M, K] @ weight [N, K]^T + bias through stream_rows, whatever M.
+at::Tensor stream_float_weight(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "x must be a 2-D CPU tensor");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
               "weight must be a contiguous 2-D tensor of x's dtype (", x.scalar_type(), "), not ",
               weight.scalar_type());
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K, "x has ", K, " columns, weight ", weight.size(1));
-  if (M > kMaxStreamedRows) return at::linear(x, weight, bias);
   const at::Tensor b = float_bias(bias, N);
   const at::Tensor xc = x.contiguous();
   std::vector<float> widened;
@@ -235,14 +244,28 @@ at::Tensor streamed_mm(const at::Tensor& x, const at::Tensor& weight, const c10:
   return out;
 }
 
+at::Tensor streamed_mm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  if (x.dim() == 2 && x.size(0) > kMaxStreamedRows) return at::linear(x, weight, bias);
+  return stream_float_weight(x, weight, bias);
+}
+
+// The product for deterministic serving: every row streamed, however many there are, so each
+// output element is the same FMA sequence whether its row came alone, in a decode batch of 64
+// or in a prefill chunk (the GEMMs choose their blocking, and so their rounding, by M).
+at::Tensor invariant_mm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return stream_float_weight(x, weight, bias);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvmesh_cpu, m) {
   m.def("int8_scaled_mm(Tensor x, Tensor qweight, Tensor scale, Tensor? bias=None) -> Tensor");
   m.def("streamed_mm(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("invariant_mm(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh_cpu, CPU, m) {
   m.impl("int8_scaled_mm", int8_scaled_mm);
   m.impl("streamed_mm", streamed_mm);
+  m.impl("invariant_mm", invariant_mm);
 }

@@ -60,6 +60,12 @@ class EngineConfig:
     seed: int = 0
     # torch.compile the decode step's layers (kvmesh.engine.compile): start-up pays the compile.
     compile: bool = False
+    # Deterministic serving (docs/determinism.md): every op in a batch-invariant form, so a
+    # request's tokens and logprobs are the same bits whatever it is batched with, however its
+    # prompt was chunked or cached, wherever it was prefilled. Runs the decode step eagerly
+    # (``compile`` is ignored) and without the small-row linears; CPU only so far, and not with
+    # a quantization.
+    deterministic: bool = False
     # LoRA adapters resident at once (kvmesh.engine.lora; more can be loaded, in host memory), and
     # the highest rank one may have; 0 adapters: LoRA off.
     max_loras: int = 4
@@ -69,7 +75,14 @@ class EngineConfig:
     fault_after_steps: int = 0
 
     def wants_small_rows_linears(self, dtype: torch.dtype) -> bool:
-        return self.small_rows_linears and self.device == "cpu" and dtype in SMALL_ROWS_DTYPES
+        return (
+            self.small_rows_linears and self.device == "cpu" and dtype in SMALL_ROWS_DTYPES and not self.deterministic
+        )
+
+    def compiles(self) -> bool:
+        """Whether the decode step runs compiled: asked for, and not deterministic (whose
+        batch-invariant ops inductor would fuse into code of its own)."""
+        return self.compile and not self.deterministic
 
     def resolve_dtype(self, model_dtype: str) -> torch.dtype:
         """The dtype to run in: the configured one; else the checkpoint's (``model_dtype``) on CUDA,

@@ -38,6 +38,14 @@ ENGINE_FLAGS = [
         type=bool,
     ),
     Flag(
+        "--deterministic",
+        "batch-invariant execution: a request's tokens and logprobs are the same bits whatever it is batched "
+        "with, however its prompt was chunked, cached or handed off (CPU; the decode step runs eager; "
+        "docs/determinism.md says what it covers and costs). Set it on every prefill and decode worker",
+        default=False,
+        type=bool,
+    ),
+    Flag(
         "--inject-engine-fault-after-steps",
         "fault injection (tests, chaos drills): the engine's step loop fails, with a failure no request owns, "
         "after this many steps (0: never); the worker then stops serving and exits (docs/faults.md)",
@@ -89,6 +97,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         quantize_lm_head=args.quantize_lm_head,
         compile=getattr(args, "compile", False),
         small_rows_linears=args.small_rows_linears,
+        deterministic=args.deterministic,
         fault_after_steps=args.inject_engine_fault_after_steps,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,

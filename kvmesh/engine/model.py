@@ -16,6 +16,7 @@ from torch import nn
 
 from kernels import Ops
 from kernels.errors import KernelUnavailable, UnknownScheme
+from kernels.invariant_linear import InvariantLinear, use_invariant_linears
 from kernels.quantized_linear import QuantizedLinear, get_scheme, quantize_model
 from kernels.small_rows_linear import SmallRowsLinear, use_small_rows_linears
 from kvmesh.checkpoint.files import iter_tensors
@@ -215,6 +216,17 @@ class CausalLM(nn.Module):
         use_small_rows_linears(self)
         if self.head_proj is None:
             self.head_proj = self.lm_head
+
+    def make_batch_invariant(self) -> None:
+        """Run every op in a form whose result for a token does not depend on the rows it is batched
+        with (``kernels.invariant_linear``, ``Ops(batch_invariant=True)``): deterministic serving.
+        FailedPrecondition (saying why) where those kernels cannot run."""
+        try:
+            self.ops = Ops(self.embed_tokens.weight.device, batch_invariant=True)
+            use_invariant_linears(self)  # the projections and an untied LM head
+            self.head_proj = InvariantLinear(self.head_weight, None) if self.lm_head is None else self.lm_head
+        except KernelUnavailable as e:
+            raise FailedPrecondition(f"deterministic serving: {e}") from None
 
     def body(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata

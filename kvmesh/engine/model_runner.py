@@ -48,6 +48,10 @@ class ModelRunner:
         # A compressed-tensors checkpoint (kvmesh quantize) is dequantized on load.
         self.model.load_weights(files, dequantized_tensors(mc.raw, files))
         self.model.to(self.device).eval()
+        if cfg.deterministic:
+            if cfg.quantization is not None:
+                raise InvalidArgument("deterministic serving does not run quantized weights yet")
+            self.model.make_batch_invariant()  # FailedPrecondition where its kernels cannot run
         if cfg.quantization is not None:
             # Before the KV pool is allocated, so the freed weight memory can go to it.
             # InvalidArgument for an unknown scheme; FailedPrecondition where it cannot run.
@@ -66,6 +70,8 @@ class ModelRunner:
                 "weights_id": weights_id(files),
                 "quantization": cfg.quantization,
                 **({"quantize_lm_head": True} if cfg.quantize_lm_head else {}),
+                # Its KV rounds differently: a deterministic worker reuses only deterministic blocks.
+                **({"batch_invariant": True} if cfg.deterministic else {}),
             },
             dtype_name(self.dtype),
             cfg.block_size,
@@ -83,7 +89,7 @@ class ModelRunner:
         self.kv = KVCache(
             mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
         )
-        if cfg.compile:
+        if cfg.compiles():
             compile_decode(self.model, self.kv.tensor, self._compile_settings())  # before any block holds KV
         if drafter is not None:
             drafter.calibrate(self.model, self.kv.tensor, self.max_model_len)  # likewise
