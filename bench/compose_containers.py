@@ -31,8 +31,8 @@ sys.path.insert(0, str(REPO))
 from _common import write_json  # noqa: E402
 from _table import print_table  # noqa: E402
 
-from kvmesh.launcher import free_port  # noqa: E402
 from kvmesh.launcher.up_process import kvmesh_up  # noqa: E402
+from kvmesh.runtime.ports import free_port  # noqa: E402
 
 SCRIPT = REPO / "scripts" / "compose_local.sh"
 IMAGES = ["localhost/kvmesh:cpu", "localhost/kvmesh-redis:bookworm", "localhost/kvmesh-base:bookworm"]

@@ -80,7 +80,12 @@ def chat_prompts(path: Path, n: int) -> list[list[int]]:
 
 
 def make_engine(
-    path: Path, dtype: str, compile: bool = False, quantization: str | None = None, quantize_lm_head: bool = False
+    path: Path,
+    dtype: str,
+    compile: bool = False,
+    quantization: str | None = None,
+    quantize_lm_head: bool = False,
+    deterministic: bool = False,
 ):
     from kvmesh.engine.config import EngineConfig
     from kvmesh.engine.engine import LLMEngine
@@ -98,6 +103,7 @@ def make_engine(
             compile=compile,
             quantization=quantization,
             quantize_lm_head=quantize_lm_head,
+            deterministic=deterministic,
         ),
     )
     engine.generate(

@@ -37,8 +37,9 @@ from _table import print_table  # noqa: E402
 from gpu_engine import DRY_SHAPES, SHAPES, write_model  # noqa: E402
 
 from kvmesh.launcher.scrape import scrape  # noqa: E402
-from kvmesh.launcher.spec import MeshOptions, free_port  # noqa: E402
+from kvmesh.launcher.spec import MeshOptions  # noqa: E402
 from kvmesh.models.bpe import train_tokenizer, write_tokenizer  # noqa: E402
+from kvmesh.runtime.ports import free_port  # noqa: E402
 
 TRANSPORTS = ("nixl", "grpc")
 

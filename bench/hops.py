@@ -45,10 +45,11 @@ from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from kvmesh.engine.async_engine import AsyncEngine  # noqa: E402
 from kvmesh.engine.config import EngineConfig  # noqa: E402
 from kvmesh.engine.engine import LLMEngine  # noqa: E402
-from kvmesh.launcher.spec import MeshOptions, free_port  # noqa: E402
+from kvmesh.launcher.spec import MeshOptions  # noqa: E402
 from kvmesh.launcher.supervisor import Mesh  # noqa: E402
 from kvmesh.launcher.topology import build_topology  # noqa: E402
 from kvmesh.runtime import create_channel
+from kvmesh.runtime.ports import free_port  # noqa: E402
 from kvmesh.sampling import SamplingParams  # noqa: E402
 
 DEPTHS = ("engine", "decode", "gateway", "http")

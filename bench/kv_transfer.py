@@ -64,9 +64,10 @@ from kvmesh.engine.engine import LLMEngine  # noqa: E402
 from kvmesh.engine.kv_cache import BlockPayload  # noqa: E402
 from kvmesh.kv_wire import block_to_chunks  # noqa: E402
 from kvmesh.launcher.compose import REPO_ROOT  # noqa: E402
-from kvmesh.launcher.spec import ProcessSpec, Topology, free_port  # noqa: E402
+from kvmesh.launcher.spec import ProcessSpec, Topology  # noqa: E402
 from kvmesh.launcher.supervisor import Mesh  # noqa: E402
 from kvmesh.runtime import create_channel
+from kvmesh.runtime.ports import free_port  # noqa: E402
 
 VOCAB = 2048
 TRANSPORTS = ("grpc", "nixl", "nixl_tcp")

@@ -57,7 +57,7 @@ from kvmesh.launcher import MeshOptions, RestartPolicy, build_topology  # noqa: 
 from kvmesh.launcher.compose import REPO_ROOT  # noqa: E402
 from kvmesh.launcher.hosts import HostsFile  # noqa: E402
 from kvmesh.launcher.multihost import HostedMesh  # noqa: E402
-from kvmesh.launcher.spec import free_port  # noqa: E402
+from kvmesh.runtime.ports import free_port  # noqa: E402
 
 TRANSPORTS = ("nixl", "grpc")
 CAPS = {"none": None, "25G": 25e9, "10G": 10e9}

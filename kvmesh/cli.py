@@ -41,6 +41,13 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--deterministic", action="store_true", help="batch-invariant execution, as the workers' --deterministic"
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N processes (ranks) of this machine, Megatron-style (CPU, gloo)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object with token_ids, text, finish_reason")
     grammar = p.add_mutually_exclusive_group()
     grammar.add_argument("--json-schema", help="constrain the output to this JSON Schema (JSON text)")
@@ -63,7 +70,6 @@ def _generate(args: argparse.Namespace) -> int:
     from kvmesh.engine.config import EngineConfig
     from kvmesh.engine.default_model import default_model_path, model_label
     from kvmesh.engine.engine import LLMEngine
-    from kvmesh.sampling import SamplingParams, admitted
 
     model = args.model
     if model is None:
@@ -72,9 +78,22 @@ def _generate(args: argparse.Namespace) -> int:
     engine = LLMEngine(
         model,
         EngineConfig(
-            device=args.device, dtype=args.dtype, quantization=args.quantization, deterministic=args.deterministic
+            device=args.device,
+            dtype=args.dtype,
+            quantization=args.quantization,
+            deterministic=args.deterministic,
+            tensor_parallel_size=args.tensor_parallel_size,
         ),
     )
+    try:
+        return _generate_on(engine, model, args)
+    finally:
+        engine.close()
+
+
+def _generate_on(engine, model: object, args: argparse.Namespace) -> int:
+    from kvmesh.sampling import SamplingParams, admitted
+
     if engine.tokenizer is None:
         raise KvmeshError(f"{model}/tokenizer.json: missing; `generate` needs a tokenizer for text prompts")
     text = args.prompt

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from types import ModuleType
 
 from kvmesh.runtime import common_flags, parse_flags, serve
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvmesh.runtime.ports import free_port  # noqa: F401  (the tests import it from here)
 
 
 @asynccontextmanager

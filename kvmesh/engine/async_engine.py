@@ -89,6 +89,8 @@ class AsyncEngine:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        if self.engine is not None:
+            self.engine.close()
 
     # -- what never changes once the engine is built: safe to read from any thread -----------------
 

@@ -66,6 +66,10 @@ class EngineConfig:
     # (``compile`` is ignored) and without the small-row linears; CPU only so far, and not with
     # a quantization.
     deterministic: bool = False
+    # Ranks (processes) one engine's model is split over (kvmesh.engine.tensor_parallel): rank 0 is
+    # this process. CPU (gloo) so far; decode steps run eager, and quantization, LoRA, deterministic
+    # execution and KV hand-offs are not served across ranks yet.
+    tensor_parallel_size: int = 1
     # LoRA adapters resident at once (kvmesh.engine.lora; more can be loaded, in host memory), and
     # the highest rank one may have; 0 adapters: LoRA off.
     max_loras: int = 4
@@ -80,9 +84,9 @@ class EngineConfig:
         )
 
     def compiles(self) -> bool:
-        """Whether the decode step runs compiled: asked for, and not deterministic (whose
-        batch-invariant ops inductor would fuse into code of its own)."""
-        return self.compile and not self.deterministic
+        """Whether the decode step runs compiled: asked for, not deterministic (whose batch-invariant
+        ops inductor would fuse into code of its own), and on one rank (a graph has no collectives yet)."""
+        return self.compile and not self.deterministic and self.tensor_parallel_size == 1
 
     def resolve_dtype(self, model_dtype: str) -> torch.dtype:
         """The dtype to run in: the configured one; else the checkpoint's (``model_dtype``) on CUDA,

@@ -52,6 +52,7 @@ class LLMEngine(KVHandoff):
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
         self.runner = ModelRunner(path, cfg, mc, drafter)
         self.model, self.kv, self.fingerprint = self.runner.model, self.runner.kv, self.runner.fingerprint
+        self.system_fingerprint = self.runner.system_fingerprint  # OpenAI's, for every response
         self.device, self.dtype, self.max_model_len = self.runner.device, self.runner.dtype, self.runner.max_model_len
         self.blocks = BlockManager(cfg.num_blocks, cfg.enable_prefix_cache, on_block_event)
         self.lora = self.runner.lora
@@ -71,6 +72,10 @@ class LLMEngine(KVHandoff):
         self._default_gen = torch.Generator().manual_seed(cfg.seed)
         self._grammars: GrammarCache | None = None
         self._grammars_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Let go of what outlives the object: the other tensor-parallel ranks' processes."""
+        self.runner.close()
 
     @property
     def grammars(self) -> GrammarCache:
@@ -174,7 +179,8 @@ class LLMEngine(KVHandoff):
 
     def _adapters(self) -> LoraAdapters:
         if self.lora is None:
-            raise FailedPrecondition("LoRA is off on this worker (max_loras 0)")
+            why = "max_loras 0" if self.config.tensor_parallel_size == 1 else "adapters are not split over ranks yet"
+            raise FailedPrecondition(f"LoRA is off on this worker ({why})")
         return self.lora
 
     def _resume(self, seq: Sequence, resume_ids: list[int]) -> None:

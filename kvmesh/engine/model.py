@@ -8,7 +8,7 @@ tables, never a contiguous copy of the sequence.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +23,7 @@ from kvmesh.checkpoint.files import iter_tensors
 from kvmesh.checkpoint.model_config import ModelConfig
 from kvmesh.engine.lora import LoraAdapters
 from kvmesh.engine.rope import rope_cos_sin_cache
+from kvmesh.engine.tp_layout import TPLayout
 from kvmesh.errors import FailedPrecondition, InvalidArgument, ModelLoadError
 
 
@@ -63,6 +64,9 @@ class DecoderLayer(nn.Module):
             self.k_norm = nn.Parameter(torch.ones(cfg.head_dim, dtype=dtype))
         # The engine's LoRA adapters (kvmesh.engine.lora), shared by every layer; None: LoRA off.
         self.lora: LoraAdapters | None = None
+        # Tensor parallelism (kvmesh.engine.tensor_parallel): sums the ranks' partial o_proj and
+        # down_proj products in place; None: one rank holds the whole layer.
+        self.all_reduce: Callable[[torch.Tensor], None] | None = None
 
     def _project(self, ops: Ops, name: str, x: torch.Tensor) -> torch.Tensor:
         """The projection ``name`` of ``x``, plus each token's LoRA adapter product."""
@@ -109,19 +113,41 @@ class DecoderLayer(nn.Module):
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
             )
         hidden = self._project(ops, "o_proj", attn.reshape(t, -1))
+        if self.all_reduce is not None:
+            self.all_reduce(hidden)
 
         hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.post_attn_norm, eps)
         hidden = self._project(ops, "down_proj", ops.silu_and_mul(self._project(ops, "gate_up_proj", hidden)))
+        if self.all_reduce is not None:
+            self.all_reduce(hidden)
         return hidden, residual
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int,
+        tp: TPLayout | None = None,
+        all_reduce: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
+        """``tp``: the slice of every layer this tensor-parallel rank holds, ``all_reduce`` summing the
+        ranks' partial products (kvmesh.engine.tensor_parallel); None: the whole model."""
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
+        # What each layer holds: its heads, KV heads and intermediate columns under tensor parallelism.
+        self.layer_cfg = tp.local_config(cfg) if tp is not None else cfg
         self.ops = Ops(device)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(self.layer_cfg, dtype, i) for i in range(cfg.num_layers))
+        for layer in self.layers:
+            layer.all_reduce = all_reduce
+        # Rank 0 of a tensor-parallel group: sends each forward pass's inputs to the other ranks
+        # before running it (TensorParallelGroup.mirror); None: no other ranks.
+        self.mirror: Callable[[tuple], None] | None = None
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype))
         self.lm_head = (
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
@@ -163,6 +189,8 @@ class CausalLM(nn.Module):
         input an EAGLE head drafts from: the final hidden states (after the last norm, the LM
         head's input), or with ``feature_layers`` the outputs of those layers, concatenated.
         """
+        if self.mirror is not None:
+            self.mirror((input_ids, positions, meta))
         # A compiled decode step traced the base model only: a step that binds adapters runs eagerly.
         adapted = self.lora is not None and self.lora.segments is not None
         run = self.compiled_decode if meta.is_decode and self.compiled_decode is not None and not adapted else self.run
@@ -246,7 +274,7 @@ class CausalLM(nn.Module):
     def load_weights(self, files: list, tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
         """Copy HF-named tensors into this model, fusing q/k/v and gate/up projections.
         ``tensors`` replaces reading ``files`` (a quantized checkpoint's dequantized weights)."""
-        cfg = self.cfg
+        cfg = self.layer_cfg  # a tensor-parallel rank's fused projections hold its slices (``TPLayout.shard``)
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         qs, ks = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -272,6 +300,8 @@ class CausalLM(nn.Module):
             if target not in params:
                 raise ModelLoadError(f"weight {name!r} has no place in {cfg.architecture}")
             param = params[target]
+            if self.tp is not None:
+                tensor = self.tp.shard(name, tensor)
             dst = param.data if rows is None else param.data[rows[0] : rows[0] + rows[1]]
             if dst.shape != tensor.shape:
                 raise ModelLoadError(f"weight {name!r}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")

@@ -29,7 +29,10 @@ from kvmesh.engine.penalties import PenaltyState, adjust_row
 from kvmesh.engine.scheduler import ScheduledBatch
 from kvmesh.engine.sequence import Sequence
 from kvmesh.engine.step_metadata import step_metadata
-from kvmesh.errors import InvalidArgument
+from kvmesh.engine.system_fingerprint import system_fingerprint
+from kvmesh.engine.tensor_parallel import TensorParallelGroup
+from kvmesh.engine.tp_layout import TPLayout
+from kvmesh.errors import FailedPrecondition, InvalidArgument
 
 if TYPE_CHECKING:
     from kvmesh.engine.draft_source import DraftSource
@@ -44,7 +47,10 @@ class ModelRunner:
         self.dtype = cfg.resolve_dtype(mc.dtype)
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         files = weight_files(path)
-        self.model = CausalLM(mc, self.dtype, self.device, self.max_model_len)
+        self.tp, layout = self._start_tensor_parallel(path, cfg, mc)
+        self.model = CausalLM(
+            mc, self.dtype, self.device, self.max_model_len, layout, self.tp.link.all_reduce if self.tp else None
+        )
         # A compressed-tensors checkpoint (kvmesh quantize) is dequantized on load.
         self.model.load_weights(files, dequantized_tensors(mc.raw, files))
         self.model.to(self.device).eval()
@@ -76,9 +82,10 @@ class ModelRunner:
             dtype_name(self.dtype),
             cfg.block_size,
         )
+        self.system_fingerprint = system_fingerprint(self.fingerprint, self.device, cfg.tensor_parallel_size)
         # Adapters loaded later find the model ready for them: nothing is allocated until one is.
         self.lora = None
-        if cfg.max_loras > 0:
+        if cfg.max_loras > 0 and cfg.tensor_parallel_size == 1:  # adapters are not split over ranks yet
             self.lora = LoraAdapters(mc, self.dtype, self.device, cfg.max_loras, cfg.max_lora_rank, self.fingerprint)
             self.model.use_lora(self.lora)
         self.wants_features = drafter is not None and drafter.wants_features
@@ -86,13 +93,46 @@ class ModelRunner:
             # Before the decode step is compiled: the features it returns are traced with it.
             drafter.bind(self.model)
             self.model.feature_layers = drafter.feature_layers
-        self.kv = KVCache(
-            mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
-        )
+        kv_heads = layout.local_kv_heads if layout is not None else mc.num_kv_heads
+        self.kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, kv_heads, mc.head_dim, self.dtype, self.device)
+        if self.tp is not None:
+            self.tp.wait_ready()
+            self.model.mirror = self.tp.mirror  # before the drafter's calibration: its probe steps run on every rank
         if cfg.compiles():
             compile_decode(self.model, self.kv.tensor, self._compile_settings())  # before any block holds KV
         if drafter is not None:
             drafter.calibrate(self.model, self.kv.tensor, self.max_model_len)  # likewise
+
+    def _start_tensor_parallel(
+        self, path: Path, cfg: EngineConfig, mc: ModelConfig
+    ) -> tuple[TensorParallelGroup | None, TPLayout | None]:
+        """With ``tensor_parallel_size`` > 1, the other ranks started (loading meanwhile) and this one's slice;
+        InvalidArgument or FailedPrecondition, before anything starts, for what ranks cannot serve yet."""
+        size = cfg.tensor_parallel_size
+        if size == 1:
+            return None, None
+        layout = TPLayout.of(mc, 0, size)  # InvalidArgument where the config cannot be split
+        if self.device.type != "cpu":
+            raise FailedPrecondition("tensor parallelism runs on CPU ranks (gloo) so far")
+        refused = {
+            "quantization": cfg.quantization is not None,
+            "--deterministic": cfg.deterministic,
+        }
+        if any(refused.values()):
+            raise InvalidArgument(
+                f"tensor parallelism does not serve {', '.join(k for k, v in refused.items() if v)} yet"
+            )
+        self._threads_before = torch.get_num_threads()
+        threads = max(1, self._threads_before // size)
+        torch.set_num_threads(threads)  # this process is rank 0: one share of the cores (until close)
+        return TensorParallelGroup.start(path, cfg, threads), layout
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any."""
+        if self.tp is not None:
+            self.tp.close()
+            self.tp = None
+            torch.set_num_threads(self._threads_before)
 
     def _compile_settings(self) -> dict[str, object]:
         """What, beside the toolchain, a compiled decode graph of this runner depends on

@@ -10,9 +10,10 @@ with backoff until they crash-loop).
 
 from kvmesh.launcher.compose import COMPOSE_FILE, ComposeError
 from kvmesh.launcher.restart import RestartPolicy
-from kvmesh.launcher.spec import MeshOptions, ProcessSpec, Topology, free_port
+from kvmesh.launcher.spec import MeshOptions, ProcessSpec, Topology
 from kvmesh.launcher.supervisor import Mesh, MeshError, RunningProcess, StartInterrupted
 from kvmesh.launcher.topology import build_topology
+from kvmesh.runtime.ports import free_port
 
 __all__ = [
     "COMPOSE_FILE",

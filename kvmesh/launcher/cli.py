@@ -22,7 +22,7 @@ from kvmesh.launcher.hosts import HostsFile
 from kvmesh.launcher.multihost import plan_on_hosts
 from kvmesh.launcher.netns import Network, NetworkError, can_make_hosts
 from kvmesh.launcher.restart import RestartPolicy
-from kvmesh.launcher.spec import MeshOptions, Topology, describe
+from kvmesh.launcher.spec import DETERMINISTIC_ROLE_ENV, MeshOptions, Topology, describe
 from kvmesh.launcher.supervisor import Mesh, MeshError, StartInterrupted
 from kvmesh.launcher.topology import build_topology, compose_model_path
 
@@ -99,6 +99,11 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     )
     p.add_argument(
         "--speculator", action=argparse.BooleanOptionalAction, default=True, help="run the speculator (default on)"
+    )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="prefill and decode workers run batch-invariant (their --deterministic; docs/determinism.md)",
     )
     p.add_argument(
         "--insecure",
@@ -186,6 +191,7 @@ def run_up(args: argparse.Namespace) -> int:
             redis_persistence=args.redis_persistence,
             compose_file=compose_file,
             compose_vars=variables,
+            role_env=DETERMINISTIC_ROLE_ENV if args.deterministic else {},
         )
         model, label = _resolve_model(args.model, options)
         if model is None:

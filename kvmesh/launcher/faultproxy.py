@@ -23,8 +23,8 @@ from typing import Any
 
 from kvmesh.launcher.compose import REPO_ROOT
 from kvmesh.launcher.netns import Network
-from kvmesh.launcher.spec import free_port
 from kvmesh.launcher.supervisor import EXEC_CHILD
+from kvmesh.runtime.ports import free_port
 
 BUILT = REPO_ROOT / ".tools" / "bin" / "toxiproxy-server"
 _START_TIMEOUT_S = 10.0

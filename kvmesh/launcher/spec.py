@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -129,13 +128,6 @@ class MeshOptions:
         return load_compose(self.compose_file, variables)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (the OS may hand it out again later; good enough locally)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def local_gpu_count() -> int:
     """GPUs NVML sees on this machine (0 without a driver)."""
     from kvmesh.runtime.gpu import gpu_stats
@@ -163,11 +155,26 @@ def describe(topology: Topology, run_dir: Path) -> Sequence[str]:
     return lines
 
 
+# ``kvmesh up --deterministic``: both kinds of worker, or KV would pass between differently rounded ones.
+DETERMINISTIC_ROLE_ENV = {role: {"KVMESH_DETERMINISTIC": "1"} for role in ("prefill", "decode")}
+
+
 def decode_steps(p: ProcessSpec) -> str:
-    """How a decode worker runs its decode steps ("compiled" or "eager"): its --compile, from its
-    settings, else the launcher's environment, else the flag's default (on: engine.flags.COMPILE_FLAG)."""
-    raw = p.env.get("KVMESH_COMPILE", os.environ.get("KVMESH_COMPILE", "1"))
+    """How a decode worker runs its decode steps ("compiled", "eager" or "deterministic eager"): its
+    --compile and --deterministic, each from its settings, else the launcher's environment, else the
+    flag's default (compile on: engine.flags.COMPILE_FLAG; deterministic off)."""
     try:
-        return "compiled" if parse_bool(raw) else "eager"
+        if _setting(p, "KVMESH_DETERMINISTIC", "0"):
+            return "deterministic eager"
+        return "compiled" if _setting(p, "KVMESH_COMPILE", "1") else "eager"
+    except ValueError as e:
+        return str(e)
+
+
+def _setting(p: ProcessSpec, name: str, default: str) -> bool:
+    """A boolean setting of ``p`` as its process will read it; ValueError naming it if it is not one."""
+    raw = p.env.get(name, os.environ.get(name, default))
+    try:
+        return parse_bool(raw)
     except ValueError:
-        return f"invalid KVMESH_COMPILE={raw!r}"
+        raise ValueError(f"invalid {name}={raw!r}") from None

@@ -62,11 +62,11 @@ from kvmesh.launcher.spec import (
     MeshOptions,
     ProcessSpec,
     Topology,
-    free_port,
     local_gpu_count,
 )
 from kvmesh.runtime.certs import REDIS_PASSWORD_FILE, role_identity
 from kvmesh.runtime.identity import PLAINTEXT_ROLES
+from kvmesh.runtime.ports import free_port
 from kvmesh.runtime.tls import TlsFiles
 
 # What only a mesh with mutual TLS sets; a plaintext mesh (MeshOptions.tls=False) drops them.

@@ -99,7 +99,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
         if endpoint is not None:
             kv_source = state["nixl_source"] = NixlKVSource(endpoint, layout, grpc_source, args.kv_read_timeout_s)
         worker = DecodeWorker(aengine, kv_source, kvstore)
-        servicer.attach(worker, engine.max_model_len, engine.model_config.vocab_size)
+        servicer.attach(worker, engine.max_model_len, engine.model_config.vocab_size, engine.system_fingerprint)
         ctx.registry.register(EngineCollector(engine))
         ctx.registry.register(
             CountersCollector(

@@ -22,12 +22,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.worker: DecodeWorker
         self.max_model_len: int
         self.vocab_size: int
+        self.system_fingerprint: str
 
-    def attach(self, worker: DecodeWorker, max_model_len: int, vocab_size: int) -> None:
+    def attach(self, worker: DecodeWorker, max_model_len: int, vocab_size: int, system_fingerprint: str) -> None:
         """Called once the model is loaded; health stays NOT_SERVING (no RPCs arrive) until then."""
         self.worker = worker
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.system_fingerprint = system_fingerprint
 
     async def Decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
@@ -98,6 +100,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                         ),
                         draft_tokens_proposed=out.num_draft_proposed,
                         draft_tokens_accepted=accepted,
+                        system_fingerprint=self.system_fingerprint,
                     )
                 )
                 tracing.set_attributes(

@@ -130,6 +130,10 @@ class _Renderer:
             choice.end = chunk.final
         return choice, finish
 
+    def system_fingerprint(self) -> str | None:
+        """The configuration the choices ended on (the first one's that names it; None: none does)."""
+        return next((c.end.system_fingerprint for c in self._choices if c.end and c.end.system_fingerprint), None)
+
     def phases(self) -> dict[str, int]:
         """Where the request's time went (nanoseconds per phase), for its slowest choice: the client's wait."""
         end = slowest([c.end for c in self._choices if c.end is not None])
@@ -180,7 +184,15 @@ class CompletionRenderer(_Renderer):
         if self._logprobs:
             logprobs = self._completion_logprobs(chunk.logprobs, self._choice_logprobs[index])
         text = CompletionChoice(index=index, text=chunk.text, logprobs=logprobs, finish_reason=finish)
-        return Completion(id=self.id, created=self.created, model=self.model, choices=[text], usage=None)
+        fingerprint = chunk.final.system_fingerprint or None if finish is not None else None
+        return Completion(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[text],
+            usage=None,
+            system_fingerprint=fingerprint,
+        )
 
     def _completion_logprobs(
         self, logprobs: Sequence[sampling_pb2.TokenLogprob], whole: CompletionLogprobs
@@ -200,7 +212,14 @@ class CompletionRenderer(_Renderer):
         return part
 
     def usage_chunk(self) -> Completion:
-        return Completion(id=self.id, created=self.created, model=self.model, choices=[], usage=self.usage())
+        return Completion(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[],
+            usage=self.usage(),
+            system_fingerprint=self.system_fingerprint(),
+        )
 
     def response(self) -> Completion:
         choices = [
@@ -212,7 +231,14 @@ class CompletionRenderer(_Renderer):
             )
             for i, c in enumerate(self._choices)
         ]
-        return Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage())
+        return Completion(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=self.usage(),
+            system_fingerprint=self.system_fingerprint(),
+        )
 
 
 class ChatRenderer(_Renderer):
@@ -240,10 +266,20 @@ class ChatRenderer(_Renderer):
         text = None if calls and not chunk.text else chunk.text
         delta = ChatDelta(role="assistant" if first else None, content=text, tool_calls=calls or None)
         piece = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[piece])
+        fingerprint = chunk.final.system_fingerprint or None if finish is not None else None
+        return ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=[piece], system_fingerprint=fingerprint
+        )
 
     def usage_chunk(self) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=self.usage())
+        return ChatCompletionChunk(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[],
+            usage=self.usage(),
+            system_fingerprint=self.system_fingerprint(),
+        )
 
     def response(self) -> ChatCompletion:
         choices = [
@@ -255,7 +291,14 @@ class ChatRenderer(_Renderer):
             )
             for i, c in enumerate(self._choices)
         ]
-        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage())
+        return ChatCompletion(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=self.usage(),
+            system_fingerprint=self.system_fingerprint(),
+        )
 
 
 def _message(text: str, calls: list[ToolCall]) -> ResponseMessage:

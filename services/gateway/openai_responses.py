@@ -56,6 +56,11 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = Field(description="null in stream chunks, except the usage chunk of include_usage.")
+    system_fingerprint: str | None = Field(
+        None,
+        description="The serving configuration that produced it (model, dtype, kernels; docs/determinism.md); "
+        "in stream chunks, on the chunks that end a choice and the usage chunk.",
+    )
 
 
 # -- chat ----------------------------------------------------------------------
@@ -112,6 +117,11 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    system_fingerprint: str | None = Field(
+        None,
+        description="The serving configuration that produced it (model, dtype, kernels; docs/determinism.md); "
+        "in stream chunks, on the chunks that end a choice and the usage chunk.",
+    )
 
 
 class ChatDelta(BaseModel):
@@ -134,6 +144,11 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = Field(
+        None,
+        description="The serving configuration that produced it (model, dtype, kernels; docs/determinism.md); "
+        "in stream chunks, on the chunks that end a choice and the usage chunk.",
+    )
 
 
 # -- the rest ------------------------------------------------------------------

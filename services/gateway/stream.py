@@ -35,6 +35,7 @@ class Finish:
     route_timings: accounting_pb2.Timings
     prefill_timings: accounting_pb2.Timings | None = None
     decode_timings: accounting_pb2.Timings | None = None
+    system_fingerprint: str = ""  # the decode worker's (empty: none ran)
 
 
 class ResponseStream:
@@ -109,6 +110,7 @@ class ResponseStream:
             route_timings=finish.route_timings,
             prefill_timings=finish.prefill_timings,
             decode_timings=finish.decode_timings,
+            system_fingerprint=finish.system_fingerprint,
         )
         for phase, ns in phases(end).items():
             self._metrics.phases.labels(phase).observe(ns / 1e9)

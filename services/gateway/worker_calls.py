@@ -211,7 +211,14 @@ class WorkerCalls:
                         cached = final.usage.cached_tokens if prefill_reused_tokens is None else prefill_reused_tokens
                         # A resumed request's cache hits may cover streamed tokens too: usage counts the prompt's.
                         cached = min(cached, len(request.prompt_token_ids))
-                        finish = Finish(final.finish_reason, cached, route_timings, prefill_timings, final.timings)
+                        finish = Finish(
+                            final.finish_reason,
+                            cached,
+                            route_timings,
+                            prefill_timings,
+                            final.timings,
+                            final.system_fingerprint,
+                        )
                     yield stream.chunk(msg.token_ids, msg.text, msg.logprobs, finish)
                     if finish is not None:
                         return

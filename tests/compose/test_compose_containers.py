@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvmesh.launcher import free_port
 from kvmesh.launcher.compose import REPO_ROOT
 from kvmesh.launcher.up_process import kvmesh_up
+from kvmesh.runtime.ports import free_port
 
 pytestmark = pytest.mark.timeout(1800)
 

@@ -22,12 +22,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvmesh.api.common.v1 import sampling_pb2, worker_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from kvmesh.api.router.v1 import router_pb2, router_pb2_grpc
-from kvmesh.launcher import free_port
 from kvmesh.launcher.compose import REPO_ROOT
 from kvmesh.launcher.health_cli import check_health
 from kvmesh.launcher.up_process import kvmesh_up
 from kvmesh.runtime import create_channel
 from kvmesh.runtime.certs import role_identity
+from kvmesh.runtime.ports import free_port
 from kvmesh.runtime.tls import TlsFiles
 from tests.e2e.mesh_helpers import write_model
 

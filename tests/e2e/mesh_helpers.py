@@ -11,11 +11,12 @@ from typing import TypeVar
 
 from kvmesh.launcher.restart import RestartPolicy
 from kvmesh.launcher.scrape import scrape
-from kvmesh.launcher.spec import MeshOptions, free_port
+from kvmesh.launcher.spec import MeshOptions
 from kvmesh.launcher.supervisor import Mesh
 from kvmesh.launcher.topology import build_topology
 from kvmesh.models.bpe import train_tokenizer, write_tokenizer
 from kvmesh.runtime.otlp_receiver import OtlpReceiver
+from kvmesh.runtime.ports import free_port
 from tests.engine.conftest import VOCAB, write_checkpoint
 
 BLOCK = 16

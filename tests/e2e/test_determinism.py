@@ -8,8 +8,10 @@ worker (split prefill/decode, KV over NIXL)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import urllib.request
 
 import grpc
 import pytest
@@ -20,7 +22,7 @@ from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.launcher import RestartPolicy
 from kvmesh.sampling import SamplingParams
-from tests.e2e.mesh_helpers import start_mesh
+from tests.e2e.mesh_helpers import http_url, start_mesh
 from tests.e2e.stream_breaker import break_mid_stream, read_into
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -51,9 +53,15 @@ def deterministic_mesh(e2e_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def alone_in_process(e2e_model) -> dict[str, tuple]:
-    """What one deterministic engine in this process gives each kind of request alone."""
-    engine = LLMEngine(e2e_model, EngineConfig(num_blocks=128, dtype=DTYPE, deterministic=True))
+def engine_here(e2e_model) -> LLMEngine:
+    """One deterministic engine in this process: prefill and decode colocated."""
+    return LLMEngine(e2e_model, EngineConfig(num_blocks=128, dtype=DTYPE, deterministic=True))
+
+
+@pytest.fixture(scope="module")
+def alone_in_process(engine_here) -> dict[str, tuple]:
+    """What the engine here gives each kind of request alone."""
+    engine = engine_here
     out = {}
     for kind, sampling in SAMPLING.items():
         params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5, **sampling)
@@ -111,6 +119,19 @@ async def test_the_mesh_gives_the_bits_one_engine_gives_alone_batched_or_cached(
     assert alone == expected, "the mesh, alone, differs from one engine alone"
     assert batched == expected, "in a batch of 16 the request's bits moved"
     assert again == expected, "after its prefix was cached the request's bits moved"
+
+
+async def test_every_response_names_the_configuration_that_produced_it(deterministic_mesh, gateway, engine_here):
+    """system_fingerprint: the decode worker's, over gRPC and HTTP, equal to what the same configuration here says
+    (model fingerprint with batch-invariant execution, dtype, kernels, torch, device type)."""
+    final = (await _complete(gateway, _request(PROMPT, 4, temperature=0.0)))[-1].final
+    assert final.system_fingerprint == engine_here.system_fingerprint
+    body = json.dumps({"model": "llama", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}).encode()
+    call = urllib.request.Request(
+        f"{http_url(deterministic_mesh)}/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(call, timeout=60) as reply:
+        assert json.load(reply)["system_fingerprint"] == engine_here.system_fingerprint
 
 
 async def test_a_stream_moved_after_its_worker_was_killed_keeps_its_bits(

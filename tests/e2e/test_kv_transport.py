@@ -26,9 +26,10 @@ from kvmesh.launcher.compose import REPO_ROOT
 from kvmesh.launcher.hosts import HostsFile
 from kvmesh.launcher.multihost import TCP_ONLY_UCX
 from kvmesh.launcher.netns import Network, can_make_hosts
-from kvmesh.launcher.spec import ProcessSpec, Topology, free_port
+from kvmesh.launcher.spec import ProcessSpec, Topology
 from kvmesh.launcher.supervisor import Mesh
 from kvmesh.runtime import create_channel
+from kvmesh.runtime.ports import free_port
 from kvmesh.sampling import SamplingParams
 from kvmesh.worker.kv_nixl import load_nixl
 from tests.e2e.mesh_helpers import metrics

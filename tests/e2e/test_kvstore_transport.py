@@ -22,9 +22,10 @@ from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from kvmesh.kv_wire import BlockAssembler
 from kvmesh.launcher.compose import REPO_ROOT
-from kvmesh.launcher.spec import ProcessSpec, Topology, free_port
+from kvmesh.launcher.spec import ProcessSpec, Topology
 from kvmesh.launcher.supervisor import Mesh
 from kvmesh.runtime import create_channel
+from kvmesh.runtime.ports import free_port
 from kvmesh.worker.kv_nixl import load_nixl
 from tests.e2e.mesh_helpers import metrics
 from tests.e2e.test_kv_transport import BLOCKS, BS, Pair, _spec, colocated, eventually, greedy, prompt  # noqa: F401

@@ -41,7 +41,7 @@ Run = tuple[list[int], list[TokenLogprob]]
 
 def _engine(path, dtype: str, deterministic: bool = True, drafter=None, **cfg) -> LLMEngine:
     return LLMEngine(
-        path, EngineConfig(num_blocks=256, dtype=dtype, deterministic=deterministic, **cfg), drafter=drafter
+        path, EngineConfig(**{"num_blocks": 256, **cfg}, dtype=dtype, deterministic=deterministic), drafter=drafter
     )
 
 
@@ -88,6 +88,10 @@ def test_a_request_gives_the_same_bits_whatever_its_batch_cache_chunks_or_migrat
     if kind == "greedy":  # a sampled request's drafts change which uniforms decide its tokens
         speculating = _engine(wide_llama, dtype, drafter=Drafter(ScriptedProposer(garbage=True), 3))
         cases["speculating, drafts rejected"] = _run(speculating, params, OTHERS[:5])
+        # Drafts that are the answer: every token but the bonus one comes out of a verify row.
+        oracle = _engine(wide_llama, dtype, drafter=Drafter(ScriptedProposer({"target": alone[0]}), 3))
+        cases["speculating, drafts accepted"] = _run(oracle, params, OTHERS[:5], request_id="target")
+        assert oracle.stats.draft_tokens_accepted >= NEW_TOKENS // 2  # most tokens did come from verify rows
     for name, run in cases.items():
         assert _bits(run) == _bits(alone), f"{dtype} {kind}: {name} differs from the request alone"
 
@@ -108,3 +112,12 @@ def test_deterministic_refuses_what_it_cannot_keep(wide_llama):
     engine = _engine(wide_llama, "float32", compile=True)  # compile is ignored: the step runs eager
     assert engine.runner.model.compiled_decode is None
     assert torch.equal(engine.runner.model.head_weight, engine.runner.model.head_proj.weight)
+
+
+def test_system_fingerprint_names_what_decides_the_bits(wide_llama):
+    fingerprint = _engine(wide_llama, "float32").system_fingerprint
+    assert fingerprint.startswith("fp_")
+    # Scheduling knobs do not change a request's bits under --deterministic, so they do not change the name.
+    assert _engine(wide_llama, "float32", max_num_batched_tokens=16, num_blocks=64).system_fingerprint == fingerprint
+    assert _engine(wide_llama, "float32", deterministic=False).system_fingerprint != fingerprint
+    assert _engine(wide_llama, "bfloat16").system_fingerprint != fingerprint

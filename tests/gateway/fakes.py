@@ -184,6 +184,7 @@ class FakeMesh:
                             prompt_tokens=len(request.prompt_token_ids), completion_tokens=len(tokens), cached_tokens=32
                         ),
                         timings=accounting_pb2.Timings(total_ns=3),
+                        system_fingerprint=f"fp_{worker}",
                     )
                     if last
                     else None,

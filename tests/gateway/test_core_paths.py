@@ -24,6 +24,7 @@ async def test_local_prefill_goes_straight_to_decode_and_streams_every_message(m
     assert final.finish_reason == sampling_pb2.FINISH_REASON_LENGTH
     assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (len(PROMPT), 4)
     assert final.usage.cached_tokens == 32  # the decode worker's own reuse
+    assert final.system_fingerprint.startswith("fp_")  # the decode worker's configuration, passed on
     assert final.decode_timings.total_ns == 3 and final.route_timings.total_ns == 1
     assert final.timings.total_ns >= final.timings.first_token_ns > 0
 

@@ -12,9 +12,9 @@ import pytest
 from kvmesh.api.decode.v1 import decode_pb2
 from kvmesh.api.router.v1 import router_pb2
 from kvmesh.errors import FailedPrecondition, InvalidArgument, KvmeshError, ResourceExhausted, Unavailable
-from kvmesh.launcher import free_port
 from kvmesh.runtime import Runtime
 from kvmesh.runtime.client_errors import from_rpc_error
+from kvmesh.runtime.ports import free_port
 from services.gateway.backends import RouterUnreachable
 from services.gateway.grpc_backends import GrpcBackends
 from tests.gateway.grpc_fakes import Mesh, build_mesh

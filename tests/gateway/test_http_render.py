@@ -191,3 +191,18 @@ def test_token_texts_are_decoded_once() -> None:
 
     texts = TokenTexts(Counting())
     assert [texts(5), texts(5), texts(6)] == ["t5", "t5", "t6"] and calls == [[5], [6]]
+
+
+def test_system_fingerprint_is_the_decode_worker_s_on_the_ending_chunks_and_the_response() -> None:
+    def ending(chunk_of, fingerprint: str):
+        c = chunk_of([2], "t2", final=(4, 2, 0))
+        c.final.system_fingerprint = fingerprint
+        return c
+
+    for cls, chunk_of in ((CompletionRenderer, chunk), (ChatRenderer, chat_chunk)):
+        r = renderer(cls, choices=2)
+        assert r.add(0, chunk_of([1], "t1")).system_fingerprint is None  # not known before a choice ends
+        assert r.add(0, ending(chunk_of, "")).system_fingerprint is None  # prefill finished it: no decode worker
+        assert r.add(1, ending(chunk_of, "fp_0123456789ab")).system_fingerprint == "fp_0123456789ab"
+        assert r.usage_chunk().system_fingerprint == "fp_0123456789ab"
+        assert r.response().system_fingerprint == "fp_0123456789ab"

@@ -5,8 +5,9 @@ import sys
 import time
 from pathlib import Path
 
-from kvmesh.launcher import ProcessSpec, free_port
+from kvmesh.launcher import ProcessSpec
 from kvmesh.launcher.compose import REPO_ROOT
+from kvmesh.runtime.ports import free_port
 
 
 def child(name: str, role: str, **settings: object) -> ProcessSpec:

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from kvmesh.launcher import free_port
 from kvmesh.launcher.health_cli import add_health_parser, default_address
 from kvmesh.runtime import Runtime, ServiceContext, ServiceDef
+from kvmesh.runtime.ports import free_port
 from tests.runtime.fakes import build_kvstore
 
 

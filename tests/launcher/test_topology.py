@@ -10,7 +10,7 @@ import pytest
 
 from kvmesh.launcher import ComposeError, MeshOptions, build_topology
 from kvmesh.launcher.compose import REPO_ROOT, load_compose
-from kvmesh.launcher.spec import describe
+from kvmesh.launcher.spec import DETERMINISTIC_ROLE_ENV, describe
 from kvmesh.launcher.topology import compose_model_path
 
 MODEL = Path("/models/tiny")
@@ -312,6 +312,7 @@ _ROUTER = """
 
 def test_describe_says_how_each_decode_worker_runs_its_steps(monkeypatch) -> None:
     monkeypatch.delenv("KVMESH_COMPILE", raising=False)
+    monkeypatch.delenv("KVMESH_DETERMINISTIC", raising=False)
     topo = _plan(_options(compose_vars={"KVMESH_DECODE_REPLICAS": "2"}))
     assert sum("compiled decode steps" in line for line in describe(topo, RUN)) == 2  # the default
 
@@ -319,6 +320,11 @@ def test_describe_says_how_each_decode_worker_runs_its_steps(monkeypatch) -> Non
     lines = describe(topo, RUN)
     assert any(line.lstrip().startswith("decode-0") and "eager decode steps" in line for line in lines)
     assert not any("compiled" in line for line in lines)
+
+    # kvmesh up --deterministic: both kinds of worker batch-invariant, decode eager whatever --compile says.
+    topo = _plan(_options(role_env=DETERMINISTIC_ROLE_ENV))
+    assert {p.env.get("KVMESH_DETERMINISTIC") for p in topo.processes if p.role in ("prefill", "decode")} == {"1"}
+    assert any("deterministic eager decode steps" in line for line in describe(topo, RUN))
 
 
 def test_a_command_s_arguments_are_mapped_too(tmp_path) -> None:

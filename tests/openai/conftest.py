@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import openai
 import pytest
 
-from kvmesh.launcher.spec import Topology, free_port
+from kvmesh.launcher.spec import Topology
 from kvmesh.launcher.supervisor import Mesh
+from kvmesh.runtime.ports import free_port
 from tests.e2e.mesh_helpers import http_url, start_mesh, write_model
 
 MODEL = "llama"  # the model folder's name, which the gateway serves it as

@@ -12,8 +12,8 @@ import openai
 import pytest
 
 from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from kvmesh.launcher.spec import free_port
 from kvmesh.runtime import common_flags, parse_flags, serve
+from kvmesh.runtime.ports import free_port
 from services.gateway.main import FLAGS, build
 from tests.e2e.mesh_helpers import metrics, poll
 from tests.openai.conftest import API_KEY, MODEL, post_raw

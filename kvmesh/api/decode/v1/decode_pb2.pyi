@@ -60,17 +60,19 @@ class DecodeResponse(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_sampling_pb2.TokenLogprob, _Mapping]]] = ..., accepted_draft_tokens: _Optional[int] = ..., final: _Optional[_Union[DecodeFinal, _Mapping]] = ...) -> None: ...
 
 class DecodeFinal(_message.Message):
-    __slots__ = ("finish_reason", "stop_text", "usage", "timings", "draft_tokens_proposed", "draft_tokens_accepted")
+    __slots__ = ("finish_reason", "stop_text", "usage", "timings", "draft_tokens_proposed", "draft_tokens_accepted", "system_fingerprint")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_TEXT_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_PROPOSED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     finish_reason: _sampling_pb2.FinishReason
     stop_text: str
     usage: _accounting_pb2.Usage
     timings: _accounting_pb2.Timings
     draft_tokens_proposed: int
     draft_tokens_accepted: int
-    def __init__(self, finish_reason: _Optional[_Union[_sampling_pb2.FinishReason, str]] = ..., stop_text: _Optional[str] = ..., usage: _Optional[_Union[_accounting_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_accounting_pb2.Timings, _Mapping]] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ...) -> None: ...
+    system_fingerprint: str
+    def __init__(self, finish_reason: _Optional[_Union[_sampling_pb2.FinishReason, str]] = ..., stop_text: _Optional[str] = ..., usage: _Optional[_Union[_accounting_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_accounting_pb2.Timings, _Mapping]] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., system_fingerprint: _Optional[str] = ...) -> None: ...

@@ -59,20 +59,22 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_sampling_pb2.TokenLogprob, _Mapping]]] = ..., final: _Optional[_Union[StreamEnd, _Mapping]] = ...) -> None: ...
 
 class StreamEnd(_message.Message):
-    __slots__ = ("finish_reason", "usage", "timings", "route_timings", "prefill_timings", "decode_timings")
+    __slots__ = ("finish_reason", "usage", "timings", "route_timings", "prefill_timings", "decode_timings", "system_fingerprint")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     ROUTE_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     DECODE_TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     finish_reason: _sampling_pb2.FinishReason
     usage: _accounting_pb2.Usage
     timings: _accounting_pb2.Timings
     route_timings: _accounting_pb2.Timings
     prefill_timings: _accounting_pb2.Timings
     decode_timings: _accounting_pb2.Timings
-    def __init__(self, finish_reason: _Optional[_Union[_sampling_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_accounting_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_accounting_pb2.Timings, _Mapping]] = ..., route_timings: _Optional[_Union[_accounting_pb2.Timings, _Mapping]] = ..., prefill_timings: _Optional[_Union[_accounting_pb2.Timings, _Mapping]] = ..., decode_timings: _Optional[_Union[_accounting_pb2.Timings, _Mapping]] = ...) -> None: ...
+    system_fingerprint: str
+    def __init__(self, finish_reason: _Optional[_Union[_sampling_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_accounting_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_accounting_pb2.Timings, _Mapping]] = ..., route_timings: _Optional[_Union[_accounting_pb2.Timings, _Mapping]] = ..., prefill_timings: _Optional[_Union[_accounting_pb2.Timings, _Mapping]] = ..., decode_timings: _Optional[_Union[_accounting_pb2.Timings, _Mapping]] = ..., system_fingerprint: _Optional[str] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
     __slots__ = ("model", "messages", "sampling", "cache_salt", "user", "tools", "tool_choice", "parallel_tool_calls")

@@ -341,8 +341,11 @@ type StreamEnd struct {
 	RouteTimings   *v1.Timings `protobuf:"bytes,4,opt,name=route_timings,json=routeTimings,proto3" json:"route_timings,omitempty"`
 	PrefillTimings *v1.Timings `protobuf:"bytes,5,opt,name=prefill_timings,json=prefillTimings,proto3" json:"prefill_timings,omitempty"`
 	DecodeTimings  *v1.Timings `protobuf:"bytes,6,opt,name=decode_timings,json=decodeTimings,proto3" json:"decode_timings,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// The decode worker's DecodeFinal.system_fingerprint (empty when no decode
+	// worker ran, e.g. a request prefill finished).
+	SystemFingerprint string `protobuf:"bytes,7,opt,name=system_fingerprint,json=systemFingerprint,proto3" json:"system_fingerprint,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *StreamEnd) Reset() {
@@ -415,6 +418,13 @@ func (x *StreamEnd) GetDecodeTimings() *v1.Timings {
 		return x.DecodeTimings
 	}
 	return nil
+}
+
+func (x *StreamEnd) GetSystemFingerprint() string {
+	if x != nil {
+		return x.SystemFingerprint
+	}
+	return ""
 }
 
 type ChatRequest struct {
@@ -1477,14 +1487,15 @@ const file_kvmesh_api_gateway_v1_gateway_proto_rawDesc = "" +
 	"\ttoken_ids\x18\x03 \x03(\rR\btokenIds\x12\x12\n" +
 	"\x04text\x18\x04 \x01(\tR\x04text\x12>\n" +
 	"\blogprobs\x18\x05 \x03(\v2\".kvmesh.api.common.v1.TokenLogprobR\blogprobs\x126\n" +
-	"\x05final\x18\x06 \x01(\v2 .kvmesh.api.gateway.v1.StreamEndR\x05final\"\x92\x03\n" +
+	"\x05final\x18\x06 \x01(\v2 .kvmesh.api.gateway.v1.StreamEndR\x05final\"\xc1\x03\n" +
 	"\tStreamEnd\x12G\n" +
 	"\rfinish_reason\x18\x01 \x01(\x0e2\".kvmesh.api.common.v1.FinishReasonR\ffinishReason\x121\n" +
 	"\x05usage\x18\x02 \x01(\v2\x1b.kvmesh.api.common.v1.UsageR\x05usage\x127\n" +
 	"\atimings\x18\x03 \x01(\v2\x1d.kvmesh.api.common.v1.TimingsR\atimings\x12B\n" +
 	"\rroute_timings\x18\x04 \x01(\v2\x1d.kvmesh.api.common.v1.TimingsR\frouteTimings\x12F\n" +
 	"\x0fprefill_timings\x18\x05 \x01(\v2\x1d.kvmesh.api.common.v1.TimingsR\x0eprefillTimings\x12D\n" +
-	"\x0edecode_timings\x18\x06 \x01(\v2\x1d.kvmesh.api.common.v1.TimingsR\rdecodeTimings\"\x9c\x03\n" +
+	"\x0edecode_timings\x18\x06 \x01(\v2\x1d.kvmesh.api.common.v1.TimingsR\rdecodeTimings\x12-\n" +
+	"\x12system_fingerprint\x18\a \x01(\tR\x11systemFingerprint\"\x9c\x03\n" +
 	"\vChatRequest\x12\x14\n" +
 	"\x05model\x18\x01 \x01(\tR\x05model\x12>\n" +
 	"\bmessages\x18\x02 \x03(\v2\".kvmesh.api.gateway.v1.ChatMessageR\bmessages\x12@\n" +

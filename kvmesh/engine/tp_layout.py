@@ -1,0 +1,108 @@
+"""Which slice of a model one tensor-parallel rank holds (Megatron-style), as pure arithmetic.
+
+Attention is split by heads: rank r of N holds query heads [r*H/N, (r+1)*H/N) and the KV heads they
+read. With at least N KV heads each rank holds Hk/N of them; with fewer (GQA: SmolLM2 has 3 KV heads
+for 9 query heads) the KV heads are replicated, rank r holding head r*Hk/N, which is the one its query
+heads read, so N must be a multiple of Hk. The MLP is split by intermediate columns. q/k/v and gate/up
+are column-parallel (each rank computes its heads' and its columns' outputs), o_proj and down_proj
+row-parallel (each rank's partial sum, added up by one all-reduce after each). Embedding, norms and the
+LM head stay whole on every rank. A config that cannot be split so is refused, saying why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from kvmesh.checkpoint.model_config import ModelConfig
+from kvmesh.errors import InvalidArgument
+
+# HF weight-name suffix -> how it is split: "rows-q"/"rows-kv"/"rows-mlp" slice output rows (column
+# parallel), "cols-q"/"cols-mlp" slice input columns (row parallel). Anything else is whole.
+_SPLITS = {
+    "self_attn.q_proj.weight": "rows-q",
+    "self_attn.q_proj.bias": "rows-q",
+    "self_attn.k_proj.weight": "rows-kv",
+    "self_attn.k_proj.bias": "rows-kv",
+    "self_attn.v_proj.weight": "rows-kv",
+    "self_attn.v_proj.bias": "rows-kv",
+    "mlp.gate_proj.weight": "rows-mlp",
+    "mlp.up_proj.weight": "rows-mlp",
+    "self_attn.o_proj.weight": "cols-q",
+    "mlp.down_proj.weight": "cols-mlp",
+}
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    rank: int
+    size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, rank: int, size: int) -> TPLayout:
+        """Rank ``rank`` of ``size`` over ``cfg``; InvalidArgument naming the config where it cannot be split."""
+        if size < 1 or not 0 <= rank < size:
+            raise InvalidArgument(f"tensor-parallel rank {rank} of {size}: no such rank")
+        why = []
+        if cfg.num_heads % size:
+            why.append(f"{cfg.num_heads} attention heads")
+        if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
+            why.append(f"{cfg.num_kv_heads} KV heads (neither divisible by {size} nor dividing it)")
+        if cfg.intermediate_size % size:
+            why.append(f"intermediate size {cfg.intermediate_size}")
+        if why:
+            raise InvalidArgument(
+                f"tensor parallelism of {size} cannot split {cfg.architecture}: {', '.join(why)} "
+                f"do not divide by {size}"
+            )
+        return cls(rank, size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
+
+    @property
+    def local_heads(self) -> int:
+        return self.num_heads // self.size
+
+    @property
+    def local_kv_heads(self) -> int:
+        return max(1, self.num_kv_heads // self.size)
+
+    @property
+    def kv_replicated(self) -> bool:
+        """More ranks than KV heads: several ranks hold the same KV head."""
+        return self.size > self.num_kv_heads
+
+    def local_config(self, cfg: ModelConfig) -> ModelConfig:
+        """``cfg`` as this rank's layers see it: its heads, its KV heads, its intermediate columns."""
+        return replace(
+            cfg,
+            num_heads=self.local_heads,
+            num_kv_heads=self.local_kv_heads,
+            intermediate_size=self.intermediate_size // self.size,
+        )
+
+    def _range(self, kind: str) -> tuple[int, int]:
+        """(first, count) of the rows or columns ``kind`` names that this rank holds."""
+        d = self.head_dim
+        if kind == "q":
+            return self.rank * self.local_heads * d, self.local_heads * d
+        if kind == "kv":
+            if self.kv_replicated:  # the one KV head this rank's query heads read
+                first = self.rank * self.num_kv_heads // self.size
+            else:
+                first = self.rank * self.local_kv_heads
+            return first * d, self.local_kv_heads * d
+        per = self.intermediate_size // self.size
+        return self.rank * per, per
+
+    def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the HF-named checkpoint tensor ``name`` (whole where it is not split)."""
+        how = next((v for k, v in _SPLITS.items() if name.endswith(k)), None)
+        if how is None or self.size == 1:
+            return tensor
+        axis, kind = how.split("-")
+        first, count = self._range(kind)
+        return tensor.narrow(0 if axis == "rows" else 1, first, count)

@@ -1,0 +1,119 @@
+"""Tensor parallelism in one engine (``EngineConfig(tensor_parallel_size=N)``): rank 0 in this process,
+the other ranks spawned, gloo between them. Greedy tokens as TP1 and transformers give them, logprobs
+within 1e-4, with KV heads split and with fewer KV heads than ranks (replicated); speculation and
+structured outputs across ranks; configurations that cannot be split refused by name; a rank killed
+fails the step instead of hanging it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvmesh.checkpoint.model_config import ModelConfig
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.tensor_parallel import RankLost
+from kvmesh.engine.tp_layout import TPLayout
+from kvmesh.errors import InvalidArgument
+from kvmesh.sampling import SamplingParams
+from kvmesh.speculation.drafter import Drafter
+from kvmesh.structured.spec import GrammarSpec
+
+from .conftest import PROMPTS
+from .hf_reference import hf_greedy
+from .test_speculative import ScriptedProposer
+
+NEW_TOKENS = 32
+EIGHT_PROMPTS = [*PROMPTS, *([(5 * i + k) % 500 + 1 for i in range(9 + 7 * k)] for k in range(4))]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
+
+
+def _engine(path, size: int, **kwargs) -> LLMEngine:
+    drafter = kwargs.pop("drafter", None)
+    return LLMEngine(path, EngineConfig(num_blocks=128, tensor_parallel_size=size, **kwargs), drafter=drafter)
+
+
+def _close_enough(a, b) -> None:
+    """Same tokens; every logprob and top-5 alternative within 1e-4 (the ranks' sums round differently)."""
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    for x, y in zip(a, b):
+        for p, q in zip(x.logprobs, y.logprobs):
+            assert abs(p.logprob - q.logprob) < 1e-4
+            assert [t for t, _ in p.top] == [t for t, _ in q.top]
+            assert max(abs(v - w) for (_, v), (_, w) in zip(p.top, q.top)) < 1e-4
+
+
+def test_the_layout_splits_heads_and_columns_and_refuses_what_does_not_divide(checkpoints) -> None:
+    mc = ModelConfig.from_dir(checkpoints["llama-gqa"])  # 4 heads, 2 KV heads of 16, intermediate 128
+    second = TPLayout.of(mc, 1, 2)
+    assert (second.local_heads, second.local_kv_heads, second.kv_replicated) == (2, 1, False)
+    q = torch.arange(64 * 64).view(64, 64)
+    assert torch.equal(second.shard("model.layers.0.self_attn.q_proj.weight", q), q[32:64])
+    assert torch.equal(second.shard("model.layers.0.self_attn.k_proj.weight", q[:32]), q[16:32])
+    assert torch.equal(second.shard("model.layers.0.self_attn.o_proj.weight", q), q[:, 32:64])
+    assert second.shard("model.norm.weight", q) is q
+    # Four ranks over 2 KV heads: ranks 0-1 read KV head 0, ranks 2-3 KV head 1.
+    assert [TPLayout.of(mc, r, 4)._range("kv") for r in range(4)] == [(0, 16), (0, 16), (16, 16), (16, 16)]
+    with pytest.raises(InvalidArgument, match="tensor parallelism of 3 cannot split LlamaForCausalLM: 4 attention"):
+        TPLayout.of(mc, 0, 3)
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "llama3-rope", "qwen2-bias", "llama-mha-tied"])
+def test_two_ranks_give_one_rank_s_greedy_tokens_and_logprobs(checkpoints, arch) -> None:
+    """llama-gqa: 2 KV heads, one a rank; llama3-rope: 1 KV head, replicated; qwen2-bias: q/k/v biases
+    split with their rows; llama-mha-tied: the tied LM head whole on rank 0."""
+    path = checkpoints[arch]
+    one = _engine(path, 1).generate(EIGHT_PROMPTS, GREEDY)
+    two = _engine(path, 2)
+    try:
+        _close_enough(two.generate(EIGHT_PROMPTS, GREEDY), one)
+    finally:
+        two.close()
+    if arch == "llama-gqa":
+        for prompt, done in zip(EIGHT_PROMPTS[:2], one):
+            assert hf_greedy(path, prompt, NEW_TOKENS)[0] == done.token_ids
+
+
+def test_speculative_verifies_across_ranks(checkpoints) -> None:
+    path = checkpoints["llama-gqa"]
+    one = _engine(path, 1).generate(EIGHT_PROMPTS, GREEDY)
+    spec = _engine(path, 2, drafter=Drafter(ScriptedProposer(garbage=True), 3))
+    try:
+        _close_enough(spec.generate(EIGHT_PROMPTS, GREEDY), one)
+        assert spec.stats.draft_tokens_proposed > 0
+    finally:
+        spec.close()
+
+
+def test_structured_output_across_ranks(llama_with_tokenizer) -> None:
+    schema = {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 4}
+    params = SamplingParams(temperature=0.0, max_tokens=64, grammar=GrammarSpec.json_schema(schema))
+    engine = _engine(llama_with_tokenizer, 2)
+    try:
+        (done,) = engine.generate([engine.tokenizer.encode("[")], params)
+    finally:
+        engine.close()
+    assert done.finish_reason == "stop" and isinstance(json.loads(done.text), list)
+
+
+def test_what_ranks_cannot_serve_yet_is_refused_before_any_starts(checkpoints) -> None:
+    path = checkpoints["llama-gqa"]
+    with pytest.raises(InvalidArgument, match="cannot split"):
+        _engine(path, 3)
+    with pytest.raises(InvalidArgument, match="quantization"):
+        _engine(path, 2, quantization="int8")
+
+
+def test_a_rank_killed_fails_the_step_instead_of_hanging_it(checkpoints) -> None:
+    engine = _engine(checkpoints["llama-gqa"], 2)
+    try:
+        engine.generate(EIGHT_PROMPTS[:1], GREEDY)
+        (follower,) = engine.runner.tp._processes
+        follower.kill()
+        follower.join(10)
+        with pytest.raises(RankLost, match="rank 1 is gone|all-reduce failed"):
+            engine.generate(EIGHT_PROMPTS[:1], GREEDY)
+    finally:
+        engine.close()
