@@ -46,6 +46,13 @@ ENGINE_FLAGS = [
         type=bool,
     ),
     Flag(
+        "--tensor-parallel-size",
+        "split the model over this many processes (ranks) of this machine, Megatron-style: rank 0 serves, the "
+        "others are its children (CPU, gloo; docs/tensor_parallel.md). KV is handed off whole, over gRPC",
+        default=1,
+        type=int,
+    ),
+    Flag(
         "--inject-engine-fault-after-steps",
         "fault injection (tests, chaos drills): the engine's step loop fails, with a failure no request owns, "
         "after this many steps (0: never); the worker then stops serving and exits (docs/faults.md)",
@@ -98,6 +105,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         compile=getattr(args, "compile", False),
         small_rows_linears=args.small_rows_linears,
         deterministic=args.deterministic,
+        tensor_parallel_size=args.tensor_parallel_size,
         fault_after_steps=args.inject_engine_fault_after_steps,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,

@@ -57,6 +57,17 @@ class BlockPayload:
     data: bytes
 
 
+def check_payload(payload: BlockPayload, block_shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> None:
+    """InvalidArgument unless ``payload`` is a block of this layout: its shape, dtype and size."""
+    if tuple(payload.shape) != block_shape or parse_dtype(payload.dtype) != dtype:
+        raise InvalidArgument(
+            f"KV block layout mismatch: got {tuple(payload.shape)} {payload.dtype}, "
+            f"this cache holds {block_shape} {dtype_name(dtype)}"
+        )
+    if len(payload.data) != nbytes:
+        raise InvalidArgument(f"KV block has {len(payload.data)} bytes, expected {nbytes}")
+
+
 class KVCache:
     def __init__(
         self,
@@ -114,13 +125,7 @@ class KVCache:
         return BlockPayload(self.block_shape, dtype_name(self.dtype), data)
 
     def import_block(self, block_id: int, payload: BlockPayload) -> None:
-        if tuple(payload.shape) != self.block_shape or parse_dtype(payload.dtype) != self.dtype:
-            raise InvalidArgument(
-                f"KV block layout mismatch: got {tuple(payload.shape)} {payload.dtype}, "
-                f"this cache holds {self.block_shape} {dtype_name(self.dtype)}"
-            )
-        if len(payload.data) != self.block_nbytes:
-            raise InvalidArgument(f"KV block has {len(payload.data)} bytes, expected {self.block_nbytes}")
+        check_payload(payload, self.block_shape, self.dtype, self.block_nbytes)
         if self.tensor.device.type == "cpu":
             dst = self._host_bytes_view(block_id)
             dst[...] = numpy.frombuffer(payload.data, dtype=numpy.uint8).reshape(dst.shape)

@@ -16,7 +16,7 @@ from kvmesh.engine.block_manager import BlockManager, OutOfBlocks
 from kvmesh.engine.config import EngineConfig, dtype_name
 from kvmesh.engine.kv_cache import KV_LAYOUT, BlockPayload, KVCache
 from kvmesh.engine.lora import LoraAdapters
-from kvmesh.errors import FailedPrecondition, NotFound, ResourceExhausted
+from kvmesh.errors import NotFound, ResourceExhausted
 
 if TYPE_CHECKING:
     from kvmesh.engine.outputs import EngineStats
@@ -36,11 +36,7 @@ class KVHandoff:
     _held: dict[str, list[tuple[BlockHash, int]]]
 
     def kv_layout(self) -> dict:
-        """The layout of the blocks this engine hands off; FailedPrecondition where it cannot hand any off."""
-        if self.config.tensor_parallel_size > 1:
-            raise FailedPrecondition(
-                "KV hand-offs from a tensor-parallel engine (its heads on several ranks) are not built yet"
-            )
+        """The layout of the blocks this engine hands off: every KV head, whatever its tensor-parallel degree."""
         mc = self.model_config
         return {
             "block_size": self.config.block_size,

@@ -28,6 +28,7 @@ from kvmesh.engine.model import CausalLM
 from kvmesh.engine.penalties import PenaltyState, adjust_row
 from kvmesh.engine.scheduler import ScheduledBatch
 from kvmesh.engine.sequence import Sequence
+from kvmesh.engine.sharded_kv import ShardedKVCache
 from kvmesh.engine.step_metadata import step_metadata
 from kvmesh.engine.system_fingerprint import system_fingerprint
 from kvmesh.engine.tensor_parallel import TensorParallelGroup
@@ -94,8 +95,12 @@ class ModelRunner:
             drafter.bind(self.model)
             self.model.feature_layers = drafter.feature_layers
         kv_heads = layout.local_kv_heads if layout is not None else mc.num_kv_heads
-        self.kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, kv_heads, mc.head_dim, self.dtype, self.device)
+        self.kv: KVCache | ShardedKVCache = KVCache(
+            mc.num_layers, cfg.num_blocks, cfg.block_size, kv_heads, mc.head_dim, self.dtype, self.device
+        )
         if self.tp is not None:
+            layouts = [TPLayout.of(mc, r, cfg.tensor_parallel_size) for r in range(cfg.tensor_parallel_size)]
+            self.kv = ShardedKVCache(self.kv, self.tp, layouts, mc.num_kv_heads)  # blocks move whole
             self.tp.wait_ready()
             self.model.mirror = self.tp.mirror  # before the drafter's calibration: its probe steps run on every rank
         if cfg.compiles():

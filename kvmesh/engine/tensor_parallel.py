@@ -7,15 +7,18 @@ pass rank 0 runs, on the same token ids, positions and block tables, which rank 
 pipe before each pass (``TensorParallelGroup.mirror``). The ranks meet in the two all-reduces of
 every layer (gloo on CPU).
 
-The pipe, not the process group, carries the steps: a follower waits on it without a deadline while
-the engine is idle, and sees end-of-file the moment rank 0 goes away. The all-reduces do have one
-(``COLLECTIVE_TIMEOUT_S``): a rank that dies mid-step fails the others' pass instead of hanging it.
+The pipes also carry KV blocks, a follower's slice of one at a time, when the engine hands blocks
+off (``kvmesh.engine.sharded_kv``). The pipe, not the process group, carries the steps: a follower
+waits on it without a deadline while the engine is idle, and sees end-of-file the moment rank 0 goes
+away. The all-reduces do have one (``COLLECTIVE_TIMEOUT_S``): a rank that dies mid-step fails the
+others' pass instead of hanging it.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 import time
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -70,6 +73,9 @@ class TensorParallelGroup:
 
     def __init__(self, processes: list[multiprocessing.Process], pipes: list[Connection], link: RankLink) -> None:
         self._processes, self._pipes, self.link = processes, pipes, link
+        # One exchange on the pipes at a time: steps come from the engine thread, block copies from
+        # the threads that hand KV off (kvmesh.engine.sharded_kv).
+        self._lock = threading.Lock()
 
     @classmethod
     def start(cls, path: Path, cfg: EngineConfig, threads_per_rank: int) -> TensorParallelGroup:
@@ -111,12 +117,37 @@ class TensorParallelGroup:
 
     def mirror(self, step: tuple) -> None:
         """Send one forward pass's inputs (token ids, positions, attention metadata) to every follower."""
-        for rank, pipe in enumerate(self._pipes, start=1):
-            try:
-                pipe.send(step)
-            except OSError:  # BrokenPipeError: the follower exited
-                code = self._processes[rank - 1].exitcode
-                raise RankLost(f"tensor-parallel rank {rank} is gone (exit code {code})") from None
+        with self._lock:
+            for rank in range(1, len(self._pipes) + 1):
+                self._send(rank, ("step", *step))
+
+    def block_slices(self, block_id: int) -> list[torch.Tensor]:
+        """Each follower's slice of KV block ``block_id`` (its KV heads), in rank order."""
+        with self._lock:
+            for rank in range(1, len(self._pipes) + 1):
+                self._send(rank, ("export", block_id))
+            return [self._receive(rank) for rank in range(1, len(self._pipes) + 1)]
+
+    def write_block_slices(self, block_id: int, slices: list[torch.Tensor]) -> None:
+        """Write each follower its slice of KV block ``block_id`` (in rank order)."""
+        with self._lock:
+            for rank, part in enumerate(slices, start=1):
+                self._send(rank, ("import", block_id, part))
+
+    def _send(self, rank: int, message: tuple) -> None:
+        try:
+            self._pipes[rank - 1].send(message)
+        except OSError:  # BrokenPipeError: the follower exited
+            raise self._lost(rank) from None
+
+    def _receive(self, rank: int):
+        try:
+            return self._pipes[rank - 1].recv()
+        except (EOFError, OSError):
+            raise self._lost(rank) from None
+
+    def _lost(self, rank: int) -> RankLost:
+        return RankLost(f"tensor-parallel rank {rank} is gone (exit code {self._processes[rank - 1].exitcode})")
 
     def close(self) -> None:
         """Stop the followers (they end at end-of-file on their pipe)."""
@@ -143,12 +174,18 @@ def _follower_main(pipe: Connection, path: str, cfg: EngineConfig, rank: int, po
     pipe.send(_READY)
     while True:
         try:
-            step = pipe.recv()
+            kind, *args = pipe.recv()
         except (EOFError, OSError):
             return
-        ids, positions, meta = step
-        with torch.inference_mode():
-            model.body(ids, positions, kv.tensor, meta)
+        if kind == "step":
+            ids, positions, meta = args
+            with torch.inference_mode():
+                model.body(ids, positions, kv.tensor, meta)
+        elif kind == "export":
+            pipe.send(kv.tensor[:, :, args[0]].clone())
+        else:  # "import"
+            block_id, part = args
+            kv.tensor[:, :, block_id].copy_(part)
 
 
 def build_rank_model(path: Path, cfg: EngineConfig, mc: ModelConfig, layout: TPLayout, link: RankLink):

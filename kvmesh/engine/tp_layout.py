@@ -84,17 +84,20 @@ class TPLayout:
             intermediate_size=self.intermediate_size // self.size,
         )
 
+    def kv_head_range(self) -> tuple[int, int]:
+        """(first, count) of the KV heads this rank holds."""
+        if self.kv_replicated:  # the one KV head this rank's query heads read
+            return self.rank * self.num_kv_heads // self.size, 1
+        return self.rank * self.local_kv_heads, self.local_kv_heads
+
     def _range(self, kind: str) -> tuple[int, int]:
         """(first, count) of the rows or columns ``kind`` names that this rank holds."""
         d = self.head_dim
         if kind == "q":
             return self.rank * self.local_heads * d, self.local_heads * d
         if kind == "kv":
-            if self.kv_replicated:  # the one KV head this rank's query heads read
-                first = self.rank * self.num_kv_heads // self.size
-            else:
-                first = self.rank * self.local_kv_heads
-            return first * d, self.local_kv_heads * d
+            first, count = self.kv_head_range()
+            return first * d, count * d
         per = self.intermediate_size // self.size
         return self.rank * per, per
 

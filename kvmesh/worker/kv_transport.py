@@ -74,6 +74,10 @@ def load_transport(args: argparse.Namespace) -> Any | None:
 
 def open_endpoint(args: argparse.Namespace, tensor: torch.Tensor, role: str) -> NixlEndpoint | None:
     """This worker's NIXL endpoint with ``tensor`` (its KV pool) registered, or None for gRPC."""
+    if args.tensor_parallel_size > 1:
+        # Its pool holds rank 0's heads only: blocks leave whole through the engine (sharded_kv), over gRPC.
+        log.info("KV moves over gRPC: this worker's KV heads are split over tensor-parallel ranks")
+        return None
     nixl = load_transport(args)
     if nixl is None:
         return None

@@ -130,6 +130,10 @@ class _Renderer:
             choice.end = chunk.final
         return choice, finish
 
+    def _head(self) -> dict:
+        """What every body and chunk of this response begins with."""
+        return {"id": self.id, "created": self.created, "model": self.model}
+
     def system_fingerprint(self) -> str | None:
         """The configuration the choices ended on (the first one's that names it; None: none does)."""
         return next((c.end.system_fingerprint for c in self._choices if c.end and c.end.system_fingerprint), None)
@@ -169,6 +173,11 @@ class _Renderer:
         return TokenLogprob(token=token, logprob=_logprob(lp.logprob), bytes=_bytes(token), top_logprobs=top)
 
 
+def _ending_fingerprint(chunk: gateway_pb2.GenerateResponse | gateway_pb2.ChatResponse) -> str | None:
+    """The decode worker's system_fingerprint on the chunk that ends a choice (None on the others)."""
+    return (chunk.final.system_fingerprint or None) if chunk.HasField("final") else None
+
+
 def _no_completion_logprobs() -> CompletionLogprobs:
     return CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
 
@@ -184,14 +193,11 @@ class CompletionRenderer(_Renderer):
         if self._logprobs:
             logprobs = self._completion_logprobs(chunk.logprobs, self._choice_logprobs[index])
         text = CompletionChoice(index=index, text=chunk.text, logprobs=logprobs, finish_reason=finish)
-        fingerprint = chunk.final.system_fingerprint or None if finish is not None else None
         return Completion(
-            id=self.id,
-            created=self.created,
-            model=self.model,
+            **self._head(),
             choices=[text],
             usage=None,
-            system_fingerprint=fingerprint,
+            system_fingerprint=_ending_fingerprint(chunk),
         )
 
     def _completion_logprobs(
@@ -213,9 +219,7 @@ class CompletionRenderer(_Renderer):
 
     def usage_chunk(self) -> Completion:
         return Completion(
-            id=self.id,
-            created=self.created,
-            model=self.model,
+            **self._head(),
             choices=[],
             usage=self.usage(),
             system_fingerprint=self.system_fingerprint(),
@@ -232,9 +236,7 @@ class CompletionRenderer(_Renderer):
             for i, c in enumerate(self._choices)
         ]
         return Completion(
-            id=self.id,
-            created=self.created,
-            model=self.model,
+            **self._head(),
             choices=choices,
             usage=self.usage(),
             system_fingerprint=self.system_fingerprint(),
@@ -266,16 +268,11 @@ class ChatRenderer(_Renderer):
         text = None if calls and not chunk.text else chunk.text
         delta = ChatDelta(role="assistant" if first else None, content=text, tool_calls=calls or None)
         piece = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)
-        fingerprint = chunk.final.system_fingerprint or None if finish is not None else None
-        return ChatCompletionChunk(
-            id=self.id, created=self.created, model=self.model, choices=[piece], system_fingerprint=fingerprint
-        )
+        return ChatCompletionChunk(**self._head(), choices=[piece], system_fingerprint=_ending_fingerprint(chunk))
 
     def usage_chunk(self) -> ChatCompletionChunk:
         return ChatCompletionChunk(
-            id=self.id,
-            created=self.created,
-            model=self.model,
+            **self._head(),
             choices=[],
             usage=self.usage(),
             system_fingerprint=self.system_fingerprint(),
@@ -292,9 +289,7 @@ class ChatRenderer(_Renderer):
             for i, c in enumerate(self._choices)
         ]
         return ChatCompletion(
-            id=self.id,
-            created=self.created,
-            model=self.model,
+            **self._head(),
             choices=choices,
             usage=self.usage(),
             system_fingerprint=self.system_fingerprint(),

@@ -117,3 +117,43 @@ def test_a_rank_killed_fails_the_step_instead_of_hanging_it(checkpoints) -> None
             engine.generate(EIGHT_PROMPTS[:1], GREEDY)
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+def test_smollm2_over_three_ranks_gives_one_rank_s_greedy_tokens() -> None:
+    """The real model (SmolLM2-135M-Instruct: 9 heads, 3 KV heads, one a rank) at TP3, float32."""
+    from kvmesh.engine.default_model import default_model_path
+
+    path = default_model_path()
+    prompts = [[1, 504, 3458, 282, 4296, 314, 216] + [100 + 37 * i + k for i in range(5 * k)] for k in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
+    one = LLMEngine(path, EngineConfig(num_blocks=64)).generate(prompts, params)
+    three = LLMEngine(path, EngineConfig(num_blocks=64, tensor_parallel_size=3))
+    try:
+        _close_enough(three.generate(prompts, params), one)
+    finally:
+        three.close()
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "llama3-rope"])
+def test_blocks_leave_and_enter_whole_so_any_degree_reads_them(checkpoints, arch) -> None:
+    """A block exported by two ranks is the one-rank layout (every KV head once, also where both ranks hold the
+    same head), close to what one rank computes; one written in is what comes back out."""
+    path = checkpoints[arch]
+    prompt = EIGHT_PROMPTS[2]  # 50 tokens: three full blocks
+    one, two = _engine(path, 1), _engine(path, 2)
+    try:
+        for engine in (one, two):
+            engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
+        hashes = one.prompt_block_hashes(prompt, b"", None)[:3]
+        (h0, a), *_ = one.export_blocks(hashes)
+        (h1, b), *_ = two.export_blocks(hashes)
+        assert h0 == h1 and a.shape == b.shape == two.kv.block_shape and len(b.data) == two.kv.block_nbytes
+        x, y = (torch.frombuffer(bytearray(p.data), dtype=torch.float32) for p in (a, b))
+        assert torch.allclose(x, y, atol=1e-5)
+        block_id = two.reserve_blocks(1)[0]
+        two.kv.import_block(block_id, a)
+        assert two.kv.export_block(block_id).data == a.data
+        assert two.kv.block_checksum(block_id) == one.kv.block_checksum(one.blocks.hash_to_block[h0])
+    finally:
+        two.close()
