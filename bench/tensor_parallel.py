@@ -1,16 +1,19 @@
 """What tensor parallelism costs on this machine: one engine on 1 rank vs 2 ranks, in one alternating run.
 
-Workload (bench/engine.py's): SmolLM2-135M-Instruct in float32, its 16 chat-templated questions x 128 greedy
-new tokens (EOS ignored), in-process (``LLMEngine.generate``, no prefix cache), 16 at once and the first prompt
-alone. TP1 runs one process on every core; TP2 runs two ranks of half the cores each (rank 0 in this process,
-rank 1 spawned), meeting in two all-reduces a layer (gloo). The table shows medians, the ratio to TP1, the share
-of rank 0's time spent in all-reduces (waiting for the other rank included), and whether the tokens agree.
+Model: SmolLM2-135M-Instruct cannot split over 2 ranks (9 heads, 3 KV heads), so the default is bench/engine.py's
+random ~30M Llama in float32 (8 heads, 4 KV heads, 8 layers, hidden 512; random 64-token prompts);
+``--model default --sizes 1,3`` runs SmolLM2 over 3 ranks instead (3 processes on 2 cores: slower still).
+Workload: 16 prompts x 128 greedy new tokens (EOS ignored), in-process (``LLMEngine.generate``, no prefix
+cache), 16 at once and the first prompt alone. TP1 runs one process on every core; TPn runs n ranks of an
+equal share of the cores (rank 0 in this process, the others its children), meeting in two all-reduces a
+layer (through shared memory). The table shows medians, the ratio to TP1, the share of rank 0's time spent
+in all-reduces (waiting for the other ranks included), and whether the tokens agree with TP1's.
 
 On 2 CPU cores TP cannot win: the same arithmetic is split over the same cores, and each layer adds two
 all-reduces through the kernel's loopback. It shows what the split costs, not a speed-up.
 
 Run (not part of ``make test``; ~5 minutes): ``flock /tmp/kvmesh-bench.lock python bench/tensor_parallel.py
-[--repeats 3] [--json PATH]``.
+[--model random|default] [--sizes 1,2] [--repeats 3] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import write_json  # noqa: E402
 from _table import print_table  # noqa: E402
-from engine import chat_prompts, run_kvmesh  # noqa: E402
+from engine import chat_prompts, run_kvmesh, write_model  # noqa: E402
 
 
 def make_engine(path: Path, size: int):
@@ -47,18 +51,33 @@ def make_engine(path: Path, size: int):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="random", choices=("random", "default"))
+    ap.add_argument("--sizes", default="1,2", help="rank counts, the first the anchor")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--json", default="bench/results/tensor_parallel.json")
     args = ap.parse_args()
 
-    from kvmesh.engine.default_model import default_model_path
+    sizes = [int(n) for n in args.sizes.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model == "random":
+            path = Path(tmp) / "llama-30m"
+            write_model(path)
+            g = torch.Generator().manual_seed(1)
+            prompts = [torch.randint(1, 8192, (64,), generator=g).tolist() for _ in range(16)]
+        else:
+            from kvmesh.engine.default_model import default_model_path
 
-    path = default_model_path()
-    prompts = chat_prompts(path, 16)
+            path = default_model_path()
+            prompts = chat_prompts(path, 16)
+        return measure(path, prompts, sizes, args)
+
+
+def measure(path: Path, prompts: list[list[int]], sizes: list[int], args: argparse.Namespace) -> int:
     cores = torch.get_num_threads()
+    anchor = sizes[0]
     engines = {}
-    for size in (1, 2):
+    for size in sizes:
         t0 = time.perf_counter()
         engines[size] = make_engine(path, size)
         run_kvmesh(engines[size], prompts[:1], 4)  # warm-up
@@ -90,19 +109,27 @@ def main() -> int:
         [
             f"TP{size}",
             f"{m['batch']:.1f}",
-            f"{m['batch'] / med[1]['batch']:.2f}x",
+            f"{m['batch'] / med[anchor]['batch']:.2f}x",
             f"{m['alone']:.1f}",
-            f"{m['alone'] / med[1]['alone']:.2f}x",
+            f"{m['alone'] / med[anchor]['alone']:.2f}x",
             f"{100 * m['all_reduce_share']:.0f}%",
-            "yes" if tokens[size] == tokens[1] else "no",
+            "yes" if tokens[size] == tokens[anchor] else "no",
         ]
         for size, m in med.items()
     ]
-    print(
-        f"\nSmolLM2-135M-Instruct float32, 16 chat prompts x {args.new_tokens} greedy tokens, medians of {args.repeats}"
+    print(f"\n{args.model} model, float32, 16 prompts x {args.new_tokens} greedy tokens, medians of {args.repeats}")
+    vs = f"vs TP{anchor}"
+    print_table(["ranks", "tok/s x16", vs, "tok/s x1", vs, "all-reduce share (x16)", f"tokens as TP{anchor}"], rows)
+    write_json(
+        args.json,
+        {
+            "model": args.model,
+            "repeats": args.repeats,
+            "new_tokens": args.new_tokens,
+            "samples": samples,
+            "medians": med,
+        },
     )
-    print_table(["ranks", "tok/s x16", "vs TP1", "tok/s x1", "vs TP1", "all-reduce share (x16)", "tokens as TP1"], rows)
-    write_json(args.json, {"repeats": args.repeats, "new_tokens": args.new_tokens, "samples": samples, "medians": med})
     return 0
 
 

@@ -46,7 +46,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="split the model over N processes (ranks) of this machine, Megatron-style (CPU, gloo)",
+        help="split the model over N processes (ranks) of this machine, Megatron-style (CPU)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object with token_ids, text, finish_reason")
     grammar = p.add_mutually_exclusive_group()

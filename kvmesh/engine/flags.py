@@ -48,7 +48,7 @@ ENGINE_FLAGS = [
     Flag(
         "--tensor-parallel-size",
         "split the model over this many processes (ranks) of this machine, Megatron-style: rank 0 serves, the "
-        "others are its children (CPU, gloo; docs/tensor_parallel.md). KV is handed off whole, over gRPC",
+        "others are its children (CPU, one machine; docs/tensor_parallel.md). KV is handed off whole, over gRPC",
         default=1,
         type=int,
     ),

@@ -118,7 +118,7 @@ class ModelRunner:
             return None, None
         layout = TPLayout.of(mc, 0, size)  # InvalidArgument where the config cannot be split
         if self.device.type != "cpu":
-            raise FailedPrecondition("tensor parallelism runs on CPU ranks (gloo) so far")
+            raise FailedPrecondition("tensor parallelism runs on CPU ranks of one machine so far")
         refused = {
             "quantization": cfg.quantization is not None,
             "--deterministic": cfg.deterministic,

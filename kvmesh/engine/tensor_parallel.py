@@ -1,38 +1,42 @@
 """Tensor parallelism over processes of one machine: one engine, N ranks.
 
 Rank 0 is the engine's own process: scheduler, sampler, block manager and the KV pool of its heads.
-Ranks 1..N-1 are follower processes it starts (``multiprocessing`` spawn): each loads its slice of
+Ranks 1..N-1 are follower processes it starts (``kvmesh.engine.tp_rank``): each loads its slice of
 the weights (``kvmesh.engine.tp_layout``) and a KV pool of its own heads, then runs every forward
 pass rank 0 runs, on the same token ids, positions and block tables, which rank 0 sends it over a
 pipe before each pass (``TensorParallelGroup.mirror``). The ranks meet in the two all-reduces of
-every layer (gloo on CPU).
+every layer, through shared memory (``kvmesh.engine.shm_all_reduce``).
 
 The pipes also carry KV blocks, a follower's slice of one at a time, when the engine hands blocks
 off (``kvmesh.engine.sharded_kv``). The pipe, not the process group, carries the steps: a follower
 waits on it without a deadline while the engine is idle, and sees end-of-file the moment rank 0 goes
-away. The all-reduces do have one (``COLLECTIVE_TIMEOUT_S``): a rank that dies mid-step fails the
-others' pass instead of hanging it.
+away. The all-reduces do have one (``COLLECTIVE_TIMEOUT_S``), and each side watches the other (rank 0
+its children, a follower its parent): a rank that dies mid-step fails the others' pass at once instead
+of hanging it.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
+import pickle
+import secrets
+import socket
+import subprocess
+import sys
 import threading
 import time
-from datetime import timedelta
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import structlog
 import torch
-import torch.distributed as dist
 
 from kvmesh.checkpoint.model_config import ModelConfig
 from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.shm_all_reduce import RankGone, ShmAllReduce
 from kvmesh.engine.tp_layout import TPLayout
 from kvmesh.errors import FailedPrecondition
-from kvmesh.runtime.ports import free_port
 
 log = structlog.get_logger(__name__)
 
@@ -45,33 +49,40 @@ class RankLost(RuntimeError):
 
 
 class RankLink:
-    """This process's place in the group: the all-reduce that sums the ranks' partial products."""
+    """This process's place in the group: the all-reduce that sums the ranks' partial products
+    (``kvmesh.engine.shm_all_reduce``: the ranks share this machine's memory)."""
 
-    def __init__(self, rank: int, size: int, port: int, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
-        timeout = timedelta(seconds=timeout_s)
-        self._store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=timeout)
-        options = dist.ProcessGroupGloo._Options()
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        options._timeout = timeout
-        self._group = dist.ProcessGroupGloo(self._store, rank, size, options)
+    def __init__(self, rank: int, size: int, path: str, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
+        self._reduce = ShmAllReduce(path, rank, size, timeout_s, create=rank == 0)
         # Seconds spent in all-reduces so far (waiting for the slowest rank included): bench/tensor_parallel.py.
         self.all_reduce_seconds = 0.0
 
+    def watch(self, alive: Callable[[], bool]) -> None:
+        """While waiting in an all-reduce, give up at once (RankLost) when ``alive()`` turns False."""
+        self._reduce.alive = alive
+
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` over the ranks, in place; RankLost where a rank is gone (its connection closed,
-        or no answer within the collective timeout)."""
+        """Sum ``tensor`` over the ranks, in place; RankLost where a rank is gone (dead, or no answer
+        within the collective timeout)."""
         t0 = time.perf_counter()
         try:
-            self._group.allreduce([tensor]).wait()
-        except RuntimeError as e:
+            self._reduce(tensor)
+        except RankGone as e:
             raise RankLost(f"tensor-parallel all-reduce failed: {e}") from None
         self.all_reduce_seconds += time.perf_counter() - t0
+
+    def unlink(self) -> None:
+        """Every rank has the shared file mapped: its name can go (``ShmAllReduce.unlink``)."""
+        self._reduce.unlink()
+
+    def close(self) -> None:
+        self._reduce.close()
 
 
 class TensorParallelGroup:
     """Rank 0's side: the follower processes, the pipes to them, and rank 0's own link."""
 
-    def __init__(self, processes: list[multiprocessing.Process], pipes: list[Connection], link: RankLink) -> None:
+    def __init__(self, processes: list[subprocess.Popen], pipes: list[Connection], link: RankLink) -> None:
         self._processes, self._pipes, self.link = processes, pipes, link
         # One exchange on the pipes at a time: steps come from the engine thread, block copies from
         # the threads that hand KV off (kvmesh.engine.sharded_kv).
@@ -80,40 +91,43 @@ class TensorParallelGroup:
     @classmethod
     def start(cls, path: Path, cfg: EngineConfig, threads_per_rank: int) -> TensorParallelGroup:
         """Start ranks 1..N-1 of ``cfg.tensor_parallel_size`` and join them as rank 0 (their weights load
-        meanwhile: ``wait_ready``)."""
-        size, port = cfg.tensor_parallel_size, free_port()
-        context = multiprocessing.get_context("spawn")
+        meanwhile: ``wait_ready``).
+
+        Each is ``python -m kvmesh.engine.tp_rank`` with one end of a socket pair, not a multiprocessing
+        child: a spawned child re-runs the parent's main script, which a script without a main guard (or a
+        service's entry point) must not have done to it."""
+        size = cfg.tensor_parallel_size
+        shared = f"/dev/shm/kvmesh-tp-{os.getpid()}-{secrets.token_hex(4)}"
+        link = RankLink(0, size, shared)  # creates the shared file the others open
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank)}
         processes, pipes = [], []
-        for rank in range(1, size):
-            mine, theirs = context.Pipe()
-            p = context.Process(
-                target=_follower_main,
-                args=(theirs, str(path), cfg, rank, port, threads_per_rank),
-                name=f"kvmesh-tp-rank-{rank}",
-                daemon=True,
-            )
-            p.start()
-            theirs.close()
-            processes.append(p)
-            pipes.append(mine)
         try:
-            link = RankLink(0, size, port)
+            for rank in range(1, size):
+                mine, theirs = socket.socketpair()
+                argv = [sys.executable, "-m", "kvmesh.engine.tp_rank", str(theirs.fileno())]
+                processes.append(subprocess.Popen(argv, pass_fds=[theirs.fileno()], env=env))
+                theirs.close()
+                pipes.append(Connection(mine.detach()))
+                pipes[-1].send_bytes(_pack((str(path), cfg, rank, shared, threads_per_rank)))
         except Exception:
             for p in processes:
                 p.kill()
+            link.close()
             raise
+        link.watch(lambda: all(p.poll() is None for p in processes))
         return cls(processes, pipes, link)
 
     def wait_ready(self) -> None:
         """Until every follower has loaded its weights; FailedPrecondition with its reason where one failed."""
-        for rank, pipe in enumerate(self._pipes, start=1):
+        for rank in range(1, len(self._pipes) + 1):
             try:
-                message = pipe.recv()
-            except EOFError:
-                message = f"exited with code {self._processes[rank - 1].exitcode}"
+                message = self._receive(rank)
+            except RankLost as e:
+                message = str(e)
             if message != _READY:
                 self.close()
                 raise FailedPrecondition(f"tensor-parallel rank {rank} failed to start: {message}")
+        self.link.unlink()
 
     def mirror(self, step: tuple) -> None:
         """Send one forward pass's inputs (token ids, positions, attention metadata) to every follower."""
@@ -136,45 +150,65 @@ class TensorParallelGroup:
 
     def _send(self, rank: int, message: tuple) -> None:
         try:
-            self._pipes[rank - 1].send(message)
+            self._pipes[rank - 1].send_bytes(_pack(message))
         except OSError:  # BrokenPipeError: the follower exited
             raise self._lost(rank) from None
 
     def _receive(self, rank: int):
         try:
-            return self._pipes[rank - 1].recv()
+            return _unpack(self._pipes[rank - 1].recv_bytes())
         except (EOFError, OSError):
             raise self._lost(rank) from None
 
     def _lost(self, rank: int) -> RankLost:
-        return RankLost(f"tensor-parallel rank {rank} is gone (exit code {self._processes[rank - 1].exitcode})")
+        return RankLost(f"tensor-parallel rank {rank} is gone (exit code {self._processes[rank - 1].poll()})")
 
     def close(self) -> None:
         """Stop the followers (they end at end-of-file on their pipe)."""
         for pipe in self._pipes:
             pipe.close()
         for p in self._processes:
-            p.join(timeout=10)
-            if p.is_alive():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
+        self.link.close()
 
 
-def _follower_main(pipe: Connection, path: str, cfg: EngineConfig, rank: int, port: int, threads: int) -> None:
-    """A follower rank: load its slice, then run each forward pass rank 0 sends, until the pipe closes."""
-    torch.set_num_threads(threads)
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+def _pack(message: object) -> bytes:
+    """A message as plain pickle bytes. Sent as objects, tensors would go through torch's multiprocessing
+    reductions, which move each into a shared-memory segment of its own: milliseconds a step."""
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _unpack(data: bytes) -> object:
+    return pickle.loads(data)
+
+
+def follower_main(fd: int) -> None:
+    """A follower rank (``kvmesh.engine.tp_rank``): read its part from rank 0 over the socket ``fd``, load
+    its slice, then run each forward pass and block copy rank 0 sends, until the socket closes."""
+    pipe = Connection(fd)
     try:
-        link = RankLink(rank, cfg.tensor_parallel_size, port)
+        path, cfg, rank, shared, threads = _unpack(pipe.recv_bytes())
+    except (EOFError, OSError):
+        return
+    torch.set_num_threads(threads)
+    parent = os.getppid()
+    try:
+        link = RankLink(rank, cfg.tensor_parallel_size, shared)
+        link.watch(lambda: os.getppid() == parent)  # rank 0 gone: stop waiting for it
         mc = ModelConfig.from_dir(Path(path))
         layout = TPLayout.of(mc, rank, cfg.tensor_parallel_size)
         model, kv = build_rank_model(Path(path), cfg, mc, layout, link)
     except Exception as e:  # the reason goes to rank 0, which refuses to start
-        pipe.send(f"{type(e).__name__}: {e}")
+        pipe.send_bytes(_pack(f"{type(e).__name__}: {e}"))
         return
-    pipe.send(_READY)
+    pipe.send_bytes(_pack(_READY))
     while True:
         try:
-            kind, *args = pipe.recv()
+            kind, *args = _unpack(pipe.recv_bytes())
         except (EOFError, OSError):
             return
         if kind == "step":
@@ -182,7 +216,7 @@ def _follower_main(pipe: Connection, path: str, cfg: EngineConfig, rank: int, po
             with torch.inference_mode():
                 model.body(ids, positions, kv.tensor, meta)
         elif kind == "export":
-            pipe.send(kv.tensor[:, :, args[0]].clone())
+            pipe.send_bytes(_pack(kv.tensor[:, :, args[0]].clone()))
         else:  # "import"
             block_id, part = args
             kv.tensor[:, :, block_id].copy_(part)

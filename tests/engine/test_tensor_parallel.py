@@ -1,6 +1,6 @@
 """Tensor parallelism in one engine (``EngineConfig(tensor_parallel_size=N)``): rank 0 in this process,
-the other ranks spawned, gloo between them. Greedy tokens as TP1 and transformers give them, logprobs
-within 1e-4, with KV heads split and with fewer KV heads than ranks (replicated); speculation and
+the other ranks its children, all-reduces through shared memory. Greedy tokens as TP1 and transformers
+give them, logprobs within 1e-4, with KV heads split and with fewer KV heads than ranks (replicated); speculation and
 structured outputs across ranks; configurations that cannot be split refused by name; a rank killed
 fails the step instead of hanging it."""
 
@@ -112,7 +112,7 @@ def test_a_rank_killed_fails_the_step_instead_of_hanging_it(checkpoints) -> None
         engine.generate(EIGHT_PROMPTS[:1], GREEDY)
         (follower,) = engine.runner.tp._processes
         follower.kill()
-        follower.join(10)
+        follower.wait(10)
         with pytest.raises(RankLost, match="rank 1 is gone|all-reduce failed"):
             engine.generate(EIGHT_PROMPTS[:1], GREEDY)
     finally:

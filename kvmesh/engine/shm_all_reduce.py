@@ -1,0 +1,96 @@
+"""The all-reduce of tensor-parallel ranks on one machine, through a shared-memory file.
+
+gloo over loopback took 1.4 ms for one all-reduce of 2 KB here (2 ranks, 2 cores: each exchange
+waits on the kernel's wake-ups), so a step of a 30-layer model spent most of its time there. Here
+each rank copies its partial sum into its own slot of a file in /dev/shm, publishes the call's
+sequence number, waits (spinning, yielding the core) until every rank has published, and adds the
+slots up itself in rank order: every rank ends with the same bits, summed in float32.
+
+Two sets of slots alternate by call, so a rank may start the next call while a slower one still
+reads this one's; it cannot get two calls ahead, as that needs every rank's flag for the next.
+Flags are aligned 8-byte words, written after the data: x86's stores are seen in order.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from collections.abc import Callable
+
+import numpy
+import torch
+
+SLOT_BYTES = 4 << 20  # larger tensors go through in slot-sized pieces
+_CHECK_EVERY = 256  # spins between looks at the clock
+
+
+class RankGone(RuntimeError):
+    """No answer from some rank within the timeout, or ``alive`` said one died."""
+
+
+class ShmAllReduce:
+    """Rank ``rank`` of ``size`` on the file ``path`` (rank 0 creates it, ``create``, and unlinks it in ``close``)."""
+
+    def __init__(self, path: str, rank: int, size: int, timeout_s: float, create: bool = False) -> None:
+        self.path, self.rank, self.size, self.timeout_s = path, rank, size, timeout_s
+        header = 2 * size * 8
+        total = header + 2 * size * SLOT_BYTES
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, total)
+            self._map = mmap.mmap(fd, total)
+        finally:
+            os.close(fd)
+        self._flags = numpy.frombuffer(self._map, dtype=numpy.uint64, count=2 * size).reshape(2, size)
+        self._slots = numpy.frombuffer(self._map, dtype=numpy.uint8, offset=header).reshape(2, size, SLOT_BYTES)
+        self._seq = 0
+        self._owner = create
+        # Asked every so often while waiting: False when a rank is known dead (RankGone at once).
+        self.alive: Callable[[], bool] = lambda: True
+
+    def __call__(self, tensor: torch.Tensor) -> None:
+        """Sum the contiguous ``tensor`` over the ranks, in place."""
+        flat = tensor.view(-1)
+        per_slot = SLOT_BYTES // tensor.element_size()
+        for start in range(0, flat.numel(), per_slot):
+            self._reduce(flat[start : start + per_slot])
+
+    def _reduce(self, part: torch.Tensor) -> None:
+        self._seq += 1
+        which = self._seq & 1
+        nbytes = part.numel() * part.element_size()
+        self._slots[which, self.rank, :nbytes] = part.view(torch.uint8).numpy()
+        self._flags[which, self.rank] = self._seq
+        self._wait(self._flags[which])
+        views = [
+            torch.from_numpy(self._slots[which, r, :nbytes]).view(part.dtype).view(part.shape) for r in range(self.size)
+        ]
+        total = views[0].to(torch.float32, copy=True)  # never into the shared slot: others still read it
+        for v in views[1:]:
+            total += v.float()
+        part.copy_(total)
+
+    def _wait(self, flags: numpy.ndarray) -> None:
+        spins, deadline = 0, time.monotonic() + self.timeout_s
+        while (flags < self._seq).any():
+            os.sched_yield()
+            spins += 1
+            if spins % _CHECK_EVERY == 0 and (time.monotonic() > deadline or not self.alive()):
+                late = [r for r in range(self.size) if flags[r] < self._seq]
+                raise RankGone(f"ranks {late} did not reach all-reduce {self._seq}")
+
+    def unlink(self) -> None:
+        """Remove the file's name once every rank has it mapped: the memory lives on while mapped, and
+        nothing is left in /dev/shm whichever way the ranks end (SIGKILL included)."""
+        if self._owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        self._flags = self._slots = None  # the views let go of the map before it closes
+        self._map.close()
+        self.unlink()
