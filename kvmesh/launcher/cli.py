@@ -22,7 +22,7 @@ from kvmesh.launcher.hosts import HostsFile
 from kvmesh.launcher.multihost import plan_on_hosts
 from kvmesh.launcher.netns import Network, NetworkError, can_make_hosts
 from kvmesh.launcher.restart import RestartPolicy
-from kvmesh.launcher.spec import DETERMINISTIC_ROLE_ENV, MeshOptions, Topology, describe
+from kvmesh.launcher.spec import MeshOptions, Topology, describe, worker_role_env
 from kvmesh.launcher.supervisor import Mesh, MeshError, StartInterrupted
 from kvmesh.launcher.topology import build_topology, compose_model_path
 
@@ -105,6 +105,14 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
         action="store_true",
         help="prefill and decode workers run batch-invariant (their --deterministic; docs/determinism.md)",
     )
+    p.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=1,
+        metavar="A",
+        help="tensor-parallel ranks of each prefill worker (their --tensor-parallel-size; docs/tensor_parallel.md)",
+    )
+    p.add_argument("--decode-tp", type=int, default=1, metavar="B", help="tensor-parallel ranks of each decode worker")
     p.add_argument(
         "--insecure",
         action="store_true",
@@ -191,7 +199,7 @@ def run_up(args: argparse.Namespace) -> int:
             redis_persistence=args.redis_persistence,
             compose_file=compose_file,
             compose_vars=variables,
-            role_env=DETERMINISTIC_ROLE_ENV if args.deterministic else {},
+            role_env=worker_role_env(args.deterministic, args.prefill_tp, args.decode_tp),
         )
         model, label = _resolve_model(args.model, options)
         if model is None:

@@ -150,13 +150,24 @@ def describe(topology: Topology, run_dir: Path) -> Sequence[str]:
         metrics = f"  metrics http://{p.host}:{p.metrics_port}/metrics" if p.metrics_port else ""
         device = f"  device {p.device}" if p.device else ""
         steps = f"  {decode_steps(p)} decode steps" if p.role == "decode" else ""
+        degree = p.env.get("KVMESH_TENSOR_PARALLEL_SIZE", "1") if p.role in ("prefill", "decode") else "1"
+        steps += f"  {degree} tensor-parallel ranks" if degree != "1" else ""
         log = f"  log {run_dir / 'logs' / (p.name + '.log')}"
         lines.append(f"  {p.name:<12} {where:<24}{others}{metrics}{device}{steps}{log}")
     return lines
 
 
-# ``kvmesh up --deterministic``: both kinds of worker, or KV would pass between differently rounded ones.
-DETERMINISTIC_ROLE_ENV = {role: {"KVMESH_DETERMINISTIC": "1"} for role in ("prefill", "decode")}
+def worker_role_env(deterministic: bool = False, prefill_tp: int = 1, decode_tp: int = 1) -> dict[str, dict[str, str]]:
+    """The workers' settings ``kvmesh up --deterministic --prefill-tp A --decode-tp B`` asks for (as
+    ``MeshOptions.role_env``). Deterministic: both kinds of worker, or KV would pass between differently
+    rounded ones. Tensor-parallel degrees may differ: blocks travel whole (docs/tensor_parallel.md)."""
+    env: dict[str, dict[str, str]] = {"prefill": {}, "decode": {}}
+    for role, degree in (("prefill", prefill_tp), ("decode", decode_tp)):
+        if deterministic:
+            env[role]["KVMESH_DETERMINISTIC"] = "1"
+        if degree != 1:
+            env[role]["KVMESH_TENSOR_PARALLEL_SIZE"] = str(degree)
+    return {role: settings for role, settings in env.items() if settings}
 
 
 def decode_steps(p: ProcessSpec) -> str:

@@ -10,7 +10,7 @@ import pytest
 
 from kvmesh.launcher import ComposeError, MeshOptions, build_topology
 from kvmesh.launcher.compose import REPO_ROOT, load_compose
-from kvmesh.launcher.spec import DETERMINISTIC_ROLE_ENV, describe
+from kvmesh.launcher.spec import describe, worker_role_env
 from kvmesh.launcher.topology import compose_model_path
 
 MODEL = Path("/models/tiny")
@@ -322,9 +322,18 @@ def test_describe_says_how_each_decode_worker_runs_its_steps(monkeypatch) -> Non
     assert not any("compiled" in line for line in lines)
 
     # kvmesh up --deterministic: both kinds of worker batch-invariant, decode eager whatever --compile says.
-    topo = _plan(_options(role_env=DETERMINISTIC_ROLE_ENV))
+    topo = _plan(_options(role_env=worker_role_env(deterministic=True)))
     assert {p.env.get("KVMESH_DETERMINISTIC") for p in topo.processes if p.role in ("prefill", "decode")} == {"1"}
     assert any("deterministic eager decode steps" in line for line in describe(topo, RUN))
+
+
+def test_kvmesh_up_gives_prefill_and_decode_workers_their_own_tensor_parallel_degrees() -> None:
+    topo = _plan(_options(role_env=worker_role_env(prefill_tp=2, decode_tp=3)))
+    degrees = {p.role: p.env.get("KVMESH_TENSOR_PARALLEL_SIZE") for p in topo.processes}
+    assert (degrees["prefill"], degrees["decode"], degrees["router"]) == ("2", "3", None)
+    assert worker_role_env() == {}  # the defaults add nothing to the compose file's settings
+    lines = describe(topo, RUN)
+    assert any(line.lstrip().startswith("prefill-0") and "2 tensor-parallel ranks" in line for line in lines)
 
 
 def test_a_command_s_arguments_are_mapped_too(tmp_path) -> None:
