@@ -1,8 +1,9 @@
-"""The all-reduce of tensor-parallel ranks on one machine, through a shared-memory file.
+"""The all-reduce of tensor-parallel ranks on one machine, through shared memory.
 
 gloo over loopback took 1.4 ms for one all-reduce of 2 KB here (2 ranks, 2 cores: each exchange
 waits on the kernel's wake-ups), so a step of a 30-layer model spent most of its time there. Here
-each rank copies its partial sum into its own slot of a file in /dev/shm, publishes the call's
+each rank copies its partial sum into its own slot of an anonymous memory file (``memfd_create``:
+rank 0 makes it, its children inherit the descriptor; no name is ever left behind), publishes the call's
 sequence number, waits (spinning, yielding the core) until every rank has published, and adds the
 slots up itself in rank order: every rank ends with the same bits, summed in float32.
 
@@ -30,23 +31,15 @@ class RankGone(RuntimeError):
 
 
 class ShmAllReduce:
-    """Rank ``rank`` of ``size`` on the file ``path`` (rank 0 creates it, ``create``, and unlinks it in ``close``)."""
+    """Rank ``rank`` of ``size`` over the memory file ``fd`` (``create_memory`` makes one)."""
 
-    def __init__(self, path: str, rank: int, size: int, timeout_s: float, create: bool = False) -> None:
-        self.path, self.rank, self.size, self.timeout_s = path, rank, size, timeout_s
+    def __init__(self, fd: int, rank: int, size: int, timeout_s: float) -> None:
+        self.rank, self.size, self.timeout_s = rank, size, timeout_s
         header = 2 * size * 8
-        total = header + 2 * size * SLOT_BYTES
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, total)
-            self._map = mmap.mmap(fd, total)
-        finally:
-            os.close(fd)
+        self._map = mmap.mmap(fd, memory_bytes(size))
         self._flags = numpy.frombuffer(self._map, dtype=numpy.uint64, count=2 * size).reshape(2, size)
         self._slots = numpy.frombuffer(self._map, dtype=numpy.uint8, offset=header).reshape(2, size, SLOT_BYTES)
         self._seq = 0
-        self._owner = create
         # Asked every so often while waiting: False when a rank is known dead (RankGone at once).
         self.alive: Callable[[], bool] = lambda: True
 
@@ -81,16 +74,18 @@ class ShmAllReduce:
                 late = [r for r in range(self.size) if flags[r] < self._seq]
                 raise RankGone(f"ranks {late} did not reach all-reduce {self._seq}")
 
-    def unlink(self) -> None:
-        """Remove the file's name once every rank has it mapped: the memory lives on while mapped, and
-        nothing is left in /dev/shm whichever way the ranks end (SIGKILL included)."""
-        if self._owner:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-
     def close(self) -> None:
         self._flags = self._slots = None  # the views let go of the map before it closes
         self._map.close()
-        self.unlink()
+
+
+def memory_bytes(size: int) -> int:
+    """The memory file's size for ``size`` ranks: two flag words and two slots per rank."""
+    return 2 * size * (8 + SLOT_BYTES)
+
+
+def create_memory(size: int) -> int:
+    """A zeroed anonymous memory file for ``size`` ranks; its descriptor (inheritable by children)."""
+    fd = os.memfd_create("kvmesh-tp")  # close-on-exec: only the ranks get it (Popen pass_fds)
+    os.ftruncate(fd, memory_bytes(size))
+    return fd

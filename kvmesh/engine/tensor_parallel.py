@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import secrets
 import socket
 import subprocess
 import sys
@@ -29,16 +28,13 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-import structlog
 import torch
 
 from kvmesh.checkpoint.model_config import ModelConfig
 from kvmesh.engine.config import EngineConfig
-from kvmesh.engine.shm_all_reduce import RankGone, ShmAllReduce
+from kvmesh.engine.shm_all_reduce import RankGone, ShmAllReduce, create_memory
 from kvmesh.engine.tp_layout import TPLayout
 from kvmesh.errors import FailedPrecondition
-
-log = structlog.get_logger(__name__)
 
 COLLECTIVE_TIMEOUT_S = 60.0
 _READY = "ready"
@@ -52,8 +48,8 @@ class RankLink:
     """This process's place in the group: the all-reduce that sums the ranks' partial products
     (``kvmesh.engine.shm_all_reduce``: the ranks share this machine's memory)."""
 
-    def __init__(self, rank: int, size: int, path: str, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
-        self._reduce = ShmAllReduce(path, rank, size, timeout_s, create=rank == 0)
+    def __init__(self, rank: int, size: int, memory_fd: int, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
+        self._reduce = ShmAllReduce(memory_fd, rank, size, timeout_s)
         # Seconds spent in all-reduces so far (waiting for the slowest rank included): bench/tensor_parallel.py.
         self.all_reduce_seconds = 0.0
 
@@ -70,10 +66,6 @@ class RankLink:
         except RankGone as e:
             raise RankLost(f"tensor-parallel all-reduce failed: {e}") from None
         self.all_reduce_seconds += time.perf_counter() - t0
-
-    def unlink(self) -> None:
-        """Every rank has the shared file mapped: its name can go (``ShmAllReduce.unlink``)."""
-        self._reduce.unlink()
 
     def close(self) -> None:
         self._reduce.close()
@@ -97,23 +89,24 @@ class TensorParallelGroup:
         child: a spawned child re-runs the parent's main script, which a script without a main guard (or a
         service's entry point) must not have done to it."""
         size = cfg.tensor_parallel_size
-        shared = f"/dev/shm/kvmesh-tp-{os.getpid()}-{secrets.token_hex(4)}"
-        link = RankLink(0, size, shared)  # creates the shared file the others open
+        memory = create_memory(size)  # the children inherit it; it goes when the last rank does
         env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank)}
         processes, pipes = [], []
         try:
+            link = RankLink(0, size, memory)
             for rank in range(1, size):
                 mine, theirs = socket.socketpair()
                 argv = [sys.executable, "-m", "kvmesh.engine.tp_rank", str(theirs.fileno())]
-                processes.append(subprocess.Popen(argv, pass_fds=[theirs.fileno()], env=env))
+                processes.append(subprocess.Popen(argv, pass_fds=[theirs.fileno(), memory], env=env))
                 theirs.close()
                 pipes.append(Connection(mine.detach()))
-                pipes[-1].send_bytes(_pack((str(path), cfg, rank, shared, threads_per_rank)))
+                pipes[-1].send_bytes(_pack((str(path), cfg, rank, memory, threads_per_rank)))
         except Exception:
             for p in processes:
                 p.kill()
-            link.close()
             raise
+        finally:
+            os.close(memory)  # mapped here and inherited there
         link.watch(lambda: all(p.poll() is None for p in processes))
         return cls(processes, pipes, link)
 
@@ -127,7 +120,6 @@ class TensorParallelGroup:
             if message != _READY:
                 self.close()
                 raise FailedPrecondition(f"tensor-parallel rank {rank} failed to start: {message}")
-        self.link.unlink()
 
     def mirror(self, step: tuple) -> None:
         """Send one forward pass's inputs (token ids, positions, attention metadata) to every follower."""
@@ -191,13 +183,14 @@ def follower_main(fd: int) -> None:
     its slice, then run each forward pass and block copy rank 0 sends, until the socket closes."""
     pipe = Connection(fd)
     try:
-        path, cfg, rank, shared, threads = _unpack(pipe.recv_bytes())
+        path, cfg, rank, memory, threads = _unpack(pipe.recv_bytes())
     except (EOFError, OSError):
         return
     torch.set_num_threads(threads)
     parent = os.getppid()
     try:
-        link = RankLink(rank, cfg.tensor_parallel_size, shared)
+        link = RankLink(rank, cfg.tensor_parallel_size, memory)
+        os.close(memory)  # mapped
         link.watch(lambda: os.getppid() == parent)  # rank 0 gone: stop waiting for it
         mc = ModelConfig.from_dir(Path(path))
         layout = TPLayout.of(mc, rank, cfg.tensor_parallel_size)

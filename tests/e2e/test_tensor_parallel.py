@@ -1,9 +1,16 @@
 """Tensor-parallel workers in a mesh of real processes: a prefill worker over 2 ranks handing KV to a
 decode worker on 1, and the reverse. Blocks travel whole (every KV head: the one wire layout), so the
 two degrees meet without a special case, and the greedy tokens are what one engine here gives alone.
-Every prompt goes through the prefill worker (the e2e meshes never prefill on decode)."""
+Every prompt goes through the prefill worker (the e2e meshes never prefill on decode). And a rank of a
+decode worker SIGKILLed mid-stream: the worker's group goes down at once, the supervisor starts it
+again, and the stream moves to the other decode worker with the tokens it would have had."""
 
 from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
 
 import grpc
 import pytest
@@ -12,14 +19,45 @@ from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
+from kvmesh.launcher import RestartPolicy
 from kvmesh.sampling import SamplingParams
-from tests.e2e.mesh_helpers import metrics, start_mesh
-from tests.e2e.stream_breaker import read_into
+from tests.e2e.mesh_helpers import metrics, poll, start_mesh
+from tests.e2e.stream_breaker import break_mid_stream, read_into
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 PROMPTS = [[(13 * i + k) % 500 + 1 for i in range(20 + 23 * k)] for k in range(3)]  # 1 to 5 blocks
 NEW_TOKENS = 32
+DECODE = ("decode-0", "decode-1")
+
+
+def _request(prompt: list[int], max_tokens: int) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(
+        token_ids=gateway_pb2.TokenIds(ids=prompt),
+        sampling=sampling_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+    )
+
+
+def _tokens(messages) -> list[int]:
+    return [t for m in messages for t in m.token_ids]
+
+
+def _ranks_of(pid: int) -> list[int]:
+    """The tensor-parallel follower processes of worker ``pid`` (its children running kvmesh.engine.tp_rank)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass  # the thread or the process ended meanwhile
+    out = []
+    for child in children:
+        try:
+            if b"kvmesh.engine.tp_rank" in Path(f"/proc/{child}/cmdline").read_bytes():
+                out.append(child)
+        except OSError:
+            pass
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +76,7 @@ async def test_kv_moves_between_tensor_parallel_degrees(e2e_model, tmp_path, col
     try:
         async with grpc.aio.insecure_channel(mesh.address("gateway")) as channel:
             gateway = gateway_pb2_grpc.GatewayServiceStub(channel)
-            got = []
-            for prompt in PROMPTS:
-                request = gateway_pb2.GenerateRequest(
-                    token_ids=gateway_pb2.TokenIds(ids=prompt),
-                    sampling=sampling_pb2.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
-                )
-                got.append([t for m in await read_into(gateway.Generate(request), []) for t in m.token_ids])
+            got = [_tokens(await read_into(gateway.Generate(_request(p, NEW_TOKENS)), [])) for p in PROMPTS]
         assert got == colocated
         decode = metrics(mesh, "decode-0")
         # The prompts' KV crossed, over gRPC (a tensor-parallel side keeps NIXL off), and none of it failed.
@@ -54,3 +86,33 @@ async def test_kv_moves_between_tensor_parallel_degrees(e2e_model, tmp_path, col
         assert "split over tensor-parallel ranks" in (tmp_path / "logs" / f"{split}.log").read_text()
     finally:
         mesh.stop()
+
+
+async def test_a_rank_killed_mid_stream_takes_its_group_down_and_the_stream_moves(e2e_model, tmp_path):
+    shared_before = set(Path("/dev/shm").glob("kvmesh-tp-*"))
+    mesh = start_mesh(
+        e2e_model,
+        tmp_path,
+        decode_workers=2,
+        role_env={"decode": {"KVMESH_TENSOR_PARALLEL_SIZE": "2"}},
+        restart=RestartPolicy(initial_backoff_s=0.2),
+    )
+    try:
+        async with grpc.aio.insecure_channel(mesh.address("gateway")) as channel:
+            gateway = gateway_pb2_grpc.GatewayServiceStub(channel)
+            request = _request(PROMPTS[1], 400)  # long enough to break in the middle
+            expected = _tokens(await read_into(gateway.Generate(request), []))
+
+            def kill_a_rank(worker: str) -> None:
+                os.kill(_ranks_of(mesh.process(worker).pid)[0], signal.SIGKILL)
+
+            reader, victim, _ = await break_mid_stream(mesh, gateway, request, DECODE, kill_a_rank, lambda w: None)
+            got = await asyncio.wait_for(reader, timeout=60)  # a bound against hanging, not speed
+        assert _tokens(got) == expected
+        assert metrics(mesh, "gateway")["kvmesh_gateway_migrations_total{outcome=resumed}"] >= 1
+        # The victim's whole group went down and came back: a new worker process with a rank of its own.
+        assert poll(lambda: mesh.restarts(victim), lambda n: n >= 1, polls=600) >= 1
+        assert poll(lambda: _ranks_of(mesh.process(victim).pid), bool, polls=600)
+    finally:
+        mesh.stop()
+    assert set(Path("/dev/shm").glob("kvmesh-tp-*")) <= shared_before  # the killed group's memory went with it

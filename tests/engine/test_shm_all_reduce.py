@@ -4,21 +4,22 @@ rank that never arrives given up on with RankGone, not waited for forever."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
 import torch
 
 from kvmesh.engine import shm_all_reduce
-from kvmesh.engine.shm_all_reduce import RankGone, ShmAllReduce
+from kvmesh.engine.shm_all_reduce import RankGone, ShmAllReduce, create_memory
 
 
 @pytest.fixture
-def pair(tmp_path, monkeypatch):
+def pair(monkeypatch):
     monkeypatch.setattr(shm_all_reduce, "SLOT_BYTES", 1024)  # 256 float32s: bigger tensors go in pieces
-    path = str(tmp_path / "ranks")
-    first = ShmAllReduce(path, 0, 2, timeout_s=30, create=True)
-    second = ShmAllReduce(path, 1, 2, timeout_s=30)
+    memory = create_memory(2)
+    first, second = (ShmAllReduce(memory, rank, 2, timeout_s=30) for rank in (0, 1))
+    os.close(memory)
     yield first, second
     second.close()
     first.close()
@@ -46,8 +47,10 @@ def test_both_ranks_get_the_same_sum_of_every_call(pair, dtype) -> None:
         assert torch.equal(mine, (a.float() + b.float()).to(dtype))
 
 
-def test_a_rank_that_never_arrives_is_given_up_on(tmp_path) -> None:
-    lonely = ShmAllReduce(str(tmp_path / "ranks"), 0, 2, timeout_s=0.2, create=True)
+def test_a_rank_that_never_arrives_is_given_up_on() -> None:
+    memory = create_memory(2)
+    lonely = ShmAllReduce(memory, 0, 2, timeout_s=0.2)
+    os.close(memory)
     try:
         with pytest.raises(RankGone, match=r"ranks \[1\] did not reach all-reduce 1"):
             lonely(torch.ones(4))
@@ -56,4 +59,3 @@ def test_a_rank_that_never_arrives_is_given_up_on(tmp_path) -> None:
             lonely(torch.ones(4))
     finally:
         lonely.close()
-    assert not (tmp_path / "ranks").exists()
