@@ -88,6 +88,10 @@ class EngineConfig:
         ops inductor would fuse into code of its own), and on one rank (a graph has no collectives yet)."""
         return self.compile and not self.deterministic and self.tensor_parallel_size == 1
 
+    def resolve_max_model_len(self, model_max_positions: int) -> int:
+        """The context limit to run with: the configured one, never past the model's positions."""
+        return min(self.max_model_len or model_max_positions, model_max_positions)
+
     def resolve_dtype(self, model_dtype: str) -> torch.dtype:
         """The dtype to run in: the configured one; else the checkpoint's (``model_dtype``) on CUDA,
         float32 on CPU."""

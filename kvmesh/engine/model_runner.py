@@ -46,7 +46,7 @@ class ModelRunner:
         self.vocab_size = mc.vocab_size
         self.device = torch.device(cfg.device)
         self.dtype = cfg.resolve_dtype(mc.dtype)
-        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.max_model_len = cfg.resolve_max_model_len(mc.max_position_embeddings)
         files = weight_files(path)
         self.tp, layout = self._start_tensor_parallel(path, cfg, mc)
         self.model = CausalLM(

@@ -222,7 +222,7 @@ def build_rank_model(path: Path, cfg: EngineConfig, mc: ModelConfig, layout: TPL
     from kvmesh.engine.model import CausalLM
 
     device, dtype = torch.device(cfg.device), cfg.resolve_dtype(mc.dtype)
-    max_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    max_len = cfg.resolve_max_model_len(mc.max_position_embeddings)
     model = CausalLM(mc, dtype, device, max_len, tp=layout, all_reduce=link.all_reduce)
     model.load_weights(weight_files(path))
     model.to(device).eval()
