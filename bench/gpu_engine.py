@@ -11,7 +11,10 @@ init so random logits are peaked and greedy comparisons are not decided by float
    decode time = a run of N new tokens minus a run of 1, so prefill is not counted), eager and
    with ``--compile`` (the engine's fastest step mode today), against the step's floor measured
    in the same run: every weight read once at the measured copy bandwidth, or the step's matmul
-   FLOPs at the measured bf16 matmul rate, whichever is larger.
+   FLOPs at the measured bf16 matmul rate, whichever is larger. ``deterministic`` is a third mode:
+   the batch-invariant Triton kernels of ``--deterministic`` (its cost against eager).
+3. Deterministic serving, bfloat16, the first shape: one request's token ids and logprobs alone and
+   inside a batch of 16 mixed-length requests, bit for bit.
 
 ``--dry-run``: the same code on the CPU with a tiny model and few tokens (float32 only), so the
 script cannot rot between GPU runs (tests/bench/test_gpu_check.py runs it).
@@ -65,11 +68,11 @@ class Plan:
     prompt_len: int = 128
     new_tokens: int = 128
     dtypes: tuple[str, ...] = ("bfloat16",)
-    modes: tuple[str, ...] = ("eager", "compile")
+    modes: tuple[str, ...] = ("eager", "compile", "deterministic")
 
     @classmethod
     def dry(cls) -> Plan:
-        return cls("cpu", DRY_SHAPES, 2, 8, (1, 4), 16, 8, ("float32",), ("eager",))
+        return cls("cpu", DRY_SHAPES, 2, 8, (1, 4), 16, 8, ("float32",), ("eager", "deterministic"))
 
 
 @dataclass
@@ -78,12 +81,17 @@ class Report:
     versions: dict[str, str] = field(default_factory=dict)
     ceilings: dict[str, float] = field(default_factory=dict)
     checks: list[dict[str, Any]] = field(default_factory=list)
+    determinism: list[dict[str, Any]] = field(default_factory=list)
     speeds: list[dict[str, Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
-        return not self.errors and all(c["identical"] == c["prompts"] for c in self.checks)
+        return (
+            not self.errors
+            and all(c["identical"] == c["prompts"] for c in self.checks)
+            and all(d["bitwise"] for d in self.determinism)
+        )
 
 
 def _sync(device: str) -> None:
@@ -131,14 +139,15 @@ def prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (length + 7 * i,), generator=g).tolist() for i in range(count)]
 
 
-def make_engine(path: Path, device: str, dtype: str, compile: bool, max_seqs: int, prompt_len: int):
+def make_engine(path: Path, device: str, dtype: str, mode: str, max_seqs: int, prompt_len: int):
+    """An engine whose steps run ``mode``: eager, compile or deterministic."""
     from kvmesh.engine.config import EngineConfig
     from kvmesh.engine.engine import LLMEngine
 
     blocks = max_seqs * (prompt_len + 256) // 16 + 64
     config = EngineConfig(device=device, dtype=dtype, num_blocks=blocks, max_num_seqs=max_seqs,
                           max_num_batched_tokens=max(2048, prompt_len), enable_prefix_cache=False,
-                          compile=compile)  # fmt: skip
+                          compile=mode == "compile", deterministic=mode == "deterministic")  # fmt: skip
     return LLMEngine(path, config)
 
 
@@ -173,7 +182,7 @@ def check_greedy(report: Report, plan: Plan, name: str, path: Path, vocab: int) 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     batch = prompts(vocab, plan.check_prompts, 16, seed=1)
-    engine = make_engine(path, plan.device, "float32", False, plan.check_prompts, 64)
+    engine = make_engine(path, plan.device, "float32", "eager", plan.check_prompts, 64)
     ours = greedy(engine, batch, plan.check_tokens)
     del engine
     theirs = transformers_greedy(path, plan.device, batch, plan.check_tokens)
@@ -183,6 +192,29 @@ def check_greedy(report: Report, plan: Plan, name: str, path: Path, vocab: int) 
                           "identical": identical, "first_differences": parted})  # fmt: skip
     print(f"  {'ok  ' if identical == len(batch) else 'FAIL'} {name} float32 greedy vs transformers: "
           f"{identical}/{len(batch)} identical (first differences: {parted})")  # fmt: skip
+
+
+def check_determinism(report: Report, plan: Plan, name: str, path: Path, vocab: int) -> None:
+    """--deterministic: a request's tokens and logprobs alone vs inside a batch of 16, bit for bit."""
+    from kvmesh.sampling import SamplingParams
+
+    engine = make_engine(path, plan.device, "bfloat16", "deterministic", 16, 128)
+    target, others = prompts(vocab, 1, 40, seed=4)[0], prompts(vocab, 15, 8, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=plan.check_tokens, ignore_eos=True, logprobs=5)
+
+    def bits(batch: list[list[int]], at: int) -> tuple:
+        done = engine.generate(batch, params)[at]
+        return done.token_ids, [(lp.logprob.hex(), [(t, v.hex()) for t, v in lp.top]) for lp in done.logprobs]
+
+    alone = bits([target], 0)
+    batched = bits([*others[:7], target, *others[7:]], 7)  # the target mid-batch
+    same = alone == batched
+    parted = first_difference(alone[0], batched[0])
+    report.determinism.append({"model": name, "dtype": "bfloat16", "batch": 16, "tokens": plan.check_tokens,
+                               "bitwise": same, "first_token_difference": parted})  # fmt: skip
+    print(f"  {'ok  ' if same else 'FAIL'} {name} bfloat16 --deterministic: alone vs batch of 16 bitwise "
+          f"{'equal' if same else f'different (tokens part at {parted})'}")  # fmt: skip
+    del engine
 
 
 def floor_s(report: Report, weight_bytes: int, params: int, batch: int) -> float:
@@ -197,7 +229,7 @@ def measure_speed(report: Report, plan: Plan, name: str, path: Path, vocab: int,
     elem = torch.finfo(getattr(torch, dtype)).bits // 8
     for mode in plan.modes:
         t0 = time.perf_counter()
-        engine = make_engine(path, plan.device, dtype, mode == "compile", max(plan.batches), plan.prompt_len)
+        engine = make_engine(path, plan.device, dtype, mode, max(plan.batches), plan.prompt_len)
         greedy(engine, prompts(vocab, 2, 8, seed=2), 4)  # warm-up (and the compile)
         ready_s = time.perf_counter() - t0
         for batch in plan.batches:
@@ -226,6 +258,9 @@ def run(plan: Plan, report: Report, budget_s: float) -> None:
             params = write_model(path, shape)
             guarded(report, f"{name}: greedy vs transformers",
                     lambda: check_greedy(report, plan, name, path, shape["vocab_size"]))  # fmt: skip
+            if name == next(iter(plan.shapes)):
+                guarded(report, f"{name}: deterministic serving",
+                        lambda: check_determinism(report, plan, name, path, shape["vocab_size"]))  # fmt: skip
             for dtype in plan.dtypes:
                 if time.monotonic() - started > budget_s:
                     report.errors.append(f"{name} {dtype} speed: skipped, over the {budget_s:.0f} s budget")
@@ -241,6 +276,9 @@ def print_summary(report: Report) -> None:
     print_table(["model", "greedy vs transformers (fp32)", "first differences"],
                 [[c["model"], f"{c['identical']}/{c['prompts']} x {c['tokens']}", str(c["first_differences"])]
                  for c in report.checks])  # fmt: skip
+    print_table(["model", "--deterministic bf16", "alone vs batch of 16"],
+                [[d["model"], f"{d['tokens']} tokens", "bitwise equal" if d["bitwise"] else "DIFFERENT"]
+                 for d in report.determinism])  # fmt: skip
     print_table(["model", "dtype", "mode", "batch", "decode tok/s", "roofline tok/s", "of roofline", "ready s"],
                 [[s["model"], s["dtype"], s["mode"], str(s["batch"]), f"{s['decode_tokens_per_s']:.0f}",
                   f"{s['roofline_tokens_per_s']:.0f}", f"{100 * s['fraction_of_roofline']:.0f}%",

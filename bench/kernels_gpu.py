@@ -319,6 +319,35 @@ def check_batch_invariance(report: Report, k: Any) -> None:
                                      torch.tensor([0, b - a], dtype=torch.int32, device=dev),
                                      kv.seq_lens[at : at + 1], 0.088)  # fmt: skip
     report.check_true("extend bitwise alone vs batch of 37", torch.equal(alone, batched[a:b]))
+    check_deterministic_serving_kernels(report, k)
+
+
+def check_deterministic_serving_kernels(report: Report, k: Any) -> None:
+    """What ``--deterministic`` adds on a GPU: the fixed-tile product (a row's bits in any batch, and
+    against torch) and the extend whose every row is its decode."""
+    from kernels import reference
+    from kernels.triton import INVARIANT_KERNELS
+    from kernels.triton.testing import relative_error
+
+    dev = DEVICE
+    w, bias = torch.randn(HIDDEN, INTERMEDIATE, device=dev).to(LOWP), torch.randn(HIDDEN, device=dev).to(LOWP)
+    for dtype in (LOWP, torch.float32):
+        wd, bd = w.to(dtype), bias.to(dtype)
+        x = torch.randn(n(300), INTERMEDIATE, device=dev).to(dtype)
+        together = k.invariant_mm(x, wd, bd)
+        ref = reference.invariant_mm(x, wd, bd)
+        report.check(f"invariant_mm {str(dtype)[6:]} vs torch", relative_error(together, ref), TOLERANCE[dtype])
+        rows_same = all(torch.equal(k.invariant_mm(x[i : i + 1], wd, bd), together[i : i + 1]) for i in (0, 77 % len(x)))
+        report.check_true(f"invariant_mm {str(dtype)[6:]} bitwise alone vs {len(x)} rows", rows_same)
+    every_row = INVARIANT_KERNELS["paged_extend_attention"]
+    new = n(200)
+    kv = paged_kv([new], HK, HEAD_DIM, LOWP, dev)
+    q = torch.randn(new, HQ, HEAD_DIM, device=dev).to(LOWP)
+    whole = every_row(q, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc([new], dev), kv.seq_lens, 0.088)
+    i = new // 2
+    decode = k.paged_decode_attention(q[i : i + 1], kv.k_cache, kv.v_cache, kv.block_tables,
+                                      torch.tensor([i + 1], dtype=torch.int32, device=dev), 0.088)  # fmt: skip
+    report.check_true("deterministic extend row == its decode", torch.equal(decode[0], whole[i]))
 
 
 def _check_fp8_values(report: Report, q: torch.Tensor, rq: torch.Tensor) -> None:
@@ -512,12 +541,14 @@ def time_fp8(report: Report, k: Any) -> None:
         q, scale = k.quantize_fp8_weight(w)
         bf16_ms = bench_ms(lambda: torch.matmul(x, w.t()))
         fp8_ms = bench_ms(lambda: k.fp8_scaled_mm(x, q, scale))
+        invariant_ms = bench_ms(lambda: k.invariant_mm(x, w))  # deterministic serving's product
         flops = matmul_flops(m, n, kd)
-        report.timings.append({
-            "kernel": "fp8_scaled_mm", "shape": f"M={m} N={n} K={kd}", "ms": fp8_ms, "TFLOPs": flops / fp8_ms / 1e9,
-            "bf16_matmul_ms": bf16_ms, "speedup_vs_bf16_matmul": bf16_ms / fp8_ms,
-            "weight_GBps": n * kd / fp8_ms / 1e6,
-        })  # fmt: skip
+        for kernel, ms, weight_bytes in (("fp8_scaled_mm", fp8_ms, n * kd), ("invariant_mm", invariant_ms, 2 * n * kd)):
+            report.timings.append({
+                "kernel": kernel, "shape": f"M={m} N={n} K={kd}", "ms": ms, "TFLOPs": flops / ms / 1e9,
+                "bf16_matmul_ms": bf16_ms, "speedup_vs_bf16_matmul": bf16_ms / ms,
+                "weight_GBps": weight_bytes / ms / 1e6,
+            })  # fmt: skip
 
 
 def time_elementwise(report: Report, k: Any) -> None:
@@ -730,7 +761,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.checks_only and report.ceilings:
         guarded(report, "timing: decode attention", lambda: time_decode(report, k))
         guarded(report, "timing: prefill/extend attention", lambda: time_extend(report, k))
-        guarded(report, "timing: fp8 matmul", lambda: time_fp8(report, k))
+        guarded(report, "timing: fp8 and invariant matmul", lambda: time_fp8(report, k))
         guarded(report, "timing: elementwise kernels", lambda: time_elementwise(report, k))
         if not args.no_sweep and not args.dry_run:
             guarded(report, "sweep", lambda: sweep_attention(report, k, started + args.budget_s))

@@ -12,10 +12,13 @@ when loaded, and are then picked for CPU tensors. ``Ops`` for the CPU loads them
 CPU model runs their decode attention); where they cannot be built or run, the
 references stay, with a warning that says why.
 
-``Ops(device, batch_invariant=True)`` (deterministic serving, CPU only so far) takes, per op,
-the form whose result for a row does not depend on the rows beside it: a batch-invariant
-native kernel where the usual one depends on the batch (extend attention), else the native
+``Ops(device, batch_invariant=True)`` (deterministic serving) takes, per op, the form whose
+result for a row does not depend on the rows beside it. On CPU: a batch-invariant native kernel
+where the usual one depends on the batch (extend attention, ``invariant_mm``), else the native
 kernel, else the reference (whose row-wise ops tests/kernels/test_cpu_batch_invariance.py checks).
+On CUDA (or in the interpreter): the batch-invariant Triton kernel where there is one, else the
+Triton kernel (tests/kernels/test_batch_invariance.py checks those); never a reference there.
+``invariant_mm`` exists only in batch-invariant form: its reference (the library GEMM) is not.
 """
 
 from __future__ import annotations
@@ -42,15 +45,19 @@ OPS = (
     "fp8_scaled_mm",
     "int8_scaled_mm",
     "lora_add",
+    "invariant_mm",
 )
+# Ops that deterministic serving may not take from kernels.reference: the reference depends on the batch.
+INVARIANT_ONLY = ("invariant_mm",)
 
 # op name -> Triton implementation, filled when kernels.triton is imported.
 _TRITON: dict[str, Callable[..., Any]] = {}
 _triton_import_tried = False
 # op name -> native CPU implementation, filled by kernels.cpu.load().
 _CPU_NATIVE: dict[str, Callable[..., Any]] = {}
-# op name -> batch-invariant native CPU implementation, where _CPU_NATIVE's depends on the batch.
+# op name -> batch-invariant native CPU / Triton implementation, where the usual one depends on the batch.
 _CPU_INVARIANT: dict[str, Callable[..., Any]] = {}
+_TRITON_INVARIANT: dict[str, Callable[..., Any]] = {}
 _cpu_native_warned = False  # the reason they could not load is logged once per process
 _log = logging.getLogger(__name__)
 
@@ -71,6 +78,12 @@ def register_cpu_invariant(name: str, fn: Callable[..., Any]) -> None:
     if name not in OPS:
         raise KeyError(f"unknown op {name!r}")
     _CPU_INVARIANT[name] = fn
+
+
+def register_triton_invariant(name: str, fn: Callable[..., Any]) -> None:
+    if name not in OPS:
+        raise KeyError(f"unknown op {name!r}")
+    _TRITON_INVARIANT[name] = fn
 
 
 def use_triton(device: torch.device) -> bool:
@@ -102,11 +115,23 @@ def get_op(name: str, device: torch.device) -> Callable[..., Any]:
     return getattr(reference, name)
 
 
-def get_invariant_op(name: str) -> Callable[..., Any]:
-    """The batch-invariant implementation of ``name`` for CPU tensors (native kernels loaded)."""
+def get_invariant_op(name: str, device: torch.device) -> Callable[..., Any]:
+    """The batch-invariant implementation of ``name`` for tensors on ``device`` (CPU: native
+    kernels loaded); KernelUnavailable where there is none."""
     if name not in OPS:
         raise KeyError(f"unknown op {name!r}")
-    return _CPU_INVARIANT.get(name) or _CPU_NATIVE.get(name) or getattr(reference, name)
+    if use_triton(device):
+        _import_triton_kernels()
+        fn = _TRITON_INVARIANT.get(name) or _TRITON.get(name)
+        if fn is None:
+            raise KernelUnavailable(f"no batch-invariant Triton kernel for {name} (is Triton installed?)")
+        return fn
+    if device.type != "cpu":
+        raise KernelUnavailable(f"batch-invariant kernels run on CPU or through Triton, not on {device}")
+    fn = _CPU_INVARIANT.get(name) or _CPU_NATIVE.get(name)
+    if fn is None and name in INVARIANT_ONLY:
+        raise KernelUnavailable(f"no batch-invariant CPU kernel for {name}")
+    return fn or getattr(reference, name)
 
 
 class Ops:
@@ -115,13 +140,12 @@ class Ops:
 
     def __init__(self, device: torch.device, batch_invariant: bool = False) -> None:
         if batch_invariant:
-            if device.type != "cpu":
-                raise KernelUnavailable(f"batch-invariant kernels run on CPU only so far, not on {device}")
-            from kernels import cpu
+            if device.type == "cpu" and not use_triton(device):
+                from kernels import cpu
 
-            cpu.load()
+                cpu.load()
             for name in OPS:
-                setattr(self, name, get_invariant_op(name))
+                setattr(self, name, get_invariant_op(name, device))
             return
         if device.type == "cpu":
             _load_cpu_native()

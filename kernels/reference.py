@@ -249,6 +249,16 @@ def fp8_scaled_mm(
 int8_scaled_mm = fp8_scaled_mm  # qweight int8 [N, K]: the same product (see fp8_scaled_mm)
 
 
+def invariant_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]ᵀ + bias in float32, returned in x's dtype: what the batch-invariant
+    products compute. This reference itself is not batch-invariant (the library GEMM picks its
+    blocking by M), so deterministic serving never falls back to it (``kernels.dispatch.Ops``)."""
+    out = torch.matmul(x.float(), weight.float().t())
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
 def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: LoraSegments) -> None:
     """Add to ``y`` [T, out] (in place; a column slice of a wider output is fine) each token's own
     adapter's product ``(x @ A_slot^T) @ B_slot`` (nothing for a token without one).

@@ -81,6 +81,7 @@ def _build() -> str | None:
     register_cpu_native("paged_decode_attention", torch.ops.kvmesh_cpu.paged_decode_attention)
     register_cpu_native("paged_extend_attention", paged_extend_attention)
     register_cpu_invariant("paged_extend_attention", invariant_extend_attention)
+    register_cpu_invariant("invariant_mm", torch.ops.kvmesh_cpu.invariant_mm)
     return None
 
 

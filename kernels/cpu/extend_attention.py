@@ -19,45 +19,14 @@ from functools import partial
 import torch
 
 from kernels import reference
+from kernels.rows_as_decodes import every_row_as_decode, rows_as_decodes
 
 
-def rows_as_native_decodes(
-    out: torch.Tensor,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    starts: torch.Tensor,
-    counts: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> None:
-    """``kernels.reference.RowsAsDecodes`` through the native decode kernel."""
-    which = torch.repeat_interleave(torch.arange(len(starts), device=q.device), counts)  # each row's sequence
-    first = counts.cumsum(0) - counts  # each sequence's first row among these
-    j = torch.arange(len(which), device=q.device) - first[which]  # a row's place among its sequence's new tokens
-    rows = starts[which] + j
-    lens = seq_lens[which] - counts[which] + j + 1  # its prefix, the new tokens before it, itself
-    out[rows] = torch.ops.kvmesh_cpu.paged_decode_attention(q[rows], k_cache, v_cache, block_tables[which], lens, scale)
+def _native_decode(*args: object) -> torch.Tensor:
+    return torch.ops.kvmesh_cpu.paged_decode_attention(*args)
 
 
 # ``kernels.reference.paged_extend_attention``, its decode rows on the native kernel.
-paged_extend_attention = partial(reference.extend_attention, rows_as_native_decodes)
-
-
-def invariant_extend_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """``paged_extend_attention`` with every row computed as a native decode at its own position."""
-    starts = query_start_loc[:-1]
-    out = torch.empty_like(q)
-    rows_as_native_decodes(
-        out, q, k_cache, v_cache, block_tables, starts, query_start_loc[1:] - starts, seq_lens, scale
-    )
-    return out
+paged_extend_attention = partial(reference.extend_attention, partial(rows_as_decodes, _native_decode))
+# Every row on the native decode kernel (deterministic serving).
+invariant_extend_attention = partial(every_row_as_decode, _native_decode)

@@ -5,9 +5,13 @@ kernels (CPU tests): Triton decides between compiling and interpreting when each
 kernel is defined, not when it runs.
 """
 
-from kernels.dispatch import register_triton
+from functools import partial
+
+from kernels.dispatch import register_triton, register_triton_invariant
+from kernels.rows_as_decodes import every_row_as_decode
 from kernels.triton.decode_attention import paged_decode_attention
 from kernels.triton.extend_attention import paged_extend_attention
+from kernels.triton.invariant_mm import invariant_mm
 from kernels.triton.fp8 import fp8_scaled_mm, int8_scaled_mm, quantize_fp8_weight
 from kernels.triton.kv_write import write_kv_cache
 from kernels.triton.lora import lora_add
@@ -27,7 +31,13 @@ KERNELS = {
     "fp8_scaled_mm": fp8_scaled_mm,
     "int8_scaled_mm": int8_scaled_mm,
     "lora_add": lora_add,
+    "invariant_mm": invariant_mm,
 }
+# Batch-invariant forms, where the kernel above depends on the batch: the extend kernel's tiles
+# round a row otherwise than the decode kernel does, so deterministic serving decodes every row.
+INVARIANT_KERNELS = {"paged_extend_attention": partial(every_row_as_decode, paged_decode_attention)}
 
 for _name, _fn in KERNELS.items():
     register_triton(_name, _fn)
+for _name, _fn in INVARIANT_KERNELS.items():
+    register_triton_invariant(_name, _fn)

@@ -63,8 +63,8 @@ class EngineConfig:
     # Deterministic serving (docs/determinism.md): every op in a batch-invariant form, so a
     # request's tokens and logprobs are the same bits whatever it is batched with, however its
     # prompt was chunked or cached, wherever it was prefilled. Runs the decode step eagerly
-    # (``compile`` is ignored) and without the small-row linears; CPU only so far, and not with
-    # a quantization.
+    # (``compile`` is ignored) and without the small-row linears; native kernels on CPU, Triton ones
+    # on CUDA; not with a quantization.
     deterministic: bool = False
     # Ranks (processes) one engine's model is split over (kvmesh.engine.tensor_parallel): rank 0 is
     # this process. CPU, one machine (shared memory) so far; decode steps run eager, and quantization,

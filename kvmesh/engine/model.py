@@ -251,8 +251,10 @@ class CausalLM(nn.Module):
         FailedPrecondition (saying why) where those kernels cannot run."""
         try:
             self.ops = Ops(self.embed_tokens.weight.device, batch_invariant=True)
-            use_invariant_linears(self)  # the projections and an untied LM head
-            self.head_proj = InvariantLinear(self.head_weight, None) if self.lm_head is None else self.lm_head
+            use_invariant_linears(self, self.ops.invariant_mm)  # the projections and an untied LM head
+            self.head_proj = (
+                InvariantLinear(self.head_weight, None, self.ops.invariant_mm) if self.lm_head is None else self.lm_head
+            )
         except KernelUnavailable as e:
             raise FailedPrecondition(f"deterministic serving: {e}") from None
 
