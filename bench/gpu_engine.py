@@ -202,7 +202,7 @@ def check_determinism(report: Report, plan: Plan, name: str, path: Path, vocab: 
     target, others = prompts(vocab, 1, 40, seed=4)[0], prompts(vocab, 15, 8, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=plan.check_tokens, ignore_eos=True, logprobs=5)
 
-    def bits(batch: list[list[int]], at: int) -> tuple:
+    def bits(batch: list[list[int]], at: int, engine=engine) -> tuple:
         done = engine.generate(batch, params)[at]
         return done.token_ids, [(lp.logprob.hex(), [(t, v.hex()) for t, v in lp.top]) for lp in done.logprobs]
 

@@ -337,7 +337,8 @@ def check_deterministic_serving_kernels(report: Report, k: Any) -> None:
         together = k.invariant_mm(x, wd, bd)
         ref = reference.invariant_mm(x, wd, bd)
         report.check(f"invariant_mm {str(dtype)[6:]} vs torch", relative_error(together, ref), TOLERANCE[dtype])
-        rows_same = all(torch.equal(k.invariant_mm(x[i : i + 1], wd, bd), together[i : i + 1]) for i in (0, 77 % len(x)))
+        rows = (0, 77 % len(x))
+        rows_same = all(torch.equal(k.invariant_mm(x[i : i + 1], wd, bd), together[i : i + 1]) for i in rows)
         report.check_true(f"invariant_mm {str(dtype)[6:]} bitwise alone vs {len(x)} rows", rows_same)
     every_row = INVARIANT_KERNELS["paged_extend_attention"]
     new = n(200)

@@ -11,8 +11,8 @@ from kernels.dispatch import register_triton, register_triton_invariant
 from kernels.rows_as_decodes import every_row_as_decode
 from kernels.triton.decode_attention import paged_decode_attention
 from kernels.triton.extend_attention import paged_extend_attention
-from kernels.triton.invariant_mm import invariant_mm
 from kernels.triton.fp8 import fp8_scaled_mm, int8_scaled_mm, quantize_fp8_weight
+from kernels.triton.invariant_mm import invariant_mm
 from kernels.triton.kv_write import write_kv_cache
 from kernels.triton.lora import lora_add
 from kernels.triton.rms_norm import fused_add_rms_norm, rms_norm

@@ -40,8 +40,8 @@ ENGINE_FLAGS = [
     Flag(
         "--deterministic",
         "batch-invariant execution: a request's tokens and logprobs are the same bits whatever it is batched "
-        "with, however its prompt was chunked, cached or handed off (CPU, or Triton on CUDA; the decode step runs eager; "
-        "docs/determinism.md says what it covers and costs). Set it on every prefill and decode worker",
+        "with, however its prompt was chunked, cached or handed off (CPU, or Triton on CUDA; the decode step runs "
+        "eager; docs/determinism.md says what it covers and costs). Set it on every prefill and decode worker",
         default=False,
         type=bool,
     ),

@@ -77,8 +77,13 @@ class ModelRunner:
                 "weights_id": weights_id(files),
                 "quantization": cfg.quantization,
                 **({"quantize_lm_head": True} if cfg.quantize_lm_head else {}),
-                # Its KV rounds differently: a deterministic worker reuses only deterministic blocks.
-                **({"batch_invariant": True} if cfg.deterministic else {}),
+                # Its KV rounds differently: a deterministic worker reuses only deterministic blocks, and
+                # only those of its own tensor-parallel degree (the all-reduces sum in another order).
+                **(
+                    {"batch_invariant": True, "tensor_parallel_size": cfg.tensor_parallel_size}
+                    if cfg.deterministic
+                    else {}
+                ),
             },
             dtype_name(self.dtype),
             cfg.block_size,
@@ -119,14 +124,8 @@ class ModelRunner:
         layout = TPLayout.of(mc, 0, size)  # InvalidArgument where the config cannot be split
         if self.device.type != "cpu":
             raise FailedPrecondition("tensor parallelism runs on CPU ranks of one machine so far")
-        refused = {
-            "quantization": cfg.quantization is not None,
-            "--deterministic": cfg.deterministic,
-        }
-        if any(refused.values()):
-            raise InvalidArgument(
-                f"tensor parallelism does not serve {', '.join(k for k, v in refused.items() if v)} yet"
-            )
+        if cfg.quantization is not None:
+            raise InvalidArgument("tensor parallelism does not serve quantization yet")
         self._threads_before = torch.get_num_threads()
         threads = max(1, self._threads_before // size)
         torch.set_num_threads(threads)  # this process is rank 0: one share of the cores (until close)

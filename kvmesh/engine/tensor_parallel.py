@@ -226,6 +226,8 @@ def build_rank_model(path: Path, cfg: EngineConfig, mc: ModelConfig, layout: TPL
     model = CausalLM(mc, dtype, device, max_len, tp=layout, all_reduce=link.all_reduce)
     model.load_weights(weight_files(path))
     model.to(device).eval()
+    if cfg.deterministic:
+        model.make_batch_invariant()
     if cfg.wants_small_rows_linears(dtype):
         model.use_small_rows_linears()
     kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, layout.local_kv_heads, mc.head_dim, dtype, device)

@@ -22,7 +22,7 @@ from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.launcher import RestartPolicy
 from kvmesh.sampling import SamplingParams
-from tests.e2e.mesh_helpers import http_url, start_mesh
+from tests.e2e.mesh_helpers import http_url, metrics, start_mesh
 from tests.e2e.stream_breaker import break_mid_stream, read_into
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -151,3 +151,38 @@ async def test_a_stream_moved_after_its_worker_was_killed_keeps_its_bits(
     mesh.crash(victim)
     got = await asyncio.wait_for(reader, timeout=60)  # a bound against hanging, not speed
     assert len(got) > 3 and _bits(got) == alone_in_process["seeded"], f"the stream moved off {victim} changed"
+
+
+async def test_a_tensor_parallel_float32_mesh_over_grpc_gives_its_degree_s_bits(e2e_model, tmp_path) -> None:
+    """The other half of the promise's matrix: float32, prefill and decode each over 2 ranks (the same
+    degree on both sides), KV over gRPC (a tensor-parallel worker keeps NIXL off). The mesh gives a request
+    what one deterministic engine at that degree gives it alone here, alone, in a batch and cached."""
+    worker = {"KVMESH_DTYPE": "float32", "KVMESH_DETERMINISTIC": "1", "KVMESH_TENSOR_PARALLEL_SIZE": "2"}
+    config = EngineConfig(num_blocks=128, dtype="float32", deterministic=True, tensor_parallel_size=2)
+    engine = LLMEngine(e2e_model, config)
+    try:
+        expected = {}
+        for kind, sampling in SAMPLING.items():
+            params = SamplingParams(max_tokens=64, ignore_eos=True, logprobs=5, **sampling)
+            (done,) = engine.generate([PROMPT], params)
+            expected[kind] = (
+                done.token_ids,
+                [(lp.token_id, lp.logprob, [(t, v) for t, v in lp.top]) for lp in done.logprobs],
+            )
+    finally:
+        engine.close()
+    mesh = start_mesh(e2e_model, tmp_path, role_env={"prefill": worker, "decode": worker})
+    try:
+        async with grpc.aio.insecure_channel(mesh.address("gateway")) as channel:
+            gateway = gateway_pb2_grpc.GatewayServiceStub(channel)
+            for kind, sampling in SAMPLING.items():
+                alone = _bits(await _complete(gateway, _request(PROMPT, 64, **sampling)))
+                batch = [_request(p, 40 + 3 * i, temperature=0.0) for i, p in enumerate(OTHERS)]
+                batch.insert(8, _request(PROMPT, 64, **sampling))
+                batched = _bits((await asyncio.gather(*(_complete(gateway, r) for r in batch)))[8])
+                again = _bits(await _complete(gateway, _request(PROMPT, 64, **sampling)))
+                assert alone == batched == again == expected[kind], f"{kind}: the mesh's bits moved"
+        decode = metrics(mesh, "decode-0")
+        assert decode["kvmesh_decode_bytes_pulled_total"] > 0  # the prompts' KV crossed (gRPC: NIXL is off at TP 2)
+    finally:
+        mesh.stop()

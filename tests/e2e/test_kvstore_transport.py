@@ -4,9 +4,10 @@ A prefill worker writes the blocks it computed to the kvstore behind its answer
 (on NIXL the kvstore READs them out of its pool); the stored bytes are the
 prefill pool's bytes; a decode worker that prefills the same prompt locally
 takes them from the kvstore (on NIXL the kvstore WRITEs them into its pool) and
-decodes exactly what a colocated engine does. A kvstore killed in the middle of
-a put (its NIXL READ, or the gRPC Put stream) strands nothing on the worker; a worker with another KV layout is refused
-at the NIXL handshake and stays on gRPC.
+decodes exactly what a colocated engine does (with --deterministic, the same
+logprob bits too). A kvstore killed in the middle of a put (its NIXL READ, or
+the gRPC Put stream) strands nothing on the worker; a worker with another KV
+layout is refused at the NIXL handshake and stays on gRPC.
 """
 
 from __future__ import annotations
@@ -16,16 +17,19 @@ import sys
 
 import pytest
 
-from kvmesh.api.common.v1 import kv_pb2
+from kvmesh.api.common.v1 import kv_pb2, sampling_pb2
 from kvmesh.api.decode.v1 import decode_pb2
 from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
 from kvmesh.kv_wire import BlockAssembler
 from kvmesh.launcher.compose import REPO_ROOT
 from kvmesh.launcher.spec import ProcessSpec, Topology
 from kvmesh.launcher.supervisor import Mesh
 from kvmesh.runtime import create_channel
 from kvmesh.runtime.ports import free_port
+from kvmesh.sampling import SamplingParams
 from kvmesh.worker.kv_nixl import load_nixl
 from tests.e2e.mesh_helpers import metrics
 from tests.e2e.test_kv_transport import BLOCKS, BS, Pair, _spec, colocated, eventually, greedy, prompt  # noqa: F401
@@ -222,3 +226,33 @@ async def test_a_worker_with_another_layout_is_refused_at_the_handshake(start_me
     assert (k["kvmesh_kvstore_nixl_handshakes_total"], k["kvmesh_kvstore_nixl_handshakes_refused_total"]) == (1, 1)
     assert k["kvmesh_kvstore_nixl_blocks_put_total"] == BLOCKS  # the first worker's only
     assert "layout mismatch" in log_of(mesh, "prefill-2")
+
+
+async def test_deterministic_workers_give_the_same_bits_from_the_kvstore_as_computed_here(start_mesh, e2e_model):
+    """--deterministic over the kvstore tier: a decode worker that takes a prompt's blocks from the kvstore
+    (another worker computed them) gives the token ids and logprobs, bit for bit, that one deterministic
+    engine gives computing the whole prompt itself (bfloat16, where batching and caching moved tokens)."""
+    deterministic = {"KVMESH_DTYPE": "bfloat16", "KVMESH_DETERMINISTIC": "1"}
+    mesh = start_mesh("grpc", deterministic)
+    pair = Pair(mesh)
+    tokens = prompt(6)
+    sampling = sampling_pb2.SamplingParams(
+        temperature=0.8, seed=5, max_tokens=24, ignore_eos=True, logprobs=True, top_logprobs=5
+    )
+    try:
+        await prefill_only(pair, "p", tokens)
+        assert await eventually(lambda: stored_blocks(mesh) == BLOCKS)
+        request = decode_pb2.DecodeRequest(request_id="d", prompt_token_ids=tokens, sampling=sampling)
+        messages = [msg async for msg in pair.decode.Decode(request, timeout=60)]
+    finally:
+        await pair.close()
+    assert metrics(mesh, "decode")["kvmesh_decode_kvstore_fetched_blocks_total"] == BLOCKS
+    got = (
+        [t for m in messages for t in m.token_ids],
+        [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top_logprobs]) for m in messages for lp in m.logprobs],
+    )
+    engine = LLMEngine(e2e_model, EngineConfig(num_blocks=64, dtype="bfloat16", deterministic=True))
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True, logprobs=5)
+    (done,) = engine.generate([tokens], params)
+    # float32 on the wire: the engine's values exactly
+    assert got == (done.token_ids, [(lp.logprob, list(lp.top)) for lp in done.logprobs])

@@ -1,8 +1,9 @@
 """Deterministic serving in one engine (``EngineConfig(deterministic=True)``): a request's token ids
 and logprobs are the same bits alone, inside a batch of 16 mixed-length requests, after its prefix
 was cached, with its prompt chunked differently, under speculation and resumed after a migration;
-for a seeded sampled request as for a greedy one. And without the flag, a batch does move them, so
-these tests can fail. The mesh cases (split prefill/decode, NIXL, a killed worker) are in
+for a seeded sampled request as for a greedy one; and across two tensor-parallel ranks. Without the
+flag a batch does move them (shown at one rank; at two, the same comparison fails too), so these
+tests can fail. The mesh cases (split prefill/decode, NIXL, a killed worker) are in
 tests/e2e/test_determinism.py."""
 
 from __future__ import annotations
@@ -121,3 +122,27 @@ def test_system_fingerprint_names_what_decides_the_bits(wide_llama):
     assert _engine(wide_llama, "float32", max_num_batched_tokens=16, num_blocks=64).system_fingerprint == fingerprint
     assert _engine(wide_llama, "float32", deterministic=False).system_fingerprint != fingerprint
     assert _engine(wide_llama, "bfloat16").system_fingerprint != fingerprint
+
+
+@pytest.mark.parametrize("kind", sorted(PARAMS))
+def test_across_two_ranks_a_request_gives_the_same_bits_whatever_its_batch_cache_or_chunks(wide_llama, kind):
+    """The same promise at tensor-parallel degree 2 (each rank's products invariant, the all-reduces summed
+    in rank order): bitwise within the degree. Another degree sums otherwise, so its KV is not shared."""
+    params, engines = PARAMS[kind], []
+
+    def engine(**cfg) -> LLMEngine:
+        engines.append(_engine(wide_llama, "bfloat16", tensor_parallel_size=2, **cfg))
+        return engines[-1]
+
+    try:
+        first = engine()
+        alone = _run(first, params)
+        cached = _run(first, params)
+        batched = _run(engine(max_num_batched_tokens=16), params, OTHERS)
+        assert _bits(cached) == _bits(alone) and _bits(batched) == _bits(alone)
+        one_rank = _engine(wide_llama, "bfloat16")
+        assert first.runner.fingerprint != one_rank.runner.fingerprint  # no KV shared across degrees
+        assert first.system_fingerprint != one_rank.system_fingerprint
+    finally:
+        for e in engines:
+            e.close()
