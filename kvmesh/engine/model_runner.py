@@ -124,8 +124,6 @@ class ModelRunner:
         layout = TPLayout.of(mc, 0, size)  # InvalidArgument where the config cannot be split
         if self.device.type != "cpu":
             raise FailedPrecondition("tensor parallelism runs on CPU ranks of one machine so far")
-        if cfg.quantization is not None:
-            raise InvalidArgument("tensor parallelism does not serve quantization yet")
         self._threads_before = torch.get_num_threads()
         threads = max(1, self._threads_before // size)
         torch.set_num_threads(threads)  # this process is rank 0: one share of the cores (until close)

@@ -217,6 +217,7 @@ def follower_main(fd: int) -> None:
 
 def build_rank_model(path: Path, cfg: EngineConfig, mc: ModelConfig, layout: TPLayout, link: RankLink):
     """A follower's model slice and KV pool, built as rank 0's ``ModelRunner`` builds its own."""
+    from kvmesh.checkpoint.compressed import dequantized_tensors
     from kvmesh.checkpoint.files import weight_files
     from kvmesh.engine.kv_cache import KVCache
     from kvmesh.engine.model import CausalLM
@@ -224,10 +225,13 @@ def build_rank_model(path: Path, cfg: EngineConfig, mc: ModelConfig, layout: TPL
     device, dtype = torch.device(cfg.device), cfg.resolve_dtype(mc.dtype)
     max_len = cfg.resolve_max_model_len(mc.max_position_embeddings)
     model = CausalLM(mc, dtype, device, max_len, tp=layout, all_reduce=link.all_reduce)
-    model.load_weights(weight_files(path))
+    files = weight_files(path)
+    model.load_weights(files, dequantized_tensors(mc.raw, files))
     model.to(device).eval()
     if cfg.deterministic:
         model.make_batch_invariant()
+    if cfg.quantization is not None:  # each rank its slice: a row-parallel slice's rows get scales of their own
+        model.quantize(cfg.quantization)
     if cfg.wants_small_rows_linears(dtype):
         model.use_small_rows_linears()
     kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, layout.local_kv_heads, mc.head_dim, dtype, device)

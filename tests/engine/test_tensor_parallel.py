@@ -99,11 +99,56 @@ def test_structured_output_across_ranks(llama_with_tokenizer) -> None:
 
 
 def test_what_ranks_cannot_serve_yet_is_refused_before_any_starts(checkpoints) -> None:
-    path = checkpoints["llama-gqa"]
     with pytest.raises(InvalidArgument, match="cannot split"):
-        _engine(path, 3)
-    with pytest.raises(InvalidArgument, match="quantization"):
-        _engine(path, 2, quantization="int8")
+        _engine(checkpoints["llama-gqa"], 3)
+
+
+def _int8_per_rank_reference(src, out, ranks: int):
+    """``src`` with every projection's weights replaced by what ``ranks`` ranks' int8 slices hold, dequantized:
+    column-parallel rows whole, row-parallel (o_proj, down_proj) rows cut into ``ranks`` column slices, each
+    slice quantized with a scale of its own. One rank serving it is what those ranks serve with int8."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from kernels.quantized_linear import quantize_int8_weight
+    from kvmesh.checkpoint.files import iter_tensors, weight_files
+
+    def fake_quant(w: torch.Tensor) -> torch.Tensor:
+        q, scale = quantize_int8_weight(w)
+        return (q.float() * scale[:, None]).to(w.dtype)
+
+    tensors = {}
+    for name, t in iter_tensors(weight_files(src)):
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            t = torch.cat([fake_quant(part) for part in t.chunk(ranks, dim=1)], dim=1)
+        elif name.endswith("_proj.weight"):
+            t = fake_quant(t)
+        tensors[name] = t.contiguous()
+    out.mkdir()
+    shutil.copy(src / "config.json", out / "config.json")
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def test_quantized_checkpoints_and_int8_weights_across_ranks(checkpoints, tmp_path) -> None:
+    """A compressed-tensors checkpoint (every rank dequantizes its slice) gives one rank's tokens and
+    logprobs. ``--quantization int8``: each rank quantizes its own slice, so a row-parallel slice's rows
+    get scales of their own (finer than one rank's, as other engines' per-shard scales are); two ranks
+    serve exactly what one rank serves on those dequantized slices."""
+    from .test_int8_weights import _int8_checkpoint
+
+    src = checkpoints["llama-gqa"]
+    checkpoint = _int8_checkpoint(src, tmp_path / "int8-channel")
+    one = _engine(checkpoint, 1).generate(EIGHT_PROMPTS, GREEDY)
+    per_rank = _engine(_int8_per_rank_reference(src, tmp_path / "per-rank", 2), 1).generate(EIGHT_PROMPTS, GREEDY)
+    engines = [_engine(checkpoint, 2), _engine(src, 2, quantization="int8")]
+    try:
+        _close_enough(engines[0].generate(EIGHT_PROMPTS, GREEDY), one)
+        _close_enough(engines[1].generate(EIGHT_PROMPTS, GREEDY), per_rank)
+    finally:
+        for e in engines:
+            e.close()
 
 
 def test_a_rank_killed_fails_the_step_instead_of_hanging_it(checkpoints) -> None:
