@@ -9,11 +9,14 @@ equal share of the cores (rank 0 in this process, the others its children), meet
 layer (through shared memory). The table shows medians, the ratio to TP1, the share of rank 0's time spent
 in all-reduces (waiting for the other ranks included), and whether the tokens agree with TP1's.
 
-On 2 CPU cores TP cannot win: the same arithmetic is split over the same cores, and each layer adds two
-all-reduces through the kernel's loopback. It shows what the split costs, not a speed-up.
+Then (``--part mesh``, or ``all``, the default) the TTFT of a fresh 4,000-token prompt through a real mesh for
+the four pairs prefill TP1/TP2 x decode TP1/TP2 (bench/_tp_mesh_ttft.py), the TP1/TP1 mesh the anchor.
 
-Run (not part of ``make test``; ~5 minutes): ``flock /tmp/kvmesh-bench.lock python bench/tensor_parallel.py
-[--model random|default] [--sizes 1,2] [--repeats 3] [--json PATH]``.
+On 2 CPU cores TP cannot win: the same arithmetic is split over the same cores, and each layer adds two
+all-reduces (through shared memory). It shows what the split costs, not a speed-up.
+
+Run (not part of ``make test``; ~10 minutes): ``flock /tmp/kvmesh-bench.lock python bench/tensor_parallel.py
+[--part engine|mesh|all] [--model random|default] [--sizes 1,2] [--repeats 3] [--ttft-tokens 4000] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import write_json  # noqa: E402
 from _table import print_table  # noqa: E402
+from _tp_mesh_ttft import print_pairs, run_pairs  # noqa: E402
 from engine import chat_prompts, run_kvmesh, write_model  # noqa: E402
 
 
@@ -55,8 +59,25 @@ def main() -> int:
     ap.add_argument("--sizes", default="1,2", help="rank counts, the first the anchor")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--part", default="all", choices=("engine", "mesh", "all"))
+    ap.add_argument("--ttft-tokens", type=int, default=4000)
+    ap.add_argument("--ttft-prompts", type=int, default=2, help="fresh prompts per pair and round")
     ap.add_argument("--json", default="bench/results/tensor_parallel.json")
     args = ap.parse_args()
+    report: dict = {}
+    if args.part in ("engine", "all"):
+        report["engine"] = engine_part(args)
+    if args.part in ("mesh", "all"):
+        with tempfile.TemporaryDirectory() as tmp:
+            pairs = run_pairs(Path(tmp), args.ttft_tokens, args.ttft_prompts, args.repeats)
+        print_pairs(pairs, args.ttft_tokens, args.repeats * args.ttft_prompts)
+        report["mesh_ttft"] = {"tokens": args.ttft_tokens, "pairs": pairs}
+    write_json(args.json, report)
+    return 0
+
+
+def engine_part(args: argparse.Namespace) -> dict:
+    """The in-process comparison (module docstring); its JSON part."""
 
     sizes = [int(n) for n in args.sizes.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
@@ -73,7 +94,7 @@ def main() -> int:
         return measure(path, prompts, sizes, args)
 
 
-def measure(path: Path, prompts: list[list[int]], sizes: list[int], args: argparse.Namespace) -> int:
+def measure(path: Path, prompts: list[list[int]], sizes: list[int], args: argparse.Namespace) -> dict:
     cores = torch.get_num_threads()
     anchor = sizes[0]
     engines = {}
@@ -120,17 +141,8 @@ def measure(path: Path, prompts: list[list[int]], sizes: list[int], args: argpar
     print(f"\n{args.model} model, float32, 16 prompts x {args.new_tokens} greedy tokens, medians of {args.repeats}")
     vs = f"vs TP{anchor}"
     print_table(["ranks", "tok/s x16", vs, "tok/s x1", vs, "all-reduce share (x16)", f"tokens as TP{anchor}"], rows)
-    write_json(
-        args.json,
-        {
-            "model": args.model,
-            "repeats": args.repeats,
-            "new_tokens": args.new_tokens,
-            "samples": samples,
-            "medians": med,
-        },
-    )
-    return 0
+    return {"model": args.model, "repeats": args.repeats, "new_tokens": args.new_tokens, "samples": samples,
+            "medians": med}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -48,7 +48,14 @@ TRANSPORTS = {
 NEW_TOKENS = 4
 
 
-def start(model: Path, run_dir: Path, transport_env: dict[str, str], num_blocks: int) -> Mesh:
+def start(
+    model: Path,
+    run_dir: Path,
+    transport_env: dict[str, str],
+    num_blocks: int,
+    role_env: dict[str, dict[str, str]] | None = None,
+) -> Mesh:
+    """The mesh for one measurement; ``role_env`` adds settings per role (bench/tensor_parallel.py: ranks)."""
     worker = {"KVMESH_NUM_BLOCKS": str(num_blocks), "KVMESH_MAX_NUM_BATCHED_TOKENS": "2048", **transport_env}
     env = {
         "router": {"KVMESH_LOCAL_PREFILL_MAX_UNCACHED_TOKENS": "0", "KVMESH_LOCAL_PREFILL_MIN_HIT_FRACTION": "2"},
@@ -56,6 +63,8 @@ def start(model: Path, run_dir: Path, transport_env: dict[str, str], num_blocks:
         "decode": worker,
         "kvstore": transport_env,
     }
+    for role, extra in (role_env or {}).items():
+        env[role] = {**env.get(role, {}), **extra}
     opts = MeshOptions(model=model, gateway_port=0, publish=False, role_env=env, log_level="warning", speculator=False)
     return Mesh(build_topology(opts, run_dir), run_dir)
 

@@ -1,0 +1,59 @@
+"""bench/tensor_parallel.py's mesh part: TTFT of a long prompt for each (prefill TP, decode TP) pair.
+
+Each pair gets a real mesh (gateway -> router -> prefill -> decode, Redis and the kvstore; bench/ttft_mesh.py's
+``start``: the router never lets decode prefill), with the prefill and decode workers over their degrees. Every
+pair moves KV over gRPC (a tensor-parallel worker keeps NIXL off; the TP1 pair does the same so the hand-off
+is not what differs). Prompts are fresh, so each is computed on the prefill worker and handed to decode.
+Meshes are started round by round, the pairs' order reversed every other round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from pathlib import Path
+
+import torch
+from _table import print_table
+from kv_transfer import VOCAB
+from ttft_mesh import measure, start, write_model_with_tokenizer
+
+PAIRS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (prefill ranks, decode ranks); the first is the anchor
+
+
+def run_pairs(tmp: Path, tokens: int, prompts: int, rounds: int) -> dict[str, dict]:
+    """Medians per pair (TTFT, prefill and transfer ms) and every sample."""
+    g = torch.Generator().manual_seed(11)
+    batch = [torch.randint(1, VOCAB, (tokens,), generator=g).tolist() for _ in range(prompts + 1)]
+    blocks = 2 * (tokens // 16 + 8) * (prompts + 1)
+    model = tmp / "llama"
+    write_model_with_tokenizer(model, tokens + 64)
+    samples: dict[str, list[dict]] = {_name(p): [] for p in PAIRS}
+    for rnd in range(rounds):
+        for prefill_tp, decode_tp in PAIRS[:: -1 if rnd % 2 else 1]:
+            name = _name((prefill_tp, decode_tp))
+            env = {"KVMESH_KV_TRANSPORT": "grpc"}
+            role_tp = {"prefill": {"KVMESH_TENSOR_PARALLEL_SIZE": str(prefill_tp)}}
+            role_tp["decode"] = {"KVMESH_TENSOR_PARALLEL_SIZE": str(decode_tp)}
+            with start(model, tmp / f"{name}-{rnd}", env, blocks, role_tp) as mesh:
+                samples[name] += asyncio.run(measure(mesh, batch))
+            print(f"  round {rnd + 1} {name}: TTFT {samples[name][-1]['ttft_ms']:.0f} ms", flush=True)
+    anchor = statistics.median(r["ttft_ms"] for r in samples[_name(PAIRS[0])])
+    out = {}
+    for name, runs in samples.items():
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        out[name] = med | {"ttft_ratio": med["ttft_ms"] / anchor, "samples": runs}
+    return out
+
+
+def print_pairs(results: dict[str, dict], tokens: int, count: int) -> None:
+    print(f"\nTTFT of a fresh {tokens}-token prompt through the mesh (KV over gRPC), median of {count}")
+    rows = [
+        [name, f"{r['prefill_ms']:.0f}", f"{r['transfer_ms']:.1f}", f"{r['ttft_ms']:.0f}", f"{r['ttft_ratio']:.2f}x"]
+        for name, r in results.items()
+    ]
+    print_table(["prefill/decode ranks", "prefill ms", "transfer ms", "TTFT ms", f"vs {next(iter(results))}"], rows)
+
+
+def _name(pair: tuple[int, int]) -> str:
+    return f"TP{pair[0]}/TP{pair[1]}"
