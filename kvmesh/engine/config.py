@@ -67,8 +67,7 @@ class EngineConfig:
     # on CUDA; not with a quantization.
     deterministic: bool = False
     # Ranks (processes) one engine's model is split over (kvmesh.engine.tensor_parallel): rank 0 is
-    # this process. CPU, one machine (shared memory) so far; decode steps run eager, and quantization
-    # and LoRA are not served across ranks yet.
+    # this process. CPU, one machine (shared memory) so far; decode steps run eager.
     tensor_parallel_size: int = 1
     # LoRA adapters resident at once (kvmesh.engine.lora; more can be loaded, in host memory), and
     # the highest rank one may have; 0 adapters: LoRA off.

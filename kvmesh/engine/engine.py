@@ -179,8 +179,7 @@ class LLMEngine(KVHandoff):
 
     def _adapters(self) -> LoraAdapters:
         if self.lora is None:
-            why = "max_loras 0" if self.config.tensor_parallel_size == 1 else "adapters are not split over ranks yet"
-            raise FailedPrecondition(f"LoRA is off on this worker ({why})")
+            raise FailedPrecondition("LoRA is off on this worker (max_loras 0)")
         return self.lora
 
     def _resume(self, seq: Sequence, resume_ids: list[int]) -> None:

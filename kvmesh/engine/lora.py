@@ -11,6 +11,12 @@ the least recently used adapter no sequence holds (the adapter stays loaded, in 
 binds which slot each token uses (``LoraSegments``) and every decoder layer adds, after each base
 projection, the product of each token's own slot through the one ``lora_delta`` op.
 
+Under tensor parallelism (kvmesh.engine.tensor_parallel) every rank adds its own part of each delta
+``B @ A``: a column-parallel projection's slice of B's rows, a row-parallel one's slice of A's columns
+(``TPLayout.lora_factors``), whose partial products the layer's all-reduce sums as it sums the base
+product's. Rank 0 keeps the registry and the slot table; when it fills a slot it sends each follower that
+slot's factors (``LoraSlots.write_slot`` there), and each step's binding travels with the step.
+
 Thread-safety: ``load``/``unload``/``list`` are called from a service's event loop while the engine
 thread schedules and steps; one lock covers the registry and the slot table.
 """
@@ -20,6 +26,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +37,7 @@ from kernels.lora_segments import LoraSegments
 from kvmesh.blocks import adapter_fingerprint
 from kvmesh.checkpoint.model_config import ModelConfig
 from kvmesh.checkpoint.peft_adapter import PeftAdapter, load_peft_adapter, projection_shape
+from kvmesh.engine.tp_layout import TPLayout
 from kvmesh.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 
 # A name a request's ``model`` can carry and a URL path can hold.
@@ -57,7 +65,61 @@ def fused_parts(cfg: ModelConfig) -> dict[str, list[tuple[str, int, int]]]:
     }
 
 
-class LoraAdapters:
+# One slot's factors per fused projection: module -> (A [layers, width, in], B [layers, width, out]).
+SlotFactors = dict[str, tuple[torch.Tensor, torch.Tensor]]
+# Rank 0's messenger to a follower: (rank, slot, that rank's factors for the slot).
+SendSlot = Callable[[int, int, SlotFactors], None]
+
+
+def _hf_weight(module: str) -> str:
+    """The HF weight-name suffix of a base projection (``TPLayout``'s key for how it is split)."""
+    return f"{'mlp' if module in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{module}.weight"
+
+
+class LoraSlots:
+    """The forward's side of LoRA on one rank: every slot's factors, stacked per fused projection, and
+    which slot each token of the step uses. A follower rank holds only this (filled by rank 0)."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, max_loras: int) -> None:
+        self.dtype, self.device, self.max_loras = dtype, device, max_loras
+        # Our fused projection -> (A [layers, slots, width, in], B [layers, slots, width, out]); made when
+        # the first adapter that targets a part of it is loaded.
+        self.stacks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # This step's tokens -> slots (None: no token uses an adapter), and the fused projections the
+        # adapters in those slots target: set by ``bind_step`` around a forward.
+        self.segments: LoraSegments | None = None
+        self.step_modules: frozenset[str] = frozenset()
+
+    def binding(self) -> tuple[LoraSegments, frozenset[str]] | None:
+        """This step's binding, as a follower needs it (None: no token uses an adapter)."""
+        return None if self.segments is None else (self.segments, self.step_modules)
+
+    def bind(self, binding: tuple[LoraSegments, frozenset[str]] | None) -> None:
+        self.segments, self.step_modules = binding if binding is not None else (None, frozenset())
+
+    def add(self, ops: Ops, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Add to ``y`` (the output of our fused projection ``module`` at ``layer``, in place) each
+        token's adapter product of its input ``x``."""
+        # Only projections some adapter of this step targets: the others' factors are all zeros here.
+        if module in self.step_modules:
+            stack = self.stacks[module]
+            ops.lora_add(y, x, stack[0][layer], stack[1][layer], self.segments)
+
+    def write_slot(self, slot: int, factors: SlotFactors) -> None:
+        """Put one slot's factors in place (a stack is made the first time a projection is targeted)."""
+        for module, (a, b) in factors.items():
+            if module not in self.stacks:
+                layers, width = a.shape[0], a.shape[1]
+                kw = {"dtype": self.dtype, "device": self.device}
+                self.stacks[module] = (
+                    torch.zeros(layers, self.max_loras, width, a.shape[2], **kw),
+                    torch.zeros(layers, self.max_loras, width, b.shape[2], **kw),
+                )
+            self.stacks[module][0][:, slot] = a
+            self.stacks[module][1][:, slot] = b
+
+
+class LoraAdapters(LoraSlots):
     def __init__(
         self,
         cfg: ModelConfig,
@@ -66,20 +128,19 @@ class LoraAdapters:
         max_loras: int,
         max_rank: int,
         model_fingerprint: bytes,
+        layouts: list[TPLayout] | None = None,
+        send_slot: SendSlot | None = None,
     ) -> None:
+        """``layouts``: every rank's (rank 0 first) under tensor parallelism, ``send_slot`` delivering the
+        followers' factors; None: one rank."""
         if max_loras <= 0 or max_rank <= 0:
             raise InvalidArgument(f"max_loras and max_lora_rank must be positive, got {max_loras}, {max_rank}")
-        self.cfg, self.dtype, self.device = cfg, dtype, device
-        self.max_loras, self.rank = max_loras, max_rank
+        super().__init__(dtype, device, max_loras)
+        self.layouts: list[TPLayout | None] = list(layouts) if layouts else [None]
+        self.cfg, self.rank = cfg, max_rank
         self.model_fingerprint = model_fingerprint
         self.parts = fused_parts(cfg)
-        # Our fused projection -> (A [layers, slots, width, in], B [layers, slots, width, out]); made when
-        # the first adapter that targets a part of it is loaded.
-        self.stacks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        # This step's tokens -> slots (None: no token uses an adapter), and the fused projections the
-        # adapters in those slots target: set by ``bind_step`` around a forward.
-        self.segments: LoraSegments | None = None
-        self._step_modules: frozenset[str] = frozenset()
+        self._send_slot = send_slot
         self._lock = threading.Lock()
         self._adapters: dict[str, PeftAdapter] = {}
         self._users: Counter[str] = Counter()  # requests (queued or running) under each adapter
@@ -89,6 +150,8 @@ class LoraAdapters:
         self._slot_modules: list[frozenset[str]] = [frozenset()] * max_loras
         self._last_used = [0] * max_loras
         self._clock = 0
+        # The fused projections some loaded adapter targets: each slot's factors cover all of them.
+        self._targeted: set[str] = set()
 
     # -- the registry (any thread) --------------------------------------------------------------
 
@@ -105,8 +168,7 @@ class LoraAdapters:
             old = self._adapters.get(name)
             if old is not None and old.fingerprint != adapter.fingerprint:
                 raise AlreadyExists(f"adapter {name!r} is already loaded from {old.path}; unload it first")
-            for module in self._fused_targets(adapter):
-                self._ensure_stack(module)
+            self._targeted |= self._fused_targets(adapter)
             self._adapters[name] = adapter
             return self._info(name)
 
@@ -174,19 +236,11 @@ class LoraAdapters:
 
     def bind_step(self, slot_runs: list[tuple[int, int]], device: torch.device) -> None:
         """Bind the next forward's tokens to slots: (slot or -1, tokens) per sequence in batch order."""
-        self.segments = LoraSegments.build(slot_runs, device)
-        self._step_modules = frozenset().union(*(self._slot_modules[s] for s, _ in slot_runs if s >= 0))
+        modules = frozenset().union(*(self._slot_modules[s] for s, _ in slot_runs if s >= 0))
+        self.bind((LoraSegments.build(slot_runs, device), modules))
 
     def unbind_step(self) -> None:
-        self.segments, self._step_modules = None, frozenset()
-
-    def add(self, ops: Ops, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Add to ``y`` (the output of our fused projection ``module`` at ``layer``, in place) each
-        token's adapter product of its input ``x``."""
-        # Only projections some adapter of this step targets: the others' factors are all zeros here.
-        if module in self._step_modules:
-            stack = self.stacks[module]
-            ops.lora_add(y, x, stack[0][layer], stack[1][layer], self.segments)
+        self.bind(None)
 
     # -- internals ----------------------------------------------------------------------------------
 
@@ -206,24 +260,34 @@ class LoraAdapters:
         fp = adapter_fingerprint(self.model_fingerprint, a.fingerprint)
         return AdapterInfo(name, str(a.path), a.rank, fp, name in self._slot_of)
 
-    def _ensure_stack(self, module: str) -> None:
-        if module not in self.stacks:
-            parts = self.parts[module]
-            n_in = projection_shape(self.cfg, parts[0][0])[0]
-            n_out = sum(width for _, _, width in parts)
-            shape = (self.cfg.num_layers, self.max_loras, len(parts) * self.rank)
-            kw = {"dtype": self.dtype, "device": self.device}
-            self.stacks[module] = (torch.zeros(*shape, n_in, **kw), torch.zeros(*shape, n_out, **kw))
-
     def _upload(self, adapter: PeftAdapter, slot: int) -> None:
-        for module, (a_stack, b_stack) in self.stacks.items():
-            a_stack[:, slot] = 0
-            b_stack[:, slot] = 0
-            for p, (part, offset, width) in enumerate(self.parts[module]):
+        """Fill ``slot`` with ``adapter`` on every rank: this one's stacks, the followers' by message."""
+        for rank, layout in enumerate(self.layouts):
+            factors = self._slot_factors(adapter, layout)
+            if rank == 0:
+                self.write_slot(slot, factors)
+            else:
+                self._send_slot(rank, slot, factors)
+
+    def _slot_factors(self, adapter: PeftAdapter, layout: TPLayout | None) -> SlotFactors:
+        """``adapter``'s factors for one slot of the rank with ``layout``, per fused projection any loaded
+        adapter targets (zeros where this one does not): their A's stacked, their B's block-diagonal."""
+        cfg = layout.local_config(self.cfg) if layout is not None else self.cfg
+        parts, out = fused_parts(cfg), {}
+        for module in sorted(self._targeted):
+            n_in = projection_shape(cfg, parts[module][0][0])[0]
+            n_out = sum(width for _, _, width in parts[module])
+            shape = (cfg.num_layers, len(parts[module]) * self.rank)
+            a, b = torch.zeros(*shape, n_in, dtype=self.dtype), torch.zeros(*shape, n_out, dtype=self.dtype)
+            for p, (part, offset, width) in enumerate(parts[module]):
                 row = p * self.rank
-                for layer in range(self.cfg.num_layers):
+                for layer in range(cfg.num_layers):
                     target = adapter.targets.get((layer, part))
                     if target is not None:
-                        r = target.rank
-                        a_stack[layer, slot, row : row + r] = target.a.to(self.dtype)
-                        b_stack[layer, slot, row : row + r, offset : offset + width] = target.b.t().to(self.dtype)
+                        fa, fb = target.a, target.b
+                        if layout is not None:
+                            fa, fb = layout.lora_factors(_hf_weight(part), fa, fb)
+                        a[layer, row : row + target.rank] = fa.to(self.dtype)
+                        b[layer, row : row + target.rank, offset : offset + width] = fb.t().to(self.dtype)
+            out[module] = (a, b)
+        return out

@@ -21,7 +21,7 @@ from kernels.quantized_linear import QuantizedLinear, get_scheme, quantize_model
 from kernels.small_rows_linear import SmallRowsLinear, use_small_rows_linears
 from kvmesh.checkpoint.files import iter_tensors
 from kvmesh.checkpoint.model_config import ModelConfig
-from kvmesh.engine.lora import LoraAdapters
+from kvmesh.engine.lora import LoraSlots
 from kvmesh.engine.rope import rope_cos_sin_cache
 from kvmesh.engine.tp_layout import TPLayout
 from kvmesh.errors import FailedPrecondition, InvalidArgument, ModelLoadError
@@ -63,7 +63,7 @@ class DecoderLayer(nn.Module):
             self.q_norm = nn.Parameter(torch.ones(cfg.head_dim, dtype=dtype))
             self.k_norm = nn.Parameter(torch.ones(cfg.head_dim, dtype=dtype))
         # The engine's LoRA adapters (kvmesh.engine.lora), shared by every layer; None: LoRA off.
-        self.lora: LoraAdapters | None = None
+        self.lora: LoraSlots | None = None
         # Tensor parallelism (kvmesh.engine.tensor_parallel): sums the ranks' partial o_proj and
         # down_proj products in place; None: one rank holds the whole layer.
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
@@ -165,9 +165,9 @@ class CausalLM(nn.Module):
         # empty: the final hidden state. Set before the decode step is compiled: a graph keeps what
         # it traced.
         self.feature_layers: tuple[int, ...] = ()
-        self.lora: LoraAdapters | None = None
+        self.lora: LoraSlots | None = None
 
-    def use_lora(self, lora: LoraAdapters) -> None:
+    def use_lora(self, lora: LoraSlots) -> None:
         """Add each token's adapter product after every projection (steps that bind no adapter run as before)."""
         self.lora = lora
         for layer in self.layers:
@@ -190,7 +190,7 @@ class CausalLM(nn.Module):
         head's input), or with ``feature_layers`` the outputs of those layers, concatenated.
         """
         if self.mirror is not None:
-            self.mirror((input_ids, positions, meta))
+            self.mirror((input_ids, positions, meta, self.lora.binding() if self.lora is not None else None))
         # A compiled decode step traced the base model only: a step that binds adapters runs eagerly.
         adapted = self.lora is not None and self.lora.segments is not None
         run = self.compiled_decode if meta.is_decode and self.compiled_decode is not None and not adapted else self.run

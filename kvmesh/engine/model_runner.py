@@ -48,7 +48,8 @@ class ModelRunner:
         self.dtype = cfg.resolve_dtype(mc.dtype)
         self.max_model_len = cfg.resolve_max_model_len(mc.max_position_embeddings)
         files = weight_files(path)
-        self.tp, layout = self._start_tensor_parallel(path, cfg, mc)
+        self.tp, layouts = self._start_tensor_parallel(path, cfg, mc)
+        layout = layouts[0] if layouts else None  # this rank's
         self.model = CausalLM(
             mc, self.dtype, self.device, self.max_model_len, layout, self.tp.link.all_reduce if self.tp else None
         )
@@ -91,8 +92,17 @@ class ModelRunner:
         self.system_fingerprint = system_fingerprint(self.fingerprint, self.device, cfg.tensor_parallel_size)
         # Adapters loaded later find the model ready for them: nothing is allocated until one is.
         self.lora = None
-        if cfg.max_loras > 0 and cfg.tensor_parallel_size == 1:  # adapters are not split over ranks yet
-            self.lora = LoraAdapters(mc, self.dtype, self.device, cfg.max_loras, cfg.max_lora_rank, self.fingerprint)
+        if cfg.max_loras > 0:
+            self.lora = LoraAdapters(
+                mc,
+                self.dtype,
+                self.device,
+                cfg.max_loras,
+                cfg.max_lora_rank,
+                self.fingerprint,
+                layouts,
+                self.tp.send_lora_slot if self.tp else None,
+            )
             self.model.use_lora(self.lora)
         self.wants_features = drafter is not None and drafter.wants_features
         if drafter is not None:
@@ -104,7 +114,6 @@ class ModelRunner:
             mc.num_layers, cfg.num_blocks, cfg.block_size, kv_heads, mc.head_dim, self.dtype, self.device
         )
         if self.tp is not None:
-            layouts = [TPLayout.of(mc, r, cfg.tensor_parallel_size) for r in range(cfg.tensor_parallel_size)]
             self.kv = ShardedKVCache(self.kv, self.tp, layouts, mc.num_kv_heads)  # blocks move whole
             self.tp.wait_ready()
             self.model.mirror = self.tp.mirror  # before the drafter's calibration: its probe steps run on every rank
@@ -115,19 +124,20 @@ class ModelRunner:
 
     def _start_tensor_parallel(
         self, path: Path, cfg: EngineConfig, mc: ModelConfig
-    ) -> tuple[TensorParallelGroup | None, TPLayout | None]:
-        """With ``tensor_parallel_size`` > 1, the other ranks started (loading meanwhile) and this one's slice;
-        InvalidArgument or FailedPrecondition, before anything starts, for what ranks cannot serve yet."""
+    ) -> tuple[TensorParallelGroup | None, list[TPLayout] | None]:
+        """With ``tensor_parallel_size`` > 1, the other ranks started (loading meanwhile) and every rank's slice,
+        this one's first; InvalidArgument or FailedPrecondition, before anything starts, for what ranks cannot
+        serve yet."""
         size = cfg.tensor_parallel_size
         if size == 1:
             return None, None
-        layout = TPLayout.of(mc, 0, size)  # InvalidArgument where the config cannot be split
+        layouts = [TPLayout.of(mc, r, size) for r in range(size)]  # InvalidArgument where the config cannot be split
         if self.device.type != "cpu":
             raise FailedPrecondition("tensor parallelism runs on CPU ranks of one machine so far")
         self._threads_before = torch.get_num_threads()
         threads = max(1, self._threads_before // size)
         torch.set_num_threads(threads)  # this process is rank 0: one share of the cores (until close)
-        return TensorParallelGroup.start(path, cfg, threads), layout
+        return TensorParallelGroup.start(path, cfg, threads), layouts
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any."""

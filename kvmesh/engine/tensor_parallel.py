@@ -122,10 +122,16 @@ class TensorParallelGroup:
                 raise FailedPrecondition(f"tensor-parallel rank {rank} failed to start: {message}")
 
     def mirror(self, step: tuple) -> None:
-        """Send one forward pass's inputs (token ids, positions, attention metadata) to every follower."""
+        """Send one forward pass's inputs (token ids, positions, attention metadata, LoRA binding) to every
+        follower."""
         with self._lock:
             for rank in range(1, len(self._pipes) + 1):
                 self._send(rank, ("step", *step))
+
+    def send_lora_slot(self, rank: int, slot: int, factors: dict) -> None:
+        """Give follower ``rank`` its part of a LoRA slot's factors (``kvmesh.engine.lora``)."""
+        with self._lock:
+            self._send(rank, ("lora", slot, factors))
 
     def block_slices(self, block_id: int) -> list[torch.Tensor]:
         """Each follower's slice of KV block ``block_id`` (its KV heads), in rank order."""
@@ -205,9 +211,13 @@ def follower_main(fd: int) -> None:
         except (EOFError, OSError):
             return
         if kind == "step":
-            ids, positions, meta = args
+            ids, positions, meta, lora = args
+            if model.lora is not None:
+                model.lora.bind(lora)
             with torch.inference_mode():
                 model.body(ids, positions, kv.tensor, meta)
+        elif kind == "lora":
+            model.lora.write_slot(*args)
         elif kind == "export":
             pipe.send_bytes(_pack(kv.tensor[:, :, args[0]].clone()))
         else:  # "import"
@@ -220,6 +230,7 @@ def build_rank_model(path: Path, cfg: EngineConfig, mc: ModelConfig, layout: TPL
     from kvmesh.checkpoint.compressed import dequantized_tensors
     from kvmesh.checkpoint.files import weight_files
     from kvmesh.engine.kv_cache import KVCache
+    from kvmesh.engine.lora import LoraSlots
     from kvmesh.engine.model import CausalLM
 
     device, dtype = torch.device(cfg.device), cfg.resolve_dtype(mc.dtype)
@@ -234,5 +245,7 @@ def build_rank_model(path: Path, cfg: EngineConfig, mc: ModelConfig, layout: TPL
         model.quantize(cfg.quantization)
     if cfg.wants_small_rows_linears(dtype):
         model.use_small_rows_linears()
+    if cfg.max_loras > 0:  # rank 0 fills the slots
+        model.use_lora(LoraSlots(dtype, device, cfg.max_loras))
     kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, layout.local_kv_heads, mc.head_dim, dtype, device)
     return model, kv

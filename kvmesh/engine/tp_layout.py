@@ -101,6 +101,14 @@ class TPLayout:
         per = self.intermediate_size // self.size
         return self.rank * per, per
 
+    def lora_factors(self, name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a LoRA delta ``b @ a`` (b [out, r], a [r, in]) on the HF-named weight
+        ``name``: where the weight's output rows are split, b's rows; where its input columns are, a's."""
+        how = next((v for k, v in _SPLITS.items() if name.endswith(k)), None)
+        if how is None or self.size == 1:
+            return a, b
+        return (a, self.shard(name, b)) if how.startswith("rows") else (self.shard(name, a), b)
+
     def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of the HF-named checkpoint tensor ``name`` (whole where it is not split)."""
         how = next((v for k, v in _SPLITS.items() if name.endswith(k)), None)

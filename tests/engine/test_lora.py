@@ -1,5 +1,6 @@
 """LoRA adapters in the engine: several adapters and the base model in one batch match transformers +
-PEFT, their prefixes are cached apart, slots are shared and evicted, and broken adapters are refused."""
+PEFT, their prefixes are cached apart, slots are shared and evicted, broken adapters are refused, and
+two tensor-parallel ranks serve what one does."""
 
 from __future__ import annotations
 
@@ -69,6 +70,26 @@ def test_three_adapters_and_the_base_in_one_batch_match_peft(checkpoints, adapte
             assert max(abs(a - b) for (_, a), (_, b) in zip(lp.top, ref)) < 1e-4
     if max_loras == 4:
         assert {a.name for a in engine.adapters() if a.resident} == set(adapters)
+
+
+def test_adapters_across_two_ranks_give_one_rank_s_output(checkpoints, adapters):
+    """Tensor parallelism: each rank adds its part of every delta (B's rows where a projection's outputs are
+    split, A's columns where its inputs are, summed by the layer's all-reduce). Three adapters taking turns
+    in two slots (rank 0 sends each follower its part of a slot as it fills it) and the base model, in one
+    batch: one rank's tokens, logprobs within 1e-4."""
+    names = [*adapters, None]
+    requests = [(p, names[i % len(names)]) for i, p in enumerate(PROMPTS + PROMPTS[:2])]
+    one = _run(_engine(checkpoints[ARCH], adapters, max_loras=2), requests)
+    engine = _engine(checkpoints[ARCH], adapters, max_loras=2, tensor_parallel_size=2)
+    try:
+        two = _run(engine, requests)
+    finally:
+        engine.close()
+    for (ids, lps), (ref_ids, ref_lps) in zip(two.values(), one.values()):
+        assert ids == ref_ids
+        for lp, ref in zip(lps, ref_lps):
+            assert [t for t, _ in lp.top] == [t for t, _ in ref.top]
+            assert max(abs(a - b) for (_, a), (_, b) in zip(lp.top, ref.top)) < 1e-4
 
 
 def test_adapters_change_the_output(checkpoints, adapters):
