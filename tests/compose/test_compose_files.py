@@ -81,6 +81,36 @@ def test_gpu_ids_replicas_and_ports_come_from_the_env_file(tmp_path) -> None:
 
 
 @needs_docker_compose
+@pytest.mark.parametrize("compose_file", [COMPOSE_FILE, CPU_COMPOSE_FILE], ids=["gpu", "cpu"])
+def test_tensor_parallel_degrees_come_from_their_own_compose_variables(tmp_path, compose_file) -> None:
+    """KVMESH_PREFILL_TP / KVMESH_DECODE_TP set each worker's KVMESH_TENSOR_PARALLEL_SIZE; a GPU worker keeps
+    its one GPU (the engine refuses ranks on CUDA so far: the degrees are for the CPU file and `kvmesh up`)."""
+    services = docker_compose_config(tmp_path, compose_file)["services"]
+    for name in ("prefill", "decode"):
+        assert services[name]["environment"]["KVMESH_TENSOR_PARALLEL_SIZE"] == "1"
+    env = tmp_path / "tp.env"
+    env.write_text("KVMESH_PREFILL_TP=2\nKVMESH_DECODE_TP=3\n")
+    services = docker_compose_config(tmp_path, compose_file, env_file=env)["services"]
+
+    assert services["prefill"]["environment"]["KVMESH_TENSOR_PARALLEL_SIZE"] == "2"
+    assert services["decode"]["environment"]["KVMESH_TENSOR_PARALLEL_SIZE"] == "3"
+    assert not any(
+        "KVMESH_TENSOR_PARALLEL_SIZE" in s.get("environment", {})
+        for n, s in services.items()
+        if n not in ("prefill", "decode")
+    )
+    want = {"prefill": ["0"], "decode": ["1"]} if compose_file == COMPOSE_FILE else {"prefill": [], "decode": []}
+    assert {n: _device_ids(services[n]) for n in ("prefill", "decode")} == want
+
+
+def test_kvmesh_up_takes_the_tensor_parallel_degrees_from_the_compose_variables(tmp_path) -> None:
+    variables = {"KVMESH_PREFILL_TP": "2", "KVMESH_DECODE_TP": "3"}
+    topology = build_topology(MeshOptions(model=tmp_path, compose_vars=variables), tmp_path, gpu_count=0)
+    degrees = {p.role: p.env.get("KVMESH_TENSOR_PARALLEL_SIZE") for p in topology.processes}
+    assert (degrees["prefill"], degrees["decode"], degrees["router"]) == ("2", "3", None)
+
+
+@needs_docker_compose
 def test_env_example_documents_the_defaults(tmp_path) -> None:
     assert docker_compose_config(tmp_path, COMPOSE_FILE, env_file=COMPOSE / ".env.example") == docker_compose_config(
         tmp_path, COMPOSE_FILE

@@ -33,8 +33,16 @@ CASES = {
     **{p.name.removesuffix("-values.yaml"): p for p in sorted((CHART / "ci").glob("*-values.yaml"))},
 }
 INVALID = sorted((CHART / "ci" / "invalid").glob("*.yaml"))
-# Cases whose prefill and decode must request GPUs (cpu-values runs them on the CPU).
-GPU_CASES = sorted(set(CASES) - {"cpu"})
+
+
+def _gpu_workers(values: Path | None) -> bool:
+    """Whether a case's prefill and decode both request GPUs (``gpus`` defaults to 1)."""
+    given = yaml.safe_load(values.read_text()) if values else {}
+    return all((given.get(role) or {}).get("gpus", 1) > 0 for role in ("prefill", "decode"))
+
+
+# Cases whose prefill and decode must request GPUs (cpu-values and tensor-parallel-values run them on the CPU).
+GPU_CASES = sorted(case for case, values in CASES.items() if _gpu_workers(values))
 # The CRD kubectl-validate checks the ServiceMonitor against: prometheus-operator's, the release
 # whose Go types (pkg/apis/monitoring, pinned in deploy/helm/validate/go.mod) the Go test decodes into.
 MONITORING_TYPES = "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring"
@@ -139,10 +147,19 @@ def test_the_go_test_fails_on_an_env_var_no_flag_reads_and_on_a_gpu_worker_witho
         result = run([tool("helm"), "template", RELEASE, str(CHART), "--set", override], timeout=120)
         assert result.returncode == 0, result.stderr
         renders[case] = result.stdout
-    result = go_test(tmp_path, renders, ["no-gpu"])
+    # A render the chart refuses to make (tensor-parallel-on-a-gpu.yaml): decode at two ranks on its GPU,
+    # the degree edited in by hand.
+    docs = rendered("default").split("\n---\n")
+    (i,) = [i for i, d in enumerate(docs) if "# Source: kvmesh/templates/decode.yaml" in d and "kind: Deployment" in d]
+    tp = "- name: KVMESH_TENSOR_PARALLEL_SIZE\n              value: "
+    assert docs[i].count(tp + '"1"') == 1
+    docs[i] = docs[i].replace(tp + '"1"', tp + '"2"')
+    renders["tp-on-gpu"] = "\n---\n".join(docs)
+    result = go_test(tmp_path, renders, ["no-gpu", "tp-on-gpu"])
     assert result.returncode != 0
     assert "KVMESH_REDIS_ADDRESS is not a flag of router" in result.stdout, result.stdout
     assert "decode requests no GPU" in result.stdout, result.stdout
+    assert "2 tensor-parallel ranks with a GPU: ranks run on the CPU so far" in result.stdout, result.stdout
 
 
 @cache
@@ -211,6 +228,46 @@ def test_cpu_values_need_no_gpu_and_no_model_cache() -> None:
         assert "nvidia.com/gpu" not in d["spec"]["template"]["spec"]["containers"][0]["resources"].get("limits", {})
         assert env_of(d)["KVMESH_DEVICE"]["value"] == "cpu"
     assert not by_kind("cpu", "Job") and not by_kind("cpu", "PersistentVolumeClaim")
+
+
+def test_workers_per_replica_splits_each_pods_worker_over_that_many_cpu_ranks() -> None:
+    """workersPerReplica N: one worker a pod, its engine over N rank processes of that pod (CPU only so far)."""
+    deployments = by_kind("tensor-parallel", "Deployment")
+    decode = deployments[f"{RELEASE}-kvmesh-decode"]
+    container = decode["spec"]["template"]["spec"]["containers"][0]
+    assert env_of(decode)["KVMESH_TENSOR_PARALLEL_SIZE"]["value"] == "2"
+    assert env_of(decode)["KVMESH_DEVICE"]["value"] == "cpu"
+    assert "nvidia.com/gpu" not in {**container["resources"].get("limits", {}), **container["resources"]["requests"]}
+    assert len(decode["spec"]["template"]["spec"]["containers"]) == 1  # the ranks are processes, not containers
+    assert decode["spec"]["replicas"] == 2  # two pods, each a group of two ranks
+    assert env_of(deployments[f"{RELEASE}-kvmesh-prefill"])["KVMESH_TENSOR_PARALLEL_SIZE"]["value"] == "1"
+    for role in ("prefill", "decode"):  # the default: one rank
+        default = by_kind("default", "Deployment")[f"{RELEASE}-kvmesh-{role}"]
+        assert env_of(default)["KVMESH_TENSOR_PARALLEL_SIZE"]["value"] == "1"
+    # The default 4 cores a decode pod hold up to 4 ranks.
+    four = run([tool("helm"), "template", RELEASE, str(CHART), "--set", "decode.workersPerReplica=4,decode.gpus=0"])
+    assert four.returncode == 0, four.stderr
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (
+            ["prefill.workersPerReplica=2"],  # gpus: 1 by default
+            "prefill.workersPerReplica 2 needs prefill.gpus: 0: tensor-parallel ranks run on the CPU of one pod so far",
+        ),
+        (
+            ["decode.workersPerReplica=3", "decode.gpus=0", "decode.resources.requests.cpu=2500m"],
+            "decode.workersPerReplica 3: decode.resources.requests.cpu 2500m is less than a core a rank (at least 3)",
+        ),
+        (["decode.env.KVMESH_TENSOR_PARALLEL_SIZE=2"], "the chart sets KVMESH_TENSOR_PARALLEL_SIZE itself"),
+    ],
+    ids=["on-a-gpu", "short-of-cores", "set-through-env"],
+)
+def test_a_tensor_parallel_group_is_refused_where_it_cannot_run(settings: list[str], message: str) -> None:
+    args = [a for setting in settings for a in ("--set", setting)]
+    result = run([tool("helm"), "template", RELEASE, str(CHART), *args], timeout=120)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
 
 
 def test_tracing_sends_every_service_to_the_charts_jaeger_and_is_off_by_default() -> None:

@@ -72,7 +72,32 @@ func (c *checker) gpus(wantGPU bool) {
 			if !hasGPU && envMap(ct)["KVMESH_DEVICE"].Value != "cpu" {
 				c.errorf("%s: no GPU requested, so KVMESH_DEVICE must be cpu", where)
 			}
+			c.tensorParallel(where, ct, hasGPU)
 		}
+	}
+}
+
+// A worker split over KVMESH_TENSOR_PARALLEL_SIZE ranks runs them as processes of its one pod,
+// on the CPU (the engine refuses tensor parallelism on CUDA so far), each rank with at least a
+// core of the pod's CPU request.
+func (c *checker) tensorParallel(where string, ct corev1.Container, hasGPU bool) {
+	env := envMap(ct)
+	if _, ok := env["KVMESH_TENSOR_PARALLEL_SIZE"]; !ok {
+		c.errorf("%s: KVMESH_TENSOR_PARALLEL_SIZE is not set (workersPerReplica)", where)
+		return
+	}
+	ranks := c.intEnv(where, env, "KVMESH_TENSOR_PARALLEL_SIZE")
+	if ranks < 1 {
+		c.errorf("%s: KVMESH_TENSOR_PARALLEL_SIZE=%d", where, ranks)
+	}
+	if ranks <= 1 {
+		return
+	}
+	if hasGPU {
+		c.errorf("%s: %d tensor-parallel ranks with a GPU: ranks run on the CPU so far", where, ranks)
+	}
+	if cpu, ok := ct.Resources.Requests[corev1.ResourceCPU]; ok && cpu.MilliValue() < int64(ranks)*1000 {
+		c.errorf("%s: %d tensor-parallel ranks on a CPU request of %s: less than a core a rank", where, ranks, cpu.String())
 	}
 }
 

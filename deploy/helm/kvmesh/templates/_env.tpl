@@ -67,11 +67,40 @@ the service defines.
   value: {{ ternary "cuda:0" "cpu" (gt (int $v.gpus) 0) | quote }}
 - name: KVMESH_NUM_BLOCKS
   value: {{ $v.numBlocks | quote }}
+# The worker's engine split over this many rank processes of this pod (workersPerReplica; docs/tensor_parallel.md).
+- name: KVMESH_TENSOR_PARALLEL_SIZE
+  value: {{ include "kvmesh.tensorParallelSize" . | quote }}
 {{- with $v.maxModelLen }}
 - name: KVMESH_MAX_MODEL_LEN
   value: {{ . | quote }}
 {{- end }}
 {{ include "kvmesh.env.advertise" . }}
+{{- end -}}
+
+{{/*
+Argument: (list $ "decode"). The tensor-parallel degree of the service's one worker per pod:
+workersPerReplica, its ranks being processes of that pod that share its cores equally. Above 1
+it needs gpus: 0 (the engine runs ranks on the CPU of one machine so far) and a CPU request of
+at least a core a rank.
+*/}}
+{{- define "kvmesh.tensorParallelSize" -}}
+{{- $root := index . 0 -}}{{- $c := index . 1 -}}{{- $v := index $root.Values $c -}}
+{{- $n := int $v.workersPerReplica -}}
+{{- if gt $n 1 -}}
+{{- if gt (int $v.gpus) 0 -}}
+{{- fail (printf "%s.workersPerReplica %d needs %s.gpus: 0: tensor-parallel ranks run on the CPU of one pod so far (a GPU per rank comes with CUDA tensor parallelism)" $c $n $c) -}}
+{{- end -}}
+{{- $cpu := (($v.resources | default dict).requests | default dict).cpu -}}
+{{- if $cpu -}}
+{{- $text := toString $cpu -}}
+{{- $cores := float64 $text -}}
+{{- if hasSuffix "m" $text -}}{{- $cores = divf (float64 (trimSuffix "m" $text)) 1000 -}}{{- end -}}
+{{- if lt $cores (float64 $n) -}}
+{{- fail (printf "%s.workersPerReplica %d: %s.resources.requests.cpu %s is less than a core a rank (at least %d)" $c $n $c $text $n) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $n -}}
 {{- end -}}
 
 {{- define "kvmesh.env.router" -}}
