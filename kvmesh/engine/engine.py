@@ -295,7 +295,8 @@ class LLMEngine(KVHandoff):
         else:  # a resumed request's output starts with what it resumes: positions run on from there
             gens = [position_generator(seed, position + i) for i in range(k + 1)]
         probs = draft_probs[:k] if k and draft_probs is not None else None
-        tokens = verify(rows, drafts, seq.params, gens, greedy, probs)
+        # Deterministic serving keeps a sampled token what plain decoding draws: the same text with drafts or without.
+        tokens = verify(rows, drafts, seq.params, gens, greedy, probs, exact=self.config.deterministic)
         if hidden is not None:  # the row that sampled the last token
             seq.feature = hidden[row + len(tokens) - 1]
         if k:

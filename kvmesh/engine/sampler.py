@@ -24,7 +24,12 @@ of its own, so output is distributed exactly as without speculation:
   else draw from ``p_i`` with ``d_i`` removed. The point-mass rule is exact for
   a draft chosen in any way independent of this step's random draws (a
   proposer's guess); the ``q`` rule accepts more when drafts really are
-  samples from ``q``.
+  samples from ``q``;
+- sampled, ``exact`` (deterministic serving): row i draws its token exactly as
+  plain decoding draws position i (the same distribution, the same generator),
+  and drafts are accepted while they equal those draws. The text is then the
+  same bits with speculation on or off, with any draft source; fewer drafts are
+  accepted than by rejection sampling (a draft must be the very token drawn).
 """
 
 from __future__ import annotations
@@ -89,18 +94,24 @@ def verify(
     gens: Sequence[torch.Generator],
     greedy_rows: list[int],
     draft_probs: torch.Tensor | None = None,
+    exact: bool = False,
 ) -> list[int]:
     """Tokens to append for one sequence: accepted drafts plus one model token (1..k+1 tokens).
 
     ``rows`` [k+1, V] are its logits; ``gens`` [k+1] the generators of their output positions
     (unused when greedy); ``greedy_rows`` their argmaxes (computed batched); ``draft_probs`` [k, V]
-    the distributions the drafts were sampled from (None: point masses).
+    the distributions the drafts were sampled from (None: point masses); ``exact``: a sampled row
+    keeps the token plain decoding draws (module docstring).
     """
     out: list[int] = []
     for i, draft in enumerate(drafts):
         if params.greedy:
             if greedy_rows[i] != draft:
                 return out + [greedy_rows[i]]
+        elif exact:
+            drawn = _draw(filter_probs(rows[i], params), gens[i])
+            if drawn != draft:
+                return out + [drawn]
         else:
             probs = filter_probs(rows[i], params)
             q = draft_probs[i] if draft_probs is not None else None

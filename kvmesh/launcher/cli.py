@@ -108,11 +108,11 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     p.add_argument(
         "--prefill-tp",
         type=int,
-        default=1,
         metavar="A",
-        help="tensor-parallel ranks of each prefill worker (their --tensor-parallel-size; docs/tensor_parallel.md)",
+        help="tensor-parallel ranks of each prefill worker (their --tensor-parallel-size; docs/tensor_parallel.md); "
+        "default: the compose file's KVMESH_PREFILL_TP, else 1",
     )
-    p.add_argument("--decode-tp", type=int, default=1, metavar="B", help="tensor-parallel ranks of each decode worker")
+    p.add_argument("--decode-tp", type=int, metavar="B", help="tensor-parallel ranks of each decode worker (likewise)")
     p.add_argument(
         "--insecure",
         action="store_true",

@@ -157,15 +157,18 @@ def describe(topology: Topology, run_dir: Path) -> Sequence[str]:
     return lines
 
 
-def worker_role_env(deterministic: bool = False, prefill_tp: int = 1, decode_tp: int = 1) -> dict[str, dict[str, str]]:
+def worker_role_env(
+    deterministic: bool = False, prefill_tp: int | None = None, decode_tp: int | None = None
+) -> dict[str, dict[str, str]]:
     """The workers' settings ``kvmesh up --deterministic --prefill-tp A --decode-tp B`` asks for (as
     ``MeshOptions.role_env``). Deterministic: both kinds of worker, or KV would pass between differently
-    rounded ones. Tensor-parallel degrees may differ: blocks travel whole (docs/tensor_parallel.md)."""
+    rounded ones. Tensor-parallel degrees may differ: blocks travel whole (docs/tensor_parallel.md); a
+    degree not asked for (None) is the compose file's."""
     env: dict[str, dict[str, str]] = {"prefill": {}, "decode": {}}
     for role, degree in (("prefill", prefill_tp), ("decode", decode_tp)):
         if deterministic:
             env[role]["KVMESH_DETERMINISTIC"] = "1"
-        if degree != 1:
+        if degree is not None:
             env[role]["KVMESH_TENSOR_PARALLEL_SIZE"] = str(degree)
     return {role: settings for role, settings in env.items() if settings}
 

@@ -332,6 +332,8 @@ def test_kvmesh_up_gives_prefill_and_decode_workers_their_own_tensor_parallel_de
     degrees = {p.role: p.env.get("KVMESH_TENSOR_PARALLEL_SIZE") for p in topo.processes}
     assert (degrees["prefill"], degrees["decode"], degrees["router"]) == ("2", "3", None)
     assert worker_role_env() == {}  # the defaults add nothing to the compose file's settings
+    # Asked for explicitly, a degree of 1 replaces the compose file's (KVMESH_PREFILL_TP=2 in its .env).
+    assert worker_role_env(prefill_tp=1) == {"prefill": {"KVMESH_TENSOR_PARALLEL_SIZE": "1"}}
     lines = describe(topo, RUN)
     assert any(line.lstrip().startswith("prefill-0") and "2 tensor-parallel ranks" in line for line in lines)
 

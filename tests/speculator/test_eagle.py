@@ -159,6 +159,31 @@ def test_a_head_drafts_from_a_target_split_over_two_ranks(target, layered_head):
         two.close()
 
 
+def test_under_deterministic_serving_every_source_keeps_the_bits_of_no_speculation(target, layered_head):
+    """--deterministic: the same token ids and logprobs, bit for bit, with EAGLE, n-gram or merged drafts as
+    without speculation, greedy and seeded (a sampled verify row keeps plain decoding's draw)."""
+
+    def bits(drafter, params: SamplingParams) -> list:
+        engine = LLMEngine(target, EngineConfig(num_blocks=128, deterministic=True), drafter=drafter)
+        done = engine.generate(PROMPTS, params)
+        return [(c.token_ids, [(lp.logprob.hex(), lp.top) for lp in c.logprobs]) for c in done], engine.stats
+
+    for params in (
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True, logprobs=3),
+    ):
+        expected, _ = bits(None, params)
+        for name, proposer in [
+            ("eagle", EagleProposer(layered_head)),
+            ("ngram", LocalProposer()),
+            ("merged", LocalProposer(head=EagleProposer(layered_head))),
+        ]:
+            got, stats = bits(Drafter(proposer, 4), params)
+            assert got == expected, f"{name}, temperature {params.temperature}"
+            if name != "ngram":
+                assert stats.draft_tokens_accepted > 0, name
+
+
 def test_a_compiled_target_traces_the_layers_a_head_drafts_from(target, layered_head):
     """The proposer is bound before the decode step is compiled, so the compiled graph returns the
     layer features (a graph traced for the final hidden state would hand the head the wrong input)."""
