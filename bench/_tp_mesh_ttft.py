@@ -18,6 +18,8 @@ from _table import print_table
 from kv_transfer import VOCAB
 from ttft_mesh import measure, start, write_model_with_tokenizer
 
+from kvmesh.launcher.supervisor import MeshError
+
 PAIRS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (prefill ranks, decode ranks); the first is the anchor
 
 
@@ -29,30 +31,41 @@ def run_pairs(tmp: Path, tokens: int, prompts: int, rounds: int) -> dict[str, di
     model = tmp / "llama"
     write_model_with_tokenizer(model, tokens + 64)
     samples: dict[str, list[dict]] = {_name(p): [] for p in PAIRS}
+    failures: list[str] = []
     for rnd in range(rounds):
         for prefill_tp, decode_tp in PAIRS[:: -1 if rnd % 2 else 1]:
             name = _name((prefill_tp, decode_tp))
             env = {"KVMESH_KV_TRANSPORT": "grpc"}
             role_tp = {"prefill": {"KVMESH_TENSOR_PARALLEL_SIZE": str(prefill_tp)}}
             role_tp["decode"] = {"KVMESH_TENSOR_PARALLEL_SIZE": str(decode_tp)}
-            with start(model, tmp / f"{name}-{rnd}", env, blocks, role_tp) as mesh:
-                samples[name] += asyncio.run(measure(mesh, batch))
+            try:
+                with start(model, tmp / f"{name}-{rnd}", env, blocks, role_tp) as mesh:
+                    samples[name] += asyncio.run(measure(mesh, batch))
+            except MeshError as e:  # reported, and the run goes on: one failed start is not a measurement
+                failures.append(f"round {rnd + 1} {name}: {e}\n{e.log_tail}")
+                print(f"  round {rnd + 1} {name}: FAILED TO START: {e}\n{e.log_tail}", flush=True)
+                continue
             print(f"  round {rnd + 1} {name}: TTFT {samples[name][-1]['ttft_ms']:.0f} ms", flush=True)
     anchor = statistics.median(r["ttft_ms"] for r in samples[_name(PAIRS[0])])
-    out = {}
+    out: dict[str, dict] = {"failed_starts": failures}
     for name, runs in samples.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         out[name] = med | {"ttft_ratio": med["ttft_ms"] / anchor, "samples": runs}
     return out
 
 
-def print_pairs(results: dict[str, dict], tokens: int, count: int) -> None:
-    print(f"\nTTFT of a fresh {tokens}-token prompt through the mesh (KV over gRPC), median of {count}")
+def print_pairs(results: dict[str, dict], tokens: int) -> None:
+    pairs = {name: r for name, r in results.items() if name != "failed_starts"}
+    print(f"\nTTFT of a fresh {tokens}-token prompt through the mesh (KV over gRPC), medians")
     rows = [
-        [name, f"{r['prefill_ms']:.0f}", f"{r['transfer_ms']:.1f}", f"{r['ttft_ms']:.0f}", f"{r['ttft_ratio']:.2f}x"]
-        for name, r in results.items()
-    ]
-    print_table(["prefill/decode ranks", "prefill ms", "transfer ms", "TTFT ms", f"vs {next(iter(results))}"], rows)
+        [name, str(len(r["samples"])), f"{r['prefill_ms']:.0f}", f"{r['transfer_ms']:.1f}", f"{r['ttft_ms']:.0f}",
+         f"{r['ttft_ratio']:.2f}x"]
+        for name, r in pairs.items()
+    ]  # fmt: skip
+    print_table(["prefill/decode ranks", "prompts", "prefill ms", "transfer ms", "TTFT ms", f"vs {next(iter(pairs))}"],
+                rows)  # fmt: skip
+    for failure in results["failed_starts"]:
+        print(f"  failed start: {failure.splitlines()[0]}")
 
 
 def _name(pair: tuple[int, int]) -> str:

@@ -70,7 +70,7 @@ def main() -> int:
     if args.part in ("mesh", "all"):
         with tempfile.TemporaryDirectory() as tmp:
             pairs = run_pairs(Path(tmp), args.ttft_tokens, args.ttft_prompts, args.repeats)
-        print_pairs(pairs, args.ttft_tokens, args.repeats * args.ttft_prompts)
+        print_pairs(pairs, args.ttft_tokens)
         report["mesh_ttft"] = {"tokens": args.ttft_tokens, "pairs": pairs}
     write_json(args.json, report)
     return 0

@@ -21,6 +21,7 @@ from kvmesh.api.common.v1 import kv_pb2, sampling_pb2
 from kvmesh.api.decode.v1 import decode_pb2
 from kvmesh.api.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from kvmesh.checkpoint.model_config import ModelConfig
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.kv_wire import BlockAssembler
@@ -228,11 +229,19 @@ async def test_a_worker_with_another_layout_is_refused_at_the_handshake(start_me
     assert "layout mismatch" in log_of(mesh, "prefill-2")
 
 
-async def test_deterministic_workers_give_the_same_bits_from_the_kvstore_as_computed_here(start_mesh, e2e_model):
-    """--deterministic over the kvstore tier: a decode worker that takes a prompt's blocks from the kvstore
-    (another worker computed them) gives the token ids and logprobs, bit for bit, that one deterministic
-    engine gives computing the whole prompt itself (bfloat16, where batching and caching moved tokens)."""
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+async def test_deterministic_workers_give_the_same_bits_from_the_kvstore_as_computed_here(
+    start_mesh, e2e_model, tmp_path, tier
+):
+    """--deterministic over the kvstore's tiers: a decode worker that takes a prompt's blocks from the
+    kvstore (another worker computed them; from RAM, or read back from disk after RAM dropped them) gives
+    the token ids and logprobs, bit for bit, that one deterministic engine gives computing the whole prompt
+    itself (bfloat16, where batching and caching moved tokens)."""
     deterministic = {"KVMESH_DTYPE": "bfloat16", "KVMESH_DETERMINISTIC": "1"}
+    if tier == "disk":  # RAM for 2 of the prompt's blocks: the others are served from their files
+        mc = ModelConfig.from_dir(e2e_model)
+        block_bytes = 2 * mc.num_layers * BS * mc.num_kv_heads * mc.head_dim * 2  # K and V, bfloat16
+        deterministic |= {"KVMESH_RAM_BUDGET_BYTES": str(2 * block_bytes), "KVMESH_DISK_DIR": str(tmp_path / "disk")}
     mesh = start_mesh("grpc", deterministic)
     pair = Pair(mesh)
     tokens = prompt(6)
@@ -241,12 +250,16 @@ async def test_deterministic_workers_give_the_same_bits_from_the_kvstore_as_comp
     )
     try:
         await prefill_only(pair, "p", tokens)
-        assert await eventually(lambda: stored_blocks(mesh) == BLOCKS)
+        stored = f"kvmesh_kvstore_blocks{{tier={tier}}}"
+        assert await eventually(lambda: metrics(mesh, "kvstore").get(stored, 0) == BLOCKS)
         request = decode_pb2.DecodeRequest(request_id="d", prompt_token_ids=tokens, sampling=sampling)
         messages = [msg async for msg in pair.decode.Decode(request, timeout=60)]
     finally:
         await pair.close()
     assert metrics(mesh, "decode")["kvmesh_decode_kvstore_fetched_blocks_total"] == BLOCKS
+    assert metrics(mesh, "kvstore")[f"kvmesh_kvstore_hits_total{{tier={tier}}}"] >= (
+        BLOCKS - 2 if tier == "disk" else BLOCKS
+    )
     got = (
         [t for m in messages for t in m.token_ids],
         [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top_logprobs]) for m in messages for lp in m.logprobs],
