@@ -9,14 +9,17 @@ cd "$(dirname "$0")/.."
 # Debian's packages: redis-server; g++ builds kernels/cpu/ (the CPU int8 kernel) on first use;
 # podman (with runc, netavark, aardvark-dns), debootstrap and docker-compose (1.29) build and run
 # the compose mesh in containers without a Docker engine or registry (scripts/compose_local.sh);
-# --no-install-recommends keeps the Docker engine out.
+# --no-install-recommends keeps the Docker engine out, so two of podman's recommends are named:
+# iptables (netavark sets a network's rules with it; without it a container fails to start with
+# "netavark: No such file or directory") and catatonit (the init of compose's `init: true`).
 if ! command -v redis-server >/dev/null 2>&1 || ! command -v docker-compose >/dev/null 2>&1 \
     || ! command -v g++ >/dev/null 2>&1 || ! command -v podman >/dev/null 2>&1 \
-    || ! command -v debootstrap >/dev/null 2>&1; then
+    || ! command -v debootstrap >/dev/null 2>&1 || ! command -v iptables >/dev/null 2>&1 \
+    || [ ! -x /usr/libexec/podman/catatonit ]; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends redis-server \
-    docker-compose g++ podman runc netavark aardvark-dns debootstrap >/dev/null
+    docker-compose g++ podman runc netavark aardvark-dns iptables catatonit debootstrap >/dev/null
 fi
 
 python3 -m pip install -q --disable-pip-version-check -r requirements-test.txt
