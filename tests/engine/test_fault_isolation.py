@@ -28,10 +28,10 @@ def _params(n: int = 12, **kw) -> SamplingParams:
 def _poison_sampling(monkeypatch) -> None:
     real = engine_module.verify
 
-    def verify(rows, drafts, params, *args):
+    def verify(rows, drafts, params, *args, **kwargs):
         if params.seed == POISONED_SEED:
             raise FloatingPointError("probability tensor contains either inf, nan or element < 0")
-        return real(rows, drafts, params, *args)
+        return real(rows, drafts, params, *args, **kwargs)
 
     monkeypatch.setattr(engine_module, "verify", verify)
 

@@ -104,6 +104,9 @@ def _engine_like_calls() -> list[tuple[str, Callable[[], object]]]:
         ("int8_scaled_mm", lambda: K["int8_scaled_mm"](torch.randn(16, 4096, dtype=bf16), int8_weight, scale)),
         ("int8_scaled_mm", lambda: K["int8_scaled_mm"](torch.randn(4096, 4096, dtype=bf16), int8_weight, scale)),
         ("lora_add", lambda: K["lora_add"](lora_y, x[:, :4096], lora_a, lora_b, segments)),
+        # Deterministic serving's one fixed tile: a decode step's bf16 rows, and float32 (IEEE dots) with a bias.
+        ("invariant_mm", lambda: K["invariant_mm"](x[:16], torch.zeros(512, 4096, dtype=bf16))),
+        ("invariant_mm", lambda: K["invariant_mm"](torch.randn(t, 4096), torch.zeros(512, 4096), torch.zeros(512))),
     ] + [  # attention and the matmul with wider rows, whose tiles must shrink to fit shared memory
         (f"{op} {dtype} D={dim}", call)
         for dtype, dim in ((torch.float32, 128), (torch.bfloat16, 256), (torch.float32, 256))
