@@ -88,6 +88,11 @@ async def test_remote_prefill_then_decode_matches_colocated_engine(services, exp
     assert dec_engine.stats.computed_tokens == (len(PROMPT) - 3 * BS + 1) + (N_NEW - 2)
     # The lease was acknowledged and nothing stays pinned on prefill.
     pre_worker = p.servicer_of("kvmesh.api.prefill.v1.PrefillService").worker
+    # The ack goes out as the stream ends (shielded, beside the last message): give it a moment to land.
+    for _ in range(100):
+        if len(pre_worker.leases) == 0:
+            break
+        await asyncio.sleep(0.05)
     assert len(pre_worker.leases) == 0 and pre_worker.counters.leases_acked == 1
     # On NIXL the bytes never went through PullKV.
     assert pre_worker.counters.blocks_sent == (0 if on_nixl else 3)
