@@ -71,11 +71,6 @@ SlotFactors = dict[str, tuple[torch.Tensor, torch.Tensor]]
 SendSlot = Callable[[int, int, SlotFactors], None]
 
 
-def _hf_weight(module: str) -> str:
-    """The HF weight-name suffix of a base projection (``TPLayout``'s key for how it is split)."""
-    return f"{'mlp' if module in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{module}.weight"
-
-
 class LoraSlots:
     """The forward's side of LoRA on one rank: every slot's factors, stacked per fused projection, and
     which slot each token of the step uses. A follower rank holds only this (filled by rank 0)."""
@@ -286,7 +281,7 @@ class LoraAdapters(LoraSlots):
                     if target is not None:
                         fa, fb = target.a, target.b
                         if layout is not None:
-                            fa, fb = layout.lora_factors(_hf_weight(part), fa, fb)
+                            fa, fb = layout.lora_factors(part, fa, fb)
                         a[layer, row : row + target.rank] = fa.to(self.dtype)
                         b[layer, row : row + target.rank, offset : offset + width] = fb.t().to(self.dtype)
             out[module] = (a, b)

@@ -101,13 +101,15 @@ class TPLayout:
         per = self.intermediate_size // self.size
         return self.rank * per, per
 
-    def lora_factors(self, name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's part of a LoRA delta ``b @ a`` (b [out, r], a [r, in]) on the HF-named weight
-        ``name``: where the weight's output rows are split, b's rows; where its input columns are, a's."""
-        how = next((v for k, v in _SPLITS.items() if name.endswith(k)), None)
+    def lora_factors(self, module: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a LoRA delta ``b @ a`` (b [out, r], a [r, in]) on the HF projection ``module``
+        (``q_proj`` ...): where its output rows are split, b's rows; where its input columns are, a's."""
+        how = next((v for k, v in _SPLITS.items() if k.endswith(f".{module}.weight")), None)
         if how is None or self.size == 1:
             return a, b
-        return (a, self.shard(name, b)) if how.startswith("rows") else (self.shard(name, a), b)
+        axis, kind = how.split("-")
+        first, count = self._range(kind)
+        return (a, b.narrow(0, first, count)) if axis == "rows" else (a.narrow(1, first, count), b)
 
     def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of the HF-named checkpoint tensor ``name`` (whole where it is not split)."""
