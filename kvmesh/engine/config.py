@@ -11,6 +11,7 @@ import torch
 
 from kernels.small_rows_linear import MIN_ROWS as SMALL_ROWS_DTYPES
 from kvmesh.blocks import DEFAULT_BLOCK_SIZE
+from kvmesh.errors import InvalidArgument
 
 _DTYPES = {
     "float32": torch.float32,
@@ -67,8 +68,11 @@ class EngineConfig:
     # on CUDA; not with a quantization.
     deterministic: bool = False
     # Ranks (processes) one engine's model is split over (kvmesh.engine.tensor_parallel): rank 0 is
-    # this process. CPU, one machine (shared memory) so far; decode steps run eager.
+    # this process; on CUDA rank r runs on the r-th GPU from ``device``. One machine; decode steps run eager.
     tensor_parallel_size: int = 1
+    # How the ranks sum their partial products: "shm" (shared memory, CPU ranks), "gloo" (a
+    # torch.distributed group over TCP, CPU ranks) or "nccl" (CUDA ranks); None: shm on CPU, nccl on CUDA.
+    tp_all_reduce: str | None = None
     # LoRA adapters resident at once (kvmesh.engine.lora; more can be loaded, in host memory), and
     # the highest rank one may have; 0 adapters: LoRA off.
     max_loras: int = 4
@@ -86,6 +90,18 @@ class EngineConfig:
         """Whether the decode step runs compiled: asked for, not deterministic (whose batch-invariant
         ops inductor would fuse into code of its own), and on one rank (a graph has no collectives yet)."""
         return self.compile and not self.deterministic and self.tensor_parallel_size == 1
+
+    def resolve_tp_all_reduce(self) -> str:
+        """The ranks' all-reduce (``tp_all_reduce``, or the device's default); InvalidArgument where the
+        device cannot use the one asked for."""
+        cuda = self.device.startswith("cuda")
+        chosen = self.tp_all_reduce or ("nccl" if cuda else "shm")
+        fits = ("nccl",) if cuda else ("shm", "gloo")
+        if chosen not in fits:
+            raise InvalidArgument(
+                f"tensor-parallel all-reduce {chosen!r} does not run on {self.device} ranks (one of {', '.join(fits)})"
+            )
+        return chosen
 
     def resolve_max_model_len(self, model_max_positions: int) -> int:
         """The context limit to run with: the configured one, never past the model's positions."""

@@ -48,9 +48,17 @@ ENGINE_FLAGS = [
     Flag(
         "--tensor-parallel-size",
         "split the model over this many processes (ranks) of this machine, Megatron-style: rank 0 serves, the "
-        "others are its children (CPU, one machine; docs/tensor_parallel.md). KV is handed off whole, over gRPC",
+        "others are its children (one machine; on CUDA rank r on the r-th GPU from --device; "
+        "docs/tensor_parallel.md). KV is handed off whole, over gRPC",
         default=1,
         type=int,
+    ),
+    Flag(
+        "--tp-all-reduce",
+        "how tensor-parallel ranks sum their partial products: shm (shared memory) or gloo (torch.distributed "
+        "over TCP) for CPU ranks, nccl for CUDA ranks; default: shm on CPU, nccl on CUDA",
+        default=None,
+        choices=("shm", "gloo", "nccl"),
     ),
     Flag(
         "--inject-engine-fault-after-steps",
@@ -106,6 +114,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         small_rows_linears=args.small_rows_linears,
         deterministic=args.deterministic,
         tensor_parallel_size=args.tensor_parallel_size,
+        tp_all_reduce=args.tp_all_reduce,
         fault_after_steps=args.inject_engine_fault_after_steps,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,

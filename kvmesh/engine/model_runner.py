@@ -31,7 +31,7 @@ from kvmesh.engine.sequence import Sequence
 from kvmesh.engine.sharded_kv import ShardedKVCache
 from kvmesh.engine.step_metadata import step_metadata
 from kvmesh.engine.system_fingerprint import system_fingerprint
-from kvmesh.engine.tensor_parallel import TensorParallelGroup
+from kvmesh.engine.tensor_parallel import TensorParallelGroup, rank_device
 from kvmesh.engine.tp_layout import TPLayout
 from kvmesh.errors import FailedPrecondition, InvalidArgument
 
@@ -132,8 +132,16 @@ class ModelRunner:
         if size == 1:
             return None, None
         layouts = [TPLayout.of(mc, r, size) for r in range(size)]  # InvalidArgument where the config cannot be split
-        if self.device.type != "cpu":
-            raise FailedPrecondition("tensor parallelism runs on CPU ranks of one machine so far")
+        cfg.resolve_tp_all_reduce()  # InvalidArgument where the device cannot use the one asked for
+        if self.device.type == "cuda":
+            first, last = rank_device(cfg.device, 0).index, rank_device(cfg.device, size - 1).index
+            if last >= torch.cuda.device_count():
+                raise FailedPrecondition(
+                    f"tensor parallelism of {size} on {cfg.device} runs on GPUs cuda:{first} to cuda:{last}; "
+                    f"this machine has {torch.cuda.device_count()}"
+                )
+        elif self.device.type != "cpu":
+            raise FailedPrecondition(f"tensor parallelism runs on CPU or CUDA ranks, not {self.device.type}")
         self._threads_before = torch.get_num_threads()
         threads = max(1, self._threads_before // size)
         torch.set_num_threads(threads)  # this process is rank 0: one share of the cores (until close)

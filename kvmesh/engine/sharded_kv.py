@@ -36,7 +36,7 @@ class ShardedKVCache:
         return self.local.block_nbytes // self._heads[0][1] * self.block_shape[3]
 
     def export_block(self, block_id: int) -> BlockPayload:
-        slices = [self.local.tensor[:, :, block_id], *self.group.block_slices(block_id)]
+        slices = [self.local.tensor[:, :, block_id].cpu(), *self.group.block_slices(block_id)]
         whole = torch.cat([slices[r] for r in self._owners], dim=3).contiguous()
         return BlockPayload(self.block_shape, dtype_name(self.dtype), whole.view(torch.uint8).numpy().tobytes())
 

@@ -40,8 +40,11 @@ class ShmAllReduce:
         self._flags = numpy.frombuffer(self._map, dtype=numpy.uint64, count=2 * size).reshape(2, size)
         self._slots = numpy.frombuffer(self._map, dtype=numpy.uint8, offset=header).reshape(2, size, SLOT_BYTES)
         self._seq = 0
-        # Asked every so often while waiting: False when a rank is known dead (RankGone at once).
-        self.alive: Callable[[], bool] = lambda: True
+        self._alive: Callable[[], bool] = lambda: True
+
+    def watch(self, alive: Callable[[], bool]) -> None:
+        """Ask ``alive()`` every so often while waiting: False when a rank is known dead (RankGone at once)."""
+        self._alive = alive
 
     def __call__(self, tensor: torch.Tensor) -> None:
         """Sum the contiguous ``tensor`` over the ranks, in place."""
@@ -70,7 +73,7 @@ class ShmAllReduce:
         while (flags < self._seq).any():
             os.sched_yield()
             spins += 1
-            if spins % _CHECK_EVERY == 0 and (time.monotonic() > deadline or not self.alive()):
+            if spins % _CHECK_EVERY == 0 and (time.monotonic() > deadline or not self._alive()):
                 late = [r for r in range(self.size) if flags[r] < self._seq]
                 raise RankGone(f"ranks {late} did not reach all-reduce {self._seq}")
 

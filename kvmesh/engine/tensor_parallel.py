@@ -5,7 +5,9 @@ Ranks 1..N-1 are follower processes it starts (``kvmesh.engine.tp_rank``): each 
 the weights (``kvmesh.engine.tp_layout``) and a KV pool of its own heads, then runs every forward
 pass rank 0 runs, on the same token ids, positions and block tables, which rank 0 sends it over a
 pipe before each pass (``TensorParallelGroup.mirror``). The ranks meet in the two all-reduces of
-every layer, through shared memory (``kvmesh.engine.shm_all_reduce``).
+every layer: through shared memory on one machine's CPUs (``kvmesh.engine.shm_all_reduce``), through a
+torch.distributed process group otherwise (``kvmesh.engine.process_group_all_reduce``: NCCL between
+GPUs, rank r on the r-th GPU from the engine's own; gloo where CPU ranks are asked to use it).
 
 The pipes also carry KV blocks, a follower's slice of one at a time, when the engine hands blocks
 off (``kvmesh.engine.sharded_kv``). The pipe, not the process group, carries the steps: a follower
@@ -25,13 +27,17 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import fields, is_dataclass, replace
+from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from kvmesh.checkpoint.model_config import ModelConfig
 from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.process_group_all_reduce import CollectiveFailed, ProcessGroupAllReduce, host_store, join_store
 from kvmesh.engine.shm_all_reduce import RankGone, ShmAllReduce, create_memory
 from kvmesh.engine.tp_layout import TPLayout
 from kvmesh.errors import FailedPrecondition
@@ -44,18 +50,30 @@ class RankLost(RuntimeError):
     """A rank of the group died or stopped answering: the step (and the group) cannot go on."""
 
 
-class RankLink:
-    """This process's place in the group: the all-reduce that sums the ranks' partial products
-    (``kvmesh.engine.shm_all_reduce``: the ranks share this machine's memory)."""
+class AllReduce(Protocol):
+    """How the ranks sum their partial products: ``ShmAllReduce`` or ``ProcessGroupAllReduce``."""
 
-    def __init__(self, rank: int, size: int, memory_fd: int, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
-        self._reduce = ShmAllReduce(memory_fd, rank, size, timeout_s)
+    def __call__(self, tensor: torch.Tensor) -> None: ...
+
+    def watch(self, alive: Callable[[], bool]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class RankLink:
+    """This process's place in the group: the all-reduce that sums the ranks' partial products. A process
+    group's is attached once every rank has loaded its weights (its rendezvous waits for all of them)."""
+
+    def __init__(self) -> None:
+        self._reduce: AllReduce | None = None
         # Seconds spent in all-reduces so far (waiting for the slowest rank included): bench/tensor_parallel.py.
         self.all_reduce_seconds = 0.0
 
-    def watch(self, alive: Callable[[], bool]) -> None:
-        """While waiting in an all-reduce, give up at once (RankLost) when ``alive()`` turns False."""
-        self._reduce.alive = alive
+    def attach(self, reduce: AllReduce, alive: Callable[[], bool]) -> None:
+        """Sum through ``reduce``; while waiting in it, give up at once (RankLost) when ``alive()`` turns
+        False (where the all-reduce waits on its own: the shared-memory one)."""
+        reduce.watch(alive)
+        self._reduce = reduce
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the ranks, in place; RankLost where a rank is gone (dead, or no answer
@@ -63,19 +81,37 @@ class RankLink:
         t0 = time.perf_counter()
         try:
             self._reduce(tensor)
-        except RankGone as e:
+        except (RankGone, CollectiveFailed) as e:
             raise RankLost(f"tensor-parallel all-reduce failed: {e}") from None
         self.all_reduce_seconds += time.perf_counter() - t0
 
     def close(self) -> None:
-        self._reduce.close()
+        if self._reduce is not None:
+            self._reduce.close()
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """Rank ``rank``'s device: the CPU for every rank of a CPU engine; on CUDA, the GPU ``rank`` places
+    after the engine's own (``cuda`` is ``cuda:0``)."""
+    d = torch.device(device)
+    return d if d.type == "cpu" else torch.device(d.type, (d.index or 0) + rank)
 
 
 class TensorParallelGroup:
     """Rank 0's side: the follower processes, the pipes to them, and rank 0's own link."""
 
-    def __init__(self, processes: list[subprocess.Popen], pipes: list[Connection], link: RankLink) -> None:
+    def __init__(
+        self,
+        processes: list[subprocess.Popen],
+        pipes: list[Connection],
+        link: RankLink,
+        join: Callable[[], AllReduce] | None,
+        device: torch.device,
+    ) -> None:
         self._processes, self._pipes, self.link = processes, pipes, link
+        self._join = join  # rank 0's place in a process group, joined once every rank is ready
+        # Tensors cross the pipes on the host: pickled CUDA tensors would unpickle on the sender's GPU.
+        self._on_host = device.type != "cpu"
         # One exchange on the pipes at a time: steps come from the engine thread, block copies from
         # the threads that hand KV off (kvmesh.engine.sharded_kv).
         self._lock = threading.Lock()
@@ -88,27 +124,43 @@ class TensorParallelGroup:
         Each is ``python -m kvmesh.engine.tp_rank`` with one end of a socket pair, not a multiprocessing
         child: a spawned child re-runs the parent's main script, which a script without a main guard (or a
         service's entry point) must not have done to it."""
-        size = cfg.tensor_parallel_size
-        memory = create_memory(size)  # the children inherit it; it goes when the last rank does
+        size, backend = cfg.tensor_parallel_size, cfg.resolve_tp_all_reduce()
+        # Shared memory: the children inherit the memory file, which goes when the last rank does.
+        # A process group: the ranks meet at a store this process hosts.
+        memory = create_memory(size) if backend == "shm" else None
+        store = host_store(size, COLLECTIVE_TIMEOUT_S) if memory is None else None
         env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank)}
-        processes, pipes = [], []
+        processes, pipes, link = [], [], RankLink()
+
+        def alive() -> bool:
+            return all(p.poll() is None for p in processes)
+
         try:
-            link = RankLink(0, size, memory)
+            if memory is not None:
+                link.attach(ShmAllReduce(memory, 0, size, COLLECTIVE_TIMEOUT_S), alive)
+            meeting = memory if memory is not None else store.port
             for rank in range(1, size):
                 mine, theirs = socket.socketpair()
                 argv = [sys.executable, "-m", "kvmesh.engine.tp_rank", str(theirs.fileno())]
-                processes.append(subprocess.Popen(argv, pass_fds=[theirs.fileno(), memory], env=env))
+                inherited = [theirs.fileno()] + ([memory] if memory is not None else [])
+                processes.append(subprocess.Popen(argv, pass_fds=inherited, env=env))
                 theirs.close()
                 pipes.append(Connection(mine.detach()))
-                pipes[-1].send_bytes(_pack((str(path), cfg, rank, memory, threads_per_rank)))
+                pipes[-1].send_bytes(_pack((str(path), cfg, rank, meeting, threads_per_rank)))
         except Exception:
             for p in processes:
                 p.kill()
             raise
         finally:
-            os.close(memory)  # mapped here and inherited there
-        link.watch(lambda: all(p.poll() is None for p in processes))
-        return cls(processes, pipes, link)
+            if memory is not None:
+                os.close(memory)  # mapped here and inherited there
+        device = rank_device(cfg.device, 0)
+        join = None
+        if store is not None:
+            join = partial(
+                ProcessGroupAllReduce, store, 0, size, backend, device, COLLECTIVE_TIMEOUT_S, cfg.deterministic
+            )
+        return cls(processes, pipes, link, join, device)
 
     def wait_ready(self) -> None:
         """Until every follower has loaded its weights; FailedPrecondition with its reason where one failed."""
@@ -120,28 +172,35 @@ class TensorParallelGroup:
             if message != _READY:
                 self.close()
                 raise FailedPrecondition(f"tensor-parallel rank {rank} failed to start: {message}")
+        if self._join is not None:
+            try:
+                self.link.attach(self._join(), lambda: True)
+            except Exception as e:
+                self.close()
+                raise FailedPrecondition(f"tensor-parallel ranks failed to meet: {e}") from None
 
     def mirror(self, step: tuple) -> None:
         """Send one forward pass's inputs (token ids, positions, attention metadata, LoRA binding) to every
         follower."""
+        message = ("step", *(_moved(step, "cpu") if self._on_host else step))
         with self._lock:
             for rank in range(1, len(self._pipes) + 1):
-                self._send(rank, ("step", *step))
+                self._send(rank, message)
 
     def send_lora_slot(self, rank: int, slot: int, factors: dict) -> None:
         """Give follower ``rank`` its part of a LoRA slot's factors (``kvmesh.engine.lora``)."""
         with self._lock:
-            self._send(rank, ("lora", slot, factors))
+            self._send(rank, ("lora", slot, _moved(factors, "cpu") if self._on_host else factors))
 
     def block_slices(self, block_id: int) -> list[torch.Tensor]:
-        """Each follower's slice of KV block ``block_id`` (its KV heads), in rank order."""
+        """Each follower's slice of KV block ``block_id`` (its KV heads), in rank order, on the host."""
         with self._lock:
             for rank in range(1, len(self._pipes) + 1):
                 self._send(rank, ("export", block_id))
             return [self._receive(rank) for rank in range(1, len(self._pipes) + 1)]
 
     def write_block_slices(self, block_id: int, slices: list[torch.Tensor]) -> None:
-        """Write each follower its slice of KV block ``block_id`` (in rank order)."""
+        """Write each follower its slice of KV block ``block_id`` (host tensors, in rank order)."""
         with self._lock:
             for rank, part in enumerate(slices, start=1):
                 self._send(rank, ("import", block_id, part))
@@ -184,32 +243,61 @@ def _unpack(data: bytes) -> object:
     return pickle.loads(data)
 
 
+def _moved(obj: object, device: torch.device | str) -> object:
+    """``obj`` (tensors, and tuples, lists, dicts and dataclasses of them) with every tensor on ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_moved(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _moved(v, device) for k, v in obj.items()}
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return replace(obj, **{f.name: _moved(getattr(obj, f.name), device) for f in fields(obj) if f.init})
+    return obj
+
+
 def follower_main(fd: int) -> None:
     """A follower rank (``kvmesh.engine.tp_rank``): read its part from rank 0 over the socket ``fd``, load
     its slice, then run each forward pass and block copy rank 0 sends, until the socket closes."""
     pipe = Connection(fd)
     try:
-        path, cfg, rank, memory, threads = _unpack(pipe.recv_bytes())
+        path, cfg, rank, meeting, threads = _unpack(pipe.recv_bytes())
     except (EOFError, OSError):
         return
     torch.set_num_threads(threads)
     parent = os.getppid()
+    size, backend, device = cfg.tensor_parallel_size, cfg.resolve_tp_all_reduce(), rank_device(cfg.device, rank)
+    link = RankLink()
     try:
-        link = RankLink(rank, cfg.tensor_parallel_size, memory)
-        os.close(memory)  # mapped
-        link.watch(lambda: os.getppid() == parent)  # rank 0 gone: stop waiting for it
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # kernels launch on the current device
+        if backend == "shm":
+            link.attach(ShmAllReduce(meeting, rank, size, COLLECTIVE_TIMEOUT_S), lambda: os.getppid() == parent)
+            os.close(meeting)  # mapped
         mc = ModelConfig.from_dir(Path(path))
-        layout = TPLayout.of(mc, rank, cfg.tensor_parallel_size)
-        model, kv = build_rank_model(Path(path), cfg, mc, layout, link)
+        layout = TPLayout.of(mc, rank, size)
+        model, kv = build_rank_model(Path(path), cfg, mc, layout, device, link)
     except Exception as e:  # the reason goes to rank 0, which refuses to start
         pipe.send_bytes(_pack(f"{type(e).__name__}: {e}"))
         return
     pipe.send_bytes(_pack(_READY))
+    if backend != "shm":  # every rank is ready: meet rank 0 in the group (it fails the start if this fails)
+        try:
+            store = join_store(meeting, size, COLLECTIVE_TIMEOUT_S)
+            group = ProcessGroupAllReduce(
+                store, rank, size, backend, device, COLLECTIVE_TIMEOUT_S, in_rank_order=cfg.deterministic
+            )
+        except Exception:
+            return
+        link.attach(group, lambda: True)
+    on_host = device.type != "cpu"
     while True:
         try:
             kind, *args = _unpack(pipe.recv_bytes())
         except (EOFError, OSError):
             return
+        if on_host and kind != "export":
+            args = _moved(args, device)
         if kind == "step":
             ids, positions, meta, lora = args
             if model.lora is not None:
@@ -219,21 +307,23 @@ def follower_main(fd: int) -> None:
         elif kind == "lora":
             model.lora.write_slot(*args)
         elif kind == "export":
-            pipe.send_bytes(_pack(kv.tensor[:, :, args[0]].clone()))
+            pipe.send_bytes(_pack(kv.tensor[:, :, args[0]].to("cpu", copy=True)))
         else:  # "import"
             block_id, part = args
             kv.tensor[:, :, block_id].copy_(part)
 
 
-def build_rank_model(path: Path, cfg: EngineConfig, mc: ModelConfig, layout: TPLayout, link: RankLink):
-    """A follower's model slice and KV pool, built as rank 0's ``ModelRunner`` builds its own."""
+def build_rank_model(
+    path: Path, cfg: EngineConfig, mc: ModelConfig, layout: TPLayout, device: torch.device, link: RankLink
+):
+    """A follower's model slice and KV pool on ``device``, built as rank 0's ``ModelRunner`` builds its own."""
     from kvmesh.checkpoint.compressed import dequantized_tensors
     from kvmesh.checkpoint.files import weight_files
     from kvmesh.engine.kv_cache import KVCache
     from kvmesh.engine.lora import LoraSlots
     from kvmesh.engine.model import CausalLM
 
-    device, dtype = torch.device(cfg.device), cfg.resolve_dtype(mc.dtype)
+    dtype = cfg.resolve_dtype(mc.dtype)
     max_len = cfg.resolve_max_model_len(mc.max_position_embeddings)
     model = CausalLM(mc, dtype, device, max_len, tp=layout, all_reduce=link.all_reduce)
     files = weight_files(path)

@@ -54,7 +54,7 @@ def test_a_rank_that_never_arrives_is_given_up_on() -> None:
     try:
         with pytest.raises(RankGone, match=r"ranks \[1\] did not reach all-reduce 1"):
             lonely(torch.ones(4))
-        lonely.alive = lambda: False  # known dead: no waiting for the timeout
+        lonely.watch(lambda: False)  # known dead: no waiting for the timeout
         with pytest.raises(RankGone):
             lonely(torch.ones(4))
     finally:

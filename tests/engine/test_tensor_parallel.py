@@ -1,8 +1,8 @@
 """Tensor parallelism in one engine (``EngineConfig(tensor_parallel_size=N)``): rank 0 in this process,
-the other ranks its children, all-reduces through shared memory. Greedy tokens as TP1 and transformers
-give them, logprobs within 1e-4, with KV heads split and with fewer KV heads than ranks (replicated); speculation and
-structured outputs across ranks; configurations that cannot be split refused by name; a rank killed
-fails the step instead of hanging it."""
+the other ranks its children, all-reduces through shared memory (or a gloo process group). Greedy tokens
+as TP1 and transformers give them, logprobs within 1e-4, with KV heads split and with fewer KV heads than
+ranks (replicated); speculation and structured outputs across ranks; configurations that cannot be split
+refused by name; a rank killed fails the step instead of hanging it."""
 
 from __future__ import annotations
 
@@ -151,8 +151,9 @@ def test_quantized_checkpoints_and_int8_weights_across_ranks(checkpoints, tmp_pa
             e.close()
 
 
-def test_a_rank_killed_fails_the_step_instead_of_hanging_it(checkpoints) -> None:
-    engine = _engine(checkpoints["llama-gqa"], 2)
+@pytest.mark.parametrize("all_reduce", ["shm", "gloo"])
+def test_a_rank_killed_fails_the_step_instead_of_hanging_it(checkpoints, all_reduce) -> None:
+    engine = _engine(checkpoints["llama-gqa"], 2, tp_all_reduce=all_reduce)
     try:
         engine.generate(EIGHT_PROMPTS[:1], GREEDY)
         (follower,) = engine.runner.tp._processes
@@ -162,6 +163,58 @@ def test_a_rank_killed_fails_the_step_instead_of_hanging_it(checkpoints) -> None
             engine.generate(EIGHT_PROMPTS[:1], GREEDY)
     finally:
         engine.close()
+
+
+def test_ranks_in_a_gloo_process_group_give_the_shared_memory_ranks_bits(checkpoints) -> None:
+    """``--tp-all-reduce gloo``: the torch.distributed path CUDA ranks take with NCCL, here between CPU processes.
+    Two float32 partial sums add up to the same bits in either all-reduce; under ``--deterministic`` the group
+    gathers the partials and sums them in rank order, as the shared-memory one does."""
+    path = checkpoints["llama-gqa"]
+    bits = lambda done: [(c.token_ids, [(p.logprob.hex(), p.top) for p in c.logprobs]) for c in done]  # noqa: E731
+    for deterministic in (False, True):
+        runs = []
+        for all_reduce in ("shm", "gloo"):
+            engine = _engine(path, 2, tp_all_reduce=all_reduce, deterministic=deterministic)
+            kind = type(engine.runner.tp.link._reduce).__name__
+            assert kind == {"shm": "ShmAllReduce", "gloo": "ProcessGroupAllReduce"}[all_reduce]
+            try:
+                runs.append(bits(engine.generate(EIGHT_PROMPTS, GREEDY)))
+                if deterministic:  # alone as in the batch of eight
+                    assert bits(engine.generate(EIGHT_PROMPTS[3:4], GREEDY)) == runs[-1][3:4]
+            finally:
+                engine.close()
+        assert runs[0] == runs[1]
+
+
+def test_an_all_reduce_the_device_cannot_use_is_refused(checkpoints) -> None:
+    from kvmesh.errors import FailedPrecondition
+
+    path = checkpoints["llama-gqa"]
+    with pytest.raises(InvalidArgument, match="'nccl' does not run on cpu ranks"):
+        _engine(path, 2, tp_all_reduce="nccl")
+    with pytest.raises(InvalidArgument, match="'shm' does not run on cuda ranks"):
+        EngineConfig(device="cuda", tensor_parallel_size=2, tp_all_reduce="shm").resolve_tp_all_reduce()
+    assert EngineConfig(device="cuda:2").resolve_tp_all_reduce() == "nccl"
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(FailedPrecondition, match="GPUs cuda:0 to cuda:1; this machine has"):
+            _engine(path, 2, device="cuda")
+
+
+def test_step_inputs_cross_to_a_rank_s_device_whole() -> None:
+    """What rank 0 sends a CUDA follower (token ids, attention metadata, a LoRA binding) is moved tensor by
+    tensor, through tuples, dicts and dataclasses; everything else stays as it is."""
+    from kernels.lora_segments import LoraSegments
+    from kvmesh.engine.model import AttentionMetadata
+    from kvmesh.engine.tensor_parallel import _moved
+
+    meta = AttentionMetadata(*(torch.arange(4) for _ in range(4)), is_decode=True)
+    lora = LoraSegments.build([(0, 2), (-1, 2)], torch.device("cpu"))
+    step = (torch.arange(4), torch.arange(4), meta, (lora, frozenset({"qkv_proj"})))
+    moved = _moved(step, "meta")
+    tensors = [moved[0], moved[1], *vars(moved[2]).values(), *vars(moved[3][0]).values()]
+    assert all(t.device.type == "meta" for t in tensors if isinstance(t, torch.Tensor))
+    assert moved[2].is_decode is True and moved[3][1] == frozenset({"qkv_proj"})
+    assert moved[3][0].num_slots == lora.num_slots
 
 
 @pytest.mark.slow
