@@ -241,7 +241,8 @@ def _gpus(deploy: Mapping[str, Any]) -> tuple[str, ...]:
     ids: list[str] = []
     for d in devices:
         if "gpu" in (d.get("capabilities") or ()):
-            ids += [str(i) for i in d.get("device_ids") or ()]
+            # "0,1" in one entry (a variable's value: compose cannot interpolate a list) is two GPUs.
+            ids += [part.strip() for i in d.get("device_ids") or () for part in str(i).split(",")]
     return tuple(ids)
 
 

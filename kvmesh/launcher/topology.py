@@ -281,13 +281,29 @@ class _Plan:
             return inst.service.environment.get("KVMESH_DEVICE")
         if self._gpus_here() == 0:
             return "cpu"
-        gpu = inst.service.gpus[0]  # what the container calls cuda:0
-        if not gpu.isdigit() or int(gpu) >= self._gpus_here():
+        gpus = inst.service.gpus  # what the container calls cuda:0, cuda:1, ...: a GPU per tensor-parallel rank
+        name = inst.service.name
+        for gpu in gpus:
+            if not gpu.isdigit() or int(gpu) >= self._gpus_here():
+                raise ComposeError(
+                    f"service {name} is pinned to GPU {gpu}, but this machine has {self._gpus_here()} "
+                    f"(GPU ids in compose/.env, or --device-{inst.role})"
+                )
+        first = int(gpus[0])
+        if [int(g) for g in gpus] != list(range(first, first + len(gpus))):
             raise ComposeError(
-                f"service {inst.service.name} is pinned to GPU {gpu}, but this machine has {self._gpus_here()} "
-                f"(GPU ids in compose/.env, or --device-{inst.role})"
+                f"service {name} is pinned to GPUs {','.join(gpus)}: here a worker's ranks run on consecutive "
+                "GPUs, rank r on the r-th from the first"
             )
-        return f"cuda:{gpu}"
+        settings = {**inst.service.environment, **self.options.role_env.get(inst.role, {})}
+        ranks = int(settings.get("KVMESH_TENSOR_PARALLEL_SIZE") or 1)
+        if ranks > len(gpus):
+            raise ComposeError(
+                f"service {name} runs {ranks} tensor-parallel ranks, a GPU each, but is pinned to GPU "
+                f"{','.join(gpus)}: pin one a rank (e.g. KVMESH_{inst.role.upper()}_GPU="
+                f"{','.join(str(first + r) for r in range(ranks))} in compose/.env), or --device-{inst.role}"
+            )
+        return f"cuda:{first}"
 
     # -- the plan --------------------------------------------------------------
 

@@ -83,8 +83,8 @@ def test_gpu_ids_replicas_and_ports_come_from_the_env_file(tmp_path) -> None:
 @needs_docker_compose
 @pytest.mark.parametrize("compose_file", [COMPOSE_FILE, CPU_COMPOSE_FILE], ids=["gpu", "cpu"])
 def test_tensor_parallel_degrees_come_from_their_own_compose_variables(tmp_path, compose_file) -> None:
-    """KVMESH_PREFILL_TP / KVMESH_DECODE_TP set each worker's KVMESH_TENSOR_PARALLEL_SIZE; a GPU worker keeps
-    its one GPU (the engine refuses ranks on CUDA so far: the degrees are for the CPU file and `kvmesh up`)."""
+    """KVMESH_PREFILL_TP / KVMESH_DECODE_TP set each worker's KVMESH_TENSOR_PARALLEL_SIZE; on GPUs the GPU
+    variables list one GPU a rank, which the worker's container sees as cuda:0, cuda:1, ..."""
     services = docker_compose_config(tmp_path, compose_file)["services"]
     for name in ("prefill", "decode"):
         assert services[name]["environment"]["KVMESH_TENSOR_PARALLEL_SIZE"] == "1"
@@ -101,6 +101,10 @@ def test_tensor_parallel_degrees_come_from_their_own_compose_variables(tmp_path,
     )
     want = {"prefill": ["0"], "decode": ["1"]} if compose_file == COMPOSE_FILE else {"prefill": [], "decode": []}
     assert {n: _device_ids(services[n]) for n in ("prefill", "decode")} == want
+    if compose_file == COMPOSE_FILE:  # a GPU a rank: the reservation names them all (docker joins them so too)
+        env.write_text("KVMESH_PREFILL_TP=2\nKVMESH_DECODE_TP=3\nKVMESH_PREFILL_GPU=0,1\nKVMESH_DECODE_GPU=2,3,4\n")
+        services = docker_compose_config(tmp_path, compose_file, env_file=env)["services"]
+        assert {n: _device_ids(services[n]) for n in ("prefill", "decode")} == {"prefill": ["0,1"], "decode": ["2,3,4"]}
 
 
 def test_kvmesh_up_takes_the_tensor_parallel_degrees_from_the_compose_variables(tmp_path) -> None:

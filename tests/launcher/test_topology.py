@@ -194,6 +194,25 @@ def test_a_gpu_pin_this_machine_does_not_have_is_refused() -> None:
         _plan(_options(device_prefill=None, device_decode=None), gpus=1)
 
 
+def test_a_tensor_parallel_worker_takes_a_gpu_a_rank_from_its_pin() -> None:
+    """KVMESH_PREFILL_GPU=2,3 with two ranks: the worker's device is cuda:2, and its rank 1 runs on cuda:3 (the
+    engine's rule). Fewer GPUs pinned than ranks, or GPUs apart, are refused before anything starts."""
+    pins = {"KVMESH_PREFILL_GPU": "2,3", "KVMESH_DECODE_GPU": "1", "KVMESH_PREFILL_TP": "2"}
+    topo = _plan(_options(device_prefill=None, device_decode=None, compose_vars=pins), gpus=4)
+    assert [(p.name, p.device, p.env["KVMESH_TENSOR_PARALLEL_SIZE"]) for p in topo.processes if p.device] == [
+        ("prefill-0", "cuda:2", "2"),
+        ("decode-0", "cuda:1", "1"),
+    ]
+    too_few = _options(
+        device_prefill=None, device_decode=None, role_env={"decode": {"KVMESH_TENSOR_PARALLEL_SIZE": "2"}}
+    )
+    with pytest.raises(ComposeError, match="runs 2 tensor-parallel ranks, a GPU each, but is pinned to GPU 1.*GPU=1,2"):
+        _plan(too_few, gpus=4)
+    apart = _options(device_prefill=None, device_decode=None, compose_vars={**pins, "KVMESH_PREFILL_GPU": "0,2"})
+    with pytest.raises(ComposeError, match="pinned to GPUs 0,2: here a worker's ranks run on consecutive GPUs"):
+        _plan(apart, gpus=4)
+
+
 def test_device_overrides_share_out_round_robin() -> None:
     options = _options(prefill=2, decode=3, device_prefill="cuda:0", device_decode="cuda:1, cuda:2")
     topo = _plan(options, gpus=3)
