@@ -138,7 +138,7 @@ def test_the_go_test_decodes_every_manifest_strictly_and_checks_the_invariants(t
 
 
 def test_the_go_test_fails_on_an_env_var_no_flag_reads_and_on_a_gpu_worker_without_a_gpu(tmp_path: Path) -> None:
-    """What the schema lets through (any KVMESH_* name, gpus: 0) and only the Go test catches."""
+    """What the schema lets through (any KVMESH_* name, gpus: 0), or a render edited by hand, and only Go catches."""
     renders = {}
     for case, override in {
         "typo": "router.env.KVMESH_REDIS_ADDRESS=redis://x:6379/0",
@@ -147,19 +147,24 @@ def test_the_go_test_fails_on_an_env_var_no_flag_reads_and_on_a_gpu_worker_witho
         result = run([tool("helm"), "template", RELEASE, str(CHART), "--set", override], timeout=120)
         assert result.returncode == 0, result.stderr
         renders[case] = result.stdout
-    # A render the chart refuses to make (tensor-parallel-on-a-gpu.yaml): decode at two ranks on its GPU,
-    # the degree edited in by hand.
+    # Renders the chart refuses to make: decode at two ranks on its one GPU (the degree edited in by hand,
+    # as gpus-short-of-ranks.yaml would), and a GPU pair without the /dev/shm NCCL needs.
     docs = rendered("default").split("\n---\n")
     (i,) = [i for i, d in enumerate(docs) if "# Source: kvmesh/templates/decode.yaml" in d and "kind: Deployment" in d]
     tp = "- name: KVMESH_TENSOR_PARALLEL_SIZE\n              value: "
     assert docs[i].count(tp + '"1"') == 1
-    docs[i] = docs[i].replace(tp + '"1"', tp + '"2"')
-    renders["tp-on-gpu"] = "\n---\n".join(docs)
-    result = go_test(tmp_path, renders, ["no-gpu", "tp-on-gpu"])
+    renders["tp-short-of-gpus"] = "\n---\n".join([*docs[:i], docs[i].replace(tp + '"1"', tp + '"2"'), *docs[i + 1 :]])
+    pair = run([tool("helm"), "template", RELEASE, str(CHART), "--set", "decode.workersPerReplica=2"], timeout=120)
+    assert pair.returncode == 0, pair.stderr
+    shm = "\n            - name: dshm\n              mountPath: /dev/shm"
+    assert pair.stdout.count(shm) == 1
+    renders["tp-without-shm"] = pair.stdout.replace(shm, "")
+    result = go_test(tmp_path, renders, ["no-gpu", "tp-short-of-gpus", "tp-without-shm"])
     assert result.returncode != 0
     assert "KVMESH_REDIS_ADDRESS is not a flag of router" in result.stdout, result.stdout
     assert "decode requests no GPU" in result.stdout, result.stdout
-    assert "2 tensor-parallel ranks with a GPU: ranks run on the CPU so far" in result.stdout, result.stdout
+    assert "nvidia.com/gpu 1 for 2 tensor-parallel ranks: a GPU per rank" in result.stdout, result.stdout
+    assert "2 GPU ranks without a memory emptyDir at /dev/shm" in result.stdout, result.stdout
 
 
 @cache
@@ -231,7 +236,7 @@ def test_cpu_values_need_no_gpu_and_no_model_cache() -> None:
 
 
 def test_workers_per_replica_splits_each_pods_worker_over_that_many_cpu_ranks() -> None:
-    """workersPerReplica N: one worker a pod, its engine over N rank processes of that pod (CPU only so far)."""
+    """workersPerReplica N with gpus: 0: one worker a pod, its engine over N rank processes of that pod's CPU."""
     deployments = by_kind("tensor-parallel", "Deployment")
     decode = deployments[f"{RELEASE}-kvmesh-decode"]
     container = decode["spec"]["template"]["spec"]["containers"][0]
@@ -249,20 +254,83 @@ def test_workers_per_replica_splits_each_pods_worker_over_that_many_cpu_ranks() 
     assert four.returncode == 0, four.stderr
 
 
+def gpu_ranks(settings: list[str]) -> tuple[dict, dict[str, dict]]:
+    """The decode Deployment's container and pod volumes rendered with ``settings``."""
+    args = [a for setting in settings for a in ("--set", setting)]
+    result = run([tool("helm"), "template", RELEASE, str(CHART), *args], timeout=120)
+    assert result.returncode == 0, result.stderr
+    (decode,) = [
+        d
+        for d in yaml.safe_load_all(result.stdout)
+        if d and d["kind"] == "Deployment" and d["metadata"]["name"] == f"{RELEASE}-kvmesh-decode"
+    ]
+    pod = decode["spec"]["template"]["spec"]
+    return pod["containers"][0], {v["name"]: v for v in pod.get("volumes", [])}
+
+
+@pytest.mark.parametrize("gpus", [1, 2], ids=["gpus-1", "gpus-per-pod"])
+def test_a_gpu_pod_gets_a_gpu_per_rank(gpus: int) -> None:
+    """gpus 1 (or workersPerReplica itself): the pod requests and limits a GPU per rank and sees them from cuda:0."""
+    container, volumes = gpu_ranks(["decode.workersPerReplica=2", f"decode.gpus={gpus}"])
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["KVMESH_TENSOR_PARALLEL_SIZE"] == "2"
+    assert env["KVMESH_DEVICE"] == "cuda:0"  # rank r on the pod's cuda:r
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == 2
+    # NCCL's shared memory: a memory emptyDir at /dev/shm rather than the container's 64Mi.
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    assert volumes[mount["name"]]["emptyDir"]["medium"] == "Memory"
+    # A core a rank is the CPU ranks' rule only: GPU ranks compute on their GPUs.
+    four, _ = gpu_ranks(["decode.workersPerReplica=4", "decode.resources.requests.cpu=2"])
+    assert four["resources"]["limits"]["nvidia.com/gpu"] == 4
+    # One rank, one GPU, no /dev/shm of its own (the default).
+    one, one_volumes = gpu_ranks([])
+    assert one["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "dshm" not in one_volumes and all(m["mountPath"] != "/dev/shm" for m in one.get("volumeMounts", []))
+
+
+def test_gpu_tensor_parallel_values_give_each_decode_pod_three_gpus() -> None:
+    deployments = by_kind("gpu-tensor-parallel", "Deployment")
+    decode = deployments[f"{RELEASE}-kvmesh-decode"]
+    container = decode["spec"]["template"]["spec"]["containers"][0]
+    assert env_of(decode)["KVMESH_TENSOR_PARALLEL_SIZE"]["value"] == "3"
+    assert env_of(decode)["KVMESH_DEVICE"]["value"] == "cuda:0"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 3
+    assert decode["spec"]["replicas"] == 2 and len(decode["spec"]["template"]["spec"]["containers"]) == 1
+    prefill = deployments[f"{RELEASE}-kvmesh-prefill"]
+    assert env_of(prefill)["KVMESH_TENSOR_PARALLEL_SIZE"]["value"] == "1"
+    assert prefill["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
         (
-            ["prefill.workersPerReplica=2"],  # gpus: 1 by default
-            "prefill.workersPerReplica 2 needs prefill.gpus: 0: tensor-parallel ranks run on the CPU of one pod so far",
+            ["prefill.workersPerReplica=2", "prefill.gpus=3"],
+            "prefill.gpus 3 does not fit prefill.workersPerReplica 2: a pod gets a GPU per rank, so gpus is 0 "
+            "(the CPU) or 1 (a GPU per rank: 2 nvidia.com/gpu a pod), or 2, the same counted per pod; rank r runs "
+            "on the pod's cuda:r and the extra GPUs would sit idle",
         ),
+        (
+            ["decode.workersPerReplica=4", "decode.gpus=2"],
+            "decode.gpus 2 does not fit decode.workersPerReplica 4: a pod gets a GPU per rank",
+        ),
+        (["decode.gpus=2"], "decode.gpus 2 does not fit decode.workersPerReplica 1"),
+        (["decode.workersPerReplica=2", "decode.gpus=9"], "at '/decode/gpus'"),
         (
             ["decode.workersPerReplica=3", "decode.gpus=0", "decode.resources.requests.cpu=2500m"],
             "decode.workersPerReplica 3: decode.resources.requests.cpu 2500m is less than a core a rank (at least 3)",
         ),
         (["decode.env.KVMESH_TENSOR_PARALLEL_SIZE=2"], "the chart sets KVMESH_TENSOR_PARALLEL_SIZE itself"),
     ],
-    ids=["on-a-gpu", "short-of-cores", "set-through-env"],
+    ids=[
+        "more-gpus-than-ranks",
+        "fewer-gpus-than-ranks",
+        "two-gpus-one-rank",
+        "gpus-past-8",
+        "short-of-cores",
+        "set-through-env",
+    ],
 )
 def test_a_tensor_parallel_group_is_refused_where_it_cannot_run(settings: list[str], message: str) -> None:
     args = [a for setting in settings for a in ("--set", setting)]

@@ -72,15 +72,17 @@ func (c *checker) gpus(wantGPU bool) {
 			if !hasGPU && envMap(ct)["KVMESH_DEVICE"].Value != "cpu" {
 				c.errorf("%s: no GPU requested, so KVMESH_DEVICE must be cpu", where)
 			}
-			c.tensorParallel(where, ct, hasGPU)
+			c.tensorParallel(where, spec, ct, hasGPU)
 		}
 	}
 }
 
-// A worker split over KVMESH_TENSOR_PARALLEL_SIZE ranks runs them as processes of its one pod,
-// on the CPU (the engine refuses tensor parallelism on CUDA so far), each rank with at least a
-// core of the pod's CPU request.
-func (c *checker) tensorParallel(where string, ct corev1.Container, hasGPU bool) {
+// A worker split over KVMESH_TENSOR_PARALLEL_SIZE ranks runs them as processes of its one pod:
+// with GPUs, a GPU per rank (rank r on the pod's cuda:r, from KVMESH_DEVICE cuda:0; the engine refuses
+// to start on fewer, and more would sit idle), so the nvidia.com/gpu limit is the rank count; on the
+// CPU, each rank with at least a core of the pod's CPU request. GPU ranks reach each other through
+// NCCL, whose segments in /dev/shm outgrow a container's default 64Mi: a memory emptyDir there.
+func (c *checker) tensorParallel(where string, spec corev1.PodSpec, ct corev1.Container, hasGPU bool) {
 	env := envMap(ct)
 	if _, ok := env["KVMESH_TENSOR_PARALLEL_SIZE"]; !ok {
 		c.errorf("%s: KVMESH_TENSOR_PARALLEL_SIZE is not set (workersPerReplica)", where)
@@ -89,16 +91,39 @@ func (c *checker) tensorParallel(where string, ct corev1.Container, hasGPU bool)
 	ranks := c.intEnv(where, env, "KVMESH_TENSOR_PARALLEL_SIZE")
 	if ranks < 1 {
 		c.errorf("%s: KVMESH_TENSOR_PARALLEL_SIZE=%d", where, ranks)
-	}
-	if ranks <= 1 {
 		return
 	}
 	if hasGPU {
-		c.errorf("%s: %d tensor-parallel ranks with a GPU: ranks run on the CPU so far", where, ranks)
+		limit := ct.Resources.Limits[gpuResource]
+		if n, exact := limit.AsInt64(); !exact || n != int64(ranks) {
+			c.errorf("%s: nvidia.com/gpu %s for %d tensor-parallel ranks: a GPU per rank", where, limit.String(), ranks)
+		}
+		if device := env["KVMESH_DEVICE"].Value; device != "cuda:0" {
+			c.errorf("%s: KVMESH_DEVICE=%q: the ranks run on cuda:0..%d, the pod's GPUs from the first", where, device, ranks-1)
+		}
+		if ranks > 1 && !memoryAt(spec, ct, "/dev/shm") {
+			c.errorf("%s: %d GPU ranks without a memory emptyDir at /dev/shm (NCCL's shared memory)", where, ranks)
+		}
+		return
 	}
-	if cpu, ok := ct.Resources.Requests[corev1.ResourceCPU]; ok && cpu.MilliValue() < int64(ranks)*1000 {
+	if cpu, ok := ct.Resources.Requests[corev1.ResourceCPU]; ok && ranks > 1 && cpu.MilliValue() < int64(ranks)*1000 {
 		c.errorf("%s: %d tensor-parallel ranks on a CPU request of %s: less than a core a rank", where, ranks, cpu.String())
 	}
+}
+
+// Whether ct mounts a memory-backed emptyDir of spec at path.
+func memoryAt(spec corev1.PodSpec, ct corev1.Container, path string) bool {
+	for _, m := range ct.VolumeMounts {
+		if m.MountPath != path {
+			continue
+		}
+		for _, v := range spec.Volumes {
+			if v.Name == m.Name && v.EmptyDir != nil && v.EmptyDir.Medium == corev1.StorageMediumMemory {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // Every Service selects pods, on container ports that exist.

@@ -62,7 +62,7 @@ the service defines.
 - name: KVMESH_KVSTORE_ADDRESS
   value: {{ include "kvmesh.address" (list $root "kvstore") | quote }}
 {{ include "kvmesh.env.model" $root }}
-# The pod sees only the GPUs it requested; the first is its cuda:0.
+# The pod sees only the GPUs it requested (kvmesh.gpus: a GPU per rank), as cuda:0..N-1; rank r runs on cuda:r.
 - name: KVMESH_DEVICE
   value: {{ ternary "cuda:0" "cpu" (gt (int $v.gpus) 0) | quote }}
 - name: KVMESH_NUM_BLOCKS
@@ -79,17 +79,14 @@ the service defines.
 
 {{/*
 Argument: (list $ "decode"). The tensor-parallel degree of the service's one worker per pod:
-workersPerReplica, its ranks being processes of that pod that share its cores equally. Above 1
-it needs gpus: 0 (the engine runs ranks on the CPU of one machine so far) and a CPU request of
-at least a core a rank.
+workersPerReplica, its ranks being processes of that pod. On a GPU (gpus > 0) rank r runs on the
+pod's cuda:r, a GPU per rank (kvmesh.gpus). On the CPU the ranks share the pod's cores equally,
+so the pod requests at least a core a rank.
 */}}
 {{- define "kvmesh.tensorParallelSize" -}}
 {{- $root := index . 0 -}}{{- $c := index . 1 -}}{{- $v := index $root.Values $c -}}
 {{- $n := int $v.workersPerReplica -}}
-{{- if gt $n 1 -}}
-{{- if gt (int $v.gpus) 0 -}}
-{{- fail (printf "%s.workersPerReplica %d needs %s.gpus: 0: tensor-parallel ranks run on the CPU of one pod so far (a GPU per rank comes with CUDA tensor parallelism)" $c $n $c) -}}
-{{- end -}}
+{{- if and (gt $n 1) (eq (int (include "kvmesh.gpus" .)) 0) -}}
 {{- $cpu := (($v.resources | default dict).requests | default dict).cpu -}}
 {{- if $cpu -}}
 {{- $text := toString $cpu -}}
@@ -101,6 +98,26 @@ at least a core a rank.
 {{- end -}}
 {{- end -}}
 {{- $n -}}
+{{- end -}}
+
+{{/*
+Argument: (list $ "decode"). The nvidia.com/gpu a pod of the service requests (and limits): 0 on
+the CPU (gpus: 0, and every service but prefill and decode), else a GPU per rank of its worker,
+workersPerReplica of them, which the pod sees as cuda:0..N-1 (rank r on cuda:r; the engine refuses
+to start on fewer). gpus says CPU or GPU: 0, or 1 (a GPU per rank), or workersPerReplica itself
+(the same pod, counted per pod); any other count is refused, since no rank would use the extra
+GPUs and too few fail the worker at start.
+*/}}
+{{- define "kvmesh.gpus" -}}
+{{- $root := index . 0 -}}{{- $c := index . 1 -}}{{- $v := index $root.Values $c -}}
+{{- $gpus := int ($v.gpus | default 0) -}}
+{{- $n := int ($v.workersPerReplica | default 1) -}}
+{{- if and (gt $gpus 1) (ne $gpus $n) -}}
+{{- $why := ternary "the extra GPUs would sit idle" "the engine refuses to start on fewer GPUs than ranks" (gt $gpus $n) -}}
+{{- $perPod := ternary "" (printf ", or %d, the same counted per pod" $n) (eq $n 1) -}}
+{{- fail (printf "%s.gpus %d does not fit %s.workersPerReplica %d: a pod gets a GPU per rank, so gpus is 0 (the CPU) or 1 (a GPU per rank: %d nvidia.com/gpu a pod)%s; rank r runs on the pod's cuda:r and %s" $c $gpus $c $n $n $perPod $why) -}}
+{{- end -}}
+{{- ternary $n 0 (gt $gpus 0) -}}
 {{- end -}}
 
 {{- define "kvmesh.env.router" -}}

@@ -9,7 +9,10 @@ model loads (the startupProbe waits up to startupSeconds) and while draining
 {{- define "kvmesh.workload" -}}
 {{- $root := index . 0 -}}{{- $c := index . 1 -}}{{- $v := index $root.Values $c -}}
 {{- $usesModel := has $c (list "prefill" "decode" "gateway") -}}
-{{- $gpus := int ($v.gpus | default 0) -}}
+{{- /* A GPU per tensor-parallel rank (kvmesh.gpus), 0 on the CPU; refuses a count no rank would use. */ -}}
+{{- $gpus := int (include "kvmesh.gpus" .) -}}
+{{- /* NCCL between a pod's GPU ranks goes through /dev/shm, 64Mi by default in a container. */ -}}
+{{- $ncclShm := gt $gpus 1 -}}
 {{- $stateful := eq $c "kvstore" -}}
 {{- $redisAuth := and (eq $c "router") $root.Values.redis.enabled -}}
 {{- $autoscaled := and $v.autoscaling $v.autoscaling.enabled -}}
@@ -161,8 +164,12 @@ spec:
             - name: disk
               mountPath: /var/lib/kvmesh/kvstore
             {{- end }}
+            {{- if $ncclShm }}
+            - name: dshm
+              mountPath: /dev/shm
+            {{- end }}
           {{- end }}
-      {{- if or (and $usesModel (eq $root.Values.model.source "cache")) $root.Values.tls.enabled $redisAuth }}
+      {{- if or (and $usesModel (eq $root.Values.model.source "cache")) $root.Values.tls.enabled $redisAuth $ncclShm }}
       volumes:
         {{- if $redisAuth }}
         - name: redis-auth
@@ -182,6 +189,11 @@ spec:
           secret:
             secretName: {{ include "kvmesh.tls.secret" . }}
             defaultMode: 0440  # the kvmesh user reads it through fsGroup
+        {{- end }}
+        {{- if $ncclShm }}
+        # NCCL's shared-memory segments between the ranks (RAM, counted against the memory limit).
+        - name: dshm
+          emptyDir: {medium: Memory, sizeLimit: 1Gi}
         {{- end }}
       {{- end }}
   {{- if and $stateful $v.disk.enabled }}
