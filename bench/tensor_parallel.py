@@ -9,6 +9,9 @@ equal share of the cores (rank 0 in this process, the others its children), meet
 layer (through shared memory). The table shows medians, the ratio to TP1, the share of rank 0's time spent
 in all-reduces (waiting for the other ranks included), and whether the tokens agree with TP1's.
 
+A size may name the all-reduce: ``--sizes 1,2,2:gloo`` adds TP2 through a gloo process group (the
+torch.distributed path CUDA ranks take with NCCL) beside TP2 through shared memory.
+
 Then (``--part mesh``, or ``all``, the default) the TTFT of a fresh 4,000-token prompt through a real mesh for
 the four pairs prefill TP1/TP2 x decode TP1/TP2 (bench/_tp_mesh_ttft.py), the TP1/TP1 mesh the anchor.
 
@@ -16,7 +19,8 @@ On 2 CPU cores TP cannot win: the same arithmetic is split over the same cores, 
 all-reduces (through shared memory). It shows what the split costs, not a speed-up.
 
 Run (not part of ``make test``; ~10 minutes): ``flock /tmp/kvmesh-bench.lock python bench/tensor_parallel.py
-[--part engine|mesh|all] [--model random|default] [--sizes 1,2] [--repeats 3] [--ttft-tokens 4000] [--json PATH]``.
+[--part engine|mesh|all] [--model random|default] [--sizes 1,2[,2:gloo]] [--repeats 3] [--ttft-tokens 4000]
+[--json PATH]``.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from _tp_mesh_ttft import print_pairs, run_pairs  # noqa: E402
 from engine import chat_prompts, run_kvmesh, write_model  # noqa: E402
 
 
-def make_engine(path: Path, size: int):
+def make_engine(path: Path, size: int, all_reduce: str | None = None):
     from kvmesh.engine.config import EngineConfig
     from kvmesh.engine.engine import LLMEngine
 
@@ -49,6 +53,7 @@ def make_engine(path: Path, size: int):
             max_num_batched_tokens=1024,
             enable_prefix_cache=False,
             tensor_parallel_size=size,
+            tp_all_reduce=all_reduce,
         ),
     )
 
@@ -56,7 +61,9 @@ def make_engine(path: Path, size: int):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random", choices=("random", "default"))
-    ap.add_argument("--sizes", default="1,2", help="rank counts, the first the anchor")
+    ap.add_argument(
+        "--sizes", default="1,2", help="rank counts, the first the anchor; N:gloo for N ranks through a gloo group"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--part", default="all", choices=("engine", "mesh", "all"))
@@ -79,7 +86,7 @@ def main() -> int:
 def engine_part(args: argparse.Namespace) -> dict:
     """The in-process comparison (module docstring); its JSON part."""
 
-    sizes = [int(n) for n in args.sizes.split(",")]
+    sizes = args.sizes.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         if args.model == "random":
             path = Path(tmp) / "llama-30m"
@@ -94,13 +101,15 @@ def engine_part(args: argparse.Namespace) -> dict:
         return measure(path, prompts, sizes, args)
 
 
-def measure(path: Path, prompts: list[list[int]], sizes: list[int], args: argparse.Namespace) -> dict:
+def measure(path: Path, prompts: list[list[int]], sizes: list[str], args: argparse.Namespace) -> dict:
+    """``sizes``: "N" or "N:all-reduce" each, the first the anchor."""
     cores = torch.get_num_threads()
     anchor = sizes[0]
     engines = {}
     for size in sizes:
+        ranks, _, all_reduce = size.partition(":")
         t0 = time.perf_counter()
-        engines[size] = make_engine(path, size)
+        engines[size] = make_engine(path, int(ranks), all_reduce or None)
         run_kvmesh(engines[size], prompts[:1], 4)  # warm-up
         print(f"  TP{size}: ready in {time.perf_counter() - t0:.0f} s", flush=True)
     samples = {size: {"batch": [], "alone": [], "all_reduce_share": []} for size in engines}
@@ -108,7 +117,8 @@ def measure(path: Path, prompts: list[list[int]], sizes: list[int], args: argpar
     try:
         for r in range(args.repeats):
             for size, engine in engines.items():
-                torch.set_num_threads(max(1, cores // size))  # rank 0's share (process-wide in torch)
+                ranks = int(size.partition(":")[0])
+                torch.set_num_threads(max(1, cores // ranks))  # rank 0's share (process-wide in torch)
                 link = engine.runner.tp.link if engine.runner.tp is not None else None
                 before = link.all_reduce_seconds if link else 0.0
                 s, batch = run_kvmesh(engine, prompts, args.new_tokens)
