@@ -9,7 +9,7 @@ heartbeat), so when the call returns, requests naming the adapter can be routed 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -51,10 +51,12 @@ class AdapterServicer(adapter_pb2_grpc.AdapterServiceServicer):
 
     def __init__(self) -> None:
         self._engine: LLMEngine | None = None
-        self._changed: Callable[[], None] = lambda: None
+        self._changed: Callable[[], Awaitable[bool]] | None = None
 
-    def attach(self, engine: LLMEngine, on_change: Callable[[], None]) -> None:
-        """``on_change`` runs after every load or unload (the router link's ``report_now``)."""
+    def attach(self, engine: LLMEngine, on_change: Callable[[], Awaitable[bool]] | None) -> None:
+        """``on_change`` is awaited after every load or unload, before the answer goes out (the router link
+        reporting the change: a request naming a just-loaded adapter must find this worker; False: not
+        acknowledged in time)."""
         self._engine, self._changed = engine, on_change
 
     @property
@@ -68,7 +70,7 @@ class AdapterServicer(adapter_pb2_grpc.AdapterServiceServicer):
     ) -> adapter_pb2.LoadAdapterResponse:
         info = await asyncio.to_thread(self.engine.load_adapter, request.name, request.path)
         log.info("lora_adapter_loaded", adapter=request.name, path=request.path, rank=info.rank)
-        self._changed()
+        await self._report(request.name)
         return adapter_pb2.LoadAdapterResponse(adapter=_to_pb(info))
 
     async def UnloadAdapter(
@@ -76,8 +78,12 @@ class AdapterServicer(adapter_pb2_grpc.AdapterServiceServicer):
     ) -> adapter_pb2.UnloadAdapterResponse:
         self.engine.unload_adapter(request.name)
         log.info("lora_adapter_unloaded", adapter=request.name)
-        self._changed()
+        await self._report(request.name)
         return adapter_pb2.UnloadAdapterResponse()
+
+    async def _report(self, name: str) -> None:
+        if self._changed is not None and not await self._changed():
+            log.warning("lora_adapter_change_not_yet_acknowledged", adapter=name)
 
     async def ListAdapters(
         self, request: adapter_pb2.ListAdaptersRequest, context: grpc.aio.ServicerContext

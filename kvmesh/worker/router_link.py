@@ -111,6 +111,10 @@ class RouterLink:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._report: asyncio.Event | None = None  # heartbeat now, not at the next interval
+        # Heartbeats whose load was taken, and the last of them the router acknowledged (``report``).
+        self._heartbeats_built = 0
+        self._heartbeat_acked = 0
+        self._acked: asyncio.Condition | None = None
         self._channel: grpc.aio.Channel | None = None
         self._stub: router_pb2_grpc.RouterServiceStub | None = None
         self._task: asyncio.Task[None] | None = None
@@ -134,6 +138,7 @@ class RouterLink:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._report = asyncio.Event()
+        self._acked = asyncio.Condition()
         self._channel = create_channel(self._router_address, peer="router")
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
         self._task = asyncio.create_task(self._run(), name=f"router-link-{self.worker_id}")
@@ -254,20 +259,35 @@ class RouterLink:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def report_now(self) -> None:
-        """Heartbeat at once rather than at the next interval: what the load carries changed in a
-        way routing must see now (an adapter loaded or unloaded)."""
-        if self._report is not None:
-            self._report.set()
+    async def report(self, timeout_s: float | None = None) -> bool:
+        """Heartbeat at once and wait until the router has acknowledged a heartbeat whose load was taken
+        after this call: True; False if ``timeout_s`` (default: the RPC timeout) passed first (the router
+        down: the worker serves on).
+        A change routing must see before the caller answers its own client (an adapter loaded: the next
+        request naming it must find this worker)."""
+        if self._report is None or self._acked is None:
+            return False
+        want = self._heartbeats_built + 1  # a heartbeat built before now may not carry the change
+        self._report.set()
+        async with self._acked:
+            try:
+                acked = self._acked.wait_for(lambda: self._heartbeat_acked >= want)
+                await asyncio.wait_for(acked, timeout_s if timeout_s is not None else self._rpc_timeout_s)
+            except TimeoutError:
+                return False
+        return True
 
     async def _heartbeat_loop(self) -> None:
         assert self._stub is not None and self._wake is not None and self._report is not None
+        assert self._acked is not None
         # The first report follows registration at once: the router then knows what this worker serves.
         self._report.set()
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._report.wait(), self._heartbeat_interval_s)
             self._report.clear()
+            self._heartbeats_built += 1
+            built = self._heartbeats_built
             request = router_pb2.HeartbeatRequest(worker_id=self.worker_id, lease_id=self._lease_id, load=self._load())
             try:
                 resp = await self._stub.Heartbeat(request, timeout=self._rpc_timeout_s)
@@ -277,6 +297,9 @@ class RouterLink:
                 self._call_failed("heartbeat", e)
                 continue  # the next heartbeat is the retry; the router decides whether the lease survived
             self._call_ok("heartbeat")
+            async with self._acked:
+                self._heartbeat_acked = built
+                self._acked.notify_all()
             if resp.reregister_required:
                 raise _LeaseLost("heartbeat: reregister required")
             self._counters["heartbeats"] += 1

@@ -114,7 +114,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
         link = state["link"] = await attach_router(
             args, engine, worker_pb2.WORKER_ROLE_DECODE, address, "decode", ctx.registry
         )
-        adapters.attach(engine, link.report_now if link is not None else lambda: None)
+        adapters.attach(engine, link.report if link is not None else None)
 
     async def drain() -> None:
         if state.get("link"):

@@ -61,7 +61,7 @@ class Cache:
             return {GPU: list(self.blocks)}
 
 
-def make_link(port: int, cache: Cache, snapshot_fn: SnapshotFn | None = None, **kwargs) -> RouterLink:
+def make_link(port: int, cache: Cache, snapshot_fn: SnapshotFn | None = None, load_fn=None, **kwargs) -> RouterLink:
     layout = kv_pb2.KVLayout(block_size=16, dtype="float32", model_fingerprint=b"f" * 16)
     link = RouterLink(
         f"127.0.0.1:{port}",
@@ -71,7 +71,7 @@ def make_link(port: int, cache: Cache, snapshot_fn: SnapshotFn | None = None, **
         layout=layout,
         capacity=router_pb2.WorkerCapacity(total_kv_blocks=100),
         model="tiny",
-        load_fn=lambda: worker_pb2.WorkerLoad(active_sequences=3, free_kv_blocks=90, total_kv_blocks=100),
+        load_fn=load_fn or (lambda: worker_pb2.WorkerLoad(active_sequences=3, free_kv_blocks=90, total_kv_blocks=100)),
         snapshot_fn=snapshot_fn or cache.snapshot,
         backoff_initial_s=0.01,
         backoff_max_s=0.05,
@@ -131,6 +131,28 @@ async def test_registers_resyncs_publishes_and_heartbeats(router: Runtime, state
     assert state.deregistered == [WORKER] and not link.registered
     cache.store(hashes(1, start=500))  # after stop: dropped quietly
     assert link.counters["events_pending"] == 0
+
+
+async def test_report_returns_once_the_router_has_the_changed_load(router: Runtime, state: RouterState) -> None:
+    """What an adapter load waits for before it answers: a heartbeat taken after the change, acknowledged; with
+    no router, False after the timeout (the worker serves on)."""
+    load = worker_pb2.WorkerLoad(active_sequences=3)
+    link = make_link(router.port, Cache(), load_fn=lambda: load)
+    await link.start()
+    try:
+        await until(lambda: state.heartbeats, "a heartbeat")
+        for n in (7, 8, 9):
+            load = worker_pb2.WorkerLoad(active_sequences=n)
+            assert await link.report()
+            assert state.heartbeats[-1].load.active_sequences == n  # no waiting for the next interval
+    finally:
+        await link.stop()
+    lonely = make_link(free_port(), Cache())
+    await lonely.start()
+    try:
+        assert not await lonely.report(timeout_s=0.3)
+    finally:
+        await lonely.stop()
 
 
 async def test_a_sequence_gap_resyncs_then_carries_on(router: Runtime, state: RouterState) -> None:
