@@ -145,6 +145,10 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(self.layer_cfg, dtype, i) for i in range(cfg.num_layers))
         for layer in self.layers:
             layer.all_reduce = all_reduce
+        self.all_reduce = all_reduce
+        # Vocab-parallel LM head: the (first, count) vocabulary rows whose logits this rank computes
+        # (every rank runs the head, on the rows rank 0 samples; an all-reduce gathers the shards); None: all.
+        self.head_rows = tp.vocab_range(cfg.vocab_size) if tp is not None and tp.size > 1 else None
         # Rank 0 of a tensor-parallel group: sends each forward pass's inputs to the other ranks
         # before running it (TensorParallelGroup.mirror); None: no other ranks.
         self.mirror: Callable[[tuple], None] | None = None
@@ -190,7 +194,8 @@ class CausalLM(nn.Module):
         head's input), or with ``feature_layers`` the outputs of those layers, concatenated.
         """
         if self.mirror is not None:
-            self.mirror((input_ids, positions, meta, self.lora.binding() if self.lora is not None else None))
+            binding = self.lora.binding() if self.lora is not None else None
+            self.mirror((input_ids, positions, meta, binding, logits_indices))
         # A compiled decode step traced the base model only: a step that binds adapters runs eagerly.
         adapted = self.lora is not None and self.lora.segments is not None
         run = self.compiled_decode if meta.is_decode and self.compiled_decode is not None and not adapted else self.run
@@ -210,13 +215,33 @@ class CausalLM(nn.Module):
         hidden = hidden[logits_indices]
         features = torch.cat([t[logits_indices] for t in taps], dim=-1) if taps else hidden
         if self.head_proj is not None:
-            return self.head_proj(hidden).float(), features
-        return torch.matmul(hidden, self.head_weight.t()).float(), features
+            logits = self.head_proj(hidden).float()
+        else:
+            logits = torch.matmul(hidden, self.head_shard_weight.t()).float()
+        return self._gather_vocab(logits), features
+
+    def _gather_vocab(self, part: torch.Tensor) -> torch.Tensor:
+        """Every rank's logits [rows, vocab] from each rank's ``head_rows`` columns: each writes its own into
+        zeros and the all-reduce adds them up, which is exact (x + 0 is x), so every rank ends with the bits
+        one whole head would give it."""
+        if self.head_rows is None or part.shape[0] == 0:  # no row samples: on every rank alike
+            return part if self.head_rows is None else part.new_zeros((0, self.cfg.vocab_size))
+        first, count = self.head_rows
+        whole = part.new_zeros((part.shape[0], self.cfg.vocab_size))
+        whole[:, first : first + count] = part
+        self.all_reduce(whole)
+        return whole
 
     @property
     def head_weight(self) -> torch.Tensor:
         """The LM head's weight as loaded [vocab, hidden]: the embedding's when they are tied."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @property
+    def head_shard_weight(self) -> torch.Tensor:
+        """The rows of ``head_weight`` this rank's head product reads (all of them on one rank)."""
+        w = self.head_weight
+        return w if self.head_rows is None else w.narrow(0, *self.head_rows)
 
     def quantize(self, scheme: str, head: bool = False) -> None:
         """8-bit weights for every projection (``kernels.quantized_linear``), and with ``head``
@@ -228,7 +253,7 @@ class CausalLM(nn.Module):
             quantize_model(self, scheme)  # the projections; "lm_head" is skipped
             if head:
                 bias = None if self.lm_head is None else self.lm_head.bias
-                self.head_proj = QuantizedLinear(self.head_weight, bias, get_scheme(scheme))
+                self.head_proj = QuantizedLinear(self.head_shard_weight, bias, get_scheme(scheme))
         except UnknownScheme as e:
             raise InvalidArgument(str(e)) from None
         except KernelUnavailable as e:
@@ -238,10 +263,11 @@ class CausalLM(nn.Module):
         """Run few-row products (decode steps, a speculative verify's k+1 rows) on oneDNN-reordered weights,
         the LM head's included unless it is quantized (``kernels.small_rows_linear``; CPU). The
         weights must not change afterwards: the reordered copies would not follow."""
-        if self.head_proj is None and self.lm_head is None:
-            self.head_proj = SmallRowsLinear(self.embed_tokens.weight, None)
-        # After the tied head's module exists: the float32 row floor is calibrated for every one.
-        use_small_rows_linears(self)
+        split = self.head_rows is not None  # the head's own rows, not the whole lm_head
+        if self.head_proj is None and (self.lm_head is None or split):
+            self.head_proj = SmallRowsLinear(self.head_shard_weight, None)
+        # After the head's module exists: the float32 row floor is calibrated for every one.
+        use_small_rows_linears(self, skip=("lm_head",) if split else ())
         if self.head_proj is None:
             self.head_proj = self.lm_head
 
@@ -252,9 +278,9 @@ class CausalLM(nn.Module):
         try:
             self.ops = Ops(self.embed_tokens.weight.device, batch_invariant=True)
             use_invariant_linears(self, self.ops.invariant_mm)  # the projections and an untied LM head
-            self.head_proj = (
-                InvariantLinear(self.head_weight, None, self.ops.invariant_mm) if self.lm_head is None else self.lm_head
-            )
+            own = self.lm_head is None or self.head_rows is not None  # the lm_head module computes all rows
+            mm = self.ops.invariant_mm
+            self.head_proj = InvariantLinear(self.head_shard_weight, None, mm) if own else self.lm_head
         except KernelUnavailable as e:
             raise FailedPrecondition(f"deterministic serving: {e}") from None
 

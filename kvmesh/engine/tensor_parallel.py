@@ -180,8 +180,8 @@ class TensorParallelGroup:
                 raise FailedPrecondition(f"tensor-parallel ranks failed to meet: {e}") from None
 
     def mirror(self, step: tuple) -> None:
-        """Send one forward pass's inputs (token ids, positions, attention metadata, LoRA binding) to every
-        follower."""
+        """Send one forward pass's inputs (token ids, positions, attention metadata, LoRA binding, the rows
+        that sample) to every follower."""
         message = ("step", *(_moved(step, "cpu") if self._on_host else step))
         with self._lock:
             for rank in range(1, len(self._pipes) + 1):
@@ -299,11 +299,11 @@ def follower_main(fd: int) -> None:
         if on_host and kind != "export":
             args = _moved(args, device)
         if kind == "step":
-            ids, positions, meta, lora = args
+            ids, positions, meta, lora, logits_indices = args
             if model.lora is not None:
                 model.lora.bind(lora)
-            with torch.inference_mode():
-                model.body(ids, positions, kv.tensor, meta)
+            with torch.inference_mode():  # the head too: its vocabulary rows (CausalLM.head_rows)
+                model.run(ids, positions, kv.tensor, meta, logits_indices)
         elif kind == "lora":
             model.lora.write_slot(*args)
         elif kind == "export":
@@ -332,7 +332,7 @@ def build_rank_model(
     if cfg.deterministic:
         model.make_batch_invariant()
     if cfg.quantization is not None:  # each rank its slice: a row-parallel slice's rows get scales of their own
-        model.quantize(cfg.quantization)
+        model.quantize(cfg.quantization, head=cfg.quantize_lm_head)
     if cfg.wants_small_rows_linears(dtype):
         model.use_small_rows_linears()
     if cfg.max_loras > 0:  # rank 0 fills the slots

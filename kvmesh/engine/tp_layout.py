@@ -5,8 +5,9 @@ read. With at least N KV heads each rank holds Hk/N of them; with fewer (GQA: Sm
 for 9 query heads) the KV heads are replicated, rank r holding head r*Hk/N, which is the one its query
 heads read, so N must be a multiple of Hk. The MLP is split by intermediate columns. q/k/v and gate/up
 are column-parallel (each rank computes its heads' and its columns' outputs), o_proj and down_proj
-row-parallel (each rank's partial sum, added up by one all-reduce after each). Embedding, norms and the
-LM head stay whole on every rank. A config that cannot be split so is refused, saying why.
+row-parallel (each rank's partial sum, added up by one all-reduce after each). The LM head's product is
+vocab-parallel: rank r computes the logits of vocabulary rows [r*ceil(V/N), ...) and an all-reduce gathers
+them. Embedding and norms stay whole on every rank. A config that cannot be split so is refused, saying why.
 """
 
 from __future__ import annotations
@@ -83,6 +84,13 @@ class TPLayout:
             num_kv_heads=self.local_kv_heads,
             intermediate_size=self.intermediate_size // self.size,
         )
+
+    def vocab_range(self, vocab_size: int) -> tuple[int, int]:
+        """(first, count) of the LM head's vocabulary rows whose logits this rank computes: ceil(V/N) a rank,
+        the last rank's fewer where N does not divide V."""
+        per = -(-vocab_size // self.size)
+        first = min(vocab_size, self.rank * per)
+        return first, min(vocab_size, first + per) - first
 
     def kv_head_range(self) -> tuple[int, int]:
         """(first, count) of the KV heads this rank holds."""

@@ -60,13 +60,23 @@ def test_the_layout_splits_heads_and_columns_and_refuses_what_does_not_divide(ch
         TPLayout.of(mc, 0, 3)
 
 
+def test_the_lm_head_splits_by_vocabulary_rows() -> None:
+    layouts = [TPLayout(r, 3, 6, 3, 8, 12) for r in range(3)]
+    assert [t.vocab_range(100) for t in layouts] == [(0, 34), (34, 34), (68, 32)]
+    assert [t.vocab_range(2) for t in layouts] == [(0, 1), (1, 1), (2, 0)]  # a rank may have none
+
+
 @pytest.mark.parametrize("arch", ["llama-gqa", "llama3-rope", "qwen2-bias", "llama-mha-tied"])
 def test_two_ranks_give_one_rank_s_greedy_tokens_and_logprobs(checkpoints, arch) -> None:
     """llama-gqa: 2 KV heads, one a rank; llama3-rope: 1 KV head, replicated; qwen2-bias: q/k/v biases
-    split with their rows; llama-mha-tied: the tied LM head whole on rank 0."""
+    split with their rows; llama-mha-tied: the tied LM head. Every rank computes the logits of half the
+    vocabulary (rank 0 of the first half only: the tokens would not match if the other half went missing)."""
     path = checkpoints[arch]
     one = _engine(path, 1).generate(EIGHT_PROMPTS, GREEDY)
     two = _engine(path, 2)
+    vocab = two.runner.model.cfg.vocab_size
+    assert two.runner.model.head_rows == (0, vocab // 2)
+    assert two.runner.model.head_proj.weight.shape[0] == vocab // 2  # the head's product reads its rows only
     try:
         _close_enough(two.generate(EIGHT_PROMPTS, GREEDY), one)
     finally:
@@ -103,10 +113,11 @@ def test_what_ranks_cannot_serve_yet_is_refused_before_any_starts(checkpoints) -
         _engine(checkpoints["llama-gqa"], 3)
 
 
-def _int8_per_rank_reference(src, out, ranks: int):
+def _int8_per_rank_reference(src, out, ranks: int, head: bool = False):
     """``src`` with every projection's weights replaced by what ``ranks`` ranks' int8 slices hold, dequantized:
     column-parallel rows whole, row-parallel (o_proj, down_proj) rows cut into ``ranks`` column slices, each
-    slice quantized with a scale of its own. One rank serving it is what those ranks serve with int8."""
+    slice quantized with a scale of its own; with ``head``, the LM head's rows too (a scale a row, so its
+    vocabulary shards quantize as the whole does). One rank serving it is what those ranks serve with int8."""
     import shutil
 
     from safetensors.torch import save_file
@@ -122,7 +133,7 @@ def _int8_per_rank_reference(src, out, ranks: int):
     for name, t in iter_tensors(weight_files(src)):
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             t = torch.cat([fake_quant(part) for part in t.chunk(ranks, dim=1)], dim=1)
-        elif name.endswith("_proj.weight"):
+        elif name.endswith("_proj.weight") or (head and name == "lm_head.weight"):
             t = fake_quant(t)
         tensors[name] = t.contiguous()
     out.mkdir()
@@ -142,10 +153,17 @@ def test_quantized_checkpoints_and_int8_weights_across_ranks(checkpoints, tmp_pa
     checkpoint = _int8_checkpoint(src, tmp_path / "int8-channel")
     one = _engine(checkpoint, 1).generate(EIGHT_PROMPTS, GREEDY)
     per_rank = _engine(_int8_per_rank_reference(src, tmp_path / "per-rank", 2), 1).generate(EIGHT_PROMPTS, GREEDY)
-    engines = [_engine(checkpoint, 2), _engine(src, 2, quantization="int8")]
+    with_head = _int8_per_rank_reference(src, tmp_path / "per-rank-head", 2, head=True)
+    per_rank_head = _engine(with_head, 1).generate(EIGHT_PROMPTS, GREEDY)
+    engines = [
+        _engine(checkpoint, 2),
+        _engine(src, 2, quantization="int8"),
+        _engine(src, 2, quantization="int8", quantize_lm_head=True),  # each rank its vocabulary rows' head
+    ]
     try:
         _close_enough(engines[0].generate(EIGHT_PROMPTS, GREEDY), one)
         _close_enough(engines[1].generate(EIGHT_PROMPTS, GREEDY), per_rank)
+        _close_enough(engines[2].generate(EIGHT_PROMPTS, GREEDY), per_rank_head)
     finally:
         for e in engines:
             e.close()
