@@ -124,6 +124,15 @@ class KVCache:
             data = self.tensor[:, :, block_id].contiguous().view(torch.uint8).cpu().numpy().tobytes()
         return BlockPayload(self.block_shape, dtype_name(self.dtype), data)
 
+    def export_blocks(self, block_ids: list[int]) -> list[BlockPayload]:
+        """``export_block`` of each, in order (a sharded pool gathers them from its ranks at once)."""
+        return [self.export_block(b) for b in block_ids]
+
+    def import_blocks(self, block_ids: list[int], payloads: list[BlockPayload]) -> None:
+        """``import_block`` of each pair, in order (a sharded pool scatters them to its ranks at once)."""
+        for b, p in zip(block_ids, payloads, strict=True):
+            self.import_block(b, p)
+
     def import_block(self, block_id: int, payload: BlockPayload) -> None:
         check_payload(payload, self.block_shape, self.dtype, self.block_nbytes)
         if self.tensor.device.type == "cpu":

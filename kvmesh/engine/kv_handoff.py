@@ -64,11 +64,8 @@ class KVHandoff:
 
     def export_blocks(self, hashes: list[BlockHash]) -> list[tuple[BlockHash, BlockPayload]]:
         """The KV of each named block this engine holds (missing ones are skipped)."""
-        out = []
-        for h in hashes:
-            b = self.blocks.hash_to_block.get(h)
-            if b is not None:
-                out.append((h, self.kv.export_block(b)))
+        held = [(h, self.blocks.hash_to_block[h]) for h in hashes if h in self.blocks.hash_to_block]
+        out = list(zip([h for h, _ in held], self.kv.export_blocks([b for _, b in held])))
         self.stats.exported_blocks += len(out)
         return out
 
@@ -82,7 +79,8 @@ class KVHandoff:
         """KV of held blocks (all, or those named, in the order named); unknown names skipped."""
         by_hash = dict(self._held.get(request_id, []))
         wanted = hashes if hashes is not None else list(by_hash)
-        out = [(h, self.kv.export_block(by_hash[h])) for h in wanted if h in by_hash]
+        named = [h for h in wanted if h in by_hash]
+        out = list(zip(named, self.kv.export_blocks([by_hash[h] for h in named])))
         self.stats.exported_blocks += len(out)
         return out
 
@@ -130,15 +128,25 @@ class KVHandoff:
 
     def import_block(self, h: BlockHash, payload: BlockPayload) -> bool:
         """Adopt a block computed elsewhere as a cached block. False if already held."""
-        if h in self.blocks.hash_to_block:
-            return False
-        (b,) = self.blocks.allocate(1)
+        return self.import_blocks([(h, payload)]) == 1
+
+    def import_blocks(self, blocks: list[tuple[BlockHash, BlockPayload]]) -> int:
+        """``import_block`` of each (written in one go: a sharded pool's ranks in one exchange each);
+        returns how many were adopted (those already held are skipped, as is a repeated name)."""
+        fresh: dict[BlockHash, BlockPayload] = {}
+        for h, payload in blocks:
+            if h not in self.blocks.hash_to_block:
+                fresh.setdefault(h, payload)
+        if not fresh:
+            return 0
+        ids = self.blocks.allocate(len(fresh))
         try:
-            self.kv.import_block(b, payload)
+            self.kv.import_blocks(ids, list(fresh.values()))
         except Exception:
-            self.blocks.release([b])
+            self.blocks.release(ids)
             raise
-        self.blocks.register(b, h)
-        self.blocks.release([b])  # cached-free: reusable by the next request with this prefix
-        self.stats.imported_blocks += 1
-        return True
+        for h, b in zip(fresh, ids):
+            self.blocks.register(b, h)
+        self.blocks.release(ids)  # cached-free: reusable by the next request with this prefix
+        self.stats.imported_blocks += len(ids)
+        return len(ids)

@@ -3,8 +3,9 @@
 Each rank's pool holds only its KV heads (``TPLayout.kv_head_range``). A block handed off (prefill to
 decode, to and from the kvstore) travels in the one wire layout, with every KV head
 (``kvmesh.engine.kv_cache``), so a worker of any degree reads it and the block hash does not change:
-exporting gathers the followers' slices of the block (over their pipes) beside rank 0's own and puts
-the heads in order, each once where ranks replicate a head; importing writes each rank its heads.
+exporting gathers the followers' slices of the blocks (over their pipes, every block of a hand-off in
+one exchange a rank) beside rank 0's own and puts the heads in order, each once where ranks replicate a
+head; importing writes each rank its heads, likewise in one exchange.
 """
 
 from __future__ import annotations
@@ -36,16 +37,36 @@ class ShardedKVCache:
         return self.local.block_nbytes // self._heads[0][1] * self.block_shape[3]
 
     def export_block(self, block_id: int) -> BlockPayload:
-        slices = [self.local.tensor[:, :, block_id].cpu(), *self.group.block_slices(block_id)]
-        whole = torch.cat([slices[r] for r in self._owners], dim=3).contiguous()
-        return BlockPayload(self.block_shape, dtype_name(self.dtype), whole.view(torch.uint8).numpy().tobytes())
+        return self.export_blocks([block_id])[0]
+
+    def export_blocks(self, block_ids: list[int]) -> list[BlockPayload]:
+        if not block_ids:
+            return []
+        # Per rank, its heads of every block: [layers, 2, blocks, block_size, its KV heads, head_dim].
+        slices = [self.local.tensor[:, :, block_ids].cpu(), *self.group.block_slices(block_ids)]
+        out = []
+        for i in range(len(block_ids)):
+            whole = torch.cat([slices[r][:, :, i] for r in self._owners], dim=3).contiguous()
+            out.append(
+                BlockPayload(self.block_shape, dtype_name(self.dtype), whole.view(torch.uint8).numpy().tobytes())
+            )
+        return out
 
     def import_block(self, block_id: int, payload: BlockPayload) -> None:
-        check_payload(payload, self.block_shape, self.dtype, self.block_nbytes)
-        whole = torch.frombuffer(bytearray(payload.data), dtype=torch.uint8).view(self.dtype).view(self.block_shape)
-        slices = [whole[:, :, :, first : first + count].contiguous() for first, count in self._heads]
-        self.local.tensor[:, :, block_id].copy_(slices[0])
-        self.group.write_block_slices(block_id, slices[1:])
+        self.import_blocks([block_id], [payload])
+
+    def import_blocks(self, block_ids: list[int], payloads: list[BlockPayload]) -> None:
+        if not block_ids:
+            return
+        wholes = []
+        for payload in payloads:
+            check_payload(payload, self.block_shape, self.dtype, self.block_nbytes)
+            raw = torch.frombuffer(bytearray(payload.data), dtype=torch.uint8)
+            wholes.append(raw.view(self.dtype).view(self.block_shape))
+        blocks = torch.stack(wholes, dim=2)  # [layers, 2, blocks, block_size, KV heads, head_dim]
+        slices = [blocks[..., first : first + count, :].contiguous() for first, count in self._heads]
+        self.local.tensor[:, :, block_ids] = slices[0]
+        self.group.write_block_slices(block_ids, slices[1:])
 
     def block_checksum(self, block_id: int) -> bytes:
         return checksum(self.export_block(block_id).data)

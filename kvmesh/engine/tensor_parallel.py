@@ -192,18 +192,20 @@ class TensorParallelGroup:
         with self._lock:
             self._send(rank, ("lora", slot, _moved(factors, "cpu") if self._on_host else factors))
 
-    def block_slices(self, block_id: int) -> list[torch.Tensor]:
-        """Each follower's slice of KV block ``block_id`` (its KV heads), in rank order, on the host."""
+    def block_slices(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """Each follower's slice (its KV heads) of KV blocks ``block_ids``, stacked on dim 2 in that order:
+        one tensor a follower, in rank order, on the host. One exchange a rank, whatever the count."""
         with self._lock:
             for rank in range(1, len(self._pipes) + 1):
-                self._send(rank, ("export", block_id))
+                self._send(rank, ("export", block_ids))
             return [self._receive(rank) for rank in range(1, len(self._pipes) + 1)]
 
-    def write_block_slices(self, block_id: int, slices: list[torch.Tensor]) -> None:
-        """Write each follower its slice of KV block ``block_id`` (host tensors, in rank order)."""
+    def write_block_slices(self, block_ids: list[int], slices: list[torch.Tensor]) -> None:
+        """Write each follower its slice of KV blocks ``block_ids`` (host tensors stacked on dim 2 as
+        ``block_slices`` gives them, in rank order)."""
         with self._lock:
             for rank, part in enumerate(slices, start=1):
-                self._send(rank, ("import", block_id, part))
+                self._send(rank, ("import", block_ids, part))
 
     def _send(self, rank: int, message: tuple) -> None:
         try:
@@ -307,10 +309,10 @@ def follower_main(fd: int) -> None:
         elif kind == "lora":
             model.lora.write_slot(*args)
         elif kind == "export":
-            pipe.send_bytes(_pack(kv.tensor[:, :, args[0]].to("cpu", copy=True)))
+            pipe.send_bytes(_pack(kv.tensor[:, :, args[0]].cpu()))  # a list of ids: a copy
         else:  # "import"
-            block_id, part = args
-            kv.tensor[:, :, block_id].copy_(part)
+            block_ids, part = args
+            kv.tensor[:, :, block_ids] = part
 
 
 def build_rank_model(

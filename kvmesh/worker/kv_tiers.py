@@ -52,7 +52,7 @@ async def fetch_prefix_from_kvstore(
 async def _import(engine: AsyncEngine, blocks: list) -> int:
     if not blocks:
         return 0
-    return sum(await engine.call(lambda e: [e.import_block(h, p) for h, p in blocks]))
+    return await engine.call(lambda e: e.import_blocks(blocks))
 
 
 async def store_held_blocks(

@@ -258,7 +258,7 @@ class _Importer:
                 batch = self._take()
                 self._room.set()
                 blocks = await asyncio.to_thread(lambda: [b.verified() for b in batch])
-                await self._engine.call(lambda e: [e.import_block(h, p) for h, p in blocks])
+                await self._engine.call(lambda e: e.import_blocks(blocks))
         finally:
             self._room.set()  # wake a put() waiting for room: it sees the task ended
 

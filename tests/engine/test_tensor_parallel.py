@@ -254,7 +254,8 @@ def test_smollm2_over_three_ranks_gives_one_rank_s_greedy_tokens() -> None:
 @pytest.mark.parametrize("arch", ["llama-gqa", "llama3-rope"])
 def test_blocks_leave_and_enter_whole_so_any_degree_reads_them(checkpoints, arch) -> None:
     """A block exported by two ranks is the one-rank layout (every KV head once, also where both ranks hold the
-    same head), close to what one rank computes; one written in is what comes back out."""
+    same head), close to what one rank computes; one written in is what comes back out. Several at once (a
+    hand-off's blocks, one exchange a rank) land each where it is named."""
     path = checkpoints[arch]
     prompt = EIGHT_PROMPTS[2]  # 50 tokens: three full blocks
     one, two = _engine(path, 1), _engine(path, 2)
@@ -271,5 +272,13 @@ def test_blocks_leave_and_enter_whole_so_any_degree_reads_them(checkpoints, arch
         two.kv.import_block(block_id, a)
         assert two.kv.export_block(block_id).data == a.data
         assert two.kv.block_checksum(block_id) == one.kv.block_checksum(one.blocks.hash_to_block[h0])
+        blocks = one.export_blocks(hashes)
+        fresh = _engine(path, 2)
+        try:
+            assert fresh.import_blocks(blocks + blocks[:1]) == 3  # a name twice is adopted once
+            assert fresh.import_blocks(blocks) == 0  # held already
+            assert [p.data for _, p in fresh.export_blocks(hashes[::-1])] == [p.data for _, p in blocks[::-1]]
+        finally:
+            fresh.close()
     finally:
         two.close()
