@@ -46,7 +46,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="split the model over N processes (ranks) of this machine, Megatron-style (CPU)",
+        help="split the model over N processes (ranks) of this machine, Megatron-style (on CUDA, a GPU a rank)",
+    )
+    p.add_argument(
+        "--tp-all-reduce",
+        choices=("shm", "gloo", "nccl"),
+        help="how the ranks sum their partial products (default: shm on CPU, nccl on CUDA)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object with token_ids, text, finish_reason")
     grammar = p.add_mutually_exclusive_group()
@@ -83,6 +88,7 @@ def _generate(args: argparse.Namespace) -> int:
             quantization=args.quantization,
             deterministic=args.deterministic,
             tensor_parallel_size=args.tensor_parallel_size,
+            tp_all_reduce=args.tp_all_reduce,
         ),
     )
     try:

@@ -23,6 +23,15 @@ def test_json_output_with_token_ids_and_finish_reason(llama_with_tokenizer, caps
     assert code == 0 and len(result["token_ids"]) <= 5 and result["finish_reason"] in ("stop", "length")
 
 
+def test_two_ranks_through_either_all_reduce_generate_one_rank_s_tokens(llama_with_tokenizer, capsys):
+    argv = ["--model", str(llama_with_tokenizer), "--prompt", "def f(x):", "--max-tokens", "8", "--json"]
+    runs = [_run(capsys, *argv, *extra) for extra in ([], ["--tensor-parallel-size", "2"])]
+    runs.append(_run(capsys, *argv, "--tensor-parallel-size", "2", "--tp-all-reduce", "gloo"))
+    assert [code for code, _, _ in runs] == [0, 0, 0]
+    tokens = [json.loads(out)["token_ids"] for _, out, _ in runs]
+    assert tokens[0] == tokens[1] == tokens[2] and tokens[0]
+
+
 def test_a_json_schema_constrains_the_output(llama_with_tokenizer, capsys):
     schema = {
         "type": "object",
