@@ -48,6 +48,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="split the model over N processes (ranks) of this machine, Megatron-style (on CUDA, a GPU a rank)",
     )
+    # engine.config.TP_ALL_REDUCES, spelled out: this parser loads without torch.
     p.add_argument(
         "--tp-all-reduce",
         choices=("shm", "gloo", "nccl"),

@@ -33,6 +33,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# How tensor-parallel ranks may sum their partial products (``EngineConfig.tp_all_reduce``).
+TP_ALL_REDUCES = ("shm", "gloo", "nccl")
+
+
 @dataclass
 class EngineConfig:
     """Knobs of one engine instance. Defaults suit a small model on CPU."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kernels.quantized_linear import SCHEMES as QUANTIZATION_SCHEMES
-from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.config import TP_ALL_REDUCES, EngineConfig
 from kvmesh.runtime import Flag
 
 ENGINE_FLAGS = [
@@ -58,7 +58,7 @@ ENGINE_FLAGS = [
         "how tensor-parallel ranks sum their partial products: shm (shared memory) or gloo (torch.distributed "
         "over TCP) for CPU ranks, nccl for CUDA ranks; default: shm on CPU, nccl on CUDA",
         default=None,
-        choices=("shm", "gloo", "nccl"),
+        choices=TP_ALL_REDUCES,
     ),
     Flag(
         "--inject-engine-fault-after-steps",

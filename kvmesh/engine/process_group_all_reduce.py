@@ -20,6 +20,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from kvmesh.engine.rank_order_sum import sum_in_rank_order
+
 BACKENDS = ("gloo", "nccl")
 
 
@@ -85,10 +87,7 @@ class ProcessGroupAllReduce:
             self._group.allgather([parts], [tensor]).wait()
         except RuntimeError as e:  # DistBackendError, gloo's "Connection closed by peer", a timeout
             raise CollectiveFailed(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
-        total = parts[0].to(torch.float32, copy=True)
-        for part in parts[1:]:
-            total += part.float()
-        tensor.copy_(total)
+        sum_in_rank_order(parts, tensor)
 
     def close(self) -> None:
         if self._backend == "nccl":

@@ -22,6 +22,8 @@ from collections.abc import Callable
 import numpy
 import torch
 
+from kvmesh.engine.rank_order_sum import sum_in_rank_order
+
 SLOT_BYTES = 4 << 20  # larger tensors go through in slot-sized pieces
 _CHECK_EVERY = 256  # spins between looks at the clock
 
@@ -63,10 +65,7 @@ class ShmAllReduce:
         views = [
             torch.from_numpy(self._slots[which, r, :nbytes]).view(part.dtype).view(part.shape) for r in range(self.size)
         ]
-        total = views[0].to(torch.float32, copy=True)  # never into the shared slot: others still read it
-        for v in views[1:]:
-            total += v.float()
-        part.copy_(total)
+        sum_in_rank_order(views, part)  # into this rank's tensor, never a shared slot: others still read them
 
     def _wait(self, flags: numpy.ndarray) -> None:
         spins, deadline = 0, time.monotonic() + self.timeout_s

@@ -9,12 +9,12 @@ every layer: through shared memory on one machine's CPUs (``kvmesh.engine.shm_al
 torch.distributed process group otherwise (``kvmesh.engine.process_group_all_reduce``: NCCL between
 GPUs, rank r on the r-th GPU from the engine's own; gloo where CPU ranks are asked to use it).
 
-The pipes also carry KV blocks, a follower's slice of one at a time, when the engine hands blocks
-off (``kvmesh.engine.sharded_kv``). The pipe, not the process group, carries the steps: a follower
-waits on it without a deadline while the engine is idle, and sees end-of-file the moment rank 0 goes
-away. The all-reduces do have one (``COLLECTIVE_TIMEOUT_S``), and each side watches the other (rank 0
-its children, a follower its parent): a rank that dies mid-step fails the others' pass at once instead
-of hanging it.
+The pipes also carry KV blocks, a follower's slices of every block of a hand-off in one message, when
+the engine hands blocks off (``kvmesh.engine.sharded_kv``). The pipe, not the process group, carries the
+steps: a follower waits on it without a deadline while the engine is idle, and sees end-of-file the
+moment rank 0 goes away. The all-reduces do have one (``COLLECTIVE_TIMEOUT_S``), and each side watches
+the other (rank 0 its children, a follower its parent): a rank that dies mid-step fails the others'
+pass at once instead of hanging it.
 """
 
 from __future__ import annotations
@@ -155,11 +155,7 @@ class TensorParallelGroup:
             if memory is not None:
                 os.close(memory)  # mapped here and inherited there
         device = rank_device(cfg.device, 0)
-        join = None
-        if store is not None:
-            join = partial(
-                ProcessGroupAllReduce, store, 0, size, backend, device, COLLECTIVE_TIMEOUT_S, cfg.deterministic
-            )
+        join = partial(_group_all_reduce, store, 0, cfg, device) if store is not None else None
         return cls(processes, pipes, link, join, device)
 
     def wait_ready(self) -> None:
@@ -245,6 +241,22 @@ def _unpack(data: bytes) -> object:
     return pickle.loads(data)
 
 
+def _group_all_reduce(
+    store: torch.distributed.Store, rank: int, cfg: EngineConfig, device: torch.device
+) -> ProcessGroupAllReduce:
+    """Rank ``rank``'s place in the process group of ``cfg``'s all-reduce, met at ``store``: the sum in rank
+    order under deterministic serving, as the shared-memory all-reduce gives it."""
+    return ProcessGroupAllReduce(
+        store,
+        rank,
+        cfg.tensor_parallel_size,
+        cfg.resolve_tp_all_reduce(),
+        device,
+        COLLECTIVE_TIMEOUT_S,
+        in_rank_order=cfg.deterministic,
+    )
+
+
 def _moved(obj: object, device: torch.device | str) -> object:
     """``obj`` (tensors, and tuples, lists, dicts and dataclasses of them) with every tensor on ``device``."""
     if isinstance(obj, torch.Tensor):
@@ -285,10 +297,7 @@ def follower_main(fd: int) -> None:
     pipe.send_bytes(_pack(_READY))
     if backend != "shm":  # every rank is ready: meet rank 0 in the group (it fails the start if this fails)
         try:
-            store = join_store(meeting, size, COLLECTIVE_TIMEOUT_S)
-            group = ProcessGroupAllReduce(
-                store, rank, size, backend, device, COLLECTIVE_TIMEOUT_S, in_rank_order=cfg.deterministic
-            )
+            group = _group_all_reduce(join_store(meeting, size, COLLECTIVE_TIMEOUT_S), rank, cfg, device)
         except Exception:
             return
         link.attach(group, lambda: True)
