@@ -3,7 +3,8 @@
 
 Loading reads and checks files, so it runs off the event loop (the engine's adapter registry is
 thread-safe: ``kvmesh.engine.lora``). Every change is reported to the router at once (an immediate
-heartbeat), so when the call returns, requests naming the adapter can be routed here.
+heartbeat) and the call returns once the router acknowledged it, so requests naming the adapter can
+then be routed here (within the RPC timeout; past it the worker answers anyway and logs).
 """
 
 from __future__ import annotations
