@@ -299,8 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, a tiny model, few tokens")
     parser.add_argument("--json", type=Path, required=True, help="where to write the results")
-    parser.add_argument("--budget-s", type=float, default=240.0,
-                        help="start no speed section after this on a GPU (default 240; a dry run has none)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=240.0,
+        help="start no speed section after this on a GPU (default 240; a dry run has none)",
+    )
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_engine: no CUDA device here; --dry-run runs the same code on the CPU", file=sys.stderr)
