@@ -148,12 +148,16 @@ def dequantized_tensors(config: dict[str, Any], files: list[Path]) -> Iterator[t
     return gen()
 
 
+def checkpoint_tensors(config: dict[str, Any], files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF-named weights of a checkpoint's ``files``, dequantized when it is quantized."""
+    tensors = dequantized_tensors(config, files)
+    return tensors if tensors is not None else iter_tensors(files)
+
+
 def state_dict(path: Path) -> dict[str, torch.Tensor]:
     """All HF-named weights of a model folder, dequantized when it is quantized."""
     config = json.loads((path / "config.json").read_text())
-    files = weight_files(path)
-    tensors = dequantized_tensors(config, files)
-    return dict(tensors if tensors is not None else iter_tensors(files))
+    return dict(checkpoint_tensors(config, weight_files(path)))
 
 
 def load_hf_model(path: Path, dtype: torch.dtype = torch.float32):

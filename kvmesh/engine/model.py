@@ -19,7 +19,6 @@ from kernels.errors import KernelUnavailable, UnknownScheme
 from kernels.invariant_linear import InvariantLinear, use_invariant_linears
 from kernels.quantized_linear import QuantizedLinear, get_scheme, quantize_model
 from kernels.small_rows_linear import SmallRowsLinear, use_small_rows_linears
-from kvmesh.checkpoint.files import iter_tensors
 from kvmesh.checkpoint.model_config import ModelConfig
 from kvmesh.engine.lora import LoraSlots
 from kvmesh.engine.rope import rope_cos_sin_cache
@@ -141,21 +140,24 @@ class CausalLM(nn.Module):
         # What each layer holds: its heads, KV heads and intermediate columns under tensor parallelism.
         self.layer_cfg = tp.local_config(cfg) if tp is not None else cfg
         self.ops = Ops(device)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        # Vocab-parallel embedding and LM head: the (first, count) vocabulary rows of both this rank holds.
+        # Every rank looks up the tokens in its rows and computes their logits; an all-reduce adds the
+        # ranks' parts up. None: all rows.
+        self.head_rows = tp.vocab_range(cfg.vocab_size) if tp is not None and tp.size > 1 else None
+        rows = cfg.vocab_size if self.head_rows is None else self.head_rows[1]
+        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(self.layer_cfg, dtype, i) for i in range(cfg.num_layers))
         for layer in self.layers:
             layer.all_reduce = all_reduce
         self.all_reduce = all_reduce
-        # Vocab-parallel LM head: the (first, count) vocabulary rows whose logits this rank computes
-        # (every rank runs the head, on the rows rank 0 samples; an all-reduce gathers the shards); None: all.
-        self.head_rows = tp.vocab_range(cfg.vocab_size) if tp is not None and tp.size > 1 else None
         # Rank 0 of a tensor-parallel group: sends each forward pass's inputs to the other ranks
         # before running it (TensorParallelGroup.mirror); None: no other ranks.
         self.mirror: Callable[[tuple], None] | None = None
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype))
-        self.lm_head = (
-            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
-        )
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, rows, bias=False, dtype=dtype)
+        # What reads the whole vocabulary's embedding and head on a rank that holds a part (an EAGLE
+        # head, its fingerprint): the checkpoint's HF-named tensors, read again (``load_weights`` sets it).
+        self._checkpoint: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None
         cos_sin = rope_cos_sin_cache(cfg.rope, cfg.head_dim, max_positions, cfg.max_position_embeddings)
         self.register_buffer("cos_sin", cos_sin, persistent=False)
         # ``run`` compiled for decode steps, and the KV write it traces (kvmesh.engine.compile);
@@ -217,8 +219,23 @@ class CausalLM(nn.Module):
         if self.head_proj is not None:
             logits = self.head_proj(hidden).float()
         else:
-            logits = torch.matmul(hidden, self.head_shard_weight.t()).float()
+            logits = torch.matmul(hidden, self.head_weight.t()).float()
         return self._gather_vocab(logits), features
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings [T, hidden]. Split over ranks, each looks up the tokens in its own rows,
+        zeros for the others, and the all-reduce adds them up: exact, as one rank's row plus zeros."""
+        if self.head_rows is None:
+            return self.embed_tokens(input_ids)
+        first, count = self.head_rows
+        if count == 0:  # more ranks than ceil(V/N) shares: this one holds no row
+            hidden = self.embed_tokens.weight.new_zeros((input_ids.shape[0], self.cfg.hidden_size))
+        else:
+            local = input_ids - first
+            outside = (local < 0) | (local >= count)
+            hidden = self.embed_tokens(local.masked_fill(outside, 0)).masked_fill_(outside.unsqueeze(-1), 0)
+        self.all_reduce(hidden)
+        return hidden
 
     def _gather_vocab(self, part: torch.Tensor) -> torch.Tensor:
         """Every rank's logits [rows, vocab] from each rank's ``head_rows`` columns: each writes its own into
@@ -234,14 +251,22 @@ class CausalLM(nn.Module):
 
     @property
     def head_weight(self) -> torch.Tensor:
-        """The LM head's weight as loaded [vocab, hidden]: the embedding's when they are tied."""
+        """The LM head's weight [rows, hidden] as loaded, this rank's ``head_rows`` (all of them on one
+        rank): the embedding's when they are tied."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    @property
-    def head_shard_weight(self) -> torch.Tensor:
-        """The rows of ``head_weight`` this rank's head product reads (all of them on one rank)."""
-        w = self.head_weight
-        return w if self.head_rows is None else w.narrow(0, *self.head_rows)
+    def whole_vocab_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embedding, LM head) over the whole vocabulary, [vocab, hidden] each: this model's own on one
+        rank; on a rank that holds a part, the checkpoint's read again (on this model's device and dtype),
+        which is what a draft head drafting over every token needs."""
+        if self.head_rows is None:
+            return self.embed_tokens.weight, self.head_weight
+        wanted = {"model.embed_tokens.weight": None, **({} if self.lm_head is None else {"lm_head.weight": None})}
+        for name, tensor in self._checkpoint():
+            if name in wanted:
+                wanted[name] = tensor.to(self.embed_tokens.weight.device, self.embed_tokens.weight.dtype)
+        embedding = wanted["model.embed_tokens.weight"]
+        return embedding, wanted.get("lm_head.weight", embedding)
 
     def quantize(self, scheme: str, head: bool = False) -> None:
         """8-bit weights for every projection (``kernels.quantized_linear``), and with ``head``
@@ -253,7 +278,7 @@ class CausalLM(nn.Module):
             quantize_model(self, scheme)  # the projections; "lm_head" is skipped
             if head:
                 bias = None if self.lm_head is None else self.lm_head.bias
-                self.head_proj = QuantizedLinear(self.head_shard_weight, bias, get_scheme(scheme))
+                self.head_proj = QuantizedLinear(self.head_weight, bias, get_scheme(scheme))
         except UnknownScheme as e:
             raise InvalidArgument(str(e)) from None
         except KernelUnavailable as e:
@@ -265,7 +290,7 @@ class CausalLM(nn.Module):
         weights must not change afterwards: the reordered copies would not follow."""
         split = self.head_rows is not None  # the head's own rows, not the whole lm_head
         if self.head_proj is None and (self.lm_head is None or split):
-            self.head_proj = SmallRowsLinear(self.head_shard_weight, None)
+            self.head_proj = SmallRowsLinear(self.head_weight, None)
         # After the head's module exists: the float32 row floor is calibrated for every one.
         use_small_rows_linears(self, skip=("lm_head",) if split else ())
         if self.head_proj is None:
@@ -280,7 +305,7 @@ class CausalLM(nn.Module):
             use_invariant_linears(self, self.ops.invariant_mm)  # the projections and an untied LM head
             own = self.lm_head is None or self.head_rows is not None  # the lm_head module computes all rows
             mm = self.ops.invariant_mm
-            self.head_proj = InvariantLinear(self.head_shard_weight, None, mm) if own else self.lm_head
+            self.head_proj = InvariantLinear(self.head_weight, None, mm) if own else self.lm_head
         except KernelUnavailable as e:
             raise FailedPrecondition(f"deterministic serving: {e}") from None
 
@@ -289,7 +314,7 @@ class CausalLM(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Embedding, every layer (writing this step's K/V) and the final norm: (hidden [T, hidden],
         the residual stream [T, hidden] after each of ``feature_layers``, in layer order)."""
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         residual = None
         taps = []
         for layer in self.layers:
@@ -299,9 +324,10 @@ class CausalLM(nn.Module):
         hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
         return hidden, taps
 
-    def load_weights(self, files: list, tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
-        """Copy HF-named tensors into this model, fusing q/k/v and gate/up projections.
-        ``tensors`` replaces reading ``files`` (a quantized checkpoint's dequantized weights)."""
+    def load_weights(self, checkpoint: Callable[[], Iterable[tuple[str, torch.Tensor]]]) -> None:
+        """Copy the HF-named tensors ``checkpoint()`` yields into this model, fusing q/k/v and gate/up
+        projections (``kvmesh.checkpoint.compressed.checkpoint_tensors``: dequantized where quantized)."""
+        self._checkpoint = checkpoint
         cfg = self.layer_cfg  # a tensor-parallel rank's fused projections hold its slices (``TPLayout.shard``)
         params = dict(self.named_parameters())
         loaded: set[str] = set()
@@ -321,7 +347,7 @@ class CausalLM(nn.Module):
             "self_attn.q_norm": "q_norm",
             "self_attn.k_norm": "k_norm",
         }
-        for name, tensor in iter_tensors(files) if tensors is None else tensors:
+        for name, tensor in checkpoint():
             target, rows = self._map_name(name, fused, renamed)
             if target is None:
                 continue  # e.g. rotary inv_freq buffers some checkpoints carry

@@ -10,13 +10,14 @@ runs; this file only runs it.
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvmesh.blocks import model_fingerprint
-from kvmesh.checkpoint.compressed import dequantized_tensors
+from kvmesh.checkpoint.compressed import checkpoint_tensors
 from kvmesh.checkpoint.files import weight_files, weights_id
 from kvmesh.checkpoint.model_config import ModelConfig
 from kvmesh.engine.compile import compile_decode
@@ -54,7 +55,7 @@ class ModelRunner:
             mc, self.dtype, self.device, self.max_model_len, layout, self.tp.link.all_reduce if self.tp else None
         )
         # A compressed-tensors checkpoint (kvmesh quantize) is dequantized on load.
-        self.model.load_weights(files, dequantized_tensors(mc.raw, files))
+        self.model.load_weights(partial(checkpoint_tensors, mc.raw, files))
         self.model.to(self.device).eval()
         if cfg.deterministic:
             if cfg.quantization is not None:

@@ -328,7 +328,7 @@ def build_rank_model(
     path: Path, cfg: EngineConfig, mc: ModelConfig, layout: TPLayout, device: torch.device, link: RankLink
 ):
     """A follower's model slice and KV pool on ``device``, built as rank 0's ``ModelRunner`` builds its own."""
-    from kvmesh.checkpoint.compressed import dequantized_tensors
+    from kvmesh.checkpoint.compressed import checkpoint_tensors
     from kvmesh.checkpoint.files import weight_files
     from kvmesh.engine.kv_cache import KVCache
     from kvmesh.engine.lora import LoraSlots
@@ -338,7 +338,7 @@ def build_rank_model(
     max_len = cfg.resolve_max_model_len(mc.max_position_embeddings)
     model = CausalLM(mc, dtype, device, max_len, tp=layout, all_reduce=link.all_reduce)
     files = weight_files(path)
-    model.load_weights(files, dequantized_tensors(mc.raw, files))
+    model.load_weights(partial(checkpoint_tensors, mc.raw, files))
     model.to(device).eval()
     if cfg.deterministic:
         model.make_batch_invariant()

@@ -5,9 +5,10 @@ read. With at least N KV heads each rank holds Hk/N of them; with fewer (GQA: Sm
 for 9 query heads) the KV heads are replicated, rank r holding head r*Hk/N, which is the one its query
 heads read, so N must be a multiple of Hk. The MLP is split by intermediate columns. q/k/v and gate/up
 are column-parallel (each rank computes its heads' and its columns' outputs), o_proj and down_proj
-row-parallel (each rank's partial sum, added up by one all-reduce after each). The LM head's product is
-vocab-parallel: rank r computes the logits of vocabulary rows [r*ceil(V/N), ...) and an all-reduce gathers
-them. Embedding and norms stay whole on every rank. A config that cannot be split so is refused, saying why.
+row-parallel (each rank's partial sum, added up by one all-reduce after each). The embedding and the LM
+head are vocab-parallel: rank r holds vocabulary rows [r*ceil(V/N), ...) of both, looks up the tokens that
+fall in them (zeros for the rest) and computes their logits, and an all-reduce adds the ranks' parts up.
+Norms stay whole on every rank. A config that cannot be split so is refused, saying why.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from kvmesh.checkpoint.model_config import ModelConfig
 from kvmesh.errors import InvalidArgument
 
 # HF weight-name suffix -> how it is split: "rows-q"/"rows-kv"/"rows-mlp" slice output rows (column
-# parallel), "cols-q"/"cols-mlp" slice input columns (row parallel). Anything else is whole.
+# parallel), "cols-q"/"cols-mlp" slice input columns (row parallel), "rows-vocab" the vocabulary rows of
+# the embedding and an untied LM head. Anything else is whole.
 _SPLITS = {
     "self_attn.q_proj.weight": "rows-q",
     "self_attn.q_proj.bias": "rows-q",
@@ -32,6 +34,8 @@ _SPLITS = {
     "mlp.up_proj.weight": "rows-mlp",
     "self_attn.o_proj.weight": "cols-q",
     "mlp.down_proj.weight": "cols-mlp",
+    "model.embed_tokens.weight": "rows-vocab",
+    "lm_head.weight": "rows-vocab",
 }
 
 
@@ -86,8 +90,8 @@ class TPLayout:
         )
 
     def vocab_range(self, vocab_size: int) -> tuple[int, int]:
-        """(first, count) of the LM head's vocabulary rows whose logits this rank computes: ceil(V/N) a rank,
-        the last rank's fewer where N does not divide V."""
+        """(first, count) of the vocabulary rows of the embedding and LM head this rank holds: ceil(V/N) a
+        rank, the last rank's fewer where N does not divide V."""
         per = -(-vocab_size // self.size)
         first = min(vocab_size, self.rank * per)
         return first, min(vocab_size, first + per) - first
@@ -125,5 +129,5 @@ class TPLayout:
         if how is None or self.size == 1:
             return tensor
         axis, kind = how.split("-")
-        first, count = self._range(kind)
+        first, count = self.vocab_range(tensor.shape[0]) if kind == "vocab" else self._range(kind)
         return tensor.narrow(0 if axis == "rows" else 1, first, count)

@@ -59,9 +59,10 @@ def target_fingerprint(model: CausalLM) -> str:
     bf16 checkpoint does not change it."""
     d = hashlib.blake2b(digest_size=16)
     d.update(json.dumps(model.cfg.raw, sort_keys=True, default=str).encode())
-    tensors = [model.embed_tokens.weight, model.norm]
+    embedding, head = model.whole_vocab_weights()  # the whole vocabulary's, however many ranks share it
+    tensors = [embedding, model.norm]
     if model.lm_head is not None:
-        tensors.append(model.lm_head.weight)
+        tensors.append(head)
     for t in tensors:
         d.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return d.hexdigest()
@@ -191,7 +192,7 @@ class EagleHead:
         tensors = load_file(str(path / "head.safetensors"))
         draft_vocab = tensors.pop("draft_vocab")
         block.load_state_dict(tensors)
-        return cls(block, model.embed_tokens.weight, model.head_weight, draft_vocab)
+        return cls(block, *model.whole_vocab_weights(), draft_vocab)
 
     @torch.inference_mode()
     def sample(

@@ -7,6 +7,7 @@ refused by name; a rank killed fails the step instead of hanging it."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -66,17 +67,42 @@ def test_the_lm_head_splits_by_vocabulary_rows() -> None:
     assert [t.vocab_range(2) for t in layouts] == [(0, 1), (1, 1), (2, 0)]  # a rank may have none
 
 
+def test_each_rank_looks_up_its_vocabulary_rows_and_the_sum_is_the_whole_embedding(checkpoints) -> None:
+    """Four ranks over a 9-token vocabulary (3, 3, 3 and 0 rows): each rank's lookup holds its own tokens'
+    rows and zeros elsewhere, so the all-reduce's sum is one whole table's lookup, bit for bit."""
+    from kvmesh.engine.model import CausalLM
+
+    mc = replace(ModelConfig.from_dir(checkpoints["llama-mha-tied"]), vocab_size=9)
+    whole = torch.randn(9, mc.hidden_size)
+    ids = torch.tensor([0, 8, 3, 3, 5, 2, 6])
+    parts = []
+    for rank in range(4):
+        layout = TPLayout(rank, 4, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.intermediate_size)
+        model = CausalLM(mc, torch.float32, torch.device("cpu"), 64, layout, all_reduce=lambda t: None)
+        first, count = model.head_rows
+        assert model.embed_tokens.weight.shape[0] == count == (3 if rank < 3 else 0)
+        model.embed_tokens.weight.data.copy_(whole[first : first + count])
+        parts.append(model.embed(ids))
+    assert torch.equal(sum(parts), whole[ids])
+
+
 @pytest.mark.parametrize("arch", ["llama-gqa", "llama3-rope", "qwen2-bias", "llama-mha-tied"])
 def test_two_ranks_give_one_rank_s_greedy_tokens_and_logprobs(checkpoints, arch) -> None:
     """llama-gqa: 2 KV heads, one a rank; llama3-rope: 1 KV head, replicated; qwen2-bias: q/k/v biases
-    split with their rows; llama-mha-tied: the tied LM head. Every rank computes the logits of half the
-    vocabulary (rank 0 of the first half only: the tokens would not match if the other half went missing)."""
+    split with their rows; llama-mha-tied: the tied LM head. Every rank holds half the vocabulary's embedding
+    and head rows and computes their logits (rank 0 of the first half only: the tokens would not match if the
+    other half went missing); a draft head still reads the whole vocabulary's (``whole_vocab_weights``)."""
     path = checkpoints[arch]
-    one = _engine(path, 1).generate(EIGHT_PROMPTS, GREEDY)
+    single = _engine(path, 1)
+    one = single.generate(EIGHT_PROMPTS, GREEDY)
     two = _engine(path, 2)
     vocab = two.runner.model.cfg.vocab_size
     assert two.runner.model.head_rows == (0, vocab // 2)
     assert two.runner.model.head_proj.weight.shape[0] == vocab // 2  # the head's product reads its rows only
+    assert two.runner.model.head_weight.shape[0] == two.runner.model.embed_tokens.weight.shape[0] == vocab // 2
+    whole = single.runner.model
+    for theirs, ours in zip(two.runner.model.whole_vocab_weights(), (whole.embed_tokens.weight, whole.head_weight)):
+        assert torch.equal(theirs, ours)
     try:
         _close_enough(two.generate(EIGHT_PROMPTS, GREEDY), one)
     finally:
