@@ -134,18 +134,14 @@ def streamed_rows(model: nn.Module) -> int:
     return min(counts, default=0)
 
 
-def use_small_rows_linears(
-    model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS, calibrate: bool = True, skip: tuple[str, ...] = ()
-) -> int:
-    """Swap, in place, every float32 or bfloat16 CPU ``nn.Linear`` of ``model`` (but those named in
-    ``skip``) for a ``SmallRowsLinear`` (sharing its parameters); returns how many were swapped. With
+def use_small_rows_linears(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS, calibrate: bool = True) -> int:
+    """Swap, in place, every float32 or bfloat16 CPU ``nn.Linear`` of ``model`` for a
+    ``SmallRowsLinear`` (sharing its parameters); returns how many were swapped. With
     ``calibrate``, the float32 ones get the row floor this processor pays at (``calibrate_min_rows``),
     and each dtype's the rows it streams (``calibrate_streamed_rows``)."""
     swapped = swap_modules(
         model,
-        lambda name, m: (
-            type(m) is nn.Linear and name not in skip and m.weight.device.type == "cpu" and m.weight.dtype in MIN_ROWS
-        ),
+        lambda name, m: type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype in MIN_ROWS,
         lambda linear: SmallRowsLinear.of(linear, max_rows),
     )
     fp32 = [m for m in model.modules() if isinstance(m, SmallRowsLinear) and m.weight.dtype == torch.float32]

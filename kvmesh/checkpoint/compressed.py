@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -148,10 +148,14 @@ def dequantized_tensors(config: dict[str, Any], files: list[Path]) -> Iterator[t
     return gen()
 
 
-def checkpoint_tensors(config: dict[str, Any], files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The HF-named weights of a checkpoint's ``files``, dequantized when it is quantized."""
-    tensors = dequantized_tensors(config, files)
-    return tensors if tensors is not None else iter_tensors(files)
+def checkpoint_tensors(
+    config: dict[str, Any], files: list[Path], names: Collection[str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF-named weights of a checkpoint's ``files``, dequantized when it is quantized; with ``names``,
+    only those (a plain checkpoint reads no other tensor; a quantized one dequantizes no other)."""
+    if "quantization_config" not in config:
+        return iter_tensors(files, names)
+    return ((n, t) for n, t in dequantized_tensors(config, files) if names is None or n in names)
 
 
 def state_dict(path: Path) -> dict[str, torch.Tensor]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import torch
@@ -34,12 +34,14 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(files: list[Path], names: Collection[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The files' tensors by name; with ``names``, only those (the others are never read)."""
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():
-                    yield name, st.get_tensor(name)
+                    if names is None or name in names:
+                        yield name, st.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelLoadError(f"{f}: corrupt or unreadable safetensors file ({e})") from None
 

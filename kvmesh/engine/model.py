@@ -132,8 +132,9 @@ class CausalLM(nn.Module):
         tp: TPLayout | None = None,
         all_reduce: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
-        """``tp``: the slice of every layer this tensor-parallel rank holds, ``all_reduce`` summing the
-        ranks' partial products (kvmesh.engine.tensor_parallel); None: the whole model."""
+        """``tp``: the slice of every layer and the vocabulary rows of the embedding and head this
+        tensor-parallel rank holds, ``all_reduce`` summing the ranks' partial products
+        (kvmesh.engine.tensor_parallel); None: the whole model."""
         super().__init__()
         self.cfg = cfg
         self.tp = tp
@@ -157,7 +158,7 @@ class CausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, rows, bias=False, dtype=dtype)
         # What reads the whole vocabulary's embedding and head on a rank that holds a part (an EAGLE
         # head, its fingerprint): the checkpoint's HF-named tensors, read again (``load_weights`` sets it).
-        self._checkpoint: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None
+        self._checkpoint: Callable[..., Iterable[tuple[str, torch.Tensor]]] | None = None
         cos_sin = rope_cos_sin_cache(cfg.rope, cfg.head_dim, max_positions, cfg.max_position_embeddings)
         self.register_buffer("cos_sin", cos_sin, persistent=False)
         # ``run`` compiled for decode steps, and the KV write it traces (kvmesh.engine.compile);
@@ -261,12 +262,13 @@ class CausalLM(nn.Module):
         which is what a draft head drafting over every token needs."""
         if self.head_rows is None:
             return self.embed_tokens.weight, self.head_weight
-        wanted = {"model.embed_tokens.weight": None, **({} if self.lm_head is None else {"lm_head.weight": None})}
-        for name, tensor in self._checkpoint():
-            if name in wanted:
-                wanted[name] = tensor.to(self.embed_tokens.weight.device, self.embed_tokens.weight.dtype)
-        embedding = wanted["model.embed_tokens.weight"]
-        return embedding, wanted.get("lm_head.weight", embedding)
+        if self._checkpoint is None:
+            raise FailedPrecondition("the whole vocabulary's weights are read from the checkpoint: load it first")
+        names = ("model.embed_tokens.weight",) + (() if self.lm_head is None else ("lm_head.weight",))
+        like = self.embed_tokens.weight
+        read = {name: t.to(like.device, like.dtype) for name, t in self._checkpoint(names)}
+        embedding = read["model.embed_tokens.weight"]
+        return embedding, read.get("lm_head.weight", embedding)
 
     def quantize(self, scheme: str, head: bool = False) -> None:
         """8-bit weights for every projection (``kernels.quantized_linear``), and with ``head``
@@ -288,11 +290,10 @@ class CausalLM(nn.Module):
         """Run few-row products (decode steps, a speculative verify's k+1 rows) on oneDNN-reordered weights,
         the LM head's included unless it is quantized (``kernels.small_rows_linear``; CPU). The
         weights must not change afterwards: the reordered copies would not follow."""
-        split = self.head_rows is not None  # the head's own rows, not the whole lm_head
-        if self.head_proj is None and (self.lm_head is None or split):
+        if self.head_proj is None and self.lm_head is None:  # tied: the embedding's rows
             self.head_proj = SmallRowsLinear(self.head_weight, None)
         # After the head's module exists: the float32 row floor is calibrated for every one.
-        use_small_rows_linears(self, skip=("lm_head",) if split else ())
+        use_small_rows_linears(self)
         if self.head_proj is None:
             self.head_proj = self.lm_head
 
@@ -303,9 +304,9 @@ class CausalLM(nn.Module):
         try:
             self.ops = Ops(self.embed_tokens.weight.device, batch_invariant=True)
             use_invariant_linears(self, self.ops.invariant_mm)  # the projections and an untied LM head
-            own = self.lm_head is None or self.head_rows is not None  # the lm_head module computes all rows
+            tied = self.lm_head is None  # the embedding's rows: no module of its own to swap
             mm = self.ops.invariant_mm
-            self.head_proj = InvariantLinear(self.head_weight, None, mm) if own else self.lm_head
+            self.head_proj = InvariantLinear(self.head_weight, None, mm) if tied else self.lm_head
         except KernelUnavailable as e:
             raise FailedPrecondition(f"deterministic serving: {e}") from None
 
@@ -324,9 +325,10 @@ class CausalLM(nn.Module):
         hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
         return hidden, taps
 
-    def load_weights(self, checkpoint: Callable[[], Iterable[tuple[str, torch.Tensor]]]) -> None:
+    def load_weights(self, checkpoint: Callable[..., Iterable[tuple[str, torch.Tensor]]]) -> None:
         """Copy the HF-named tensors ``checkpoint()`` yields into this model, fusing q/k/v and gate/up
-        projections (``kvmesh.checkpoint.compressed.checkpoint_tensors``: dequantized where quantized)."""
+        projections (``kvmesh.checkpoint.compressed.checkpoint_tensors``: dequantized where quantized;
+        ``checkpoint(names)`` yields only those, read again by ``whole_vocab_weights``)."""
         self._checkpoint = checkpoint
         cfg = self.layer_cfg  # a tensor-parallel rank's fused projections hold its slices (``TPLayout.shard``)
         params = dict(self.named_parameters())

@@ -5,9 +5,10 @@ Ranks 1..N-1 are follower processes it starts (``kvmesh.engine.tp_rank``): each 
 the weights (``kvmesh.engine.tp_layout``) and a KV pool of its own heads, then runs every forward
 pass rank 0 runs, on the same token ids, positions and block tables, which rank 0 sends it over a
 pipe before each pass (``TensorParallelGroup.mirror``). The ranks meet in the two all-reduces of
-every layer: through shared memory on one machine's CPUs (``kvmesh.engine.shm_all_reduce``), through a
-torch.distributed process group otherwise (``kvmesh.engine.process_group_all_reduce``: NCCL between
-GPUs, rank r on the r-th GPU from the engine's own; gloo where CPU ranks are asked to use it).
+every layer and those of the vocab-parallel embedding and LM head: through shared memory on one
+machine's CPUs (``kvmesh.engine.shm_all_reduce``), through a torch.distributed process group otherwise
+(``kvmesh.engine.process_group_all_reduce``: NCCL between GPUs, rank r on the r-th GPU from the engine's
+own; gloo where CPU ranks are asked to use it).
 
 The pipes also carry KV blocks, a follower's slices of every block of a hand-off in one message, when
 the engine hands blocks off (``kvmesh.engine.sharded_kv``). The pipe, not the process group, carries the

@@ -110,6 +110,8 @@ class TPLayout:
         if kind == "kv":
             first, count = self.kv_head_range()
             return first * d, count * d
+        if kind != "mlp":
+            raise ValueError(f"no {kind!r} split in a layer (the vocabulary's rows: vocab_range)")
         per = self.intermediate_size // self.size
         return self.rank * per, per
 

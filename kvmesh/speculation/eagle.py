@@ -53,13 +53,14 @@ class SampledDrafts(list):
     probs: torch.Tensor
 
 
-def target_fingerprint(model: CausalLM) -> str:
+def target_fingerprint(model: CausalLM, vocab_weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> str:
     """Identity of what the head was trained against: the config and the weights it reads
     (the embedding, the final norm and the LM head), in float32 so the serving dtype of a
-    bf16 checkpoint does not change it."""
+    bf16 checkpoint does not change it. ``vocab_weights``: ``model.whole_vocab_weights()``, already read."""
     d = hashlib.blake2b(digest_size=16)
     d.update(json.dumps(model.cfg.raw, sort_keys=True, default=str).encode())
-    embedding, head = model.whole_vocab_weights()  # the whole vocabulary's, however many ranks share it
+    # The whole vocabulary's, however many ranks share it.
+    embedding, head = vocab_weights if vocab_weights is not None else model.whole_vocab_weights()
     tensors = [embedding, model.norm]
     if model.lm_head is not None:
         tensors.append(head)
@@ -176,7 +177,8 @@ class EagleHead:
         meta = json.loads(cfg_file.read_text())
         if meta.get("format") != FORMAT:
             raise InvalidArgument(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
-        want, have = meta["target"]["fingerprint"], target_fingerprint(model)
+        vocab_weights = model.whole_vocab_weights()  # on a rank that holds a part: read once, here
+        want, have = meta["target"]["fingerprint"], target_fingerprint(model, vocab_weights)
         if want != have:
             raise InvalidArgument(
                 f"EAGLE head {path} was trained for another target model "
@@ -192,7 +194,7 @@ class EagleHead:
         tensors = load_file(str(path / "head.safetensors"))
         draft_vocab = tensors.pop("draft_vocab")
         block.load_state_dict(tensors)
-        return cls(block, *model.whole_vocab_weights(), draft_vocab)
+        return cls(block, *vocab_weights, draft_vocab)
 
     @torch.inference_mode()
     def sample(

@@ -177,7 +177,8 @@ def test_quantized_checkpoints_and_int8_weights_across_ranks(checkpoints, tmp_pa
 
     src = checkpoints["llama-gqa"]
     checkpoint = _int8_checkpoint(src, tmp_path / "int8-channel")
-    one = _engine(checkpoint, 1).generate(EIGHT_PROMPTS, GREEDY)
+    single = _engine(checkpoint, 1)
+    one = single.generate(EIGHT_PROMPTS, GREEDY)
     per_rank = _engine(_int8_per_rank_reference(src, tmp_path / "per-rank", 2), 1).generate(EIGHT_PROMPTS, GREEDY)
     with_head = _int8_per_rank_reference(src, tmp_path / "per-rank-head", 2, head=True)
     per_rank_head = _engine(with_head, 1).generate(EIGHT_PROMPTS, GREEDY)
@@ -187,6 +188,9 @@ def test_quantized_checkpoints_and_int8_weights_across_ranks(checkpoints, tmp_pa
         _engine(src, 2, quantization="int8", quantize_lm_head=True),  # each rank its vocabulary rows' head
     ]
     try:
+        # The whole vocabulary's weights a draft head reads: dequantized from the checkpoint as one rank loads them.
+        whole = (single.runner.model.embed_tokens.weight, single.runner.model.head_weight)
+        assert all(map(torch.equal, engines[0].runner.model.whole_vocab_weights(), whole))
         _close_enough(engines[0].generate(EIGHT_PROMPTS, GREEDY), one)
         _close_enough(engines[1].generate(EIGHT_PROMPTS, GREEDY), per_rank)
         _close_enough(engines[2].generate(EIGHT_PROMPTS, GREEDY), per_rank_head)
