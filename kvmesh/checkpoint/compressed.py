@@ -131,19 +131,24 @@ def read_plan(config: dict[str, Any], names: list[str], source: str = "config.js
     return plan
 
 
-def dequantized_tensors(config: dict[str, Any], files: list[Path]) -> Iterator[tuple[str, torch.Tensor]] | None:
-    """HF-named float32 weights of a compressed-tensors checkpoint (None when it is not one)."""
-    if "quantization_config" not in config:
-        return None
+def dequantized_tensors(
+    config: dict[str, Any], files: list[Path], names: Collection[str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named float32 weights of a compressed-tensors checkpoint; with ``names``, only those (no other
+    module is dequantized)."""
     tensors = dict(iter_tensors(files))
     plan = read_plan(config, list(tensors), str(files[0].parent / "config.json"))
     assert plan is not None
 
+    def wanted(name: str) -> bool:
+        return names is None or name in names
+
     def gen() -> Iterator[tuple[str, torch.Tensor]]:
         for module, fmt in plan.items():
             parts = {k[len(module) + 1 :]: tensors.pop(k) for k in list(tensors) if k.startswith(module + ".weight")}
-            yield f"{module}.weight", get_format(fmt).dequantize(parts)
-        yield from tensors.items()
+            if wanted(f"{module}.weight"):
+                yield f"{module}.weight", get_format(fmt).dequantize(parts)
+        yield from ((n, t) for n, t in tensors.items() if wanted(n))
 
     return gen()
 
@@ -155,7 +160,7 @@ def checkpoint_tensors(
     only those (a plain checkpoint reads no other tensor; a quantized one dequantizes no other)."""
     if "quantization_config" not in config:
         return iter_tensors(files, names)
-    return ((n, t) for n, t in dequantized_tensors(config, files) if names is None or n in names)
+    return dequantized_tensors(config, files, names)
 
 
 def state_dict(path: Path) -> dict[str, torch.Tensor]:
