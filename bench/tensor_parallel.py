@@ -10,7 +10,9 @@ layer (through shared memory). The table shows medians, the ratio to TP1, the sh
 in all-reduces (waiting for the other ranks included), and whether the tokens agree with TP1's.
 
 A size may name the all-reduce: ``--sizes 1,2,2:gloo`` adds TP2 through a gloo process group (the
-torch.distributed path CUDA ranks take with NCCL) beside TP2 through shared memory.
+torch.distributed path CUDA ranks take with NCCL) beside TP2 through shared memory. A size ending in
+``+compile`` runs its decode steps on compiled graphs (each rank its own, the all-reduce an op in them):
+``--sizes 1,2,1+compile,2+compile``.
 
 Then (``--part mesh``, or ``all``, the default) the TTFT of a fresh 4,000-token prompt through a real mesh for
 the four pairs prefill TP1/TP2 x decode TP1/TP2 (bench/_tp_mesh_ttft.py), the TP1/TP1 mesh the anchor.
@@ -19,7 +21,7 @@ On 2 CPU cores TP cannot win: the same arithmetic is split over the same cores, 
 all-reduces (through shared memory). It shows what the split costs, not a speed-up.
 
 Run (not part of ``make test``; ~10 minutes): ``flock /tmp/kvmesh-bench.lock python bench/tensor_parallel.py
-[--part engine|mesh|all] [--model random|default] [--sizes 1,2[,2:gloo]] [--repeats 3] [--ttft-tokens 4000]
+[--part engine|mesh|all] [--model random|default] [--sizes 1,2[,2:gloo][,2+compile]] [--repeats 3] [--ttft-tokens 4000]
 [--json PATH]``.
 """
 
@@ -41,7 +43,7 @@ from _tp_mesh_ttft import print_pairs, run_pairs  # noqa: E402
 from engine import chat_prompts, run_kvmesh, write_model  # noqa: E402
 
 
-def make_engine(path: Path, size: int, all_reduce: str | None = None):
+def make_engine(path: Path, size: int, all_reduce: str | None = None, compile: bool = False):
     from kvmesh.engine.config import EngineConfig
     from kvmesh.engine.engine import LLMEngine
 
@@ -54,6 +56,7 @@ def make_engine(path: Path, size: int, all_reduce: str | None = None):
             enable_prefix_cache=False,
             tensor_parallel_size=size,
             tp_all_reduce=all_reduce,
+            compile=compile,
         ),
     )
 
@@ -62,7 +65,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random", choices=("random", "default"))
     ap.add_argument(
-        "--sizes", default="1,2", help="rank counts, the first the anchor; N:gloo for N ranks through a gloo group"
+        "--sizes",
+        default="1,2",
+        help="rank counts, the first the anchor; N:gloo: through a gloo group; N+compile: compiled decode steps",
     )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -102,14 +107,18 @@ def engine_part(args: argparse.Namespace) -> dict:
 
 
 def measure(path: Path, prompts: list[list[int]], sizes: list[str], args: argparse.Namespace) -> dict:
-    """``sizes``: "N" or "N:all-reduce" each, the first the anchor."""
+    """``sizes``: "N", "N:all-reduce", either with "+compile", each; the first the anchor."""
     cores = torch.get_num_threads()
     anchor = sizes[0]
     engines = {}
     for size in sizes:
-        ranks, _, all_reduce = size.partition(":")
+        spec, _, mode = size.partition("+")
+        ranks, _, all_reduce = spec.partition(":")
         t0 = time.perf_counter()
-        engines[size] = make_engine(path, int(ranks), all_reduce or None)
+        # Every core to start from: a TP engine takes rank 0's share of them (process-wide), and inductor
+        # writes the thread count it compiles under into its kernels.
+        torch.set_num_threads(cores)
+        engines[size] = make_engine(path, int(ranks), all_reduce or None, compile=mode == "compile")
         run_kvmesh(engines[size], prompts[:1], 4)  # warm-up
         print(f"  TP{size}: ready in {time.perf_counter() - t0:.0f} s", flush=True)
     samples = {size: {"batch": [], "alone": [], "all_reduce_share": []} for size in engines}
@@ -117,7 +126,7 @@ def measure(path: Path, prompts: list[list[int]], sizes: list[str], args: argpar
     try:
         for r in range(args.repeats):
             for size, engine in engines.items():
-                ranks = int(size.partition(":")[0])
+                ranks = int(size.partition("+")[0].partition(":")[0])
                 torch.set_num_threads(max(1, cores // ranks))  # rank 0's share (process-wide in torch)
                 link = engine.runner.tp.link if engine.runner.tp is not None else None
                 before = link.all_reduce_seconds if link else 0.0

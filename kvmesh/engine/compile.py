@@ -18,6 +18,9 @@ engine pads block tables to at least 2 columns, and the warm-up runs a forward o
 2 rows (the few-rows graph, where there is one) and of more, on one sequence's 3 free pool
 blocks (their KV is overwritten before anything reads it), so every graph exists before the
 first request and no later step compiles.
+
+Across tensor-parallel ranks, each rank compiles its own graphs, with the all-reduce an opaque op in
+them (``kvmesh.engine.traced_all_reduce``), and warms them up alone (``TensorParallelGroup.compile_decode``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from kernels.small_rows_linear import one_row_runs_reordered, streamed_rows
 from kvmesh.engine.compile_cache import compile_cache, compile_key, compiled_graph_counts
 from kvmesh.engine.model import AttentionMetadata, CausalLM
 from kvmesh.engine.synthetic_step import synthetic_step
+from kvmesh.engine.traced_all_reduce import failures_as_raised
 
 log = structlog.get_logger(__name__)
 
@@ -120,13 +124,16 @@ class CompiledDecode:
             if self.mark_few_rows:
                 for t in rows:
                     torch._dynamo.mark_dynamic(t, 0, min=2, max=self.few_rows)
-            return self.few(self.model, input_ids, positions, kv_cache, meta, logits_idx)
-        if input_ids.shape[0] > 1:
-            return self.batched(self.model, input_ids, positions, kv_cache, meta, logits_idx)
-        if self.mark_rows_unbacked:
-            for t in rows:
-                torch._dynamo.decorators.mark_unbacked(t, 0)
-        return self.alone(self.model, input_ids, positions, kv_cache, meta, logits_idx)
+            graph = self.few
+        elif input_ids.shape[0] > 1:
+            graph = self.batched
+        else:
+            if self.mark_rows_unbacked:
+                for t in rows:
+                    torch._dynamo.decorators.mark_unbacked(t, 0)
+            graph = self.alone
+        with failures_as_raised():  # a tensor-parallel rank lost mid-graph is RankLost, as in an eager step
+            return graph(self.model, input_ids, positions, kv_cache, meta, logits_idx)
 
 
 def _run(model: CausalLM, *args) -> tuple[torch.Tensor, torch.Tensor]:

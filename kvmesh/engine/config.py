@@ -72,7 +72,7 @@ class EngineConfig:
     # on CUDA; not with a quantization.
     deterministic: bool = False
     # Ranks (processes) one engine's model is split over (kvmesh.engine.tensor_parallel): rank 0 is
-    # this process; on CUDA rank r runs on the r-th GPU from ``device``. One machine; decode steps run eager.
+    # this process; on CUDA rank r runs on the r-th GPU from ``device``. One machine.
     tensor_parallel_size: int = 1
     # How the ranks sum their partial products: "shm" (shared memory, CPU ranks), "gloo" (a
     # torch.distributed group over TCP, CPU ranks) or "nccl" (CUDA ranks); None: shm on CPU, nccl on CUDA.
@@ -91,9 +91,9 @@ class EngineConfig:
         )
 
     def compiles(self) -> bool:
-        """Whether the decode step runs compiled: asked for, not deterministic (whose batch-invariant
-        ops inductor would fuse into code of its own), and on one rank (a graph has no collectives yet)."""
-        return self.compile and not self.deterministic and self.tensor_parallel_size == 1
+        """Whether the decode step runs compiled: asked for, and not deterministic (whose batch-invariant
+        ops inductor would fuse into code of its own)."""
+        return self.compile and not self.deterministic
 
     def resolve_tp_all_reduce(self) -> str:
         """The ranks' all-reduce (``tp_all_reduce``, or the device's default); InvalidArgument where the

@@ -199,11 +199,23 @@ class CausalLM(nn.Module):
         if self.mirror is not None:
             binding = self.lora.binding() if self.lora is not None else None
             self.mirror((input_ids, positions, meta, binding, logits_indices))
+        logits, hidden = self.step(input_ids, positions, kv_cache, meta, logits_indices)
+        return (logits, hidden) if return_hidden else logits
+
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``run``, through the compiled decode graphs where the step is a decode and they exist: on rank 0
+        (``forward``) and on every other tensor-parallel rank alike."""
         # A compiled decode step traced the base model only: a step that binds adapters runs eagerly.
         adapted = self.lora is not None and self.lora.segments is not None
         run = self.compiled_decode if meta.is_decode and self.compiled_decode is not None and not adapted else self.run
-        logits, hidden = run(input_ids, positions, kv_cache, meta, logits_indices)
-        return (logits, hidden) if return_hidden else logits
+        return run(input_ids, positions, kv_cache, meta, logits_indices)
 
     def run(
         self,

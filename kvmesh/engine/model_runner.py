@@ -52,7 +52,7 @@ class ModelRunner:
         self.tp, layouts = self._start_tensor_parallel(path, cfg, mc)
         layout = layouts[0] if layouts else None  # this rank's
         self.model = CausalLM(
-            mc, self.dtype, self.device, self.max_model_len, layout, self.tp.link.all_reduce if self.tp else None
+            mc, self.dtype, self.device, self.max_model_len, layout, self.tp.link.model_all_reduce if self.tp else None
         )
         # A compressed-tensors checkpoint (kvmesh quantize) is dequantized on load.
         self.model.load_weights(partial(checkpoint_tensors, mc.raw, files))
@@ -117,9 +117,15 @@ class ModelRunner:
         if self.tp is not None:
             self.kv = ShardedKVCache(self.kv, self.tp, layouts, mc.num_kv_heads)  # blocks move whole
             self.tp.wait_ready()
+        if cfg.compiles():  # before any block holds KV
+            settings = self._compile_settings()
+            compile_own = partial(compile_decode, self.model, self.kv.tensor, settings)
+            if self.tp is None:
+                compile_own()
+            else:  # every rank its own graphs, at once; before mirroring: each warms up alone
+                self.tp.compile_decode(settings, compile_own)
+        if self.tp is not None:
             self.model.mirror = self.tp.mirror  # before the drafter's calibration: its probe steps run on every rank
-        if cfg.compiles():
-            compile_decode(self.model, self.kv.tensor, self._compile_settings())  # before any block holds KV
         if drafter is not None:
             drafter.calibrate(self.model, self.kv.tensor, self.max_model_len)  # likewise
 
@@ -163,7 +169,8 @@ class ModelRunner:
         return {
             "model": self.fingerprint,
             "device": str(self.device),
-            "kv_pool": list(self.kv.tensor.shape),
+            "kv_pool": list(self.kv.tensor.shape),  # a follower's is its own (tensor_parallel.py)
+            "tensor_parallel": [0, cfg.tensor_parallel_size],  # rank 0's graphs; a follower's name its rank
             "max_model_len": self.max_model_len,
             "small_rows_linears": cfg.small_rows_linears,
             "max_loras": cfg.max_loras,

@@ -20,6 +20,7 @@ pass at once instead of hanging it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import socket
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import fields, is_dataclass, replace
 from functools import partial
 from multiprocessing.connection import Connection
@@ -41,6 +42,7 @@ from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.process_group_all_reduce import CollectiveFailed, ProcessGroupAllReduce, host_store, join_store
 from kvmesh.engine.shm_all_reduce import RankGone, ShmAllReduce, create_memory
 from kvmesh.engine.tp_layout import TPLayout
+from kvmesh.engine.traced_all_reduce import all_reduce_, forget, register
 from kvmesh.errors import FailedPrecondition
 
 COLLECTIVE_TIMEOUT_S = 60.0
@@ -69,6 +71,8 @@ class RankLink:
         self._reduce: AllReduce | None = None
         # Seconds spent in all-reduces so far (waiting for the slowest rank included): bench/tensor_parallel.py.
         self.all_reduce_seconds = 0.0
+        self._alone = False
+        self._number = register(self)  # what a compiled graph's all-reduce op calls this link by
 
     def attach(self, reduce: AllReduce, alive: Callable[[], bool]) -> None:
         """Sum through ``reduce``; while waiting in it, give up at once (RankLost) when ``alive()`` turns
@@ -76,9 +80,16 @@ class RankLink:
         reduce.watch(alive)
         self._reduce = reduce
 
+    def model_all_reduce(self, tensor: torch.Tensor) -> None:
+        """``all_reduce`` as the model calls it: one op of the graph when its step is compiled
+        (``kvmesh.engine.traced_all_reduce``)."""
+        all_reduce_(tensor, self, self._number)
+
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the ranks, in place; RankLost where a rank is gone (dead, or no answer
         within the collective timeout)."""
+        if self._alone:
+            return
         t0 = time.perf_counter()
         try:
             self._reduce(tensor)
@@ -86,7 +97,18 @@ class RankLink:
             raise RankLost(f"tensor-parallel all-reduce failed: {e}") from None
         self.all_reduce_seconds += time.perf_counter() - t0
 
+    @contextlib.contextmanager
+    def alone(self) -> Iterator[None]:
+        """Sum nothing while in it: each rank warms its compiled graphs up by itself (synthetic steps whose
+        sums nobody reads), at its own pace, with no rank waiting in a collective on another's compiler."""
+        self._alone = True
+        try:
+            yield
+        finally:
+            self._alone = False
+
     def close(self) -> None:
+        forget(self._number)
         if self._reduce is not None:
             self._reduce.close()
 
@@ -175,6 +197,24 @@ class TensorParallelGroup:
             except Exception as e:
                 self.close()
                 raise FailedPrecondition(f"tensor-parallel ranks failed to meet: {e}") from None
+
+    def compile_decode(self, settings: Mapping[str, object], compile_own: Callable[[], None]) -> None:
+        """Compile every rank's decode graphs (``kvmesh.engine.compile``), all at once, each rank alone:
+        the followers from ``settings`` (each adds its rank and pool), rank 0 by ``compile_own``.
+        FailedPrecondition with its reason where a follower failed; either way the group is closed."""
+        try:
+            with self._lock:
+                for rank in range(1, len(self._pipes) + 1):
+                    self._send(rank, ("compile", dict(settings)))
+                with self.link.alone():
+                    compile_own()
+                for rank in range(1, len(self._pipes) + 1):
+                    message = self._receive(rank)
+                    if message != _READY:
+                        raise FailedPrecondition(f"tensor-parallel rank {rank} failed to compile: {message}")
+        except BaseException:
+            self.close()
+            raise
 
     def mirror(self, step: tuple) -> None:
         """Send one forward pass's inputs (token ids, positions, attention metadata, LoRA binding, the rows
@@ -315,7 +355,9 @@ def follower_main(fd: int) -> None:
             if model.lora is not None:
                 model.lora.bind(lora)
             with torch.inference_mode():  # the head too: its vocabulary rows (CausalLM.head_rows)
-                model.run(ids, positions, kv.tensor, meta, logits_indices)
+                model.step(ids, positions, kv.tensor, meta, logits_indices)
+        elif kind == "compile":
+            pipe.send_bytes(_pack(_compile_rank(model, kv.tensor, {**args[0], "tensor_parallel": [rank, size]}, link)))
         elif kind == "lora":
             model.lora.write_slot(*args)
         elif kind == "export":
@@ -323,6 +365,18 @@ def follower_main(fd: int) -> None:
         else:  # "import"
             block_ids, part = args
             kv.tensor[:, :, block_ids] = part
+
+
+def _compile_rank(model, kv_cache: torch.Tensor, settings: dict, link: RankLink) -> str:
+    """A follower's decode graphs, compiled alone (``RankLink.alone``): ``_READY``, or why not."""
+    from kvmesh.engine.compile import compile_decode
+
+    try:
+        with link.alone():
+            compile_decode(model, kv_cache, {**settings, "kv_pool": list(kv_cache.shape)})
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return _READY
 
 
 def build_rank_model(
@@ -337,7 +391,7 @@ def build_rank_model(
 
     dtype = cfg.resolve_dtype(mc.dtype)
     max_len = cfg.resolve_max_model_len(mc.max_position_embeddings)
-    model = CausalLM(mc, dtype, device, max_len, tp=layout, all_reduce=link.all_reduce)
+    model = CausalLM(mc, dtype, device, max_len, tp=layout, all_reduce=link.model_all_reduce)
     files = weight_files(path)
     model.load_weights(partial(checkpoint_tensors, mc.raw, files))
     model.to(device).eval()

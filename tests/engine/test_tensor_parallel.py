@@ -7,6 +7,8 @@ refused by name; a rank killed fails the step instead of hanging it."""
 from __future__ import annotations
 
 import json
+import signal
+import threading
 from dataclasses import replace
 
 import pytest
@@ -96,20 +98,54 @@ def test_two_ranks_give_one_rank_s_greedy_tokens_and_logprobs(checkpoints, arch)
     single = _engine(path, 1)
     one = single.generate(EIGHT_PROMPTS, GREEDY)
     two = _engine(path, 2)
-    vocab = two.runner.model.cfg.vocab_size
-    assert two.runner.model.head_rows == (0, vocab // 2)
-    assert two.runner.model.head_proj.weight.shape[0] == vocab // 2  # the head's product reads its rows only
-    assert two.runner.model.head_weight.shape[0] == two.runner.model.embed_tokens.weight.shape[0] == vocab // 2
-    whole = single.runner.model
-    for theirs, ours in zip(two.runner.model.whole_vocab_weights(), (whole.embed_tokens.weight, whole.head_weight)):
-        assert torch.equal(theirs, ours)
     try:
+        vocab = two.runner.model.cfg.vocab_size
+        assert two.runner.model.head_rows == (0, vocab // 2)
+        assert two.runner.model.head_proj.weight.shape[0] == vocab // 2  # the head's product reads its rows only
+        assert two.runner.model.head_weight.shape[0] == two.runner.model.embed_tokens.weight.shape[0] == vocab // 2
+        whole = single.runner.model
+        for theirs, ours in zip(two.runner.model.whole_vocab_weights(), (whole.embed_tokens.weight, whole.head_weight)):
+            assert torch.equal(theirs, ours)
         _close_enough(two.generate(EIGHT_PROMPTS, GREEDY), one)
     finally:
         two.close()
     if arch == "llama-gqa":
         for prompt, done in zip(EIGHT_PROMPTS[:2], one):
             assert hf_greedy(path, prompt, NEW_TOKENS)[0] == done.token_ids
+
+
+def test_compiled_decode_steps_across_ranks(checkpoints) -> None:
+    """``compile=True`` at TP2: each rank compiles its own decode graphs, with the all-reduce one op inside
+    them (``kvmesh.engine.traced_all_reduce``: no graph break). One sequence, three and eight give one eager
+    rank's tokens, logprobs within 1e-4, and serving compiles nothing more. A rank lost while rank 0 waits
+    in a graph's all-reduce fails the step with RankLost, as in an eager step, not a RuntimeError."""
+    from torch._dynamo.utils import counters
+
+    path = checkpoints["llama-gqa"]
+    single = _engine(path, 1)
+    batches = [EIGHT_PROMPTS[:1], EIGHT_PROMPTS[:3], EIGHT_PROMPTS]  # the one-row, few-rows and batched graphs
+    want = [single.generate(prompts, GREEDY) for prompts in batches]
+    counters.clear()
+    engine = _engine(path, 2, compile=True)
+    try:
+        assert engine.runner.model.compiled_decode is not None
+        assert not counters["graph_break"]
+        graphs = counters["stats"]["unique_graphs"]
+        for prompts, one in zip(batches, want):
+            _close_enough(engine.generate(prompts, GREEDY), one)
+        assert counters["stats"]["unique_graphs"] == graphs
+        engine.add_request(EIGHT_PROMPTS[0], GREEDY)
+        engine.step()  # its prefill (eager)
+        engine.step()  # a compiled decode
+        (follower,) = engine.runner.tp._processes
+        # Stopped, its pipe still takes the next step's inputs: rank 0 enters the graph and waits in its
+        # first all-reduce until the follower is killed.
+        follower.send_signal(signal.SIGSTOP)
+        threading.Timer(1.0, follower.kill).start()
+        with pytest.raises(RankLost, match="all-reduce failed"):
+            engine.step()
+    finally:
+        engine.close()
 
 
 def test_speculative_verifies_across_ranks(checkpoints) -> None:
