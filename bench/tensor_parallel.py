@@ -106,19 +106,25 @@ def engine_part(args: argparse.Namespace) -> dict:
         return measure(path, prompts, sizes, args)
 
 
+def parse_size(size: str) -> tuple[int, str | None, bool]:
+    """ "N[:all-reduce][+compile]": (ranks, the all-reduce or None for the default, compiled)."""
+    spec, _, mode = size.partition("+")
+    ranks, _, all_reduce = spec.partition(":")
+    return int(ranks), all_reduce or None, mode == "compile"
+
+
 def measure(path: Path, prompts: list[list[int]], sizes: list[str], args: argparse.Namespace) -> dict:
     """``sizes``: "N", "N:all-reduce", either with "+compile", each; the first the anchor."""
     cores = torch.get_num_threads()
     anchor = sizes[0]
     engines = {}
     for size in sizes:
-        spec, _, mode = size.partition("+")
-        ranks, _, all_reduce = spec.partition(":")
+        ranks, all_reduce, compile = parse_size(size)
         t0 = time.perf_counter()
         # Every core to start from: a TP engine takes rank 0's share of them (process-wide), and inductor
         # writes the thread count it compiles under into its kernels.
         torch.set_num_threads(cores)
-        engines[size] = make_engine(path, int(ranks), all_reduce or None, compile=mode == "compile")
+        engines[size] = make_engine(path, ranks, all_reduce, compile)
         run_kvmesh(engines[size], prompts[:1], 4)  # warm-up
         print(f"  TP{size}: ready in {time.perf_counter() - t0:.0f} s", flush=True)
     samples = {size: {"batch": [], "alone": [], "all_reduce_share": []} for size in engines}
@@ -126,7 +132,7 @@ def measure(path: Path, prompts: list[list[int]], sizes: list[str], args: argpar
     try:
         for r in range(args.repeats):
             for size, engine in engines.items():
-                ranks = int(size.partition("+")[0].partition(":")[0])
+                ranks = parse_size(size)[0]
                 torch.set_num_threads(max(1, cores // ranks))  # rank 0's share (process-wide in torch)
                 link = engine.runner.tp.link if engine.runner.tp is not None else None
                 before = link.all_reduce_seconds if link else 0.0

@@ -10,8 +10,8 @@ Each rank holds the logits of its half of the vocabulary ([rows, vocab/2], float
   token id, as an argmax over the whole row).
 
 Both go through the real ``ShmAllReduce`` between this process (rank 0) and a child (rank 1), each on one
-thread; the time is rank 0's, median of ``--iterations`` calls after a warm-up, the two methods alternating.
-The anchor is the gather.
+thread; the time is rank 0's, median of ``--iterations`` calls after ``--iterations // 10`` untimed ones, the
+two methods alternating. The anchor is the gather.
 
 Run (not part of ``make test``; seconds): ``flock /tmp/kvmesh-bench.lock python bench/tp_vocab_gather.py
 [--iterations 300] [--json PATH]``.
@@ -68,12 +68,14 @@ def run(reduce: ShmAllReduce, rank: int, iterations: int) -> dict:
         assert torch.equal(gather(reduce, part, rank, vocab), whole.argmax(dim=-1))
         assert torch.equal(per_shard(reduce, part, rank, vocab), whole.argmax(dim=-1))
         times = {"gather": [], "per_shard": []}
-        for _ in range(iterations):
+        warm_up = iterations // 10
+        for i in range(warm_up + iterations):
             for name, fn in (("gather", gather), ("per_shard", per_shard)):
                 t0 = time.perf_counter()
                 fn(reduce, part, rank, vocab)
-                times[name].append(time.perf_counter() - t0)
-        results[f"{rows}x{vocab}"] = {k: statistics.median(v[iterations // 10 :]) for k, v in times.items()}
+                if i >= warm_up:
+                    times[name].append(time.perf_counter() - t0)
+        results[f"{rows}x{vocab}"] = {k: statistics.median(v) for k, v in times.items()}
     return results
 
 
@@ -85,7 +87,10 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.follower_fd is not None:
-        run(ShmAllReduce(args.follower_fd, 1, RANKS, 60.0), 1, args.iterations)
+        parent = os.getppid()
+        reduce = ShmAllReduce(args.follower_fd, 1, RANKS, 60.0)
+        reduce.watch(lambda: os.getppid() == parent)  # rank 0 gone: give up at once
+        run(reduce, 1, args.iterations)
         return 0
     fd = create_memory(RANKS)
     argv = [sys.executable, __file__, "--follower-fd", str(fd), "--iterations", str(args.iterations)]
@@ -95,8 +100,11 @@ def main() -> int:
     os.close(fd)
     try:
         results = run(reduce, 0, args.iterations)
-    finally:
-        child.wait(60)
+    except BaseException:
+        child.kill()
+        raise
+    if child.wait(60) != 0:
+        raise SystemExit(f"rank 1 failed (exit code {child.returncode})")
     rows = []
     for (r, v), t in zip(SHAPES, results.values()):
         rows.append(

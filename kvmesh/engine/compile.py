@@ -110,6 +110,8 @@ class CompiledDecode:
         self.mark_rows_unbacked = False
         # Likewise while the few-rows graph compiles: its rows get the range 2..few_rows.
         self.mark_few_rows = False
+        # Once built, whether a step no graph fits runs eager instead of compiling one (compile_decode).
+        self.eager_on_recompile = False
 
     def __call__(
         self,
@@ -133,6 +135,9 @@ class CompiledDecode:
                     torch._dynamo.decorators.mark_unbacked(t, 0)
             graph = self.alone
         with failures_as_raised():  # a tensor-parallel rank lost mid-graph is RankLost, as in an eager step
+            if self.eager_on_recompile:
+                with torch.compiler.set_stance("eager_on_recompile"):
+                    return graph(self.model, input_ids, positions, kv_cache, meta, logits_idx)
             return graph(self.model, input_ids, positions, kv_cache, meta, logits_idx)
 
 
@@ -145,11 +150,18 @@ def _own_code(fn: Callable) -> Callable:
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
 
 
-def compile_decode(model: CausalLM, kv_cache: torch.Tensor, settings: Mapping[str, object]) -> None:
+def compile_decode(
+    model: CausalLM, kv_cache: torch.Tensor, settings: Mapping[str, object], recompile: bool = True
+) -> None:
     """Route ``model``'s decode steps through compiled graphs and build them now, or load them from
-    the compile cache's folder for ``settings`` and this toolchain (``kvmesh.engine.compile_cache``)."""
+    the compile cache's folder for ``settings`` and this toolchain (``kvmesh.engine.compile_cache``).
+
+    Without ``recompile``, a later step that no graph fits runs eager rather than compiling: a
+    tensor-parallel rank compiling mid-step (minutes on CPU) would leave the others waiting in an
+    all-reduce past its timeout."""
     with compile_cache(compile_key(settings)):
         _compile_decode(model, kv_cache)
+    model.compiled_decode.eager_on_recompile = not recompile
 
 
 def _compile_decode(model: CausalLM, kv_cache: torch.Tensor) -> None:

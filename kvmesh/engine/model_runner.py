@@ -119,11 +119,10 @@ class ModelRunner:
             self.tp.wait_ready()
         if cfg.compiles():  # before any block holds KV
             settings = self._compile_settings()
-            compile_own = partial(compile_decode, self.model, self.kv.tensor, settings)
             if self.tp is None:
-                compile_own()
+                compile_decode(self.model, self.kv.tensor, settings)
             else:  # every rank its own graphs, at once; before mirroring: each warms up alone
-                self.tp.compile_decode(settings, compile_own)
+                self.tp.compile_decode(settings, partial(compile_decode, self.model, self.kv.tensor, settings, False))
         if self.tp is not None:
             self.model.mirror = self.tp.mirror  # before the drafter's calibration: its probe steps run on every rank
         if drafter is not None:
@@ -171,6 +170,7 @@ class ModelRunner:
             "device": str(self.device),
             "kv_pool": list(self.kv.tensor.shape),  # a follower's is its own (tensor_parallel.py)
             "tensor_parallel": [0, cfg.tensor_parallel_size],  # rank 0's graphs; a follower's name its rank
+            "threads": torch.get_num_threads(),  # inductor writes it into the kernels it compiles
             "max_model_len": self.max_model_len,
             "small_rows_linears": cfg.small_rows_linears,
             "max_loras": cfg.max_loras,

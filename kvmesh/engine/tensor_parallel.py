@@ -42,7 +42,7 @@ from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.process_group_all_reduce import CollectiveFailed, ProcessGroupAllReduce, host_store, join_store
 from kvmesh.engine.shm_all_reduce import RankGone, ShmAllReduce, create_memory
 from kvmesh.engine.tp_layout import TPLayout
-from kvmesh.engine.traced_all_reduce import all_reduce_, forget, register
+from kvmesh.engine.traced_all_reduce import forget, register
 from kvmesh.errors import FailedPrecondition
 
 COLLECTIVE_TIMEOUT_S = 60.0
@@ -81,9 +81,12 @@ class RankLink:
         self._reduce = reduce
 
     def model_all_reduce(self, tensor: torch.Tensor) -> None:
-        """``all_reduce`` as the model calls it: one op of the graph when its step is compiled
-        (``kvmesh.engine.traced_all_reduce``)."""
-        all_reduce_(tensor, self, self._number)
+        """``all_reduce`` as the model calls it: one op of the graph while dynamo traces a compiled step
+        (``kvmesh.engine.traced_all_reduce``), a direct call (no dispatcher) otherwise."""
+        if torch.compiler.is_compiling():
+            torch.ops.kvmesh.tp_all_reduce_(tensor, self._number)
+        else:
+            self.all_reduce(tensor)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the ranks, in place; RankLost where a rank is gone (dead, or no answer
@@ -100,7 +103,8 @@ class RankLink:
     @contextlib.contextmanager
     def alone(self) -> Iterator[None]:
         """Sum nothing while in it: each rank warms its compiled graphs up by itself (synthetic steps whose
-        sums nobody reads), at its own pace, with no rank waiting in a collective on another's compiler."""
+        sums nobody reads), at its own pace, with no rank waiting in a collective on another's compiler.
+        Only at start-up, when nothing else runs a step on this link (so it need not nest)."""
         self._alone = True
         try:
             yield
@@ -184,10 +188,7 @@ class TensorParallelGroup:
     def wait_ready(self) -> None:
         """Until every follower has loaded its weights; FailedPrecondition with its reason where one failed."""
         for rank in range(1, len(self._pipes) + 1):
-            try:
-                message = self._receive(rank)
-            except RankLost as e:
-                message = str(e)
+            message = self._reply(rank)
             if message != _READY:
                 self.close()
                 raise FailedPrecondition(f"tensor-parallel rank {rank} failed to start: {message}")
@@ -201,7 +202,8 @@ class TensorParallelGroup:
     def compile_decode(self, settings: Mapping[str, object], compile_own: Callable[[], None]) -> None:
         """Compile every rank's decode graphs (``kvmesh.engine.compile``), all at once, each rank alone:
         the followers from ``settings`` (each adds its rank and pool), rank 0 by ``compile_own``.
-        FailedPrecondition with its reason where a follower failed; either way the group is closed."""
+        FailedPrecondition with its reason where a follower failed or died; either way the group is closed
+        (its followers killed: one still compiling reads nothing)."""
         try:
             with self._lock:
                 for rank in range(1, len(self._pipes) + 1):
@@ -209,11 +211,15 @@ class TensorParallelGroup:
                 with self.link.alone():
                     compile_own()
                 for rank in range(1, len(self._pipes) + 1):
-                    message = self._receive(rank)
+                    message = self._reply(rank)
                     if message != _READY:
                         raise FailedPrecondition(f"tensor-parallel rank {rank} failed to compile: {message}")
-        except BaseException:
+        except BaseException as e:
+            for p in self._processes:
+                p.kill()
             self.close()
+            if isinstance(e, RankLost):
+                raise FailedPrecondition(f"tensor-parallel rank failed while compiling: {e}") from None
             raise
 
     def mirror(self, step: tuple) -> None:
@@ -255,6 +261,13 @@ class TensorParallelGroup:
             return _unpack(self._pipes[rank - 1].recv_bytes())
         except (EOFError, OSError):
             raise self._lost(rank) from None
+
+    def _reply(self, rank: int) -> str:
+        """A follower's answer to a start or a compile: ``_READY``, its reason, or why it is gone."""
+        try:
+            return self._receive(rank)
+        except RankLost as e:
+            return str(e)
 
     def _lost(self, rank: int) -> RankLost:
         return RankLost(f"tensor-parallel rank {rank} is gone (exit code {self._processes[rank - 1].poll()})")
@@ -321,6 +334,7 @@ def follower_main(fd: int) -> None:
         return
     torch.set_num_threads(threads)
     parent = os.getppid()
+    _exit_when_orphaned(parent)
     size, backend, device = cfg.tensor_parallel_size, cfg.resolve_tp_all_reduce(), rank_device(cfg.device, rank)
     link = RankLink()
     try:
@@ -357,7 +371,7 @@ def follower_main(fd: int) -> None:
             with torch.inference_mode():  # the head too: its vocabulary rows (CausalLM.head_rows)
                 model.step(ids, positions, kv.tensor, meta, logits_indices)
         elif kind == "compile":
-            pipe.send_bytes(_pack(_compile_rank(model, kv.tensor, {**args[0], "tensor_parallel": [rank, size]}, link)))
+            pipe.send_bytes(_pack(_compile_rank(model, kv.tensor, args[0], link, rank, size, device)))
         elif kind == "lora":
             model.lora.write_slot(*args)
         elif kind == "export":
@@ -367,13 +381,41 @@ def follower_main(fd: int) -> None:
             kv.tensor[:, :, block_ids] = part
 
 
-def _compile_rank(model, kv_cache: torch.Tensor, settings: dict, link: RankLink) -> str:
-    """A follower's decode graphs, compiled alone (``RankLink.alone``): ``_READY``, or why not."""
+def _exit_when_orphaned(parent: int) -> None:
+    """End this follower soon after rank 0's process is gone, whatever it is doing: between steps it sees
+    end-of-file on its pipe, but loading weights or compiling (minutes on CPU) it reads nothing, and a
+    compile left running holds its cache folder's lock against the restarted group's rank."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
+
+
+def _compile_rank(
+    model: torch.nn.Module,
+    kv_cache: torch.Tensor,
+    settings: dict[str, object],
+    link: RankLink,
+    rank: int,
+    size: int,
+    device: torch.device,
+) -> str:
+    """A follower's decode graphs, compiled alone (``RankLink.alone``) from rank 0's ``settings`` with what
+    is this rank's own (its cache folder's key): ``_READY``, or why not."""
     from kvmesh.engine.compile import compile_decode
 
+    own = {
+        "tensor_parallel": [rank, size],
+        "device": str(device),
+        "kv_pool": list(kv_cache.shape),
+        "threads": torch.get_num_threads(),
+    }
     try:
         with link.alone():
-            compile_decode(model, kv_cache, {**settings, "kv_pool": list(kv_cache.shape)})
+            compile_decode(model, kv_cache, {**settings, **own}, recompile=False)
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return _READY

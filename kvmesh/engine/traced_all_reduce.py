@@ -4,7 +4,8 @@ A compiled decode step (``kvmesh.engine.compile``) traces the model's forward; t
 that waits on shared memory or a process group, which dynamo would break the graph at (two breaks a
 layer: a graph per piece between them). As an opaque in-place custom op it stays one node of one graph,
 which calls the rank's ``RankLink`` when the graph runs. The op names the link by a number, since an op's
-arguments are tensors and plain values; eager steps call the link directly and skip the dispatcher.
+arguments are tensors and plain values (``RankLink.model_all_reduce`` calls it while dynamo traces; eager
+steps call the link directly and skip the dispatcher).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -19,10 +21,13 @@ import torch
 
 
 class Summing(Protocol):
+    """What the op calls: a rank's ``RankLink``."""
+
     def all_reduce(self, tensor: torch.Tensor) -> None: ...
 
 
-_links: dict[int, Summing] = {}
+# Weak: a link whose group never closed (a start that failed) goes with its last user, as before the op.
+_links: weakref.WeakValueDictionary[int, Summing] = weakref.WeakValueDictionary()
 _numbers = itertools.count(1)
 _raised = threading.local()  # .error: what the op last raised in this thread, for ``failures_as_raised``
 
@@ -49,16 +54,8 @@ def register(link: Summing) -> int:
 
 
 def forget(number: int) -> None:
+    """``number`` names no link any more (its group closed)."""
     _links.pop(number, None)
-
-
-def all_reduce_(tensor: torch.Tensor, link: Summing, number: int) -> None:
-    """Sum ``tensor`` over the ranks in place through ``link`` (registered as ``number``): one op of the graph
-    while dynamo traces, a direct call otherwise."""
-    if torch.compiler.is_compiling():
-        torch.ops.kvmesh.tp_all_reduce_(tensor, number)
-    else:
-        link.all_reduce(tensor)
 
 
 @contextlib.contextmanager

@@ -1,8 +1,8 @@
 """Tensor parallelism in one engine (``EngineConfig(tensor_parallel_size=N)``): rank 0 in this process,
 the other ranks its children, all-reduces through shared memory (or a gloo process group). Greedy tokens
 as TP1 and transformers give them, logprobs within 1e-4, with KV heads split and with fewer KV heads than
-ranks (replicated); speculation and structured outputs across ranks; configurations that cannot be split
-refused by name; a rank killed fails the step instead of hanging it."""
+ranks (replicated); speculation and structured outputs across ranks; compiled decode steps on every rank;
+configurations that cannot be split refused by name; a rank killed fails the step instead of hanging it."""
 
 from __future__ import annotations
 
@@ -130,6 +130,9 @@ def test_compiled_decode_steps_across_ranks(checkpoints) -> None:
     try:
         assert engine.runner.model.compiled_decode is not None
         assert not counters["graph_break"]
+        assert engine.runner.model.compiled_decode.eager_on_recompile  # a rank never compiles mid-step
+        # Here rank 0 may, so that a step its graphs did not fit shows as a new graph, not as an eager step.
+        engine.runner.model.compiled_decode.eager_on_recompile = False
         graphs = counters["stats"]["unique_graphs"]
         for prompts, one in zip(batches, want):
             _close_enough(engine.generate(prompts, GREEDY), one)
@@ -148,10 +151,13 @@ def test_compiled_decode_steps_across_ranks(checkpoints) -> None:
         engine.close()
 
 
-def test_speculative_verifies_across_ranks(checkpoints) -> None:
+@pytest.mark.parametrize("compiled", [False, True])
+def test_speculative_verifies_across_ranks(checkpoints, compiled) -> None:
+    """Verify steps run on every rank like any step: eager, and through the compiled graphs (laid out as
+    decodes), with the drafter's calibration probes mirrored after the ranks compiled."""
     path = checkpoints["llama-gqa"]
     one = _engine(path, 1).generate(EIGHT_PROMPTS, GREEDY)
-    spec = _engine(path, 2, drafter=Drafter(ScriptedProposer(garbage=True), 3))
+    spec = _engine(path, 2, drafter=Drafter(ScriptedProposer(garbage=True), 3), compile=compiled)
     try:
         _close_enough(spec.generate(EIGHT_PROMPTS, GREEDY), one)
         assert spec.stats.draft_tokens_proposed > 0
