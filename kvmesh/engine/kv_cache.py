@@ -117,6 +117,9 @@ class KVCache:
             crc.update(piece)
         return crc.digest()
 
+    def block_checksums(self, block_ids: list[int]) -> list[bytes]:
+        return [self.block_checksum(b) for b in block_ids]
+
     def export_block(self, block_id: int) -> BlockPayload:
         if self.tensor.device.type == "cpu":
             data = self._host_bytes_view(block_id).tobytes()

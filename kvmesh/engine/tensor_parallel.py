@@ -11,16 +11,21 @@ machine's CPUs (``kvmesh.engine.shm_all_reduce``), through a torch.distributed p
 own; gloo where CPU ranks are asked to use it).
 
 The pipes also carry KV blocks, a follower's slices of every block of a hand-off in one message, when
-the engine hands blocks off (``kvmesh.engine.sharded_kv``). The pipe, not the process group, carries the
-steps: a follower waits on it without a deadline while the engine is idle, and sees end-of-file the
-moment rank 0 goes away. The all-reduces do have one (``COLLECTIVE_TIMEOUT_S``), and each side watches
-the other (rank 0 its children, a follower its parent): a rank that dies mid-step fails the others'
-pass at once instead of hanging it.
+the engine hands blocks off (``kvmesh.engine.sharded_kv``), and the followers' parts of block checksums.
+Beside its pipe each follower has a side channel for a rank service the worker starts on every rank
+(``start_rank_service``: each rank's own NIXL agent, ``kvmesh.worker.rank_nixl``), served on a thread of
+its own, so that a transfer into a rank's pool never waits behind steps, nor a step behind it.
+
+The pipe, not the process group, carries the steps: a follower waits on it without a deadline while the
+engine is idle, and sees end-of-file the moment rank 0 goes away. The all-reduces do have one
+(``COLLECTIVE_TIMEOUT_S``), and each side watches the other (rank 0 its children, a follower its parent): a
+rank that dies mid-step fails the others' pass at once instead of hanging it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import pickle
 import socket
@@ -39,6 +44,7 @@ import torch
 
 from kvmesh.checkpoint.model_config import ModelConfig
 from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.kv_checksum import partial_block_checksums
 from kvmesh.engine.process_group_all_reduce import CollectiveFailed, ProcessGroupAllReduce, host_store, join_store
 from kvmesh.engine.shm_all_reduce import RankGone, ShmAllReduce, create_memory
 from kvmesh.engine.tp_layout import TPLayout
@@ -131,11 +137,14 @@ class TensorParallelGroup:
         self,
         processes: list[subprocess.Popen],
         pipes: list[Connection],
+        sides: list[Connection],
         link: RankLink,
         join: Callable[[], AllReduce] | None,
         device: torch.device,
     ) -> None:
         self._processes, self._pipes, self.link = processes, pipes, link
+        self._sides = sides  # each follower's side channel: one call at a time on each
+        self._side_locks = [threading.Lock() for _ in sides]
         self._join = join  # rank 0's place in a process group, joined once every rank is ready
         # Tensors cross the pipes on the host: pickled CUDA tensors would unpickle on the sender's GPU.
         self._on_host = device.type != "cpu"
@@ -157,7 +166,7 @@ class TensorParallelGroup:
         memory = create_memory(size) if backend == "shm" else None
         store = host_store(size, COLLECTIVE_TIMEOUT_S) if memory is None else None
         env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank)}
-        processes, pipes, link = [], [], RankLink()
+        processes, pipes, sides, link = [], [], [], RankLink()
 
         def alive() -> bool:
             return all(p.poll() is None for p in processes)
@@ -168,11 +177,15 @@ class TensorParallelGroup:
             meeting = memory if memory is not None else store.port
             for rank in range(1, size):
                 mine, theirs = socket.socketpair()
-                argv = [sys.executable, "-m", "kvmesh.engine.tp_rank", str(theirs.fileno())]
-                inherited = [theirs.fileno()] + ([memory] if memory is not None else [])
+                side_mine, side_theirs = socket.socketpair()
+                fds = [theirs.fileno(), side_theirs.fileno()]
+                argv = [sys.executable, "-m", "kvmesh.engine.tp_rank", *map(str, fds)]
+                inherited = fds + ([memory] if memory is not None else [])
                 processes.append(subprocess.Popen(argv, pass_fds=inherited, env=env))
                 theirs.close()
+                side_theirs.close()
                 pipes.append(Connection(mine.detach()))
+                sides.append(Connection(side_mine.detach()))
                 pipes[-1].send_bytes(_pack((str(path), cfg, rank, meeting, threads_per_rank)))
         except Exception:
             for p in processes:
@@ -183,7 +196,7 @@ class TensorParallelGroup:
                 os.close(memory)  # mapped here and inherited there
         device = rank_device(cfg.device, 0)
         join = partial(_group_all_reduce, store, 0, cfg, device) if store is not None else None
-        return cls(processes, pipes, link, join, device)
+        return cls(processes, pipes, sides, link, join, device)
 
     def wait_ready(self) -> None:
         """Until every follower has loaded its weights; FailedPrecondition with its reason where one failed."""
@@ -243,6 +256,37 @@ class TensorParallelGroup:
                 self._send(rank, ("export", block_ids))
             return [self._receive(rank) for rank in range(1, len(self._pipes) + 1)]
 
+    def block_checksum_parts(self, ranks: list[int], block_ids: list[int]) -> list[list[int]]:
+        """Followers ``ranks``' parts of the checksums of blocks ``block_ids`` (``kvmesh.engine.kv_checksum``),
+        in that order: one exchange a rank."""
+        with self._lock:
+            for rank in ranks:
+                self._send(rank, ("checksums", block_ids))
+            return [self._receive(rank) for rank in ranks]
+
+    def start_rank_service(self, module: str, settings: Mapping[str, object]) -> list[object]:
+        """Start ``module``'s ``serve_rank`` on every follower (it answers calls on the rank's side channel from
+        then on, on a thread of its own); what each follower's start gave, in rank order. FailedPrecondition
+        with its reason where one failed."""
+        with self._lock:
+            for rank in range(1, len(self._pipes) + 1):
+                self._send(rank, ("service", module, dict(settings)))
+            replies = [self._receive(rank) for rank in range(1, len(self._pipes) + 1)]
+        for rank, reply in enumerate(replies, start=1):
+            if isinstance(reply, str):
+                raise FailedPrecondition(f"tensor-parallel rank {rank} could not start {module}: {reply}")
+        return [reply[0] for reply in replies]
+
+    def side_call(self, rank: int, message: object) -> object:
+        """One call to follower ``rank``'s rank service and its answer (blocking: call it off the event loop).
+        RankLost where the follower is gone."""
+        with self._side_locks[rank - 1]:
+            try:
+                self._sides[rank - 1].send_bytes(_pack(message))
+                return _unpack(self._sides[rank - 1].recv_bytes())
+            except (EOFError, OSError):
+                raise self._lost(rank) from None
+
     def write_block_slices(self, block_ids: list[int], slices: list[torch.Tensor]) -> None:
         """Write each follower its slice of KV blocks ``block_ids`` (host tensors stacked on dim 2 as
         ``block_slices`` gives them, in rank order)."""
@@ -274,7 +318,7 @@ class TensorParallelGroup:
 
     def close(self) -> None:
         """Stop the followers (they end at end-of-file on their pipe)."""
-        for pipe in self._pipes:
+        for pipe in [*self._pipes, *self._sides]:
             pipe.close()
         for p in self._processes:
             try:
@@ -324,10 +368,11 @@ def _moved(obj: object, device: torch.device | str) -> object:
     return obj
 
 
-def follower_main(fd: int) -> None:
+def follower_main(fd: int, side_fd: int) -> None:
     """A follower rank (``kvmesh.engine.tp_rank``): read its part from rank 0 over the socket ``fd``, load
-    its slice, then run each forward pass and block copy rank 0 sends, until the socket closes."""
-    pipe = Connection(fd)
+    its slice, then run each forward pass and block copy rank 0 sends, until the socket closes. ``side_fd``
+    is the side channel of a rank service rank 0 may start (``TensorParallelGroup.start_rank_service``)."""
+    pipe, side = Connection(fd), Connection(side_fd)
     try:
         path, cfg, rank, meeting, threads = _unpack(pipe.recv_bytes())
     except (EOFError, OSError):
@@ -376,9 +421,26 @@ def follower_main(fd: int) -> None:
             model.lora.write_slot(*args)
         elif kind == "export":
             pipe.send_bytes(_pack(kv.tensor[:, :, args[0]].cpu()))  # a list of ids: a copy
+        elif kind == "checksums":
+            first, _ = layout.kv_head_range()
+            pipe.send_bytes(_pack(partial_block_checksums(kv.tensor, args[0], first, mc.num_kv_heads)))
+        elif kind == "service":
+            pipe.send_bytes(_pack(_start_service(side, kv.tensor, layout, mc.num_kv_heads, *args)))
         else:  # "import"
             block_ids, part = args
             kv.tensor[:, :, block_ids] = part
+
+
+def _start_service(
+    side: Connection, pool: torch.Tensor, layout: TPLayout, total_kv_heads: int, module: str, settings: dict
+) -> tuple[object] | str:
+    """Start ``module.serve_rank`` on this rank's side channel: ``(what it gave,)``, or why it failed."""
+    first, _ = layout.kv_head_range()
+    try:
+        serve_rank = importlib.import_module(module).serve_rank
+        return (serve_rank(side, pool, first, total_kv_heads, settings),)
+    except Exception as e:  # noqa: BLE001 - the reason goes to rank 0, which fails the worker's start
+        return f"{type(e).__name__}: {e}"
 
 
 def _exit_when_orphaned(parent: int) -> None:

@@ -34,11 +34,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy
 import structlog
 
 from kvmesh.errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable
 from kvmesh.worker.kv_transport import DEFAULT_PROGRESS_PAUSE_US
-from kvmesh.worker.nixl_layout import PoolRegion, block_runs
+from kvmesh.worker.nixl_layout import HeadSpan, PoolRegion, block_runs
 
 if TYPE_CHECKING:
     import torch
@@ -91,12 +92,12 @@ def load_nixl() -> Any | None:
 
 
 async def block_checksums(kv: KVCache, block_ids: list[int]) -> list[bytes]:
-    """``kv.block_checksum`` of each block, on one worker thread, so the event loop and the
+    """``kv.block_checksums`` of the blocks, on one worker thread, so the event loop and the
     engine keep going. One thread, not one per core: a block is summed piece by piece (16 KiB
     CRCs, the GIL taken between them), and split over two threads the same blocks took longer
     here (48 MiB of 8-token blocks: 22.6 vs 9.1 ms; 96 MiB of 16-token: 15.1 vs 14.0). Only for
     blocks nobody writes meanwhile (held by a lease, or reserved for a READ that ended)."""
-    return await asyncio.to_thread(lambda: [kv.block_checksum(b) for b in block_ids])
+    return await asyncio.to_thread(kv.block_checksums, block_ids)
 
 
 @dataclass
@@ -234,26 +235,36 @@ class NixlEndpoint:
         if self._peers.pop(agent_name, None) is not None:
             self.agent.remove_remote_agent(agent_name)
 
-    def post(self, op: str, agent_name: str, remote_blocks: list[int], local_blocks: list[int]) -> NixlRead:
+    def transfer_nbytes(self, blocks: int, heads: HeadSpan | None) -> int:
+        """The bytes ``post`` moves for ``blocks`` blocks (of ``heads`` only, where given)."""
+        whole = blocks * self.region.block_nbytes
+        return whole if heads is None else whole // self.region.num_kv_heads * heads.count
+
+    def post(
+        self, op: str, agent_name: str, remote_blocks: list[int], local_blocks: list[int], heads: HeadSpan | None = None
+    ) -> NixlRead:
         """Post one ``op`` ("READ": peer's blocks into ours, "WRITE": ours into the peer's) of whole
-        blocks. Over shared memory UCX copies inside this call (it releases the GIL): call it off
-        the event loop."""
+        blocks, or of the KV heads ``heads`` of each (tensor-parallel ranks). Over shared memory UCX
+        copies inside this call (it releases the GIL): call it off the event loop."""
         peer = self.peer_region(agent_name)
         if len(remote_blocks) != len(local_blocks):
             raise InvalidArgument(f"{len(remote_blocks)} remote blocks for {len(local_blocks)} local ones")
         peer.check_blocks(remote_blocks, f"peer {agent_name}'s")
         self.region.check_blocks(local_blocks, "this worker's")
-        if peer.piece_bytes != self.region.piece_bytes or peer.num_layers != self.region.num_layers:
-            raise Unavailable(f"peer {agent_name} has another block shape")  # the handshake refuses this first
-        src, dst, lengths = block_runs(remote_blocks, local_blocks)
         mem = self.region.mem_type
+        if heads is None or heads.whole(peer, self.region):
+            if peer.piece_bytes != self.region.piece_bytes or peer.num_layers != self.region.num_layers:
+                raise Unavailable(f"peer {agent_name} has another block shape")  # the handshake refuses this first
+            src, dst, lengths = block_runs(remote_blocks, local_blocks)
+            local, remote = self.region.run_descs(dst, lengths), peer.run_descs(src, lengths)
+        else:
+            self._check_heads(agent_name, peer, heads)
+            local = self.region.head_descs(numpy.asarray(local_blocks), heads.local_first, heads.count)
+            remote = peer.head_descs(numpy.asarray(remote_blocks), heads.remote_first, heads.count)
         handle = self.agent.initialize_xfer(
-            op,
-            self.agent.get_xfer_descs(self.region.run_descs(dst, lengths), mem),
-            self.agent.get_xfer_descs(peer.run_descs(src, lengths), peer.mem_type),
-            agent_name,
+            op, self.agent.get_xfer_descs(local, mem), self.agent.get_xfer_descs(remote, peer.mem_type), agent_name
         )
-        read = NixlRead(self.agent, handle, len(local_blocks) * self.region.block_nbytes)
+        read = NixlRead(self.agent, handle, self.transfer_nbytes(len(local_blocks), heads))
         try:
             posted = self.agent.transfer(handle)
         except Exception as e:  # noqa: BLE001 - e.g. nixlRemoteDisconnectError: the peer is gone
@@ -264,6 +275,20 @@ class NixlEndpoint:
             read._finish()
             raise Unavailable(f"NIXL {op} with {agent_name} could not be posted: {reason}")
         return read
+
+    def _check_heads(self, agent_name: str, peer: PoolRegion, heads: HeadSpan) -> None:
+        """Unavailable unless both pools' rows have the same heads' shape and hold the heads named."""
+        mine = self.region
+        if not peer.head_bytes or (peer.head_bytes, peer.block_tokens, peer.num_layers) != (
+            mine.head_bytes,
+            mine.block_tokens,
+            mine.num_layers,
+        ):
+            raise Unavailable(f"peer {agent_name}'s blocks cannot be read by KV head: another block shape")
+        if heads.count <= 0 or heads.remote_first + heads.count > peer.num_kv_heads:
+            raise InvalidArgument(f"KV heads {heads} are outside peer {agent_name}'s {peer.num_kv_heads}")
+        if heads.local_first + heads.count > mine.num_kv_heads:
+            raise InvalidArgument(f"KV heads {heads} are outside this pool's {mine.num_kv_heads}")
 
     def notify(self, agent_name: str, message: bytes) -> None:
         """A one-way message to a peer (it finds it in ``notifications``)."""
@@ -283,9 +308,9 @@ class NixlEndpoint:
 
 
 class BlockRead:
-    """Whole blocks from a peer's pool into ours, in chunks, each chunk's blocks checksummed
-    (``on_landed``, on a worker thread: one result per block) as soon as it lands while the next
-    is in flight.
+    """Whole blocks (or their KV heads ``heads``) from a peer's pool into ours, in chunks, each
+    chunk's blocks checksummed (``on_landed``, on a worker thread: one result per block) as soon as
+    it lands while the next is in flight.
 
     ``run`` returns ``on_landed``'s results in block order (the checksums of what landed, for
     the caller to compare with the holder's before the blocks are used). After ``run`` failed or
@@ -299,11 +324,12 @@ class BlockRead:
         src: list[int],
         dst: list[int],
         on_landed: Callable[[list[int]], list[Any]],
+        heads: HeadSpan | None = None,
     ) -> None:
         self._endpoint, self._agent_name = endpoint, agent_name
-        self._src, self._dst = src, dst
+        self._src, self._dst, self._heads = src, dst, heads
         self._on_landed = on_landed
-        self.nbytes = len(dst) * endpoint.region.block_nbytes
+        self.nbytes = endpoint.transfer_nbytes(len(dst), heads)
         self._posts: list[asyncio.Future] = []  # each resolves to its posted NixlRead (and results)
 
     async def run(self, timeout_s: float) -> list[Any]:
@@ -341,7 +367,7 @@ class BlockRead:
         """On a worker thread: post one chunk (``posted`` lets the next chunk post); if it landed
         inside the post, its results too."""
         try:
-            read = self._endpoint.post("READ", self._agent_name, src, dst)
+            read = self._endpoint.post("READ", self._agent_name, src, dst, self._heads)
         finally:
             posted()
         try:

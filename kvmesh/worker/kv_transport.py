@@ -6,7 +6,9 @@ chunked PullKV stream. The same flag picks the kvstore's data plane (PutNixl /
 GetNixl where both ends have NIXL, the Put/Get chunk streams otherwise). Where
 NIXL does not load (not installed, no usable UCX transport) a process asked for
 ``nixl`` says so and runs on gRPC; a peer that lacks NIXL is served over gRPC
-either way.
+either way. A tensor-parallel worker has an agent on every rank
+(``kvmesh.worker.rank_nixl``); its kvstore traffic stays on gRPC (the kvstore's
+arena is read and written whole blocks at a time).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import structlog
 from kvmesh.runtime import Flag
 
 if TYPE_CHECKING:
-    import torch
-
+    from kvmesh.engine.kv_cache import KVCache
+    from kvmesh.engine.sharded_kv import ShardedKVCache
     from kvmesh.worker.kv_nixl import NixlEndpoint
+    from kvmesh.worker.rank_nixl import RankEndpoints
 
 log = structlog.get_logger(__name__)
 
@@ -72,26 +75,35 @@ def load_transport(args: argparse.Namespace) -> Any | None:
     return nixl
 
 
-def open_endpoint(args: argparse.Namespace, tensor: torch.Tensor, role: str) -> NixlEndpoint | None:
-    """This worker's NIXL endpoint with ``tensor`` (its KV pool) registered, or None for gRPC."""
-    if args.tensor_parallel_size > 1:
-        # Its pool holds rank 0's heads only: blocks leave whole through the engine (sharded_kv), over gRPC.
-        log.info("KV moves over gRPC: this worker's KV heads are split over tensor-parallel ranks")
-        return None
+def open_endpoint(args: argparse.Namespace, kv: KVCache | ShardedKVCache, role: str) -> RankEndpoints | None:
+    """This worker's NIXL endpoints, every rank's pool registered (``kv``'s), or None for gRPC. Blocking."""
     nixl = load_transport(args)
     if nixl is None:
         return None
     from kvmesh.worker.kv_nixl import NixlEndpoint
+    from kvmesh.worker.rank_nixl import RankEndpoints
 
     try:
-        endpoint = NixlEndpoint(nixl, tensor, role, args.nixl_progress_pause_us)
+        endpoint = NixlEndpoint(nixl, kv.tensor, role, args.nixl_progress_pause_us)
     except Exception as e:  # noqa: BLE001 - NIXL/UCX raise their own types; any of them means no NIXL here
         log.warning("NIXL did not start; KV moves over gRPC", error=str(e))
+        return None
+    try:
+        ranks = RankEndpoints.open(endpoint, kv, role, args.nixl_progress_pause_us)
+    except Exception as e:  # noqa: BLE001 - a follower's NIXL failed to start (its reason in the message)
+        endpoint.close()
+        log.warning("NIXL did not start on every tensor-parallel rank; KV moves over gRPC", error=str(e))
         return None
     log.info(
         "KV pool registered with NIXL",
         agent=endpoint.name,
         mem_type=endpoint.region.mem_type,
         bytes=endpoint.region.num_blocks * endpoint.region.block_nbytes,
+        ranks=len(ranks.head_ranges),
     )
-    return endpoint
+    return ranks
+
+
+def whole_block_endpoint(ranks: RankEndpoints | None) -> NixlEndpoint | None:
+    """The endpoint that moves whole blocks (the kvstore's transfers): a worker of one rank's, else None."""
+    return ranks.local if ranks is not None and not ranks.sharded else None

@@ -2,8 +2,10 @@
 
 ``PoolRegion`` is the pool's registered memory and its shape (what a peer needs to name any block in it),
 ``NixlBlocks`` the blocks of one hand-off in it, ``block_runs`` the runs of blocks consecutive on both sides
-of a READ (one descriptor per (layer, k/v) plane per run), ``layout_mismatch`` why two pools cannot
-exchange blocks. Pure: no NIXL calls (``kv_nixl`` makes them).
+of a READ (one descriptor per (layer, k/v) plane per run), ``HeadSpan`` a range of KV heads read from one
+pool into another where either holds other heads too (tensor-parallel ranks: one descriptor per token row
+of each piece), ``layout_mismatch`` why two pools cannot exchange blocks. Pure: no NIXL calls (``kv_nixl``
+makes them).
 """
 
 from __future__ import annotations
@@ -44,10 +46,12 @@ class PoolRegion:
     piece_bytes: int
     mem_type: str
     device_id: int
+    block_tokens: int
+    num_kv_heads: int
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> PoolRegion:
-        num_layers, _, num_blocks = tensor.shape[:3]
+        num_layers, _, num_blocks, block_tokens, num_kv_heads = tensor.shape[:5]
         elt = tensor.element_size()
         layer_stride, kv_stride, block_stride = (s * elt for s in tensor.stride()[:3])
         on_device = tensor.device.type != "cpu"
@@ -61,6 +65,8 @@ class PoolRegion:
             piece_bytes=tensor[0, 0, 0].numel() * elt,
             mem_type="VRAM" if on_device else "DRAM",
             device_id=tensor.device.index or 0,
+            block_tokens=block_tokens,
+            num_kv_heads=num_kv_heads,
         )
 
     def check_blocks(self, block_ids: list[int], whose: str) -> None:
@@ -82,6 +88,8 @@ class PoolRegion:
             pb.piece_bytes,
             pb.mem_type,
             pb.device_id,
+            pb.block_tokens,
+            pb.num_kv_heads,
         )
 
     def to_pb(self) -> kv_pb2.NixlPoolRegion:
@@ -108,6 +116,43 @@ class PoolRegion:
     @property
     def block_nbytes(self) -> int:
         return self.pieces_per_block * self.piece_bytes
+
+    @property
+    def head_bytes(self) -> int:
+        """One KV head's bytes in one token row (0 where the peer did not say its rows' shape)."""
+        if not self.block_tokens or not self.num_kv_heads:
+            return 0
+        return self.piece_bytes // (self.block_tokens * self.num_kv_heads)
+
+    def head_descs(self, blocks: numpy.ndarray, first_head: int, count: int) -> numpy.ndarray:
+        """(address, length, device) of heads ``first_head`` .. ``+ count`` (of this pool's) in each token row
+        of every piece of ``blocks``, block-major, then (layer, k/v), then token."""
+        row = self.piece_bytes // self.block_tokens
+        offsets = (
+            numpy.arange(self.num_layers, dtype=numpy.uint64)[:, None, None] * self.layer_stride
+            + numpy.arange(2, dtype=numpy.uint64)[None, :, None] * self.kv_stride
+            + numpy.arange(self.block_tokens, dtype=numpy.uint64)[None, None, :] * row
+        ).ravel() + first_head * self.head_bytes
+        starts = self.base_address + blocks.astype(numpy.uint64) * self.block_stride
+        out = numpy.empty((len(starts) * len(offsets), 3), dtype=numpy.uint64)
+        out[:, 0] = (starts[:, None] + offsets[None, :]).ravel()
+        out[:, 1] = count * self.head_bytes
+        out[:, 2] = self.device_id
+        return out
+
+
+@dataclass(frozen=True)
+class HeadSpan:
+    """KV heads read from a peer's pool into ours: ``count`` heads from the peer's ``remote_first``-th (of the
+    heads its pool holds) into ours from our ``local_first``-th."""
+
+    remote_first: int
+    local_first: int
+    count: int
+
+    def whole(self, remote: PoolRegion, local: PoolRegion) -> bool:
+        """Every head of both pools: whole blocks, read in runs."""
+        return self.remote_first == self.local_first == 0 and self.count == remote.num_kv_heads == local.num_kv_heads
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from kvmesh.speculation.local import LocalProposer
 from kvmesh.speculation.metrics import SpeculatorCollector
 from kvmesh.worker.adapters import AdapterServicer, load_startup_adapters
 from kvmesh.worker.engine_link import attach_router
-from kvmesh.worker.kv_transport import KV_TRANSPORT_FLAGS, open_endpoint
+from kvmesh.worker.kv_transport import KV_TRANSPORT_FLAGS, open_endpoint, whole_block_endpoint
 from kvmesh.worker.kvstore_client import KVStoreClient
 from services.decode.core import DecodeWorker
 from services.decode.nixl_source import NixlKVSource
@@ -89,15 +89,15 @@ def build(ctx: ServiceContext) -> ServiceDef:
             drafter = Drafter(proposer, args.num_speculative_tokens, parse_draft_costs(args.draft_costs))
         aengine = await AsyncEngine.started(lambda: LLMEngine(model_path(args), config, drafter=drafter), ctx.fail)
         engine = aengine.engine
-        endpoint = await asyncio.to_thread(open_endpoint, args, engine.kv.tensor, "decode")
+        endpoints = await asyncio.to_thread(open_endpoint, args, engine.kv, "decode")
         layout = kv_pb2.KVLayout(**engine.kv_layout())
         kvstore = None
         if args.kvstore_address:
-            kvstore = KVStoreClient(args.kvstore_address, nixl=endpoint, layout=layout)
+            kvstore = KVStoreClient(args.kvstore_address, nixl=whole_block_endpoint(endpoints), layout=layout)
         state["kvstore"] = kvstore
         kv_source = grpc_source
-        if endpoint is not None:
-            kv_source = state["nixl_source"] = NixlKVSource(endpoint, layout, grpc_source, args.kv_read_timeout_s)
+        if endpoints is not None:
+            kv_source = state["nixl_source"] = NixlKVSource(endpoints, layout, grpc_source, args.kv_read_timeout_s)
         worker = DecodeWorker(aengine, kv_source, kvstore)
         servicer.attach(worker, engine.max_model_len, engine.model_config.vocab_size, engine.system_fingerprint)
         ctx.registry.register(EngineCollector(engine))

@@ -1,9 +1,11 @@
 """Decode's ``KVSource`` over NIXL: one READ straight into the paged pool, gRPC for control only.
 
 Per prefill peer, once: ``NixlHandshake`` over gRPC brings its agent metadata
-and pool region (a peer whose KV layout differs is refused there, before any
-byte moves). Per hand-off: destination blocks are reserved in this worker's
-pool, a ``BlockRead`` fetches every missing block (in a few chunks, each
+and pool region, every rank's where it is tensor-parallel (a peer whose KV
+layout differs is refused there, before any byte moves). Per hand-off:
+destination blocks are reserved in this worker's pool, a ``ShardedRead``
+fetches every missing block, each of our ranks its KV heads from the peer's
+ranks that hold them (``kvmesh.worker.rank_nixl``; in a few chunks, each
 checksummed on a worker thread as it lands), a one-way NIXL notification naming
 the lease tells the prefill worker to release it at once, the checksums are
 compared with the prefill worker's, and the blocks are adopted as cached
@@ -26,9 +28,9 @@ from kvmesh.blocks import BlockHash
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.errors import FailedPrecondition, InvalidArgument, InvalidField, Unavailable
 from kvmesh.runtime.client_errors import from_rpc_error
-from kvmesh.worker.kv_nixl import BlockRead, NixlEndpoint
 from kvmesh.worker.kv_transport import read_timeout_s
 from kvmesh.worker.nixl_layout import PoolRegion, layout_mismatch
+from kvmesh.worker.rank_nixl import RankEndpoints, RankPool, ShardedRead
 from services.decode.core import RemotePrefill, Tally, report_wire
 from services.decode.prefill_client import GrpcKVSource
 
@@ -42,9 +44,9 @@ HANDSHAKE_TIMEOUT_S = 5.0
 
 class NixlKVSource:
     def __init__(
-        self, endpoint: NixlEndpoint, layout: kv_pb2.KVLayout, grpc_source: GrpcKVSource, read_floor_s: float
+        self, endpoints: RankEndpoints, layout: kv_pb2.KVLayout, grpc_source: GrpcKVSource, read_floor_s: float
     ) -> None:
-        self._endpoint = endpoint
+        self._endpoints = endpoints
         self._layout = layout
         self._grpc = grpc_source
         self._read_floor_s = read_floor_s
@@ -64,7 +66,7 @@ class NixlKVSource:
         # In the holder's pool order, into our reserved blocks in ascending order: runs of blocks
         # consecutive on both sides then go as one descriptor per plane (kv_nixl.block_runs).
         try:
-            self._endpoint.peer_region(agent).check_blocks(remote.nixl.block_ids, "the prefill worker's")
+            self._endpoints.peer_region(agent).check_blocks(remote.nixl.block_ids, "the prefill worker's")
         except InvalidArgument as e:  # the request's own descriptors: its caller's error, not a transfer's
             raise InvalidField("remote.handoff.nixl.block_ids", e.message) from None
         missing = sorted(missing, key=lambda h: remote.nixl.block_ids[position[h]])
@@ -72,17 +74,17 @@ class NixlKVSource:
         sums = [remote.nixl.checksums[position[h]] for h in missing]
         t_reserve = time.perf_counter()
         dst = sorted(await engine.call(lambda e: e.reserve_blocks(len(missing))))
-        kv = engine.kv
-        read = BlockRead(self._endpoint, agent, src, dst, lambda ids: [kv.block_checksum(b) for b in ids])
+        timeout_s = read_timeout_s(self._read_floor_s, engine.kv.block_nbytes * len(dst))
+        read = self._endpoints.read(agent, src, dst, timeout_s)
         adopted = False
         try:
             t0 = time.perf_counter()
             log.debug("NIXL READ posted", lease_id=remote.lease_id, blocks=len(dst), bytes=read.nbytes)
-            got = await read.run(read_timeout_s(self._read_floor_s, read.nbytes))
+            got = await read.run()
             t1 = time.perf_counter()
             report_wire("nixl", len(dst), read.nbytes, round(1e9 * (t1 - t0)))
             # Every byte is here: the holder may release the lease at once (one-way, no round trip).
-            self._endpoint.notify(agent, remote.lease_id.encode())
+            self._endpoints.notify(agent, remote.lease_id.encode())
             self._notified.add(remote.lease_id)
             tally(len(dst), read.nbytes)
             bad = [h for h, a, b in zip(missing, got, sums) if a != b]
@@ -112,12 +114,12 @@ class NixlKVSource:
         for task in [*self._handshakes.values(), *self._settling]:
             task.cancel()
         await asyncio.gather(*self._handshakes.values(), *self._settling, return_exceptions=True)
-        self._endpoint.close()
+        self._endpoints.close()
 
     async def _peer(self, address: str, agent_name: str) -> str:
         """The peer's agent, known to ours: handshaken once per agent (a restarted worker at the
         same address is a new agent)."""
-        if self._endpoint.has_peer(agent_name):
+        if self._endpoints.has_peer(agent_name):
             return agent_name
         task = self._handshakes.get(agent_name)
         if task is None or (task.done() and task.exception() is not None):
@@ -126,7 +128,7 @@ class NixlKVSource:
         return await asyncio.shield(task)
 
     async def _handshake(self, address: str, agent_name: str) -> str:
-        request = prefill_pb2.NixlHandshakeRequest(layout=self._layout, agent_name=self._endpoint.name)
+        request = prefill_pb2.NixlHandshakeRequest(layout=self._layout, agent_name=self._endpoints.name)
         try:
             resp = await self._grpc.stub(address).NixlHandshake(request, timeout=HANDSHAKE_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
@@ -136,16 +138,19 @@ class NixlKVSource:
             raise FailedPrecondition(f"prefill worker {address} has another KV layout ({mismatch}): refused")
         if resp.agent_name != agent_name:
             raise Unavailable(f"prefill worker {address} restarted since the hand-off (agent {resp.agent_name})")
-        name = self._endpoint.add_peer(resp.agent_metadata, PoolRegion.from_pb(resp.region))
+        ranks = [RankPool.from_pb(r) for r in resp.ranks]
+        name = await self._endpoints.add_peer(
+            ranks or [RankPool(resp.agent_name, resp.agent_metadata, PoolRegion.from_pb(resp.region), 0)]
+        )
         old = self._peer_at.get(address)
         if old is not None and old != name:
-            self._endpoint.forget_peer(old)
+            await self._endpoints.forget_peer(old)
             self._handshakes.pop(old, None)
         self._peer_at[address] = name
         log.info("NIXL peer added", address=address, agent=name)
         return name
 
-    def _free_when_settled(self, engine: AsyncEngine, read: BlockRead, blocks: list[int]) -> None:
+    def _free_when_settled(self, engine: AsyncEngine, read: ShardedRead, blocks: list[int]) -> None:
         """Hand reserved blocks back once no READ can write into them any more."""
 
         async def settle_then_free() -> None:

@@ -27,10 +27,11 @@ from kvmesh.engine.kv_cache import BlockPayload
 from kvmesh.engine.sequence import TokenLogprob
 from kvmesh.errors import InvalidArgument, NotFound
 from kvmesh.sampling import SamplingParams
-from kvmesh.worker.kv_nixl import NixlEndpoint, block_checksums
+from kvmesh.worker.kv_nixl import block_checksums
 from kvmesh.worker.kv_tiers import fetch_prefix_from_kvstore, store_held_blocks
 from kvmesh.worker.kvstore_client import KVStoreClient
 from kvmesh.worker.nixl_layout import NixlBlocks
+from kvmesh.worker.rank_nixl import RankEndpoints
 from services.prefill.leases import Lease, LeaseTable
 
 log = structlog.get_logger(__name__)
@@ -87,7 +88,7 @@ class PrefillWorker:
         default_ttl_ms: int = 30_000,
         max_ttl_ms: int = 300_000,
         kvstore: KVStoreClient | None = None,
-        nixl: NixlEndpoint | None = None,
+        nixl: RankEndpoints | None = None,
     ) -> None:
         self.engine = engine
         self.kvstore = kvstore

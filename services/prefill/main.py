@@ -17,7 +17,7 @@ from kvmesh.runtime.advertise import advertised_address
 from kvmesh.runtime.counters import CountersCollector
 from kvmesh.worker.adapters import AdapterServicer, load_startup_adapters
 from kvmesh.worker.engine_link import attach_router
-from kvmesh.worker.kv_transport import KV_TRANSPORT_FLAGS, open_endpoint
+from kvmesh.worker.kv_transport import KV_TRANSPORT_FLAGS, open_endpoint, whole_block_endpoint
 from kvmesh.worker.kvstore_client import KVStoreClient
 from services.prefill.core import PrefillWorker
 from services.prefill.server import PrefillServicer
@@ -46,10 +46,12 @@ def build(ctx: ServiceContext) -> ServiceDef:
     async def start() -> None:
         aengine = await AsyncEngine.started(lambda: LLMEngine(model_path(args), engine_config(args)), ctx.fail)
         engine = aengine.engine
-        nixl = state["nixl"] = await asyncio.to_thread(open_endpoint, args, engine.kv.tensor, "prefill")
+        nixl = state["nixl"] = await asyncio.to_thread(open_endpoint, args, engine.kv, "prefill")
         kvstore = None
         if args.kvstore_address:
-            kvstore = KVStoreClient(args.kvstore_address, nixl=nixl, layout=kv_pb2.KVLayout(**engine.kv_layout()))
+            kvstore = KVStoreClient(
+                args.kvstore_address, nixl=whole_block_endpoint(nixl), layout=kv_pb2.KVLayout(**engine.kv_layout())
+            )
         state["kvstore"] = kvstore
         worker = PrefillWorker(aengine, args.lease_ttl_ms, args.max_lease_ttl_ms, kvstore, nixl)
         servicer.attach(worker, engine.max_model_len, engine.model_config.vocab_size)

@@ -100,8 +100,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         mismatch = layout_mismatch(mine, request.layout)
         if mismatch:
             raise FailedPrecondition(f"KV layout mismatch with peer {request.agent_name or '?'}: {mismatch}")
+        rank0, *followers = nixl.pools()
         return prefill_pb2.NixlHandshakeResponse(
-            agent_name=nixl.name, agent_metadata=nixl.metadata(), layout=mine, region=nixl.region.to_pb()
+            agent_name=rank0.agent_name,
+            agent_metadata=rank0.metadata,
+            layout=mine,
+            region=rank0.region.to_pb(),
+            ranks=[pool.to_pb() for pool in (rank0, *followers)] if followers else [],
         )
 
     async def ReleaseLease(self, request: prefill_pb2.ReleaseLeaseRequest, context: grpc.aio.ServicerContext):

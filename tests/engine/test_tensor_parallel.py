@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from kvmesh.checkpoint.model_config import ModelConfig
+from kvmesh.checksum import checksum
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.tensor_parallel import RankLost
 from kvmesh.engine.tp_layout import TPLayout
-from kvmesh.errors import InvalidArgument
+from kvmesh.errors import FailedPrecondition, InvalidArgument
 from kvmesh.sampling import SamplingParams
 from kvmesh.speculation.drafter import Drafter
 from kvmesh.structured.spec import GrammarSpec
@@ -350,6 +351,14 @@ def test_blocks_leave_and_enter_whole_so_any_degree_reads_them(checkpoints, arch
             assert fresh.import_blocks(blocks + blocks[:1]) == 3  # a name twice is adopted once
             assert fresh.import_blocks(blocks) == 0  # held already
             assert [p.data for _, p in fresh.export_blocks(hashes[::-1])] == [p.data for _, p in blocks[::-1]]
+            # Checksums combined from the ranks' parts, the blocks left where they are, are the whole blocks'.
+            ids = [fresh.blocks.hash_to_block[h] for h in hashes]
+            assert fresh.kv.block_checksums(ids) == [checksum(p.data) for _, p in blocks]
+            # A rank service (each rank's NIXL agent) that cannot start on a follower fails with its reason; the
+            # group goes on stepping.
+            with pytest.raises(FailedPrecondition, match="rank 1 could not start no_such_module: ModuleNotFound"):
+                fresh.kv.group.start_rank_service("no_such_module", {})
+            assert fresh.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2))[0].token_ids
         finally:
             fresh.close()
     finally:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvmesh/api/common/v1/kv.proto\x12\x14kvmesh.api.common.v1\"\x94\x01\n\x08KVLayout\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06layout\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x07 \x01(\x0c\"\x9e\x01\n\x0cKVBlockChunk\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\r\n\x05shape\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\"\xc2\x01\n\tKVHandoff\x12/\n\x04mode\x18\x01 \x01(\x0e\x32!.kvmesh.api.common.v1.HandoffMode\x12\x16\n\x0esource_address\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x04 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12.\n\x04nixl\x18\x06 \x01(\x0b\x32 .kvmesh.api.common.v1.NixlBlocks\"F\n\nNixlBlocks\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x11\n\tchecksums\x18\x03 \x01(\x0c\"\xc7\x01\n\x0eNixlPoolRegion\x12\x14\n\x0c\x62\x61se_address\x18\x01 \x01(\x04\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0clayer_stride\x18\x04 \x01(\x04\x12\x11\n\tkv_stride\x18\x05 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x06 \x01(\x04\x12\x13\n\x0bpiece_bytes\x18\x07 \x01(\x04\x12\x10\n\x08mem_type\x18\x08 \x01(\t\x12\x11\n\tdevice_id\x18\t \x01(\r*G\n\x06KVTier\x12\x17\n\x13KV_TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKV_TIER_GPU\x10\x01\x12\x13\n\x0fKV_TIER_KVSTORE\x10\x02*s\n\x0bHandoffMode\x12\x1c\n\x18HANDOFF_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11HANDOFF_MODE_PULL\x10\x01\x12\x18\n\x14HANDOFF_MODE_KVSTORE\x10\x02\x12\x15\n\x11HANDOFF_MODE_NONE\x10\x03\x42GZEgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/common/v1;commonv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvmesh/api/common/v1/kv.proto\x12\x14kvmesh.api.common.v1\"\x94\x01\n\x08KVLayout\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06layout\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x07 \x01(\x0c\"\x9e\x01\n\x0cKVBlockChunk\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\r\n\x05shape\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\"\xc2\x01\n\tKVHandoff\x12/\n\x04mode\x18\x01 \x01(\x0e\x32!.kvmesh.api.common.v1.HandoffMode\x12\x16\n\x0esource_address\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x04 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12.\n\x04nixl\x18\x06 \x01(\x0b\x32 .kvmesh.api.common.v1.NixlBlocks\"F\n\nNixlBlocks\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x11\n\tchecksums\x18\x03 \x01(\x0c\"\xf3\x01\n\x0eNixlPoolRegion\x12\x14\n\x0c\x62\x61se_address\x18\x01 \x01(\x04\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0clayer_stride\x18\x04 \x01(\x04\x12\x11\n\tkv_stride\x18\x05 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x06 \x01(\x04\x12\x13\n\x0bpiece_bytes\x18\x07 \x01(\x04\x12\x10\n\x08mem_type\x18\x08 \x01(\t\x12\x11\n\tdevice_id\x18\t \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\n \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x0b \x01(\r\"\x83\x01\n\x08NixlRank\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x34\n\x06region\x18\x03 \x01(\x0b\x32$.kvmesh.api.common.v1.NixlPoolRegion\x12\x15\n\rfirst_kv_head\x18\x04 \x01(\r*G\n\x06KVTier\x12\x17\n\x13KV_TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKV_TIER_GPU\x10\x01\x12\x13\n\x0fKV_TIER_KVSTORE\x10\x02*s\n\x0bHandoffMode\x12\x1c\n\x18HANDOFF_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11HANDOFF_MODE_PULL\x10\x01\x12\x18\n\x14HANDOFF_MODE_KVSTORE\x10\x02\x12\x15\n\x11HANDOFF_MODE_NONE\x10\x03\x42GZEgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/common/v1;commonv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,10 +32,10 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.api.common.v1.kv_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'ZEgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/common/v1;commonv1'
-  _globals['_KVTIER']._serialized_start=838
-  _globals['_KVTIER']._serialized_end=909
-  _globals['_HANDOFFMODE']._serialized_start=911
-  _globals['_HANDOFFMODE']._serialized_end=1026
+  _globals['_KVTIER']._serialized_start=1016
+  _globals['_KVTIER']._serialized_end=1087
+  _globals['_HANDOFFMODE']._serialized_start=1089
+  _globals['_HANDOFFMODE']._serialized_end=1204
   _globals['_KVLAYOUT']._serialized_start=56
   _globals['_KVLAYOUT']._serialized_end=204
   _globals['_KVBLOCKCHUNK']._serialized_start=207
@@ -45,5 +45,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NIXLBLOCKS']._serialized_start=564
   _globals['_NIXLBLOCKS']._serialized_end=634
   _globals['_NIXLPOOLREGION']._serialized_start=637
-  _globals['_NIXLPOOLREGION']._serialized_end=836
+  _globals['_NIXLPOOLREGION']._serialized_end=880
+  _globals['_NIXLRANK']._serialized_start=883
+  _globals['_NIXLRANK']._serialized_end=1014
 # @@protoc_insertion_point(module_scope)

@@ -92,7 +92,7 @@ class NixlBlocks(_message.Message):
     def __init__(self, agent_name: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., checksums: _Optional[bytes] = ...) -> None: ...
 
 class NixlPoolRegion(_message.Message):
-    __slots__ = ("base_address", "num_blocks", "num_layers", "layer_stride", "kv_stride", "block_stride", "piece_bytes", "mem_type", "device_id")
+    __slots__ = ("base_address", "num_blocks", "num_layers", "layer_stride", "kv_stride", "block_stride", "piece_bytes", "mem_type", "device_id", "block_tokens", "num_kv_heads")
     BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,8 @@ class NixlPoolRegion(_message.Message):
     PIECE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     base_address: int
     num_blocks: int
     num_layers: int
@@ -111,4 +113,18 @@ class NixlPoolRegion(_message.Message):
     piece_bytes: int
     mem_type: str
     device_id: int
-    def __init__(self, base_address: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_stride: _Optional[int] = ..., kv_stride: _Optional[int] = ..., block_stride: _Optional[int] = ..., piece_bytes: _Optional[int] = ..., mem_type: _Optional[str] = ..., device_id: _Optional[int] = ...) -> None: ...
+    block_tokens: int
+    num_kv_heads: int
+    def __init__(self, base_address: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_stride: _Optional[int] = ..., kv_stride: _Optional[int] = ..., block_stride: _Optional[int] = ..., piece_bytes: _Optional[int] = ..., mem_type: _Optional[str] = ..., device_id: _Optional[int] = ..., block_tokens: _Optional[int] = ..., num_kv_heads: _Optional[int] = ...) -> None: ...
+
+class NixlRank(_message.Message):
+    __slots__ = ("agent_name", "agent_metadata", "region", "first_kv_head")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    FIRST_KV_HEAD_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    agent_metadata: bytes
+    region: NixlPoolRegion
+    first_kv_head: int
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., region: _Optional[_Union[NixlPoolRegion, _Mapping]] = ..., first_kv_head: _Optional[int] = ...) -> None: ...

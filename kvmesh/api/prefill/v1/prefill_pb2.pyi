@@ -96,13 +96,15 @@ class NixlHandshakeRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[_kv_pb2.KVLayout, _Mapping]] = ..., agent_name: _Optional[str] = ...) -> None: ...
 
 class NixlHandshakeResponse(_message.Message):
-    __slots__ = ("agent_name", "agent_metadata", "layout", "region")
+    __slots__ = ("agent_name", "agent_metadata", "layout", "region", "ranks")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     agent_metadata: bytes
     layout: _kv_pb2.KVLayout
     region: _kv_pb2.NixlPoolRegion
-    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[_kv_pb2.KVLayout, _Mapping]] = ..., region: _Optional[_Union[_kv_pb2.NixlPoolRegion, _Mapping]] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[_kv_pb2.NixlRank]
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[_kv_pb2.KVLayout, _Mapping]] = ..., region: _Optional[_Union[_kv_pb2.NixlPoolRegion, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[_kv_pb2.NixlRank, _Mapping]]] = ...) -> None: ...

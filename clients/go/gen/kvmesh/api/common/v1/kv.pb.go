@@ -514,6 +514,9 @@ func (x *NixlBlocks) GetChecksums() []byte {
 // piece (layer l, k/v kv) of block b starts at
 // base_address + l*layer_stride + kv*kv_stride + b*block_stride and is
 // piece_bytes long; a block is its 2*num_layers pieces in (l, kv) order.
+// A piece is block_tokens rows of num_kv_heads heads (the heads this pool
+// holds: a tensor-parallel rank's pool holds some of the model's), so that a
+// reader can address a range of heads: the head_dim-sized pieces of each row.
 type NixlPoolRegion struct {
 	state       protoimpl.MessageState `protogen:"open.v1"`
 	BaseAddress uint64                 `protobuf:"varint,1,opt,name=base_address,json=baseAddress,proto3" json:"base_address,omitempty"`
@@ -524,8 +527,11 @@ type NixlPoolRegion struct {
 	BlockStride uint64                 `protobuf:"varint,6,opt,name=block_stride,json=blockStride,proto3" json:"block_stride,omitempty"`
 	PieceBytes  uint64                 `protobuf:"varint,7,opt,name=piece_bytes,json=pieceBytes,proto3" json:"piece_bytes,omitempty"`
 	// "DRAM" (host memory) or "VRAM" (device memory), as NIXL names them.
-	MemType       string `protobuf:"bytes,8,opt,name=mem_type,json=memType,proto3" json:"mem_type,omitempty"`
-	DeviceId      uint32 `protobuf:"varint,9,opt,name=device_id,json=deviceId,proto3" json:"device_id,omitempty"`
+	MemType  string `protobuf:"bytes,8,opt,name=mem_type,json=memType,proto3" json:"mem_type,omitempty"`
+	DeviceId uint32 `protobuf:"varint,9,opt,name=device_id,json=deviceId,proto3" json:"device_id,omitempty"`
+	// 0 from a peer that predates them: it can be read only whole.
+	BlockTokens   uint32 `protobuf:"varint,10,opt,name=block_tokens,json=blockTokens,proto3" json:"block_tokens,omitempty"`
+	NumKvHeads    uint32 `protobuf:"varint,11,opt,name=num_kv_heads,json=numKvHeads,proto3" json:"num_kv_heads,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -623,6 +629,91 @@ func (x *NixlPoolRegion) GetDeviceId() uint32 {
 	return 0
 }
 
+func (x *NixlPoolRegion) GetBlockTokens() uint32 {
+	if x != nil {
+		return x.BlockTokens
+	}
+	return 0
+}
+
+func (x *NixlPoolRegion) GetNumKvHeads() uint32 {
+	if x != nil {
+		return x.NumKvHeads
+	}
+	return 0
+}
+
+// One rank of a tensor-parallel worker on NIXL: its agent and its pool,
+// which holds KV heads first_kv_head .. first_kv_head + region.num_kv_heads
+// of the model's. A reader takes each head it needs from one rank holding it.
+type NixlRank struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	AgentName     string                 `protobuf:"bytes,1,opt,name=agent_name,json=agentName,proto3" json:"agent_name,omitempty"`
+	AgentMetadata []byte                 `protobuf:"bytes,2,opt,name=agent_metadata,json=agentMetadata,proto3" json:"agent_metadata,omitempty"`
+	Region        *NixlPoolRegion        `protobuf:"bytes,3,opt,name=region,proto3" json:"region,omitempty"`
+	FirstKvHead   uint32                 `protobuf:"varint,4,opt,name=first_kv_head,json=firstKvHead,proto3" json:"first_kv_head,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NixlRank) Reset() {
+	*x = NixlRank{}
+	mi := &file_kvmesh_api_common_v1_kv_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NixlRank) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NixlRank) ProtoMessage() {}
+
+func (x *NixlRank) ProtoReflect() protoreflect.Message {
+	mi := &file_kvmesh_api_common_v1_kv_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NixlRank.ProtoReflect.Descriptor instead.
+func (*NixlRank) Descriptor() ([]byte, []int) {
+	return file_kvmesh_api_common_v1_kv_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *NixlRank) GetAgentName() string {
+	if x != nil {
+		return x.AgentName
+	}
+	return ""
+}
+
+func (x *NixlRank) GetAgentMetadata() []byte {
+	if x != nil {
+		return x.AgentMetadata
+	}
+	return nil
+}
+
+func (x *NixlRank) GetRegion() *NixlPoolRegion {
+	if x != nil {
+		return x.Region
+	}
+	return nil
+}
+
+func (x *NixlRank) GetFirstKvHead() uint32 {
+	if x != nil {
+		return x.FirstKvHead
+	}
+	return 0
+}
+
 var File_kvmesh_api_common_v1_kv_proto protoreflect.FileDescriptor
 
 const file_kvmesh_api_common_v1_kv_proto_rawDesc = "" +
@@ -665,7 +756,7 @@ const file_kvmesh_api_common_v1_kv_proto_rawDesc = "" +
 	"\n" +
 	"agent_name\x18\x01 \x01(\tR\tagentName\x12\x1b\n" +
 	"\tblock_ids\x18\x02 \x03(\rR\bblockIds\x12\x1c\n" +
-	"\tchecksums\x18\x03 \x01(\fR\tchecksums\"\xad\x02\n" +
+	"\tchecksums\x18\x03 \x01(\fR\tchecksums\"\xf2\x02\n" +
 	"\x0eNixlPoolRegion\x12!\n" +
 	"\fbase_address\x18\x01 \x01(\x04R\vbaseAddress\x12\x1d\n" +
 	"\n" +
@@ -678,7 +769,17 @@ const file_kvmesh_api_common_v1_kv_proto_rawDesc = "" +
 	"\vpiece_bytes\x18\a \x01(\x04R\n" +
 	"pieceBytes\x12\x19\n" +
 	"\bmem_type\x18\b \x01(\tR\amemType\x12\x1b\n" +
-	"\tdevice_id\x18\t \x01(\rR\bdeviceId*G\n" +
+	"\tdevice_id\x18\t \x01(\rR\bdeviceId\x12!\n" +
+	"\fblock_tokens\x18\n" +
+	" \x01(\rR\vblockTokens\x12 \n" +
+	"\fnum_kv_heads\x18\v \x01(\rR\n" +
+	"numKvHeads\"\xb2\x01\n" +
+	"\bNixlRank\x12\x1d\n" +
+	"\n" +
+	"agent_name\x18\x01 \x01(\tR\tagentName\x12%\n" +
+	"\x0eagent_metadata\x18\x02 \x01(\fR\ragentMetadata\x12<\n" +
+	"\x06region\x18\x03 \x01(\v2$.kvmesh.api.common.v1.NixlPoolRegionR\x06region\x12\"\n" +
+	"\rfirst_kv_head\x18\x04 \x01(\rR\vfirstKvHead*G\n" +
 	"\x06KVTier\x12\x17\n" +
 	"\x13KV_TIER_UNSPECIFIED\x10\x00\x12\x0f\n" +
 	"\vKV_TIER_GPU\x10\x01\x12\x13\n" +
@@ -702,7 +803,7 @@ func file_kvmesh_api_common_v1_kv_proto_rawDescGZIP() []byte {
 }
 
 var file_kvmesh_api_common_v1_kv_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_kvmesh_api_common_v1_kv_proto_msgTypes = make([]protoimpl.MessageInfo, 5)
+var file_kvmesh_api_common_v1_kv_proto_msgTypes = make([]protoimpl.MessageInfo, 6)
 var file_kvmesh_api_common_v1_kv_proto_goTypes = []any{
 	(KVTier)(0),            // 0: kvmesh.api.common.v1.KVTier
 	(HandoffMode)(0),       // 1: kvmesh.api.common.v1.HandoffMode
@@ -711,15 +812,17 @@ var file_kvmesh_api_common_v1_kv_proto_goTypes = []any{
 	(*KVHandoff)(nil),      // 4: kvmesh.api.common.v1.KVHandoff
 	(*NixlBlocks)(nil),     // 5: kvmesh.api.common.v1.NixlBlocks
 	(*NixlPoolRegion)(nil), // 6: kvmesh.api.common.v1.NixlPoolRegion
+	(*NixlRank)(nil),       // 7: kvmesh.api.common.v1.NixlRank
 }
 var file_kvmesh_api_common_v1_kv_proto_depIdxs = []int32{
 	1, // 0: kvmesh.api.common.v1.KVHandoff.mode:type_name -> kvmesh.api.common.v1.HandoffMode
 	5, // 1: kvmesh.api.common.v1.KVHandoff.nixl:type_name -> kvmesh.api.common.v1.NixlBlocks
-	2, // [2:2] is the sub-list for method output_type
-	2, // [2:2] is the sub-list for method input_type
-	2, // [2:2] is the sub-list for extension type_name
-	2, // [2:2] is the sub-list for extension extendee
-	0, // [0:2] is the sub-list for field type_name
+	6, // 2: kvmesh.api.common.v1.NixlRank.region:type_name -> kvmesh.api.common.v1.NixlPoolRegion
+	3, // [3:3] is the sub-list for method output_type
+	3, // [3:3] is the sub-list for method input_type
+	3, // [3:3] is the sub-list for extension type_name
+	3, // [3:3] is the sub-list for extension extendee
+	0, // [0:3] is the sub-list for field type_name
 }
 
 func init() { file_kvmesh_api_common_v1_kv_proto_init() }
@@ -733,7 +836,7 @@ func file_kvmesh_api_common_v1_kv_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvmesh_api_common_v1_kv_proto_rawDesc), len(file_kvmesh_api_common_v1_kv_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   5,
+			NumMessages:   6,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

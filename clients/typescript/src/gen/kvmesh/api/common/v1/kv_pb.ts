@@ -10,7 +10,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvmesh/api/common/v1/kv.proto.
  */
 export const file_kvmesh_api_common_v1_kv: GenFile = /*@__PURE__*/
-  fileDesc("Ch1rdm1lc2gvYXBpL2NvbW1vbi92MS9rdi5wcm90bxIUa3ZtZXNoLmFwaS5jb21tb24udjEilAEKCEtWTGF5b3V0EhIKCmJsb2NrX3NpemUYASABKA0SDQoFZHR5cGUYAiABKAkSDgoGbGF5b3V0GAMgASgJEhIKCm51bV9sYXllcnMYBCABKA0SFAoMbnVtX2t2X2hlYWRzGAUgASgNEhAKCGhlYWRfZGltGAYgASgNEhkKEW1vZGVsX2ZpbmdlcnByaW50GAcgASgMIp4BCgxLVkJsb2NrQ2h1bmsSEgoKYmxvY2tfaGFzaBgBIAEoDBITCgtjaHVua19pbmRleBgCIAEoDRISCgpudW1fY2h1bmtzGAMgASgNEhMKC3RvdGFsX2J5dGVzGAQgASgEEg0KBXNoYXBlGAUgAygNEg0KBWR0eXBlGAYgASgJEhAKCGNoZWNrc3VtGAcgASgMEgwKBGRhdGEYCCABKAwiwgEKCUtWSGFuZG9mZhIvCgRtb2RlGAEgASgOMiEua3ZtZXNoLmFwaS5jb21tb24udjEuSGFuZG9mZk1vZGUSFgoOc291cmNlX2FkZHJlc3MYAiABKAkSEAoIbGVhc2VfaWQYAyABKAkSFAoMbGVhc2VfdHRsX21zGAQgASgNEhQKDGJsb2NrX2hhc2hlcxgFIAMoDBIuCgRuaXhsGAYgASgLMiAua3ZtZXNoLmFwaS5jb21tb24udjEuTml4bEJsb2NrcyJGCgpOaXhsQmxvY2tzEhIKCmFnZW50X25hbWUYASABKAkSEQoJYmxvY2tfaWRzGAIgAygNEhEKCWNoZWNrc3VtcxgDIAEoDCLHAQoOTml4bFBvb2xSZWdpb24SFAoMYmFzZV9hZGRyZXNzGAEgASgEEhIKCm51bV9ibG9ja3MYAiABKA0SEgoKbnVtX2xheWVycxgDIAEoDRIUCgxsYXllcl9zdHJpZGUYBCABKAQSEQoJa3Zfc3RyaWRlGAUgASgEEhQKDGJsb2NrX3N0cmlkZRgGIAEoBBITCgtwaWVjZV9ieXRlcxgHIAEoBBIQCghtZW1fdHlwZRgIIAEoCRIRCglkZXZpY2VfaWQYCSABKA0qRwoGS1ZUaWVyEhcKE0tWX1RJRVJfVU5TUEVDSUZJRUQQABIPCgtLVl9USUVSX0dQVRABEhMKD0tWX1RJRVJfS1ZTVE9SRRACKnMKC0hhbmRvZmZNb2RlEhwKGEhBTkRPRkZfTU9ERV9VTlNQRUNJRklFRBAAEhUKEUhBTkRPRkZfTU9ERV9QVUxMEAESGAoUSEFORE9GRl9NT0RFX0tWU1RPUkUQAhIVChFIQU5ET0ZGX01PREVfTk9ORRADQkdaRWdpdGh1Yi5jb20va3ZtZXNoL2t2bWVzaC9jbGllbnRzL2dvL2dlbi9rdm1lc2gvYXBpL2NvbW1vbi92MTtjb21tb252MWIGcHJvdG8z");
+  fileDesc("Ch1rdm1lc2gvYXBpL2NvbW1vbi92MS9rdi5wcm90bxIUa3ZtZXNoLmFwaS5jb21tb24udjEilAEKCEtWTGF5b3V0EhIKCmJsb2NrX3NpemUYASABKA0SDQoFZHR5cGUYAiABKAkSDgoGbGF5b3V0GAMgASgJEhIKCm51bV9sYXllcnMYBCABKA0SFAoMbnVtX2t2X2hlYWRzGAUgASgNEhAKCGhlYWRfZGltGAYgASgNEhkKEW1vZGVsX2ZpbmdlcnByaW50GAcgASgMIp4BCgxLVkJsb2NrQ2h1bmsSEgoKYmxvY2tfaGFzaBgBIAEoDBITCgtjaHVua19pbmRleBgCIAEoDRISCgpudW1fY2h1bmtzGAMgASgNEhMKC3RvdGFsX2J5dGVzGAQgASgEEg0KBXNoYXBlGAUgAygNEg0KBWR0eXBlGAYgASgJEhAKCGNoZWNrc3VtGAcgASgMEgwKBGRhdGEYCCABKAwiwgEKCUtWSGFuZG9mZhIvCgRtb2RlGAEgASgOMiEua3ZtZXNoLmFwaS5jb21tb24udjEuSGFuZG9mZk1vZGUSFgoOc291cmNlX2FkZHJlc3MYAiABKAkSEAoIbGVhc2VfaWQYAyABKAkSFAoMbGVhc2VfdHRsX21zGAQgASgNEhQKDGJsb2NrX2hhc2hlcxgFIAMoDBIuCgRuaXhsGAYgASgLMiAua3ZtZXNoLmFwaS5jb21tb24udjEuTml4bEJsb2NrcyJGCgpOaXhsQmxvY2tzEhIKCmFnZW50X25hbWUYASABKAkSEQoJYmxvY2tfaWRzGAIgAygNEhEKCWNoZWNrc3VtcxgDIAEoDCLzAQoOTml4bFBvb2xSZWdpb24SFAoMYmFzZV9hZGRyZXNzGAEgASgEEhIKCm51bV9ibG9ja3MYAiABKA0SEgoKbnVtX2xheWVycxgDIAEoDRIUCgxsYXllcl9zdHJpZGUYBCABKAQSEQoJa3Zfc3RyaWRlGAUgASgEEhQKDGJsb2NrX3N0cmlkZRgGIAEoBBITCgtwaWVjZV9ieXRlcxgHIAEoBBIQCghtZW1fdHlwZRgIIAEoCRIRCglkZXZpY2VfaWQYCSABKA0SFAoMYmxvY2tfdG9rZW5zGAogASgNEhQKDG51bV9rdl9oZWFkcxgLIAEoDSKDAQoITml4bFJhbmsSEgoKYWdlbnRfbmFtZRgBIAEoCRIWCg5hZ2VudF9tZXRhZGF0YRgCIAEoDBI0CgZyZWdpb24YAyABKAsyJC5rdm1lc2guYXBpLmNvbW1vbi52MS5OaXhsUG9vbFJlZ2lvbhIVCg1maXJzdF9rdl9oZWFkGAQgASgNKkcKBktWVGllchIXChNLVl9USUVSX1VOU1BFQ0lGSUVEEAASDwoLS1ZfVElFUl9HUFUQARITCg9LVl9USUVSX0tWU1RPUkUQAipzCgtIYW5kb2ZmTW9kZRIcChhIQU5ET0ZGX01PREVfVU5TUEVDSUZJRUQQABIVChFIQU5ET0ZGX01PREVfUFVMTBABEhgKFEhBTkRPRkZfTU9ERV9LVlNUT1JFEAISFQoRSEFORE9GRl9NT0RFX05PTkUQA0JHWkVnaXRodWIuY29tL2t2bWVzaC9rdm1lc2gvY2xpZW50cy9nby9nZW4va3ZtZXNoL2FwaS9jb21tb24vdjE7Y29tbW9udjFiBnByb3RvMw");
 
 /**
  * How a worker lays out one KV block. Blocks move between two workers only
@@ -249,6 +249,9 @@ export const NixlBlocksSchema: GenMessage<NixlBlocks> = /*@__PURE__*/
  * piece (layer l, k/v kv) of block b starts at
  * base_address + l*layer_stride + kv*kv_stride + b*block_stride and is
  * piece_bytes long; a block is its 2*num_layers pieces in (l, kv) order.
+ * A piece is block_tokens rows of num_kv_heads heads (the heads this pool
+ * holds: a tensor-parallel rank's pool holds some of the model's), so that a
+ * reader can address a range of heads: the head_dim-sized pieces of each row.
  *
  * @generated from message kvmesh.api.common.v1.NixlPoolRegion
  */
@@ -299,6 +302,18 @@ export type NixlPoolRegion = Message<"kvmesh.api.common.v1.NixlPoolRegion"> & {
    * @generated from field: uint32 device_id = 9;
    */
   deviceId: number;
+
+  /**
+   * 0 from a peer that predates them: it can be read only whole.
+   *
+   * @generated from field: uint32 block_tokens = 10;
+   */
+  blockTokens: number;
+
+  /**
+   * @generated from field: uint32 num_kv_heads = 11;
+   */
+  numKvHeads: number;
 };
 
 /**
@@ -307,6 +322,42 @@ export type NixlPoolRegion = Message<"kvmesh.api.common.v1.NixlPoolRegion"> & {
  */
 export const NixlPoolRegionSchema: GenMessage<NixlPoolRegion> = /*@__PURE__*/
   messageDesc(file_kvmesh_api_common_v1_kv, 4);
+
+/**
+ * One rank of a tensor-parallel worker on NIXL: its agent and its pool,
+ * which holds KV heads first_kv_head .. first_kv_head + region.num_kv_heads
+ * of the model's. A reader takes each head it needs from one rank holding it.
+ *
+ * @generated from message kvmesh.api.common.v1.NixlRank
+ */
+export type NixlRank = Message<"kvmesh.api.common.v1.NixlRank"> & {
+  /**
+   * @generated from field: string agent_name = 1;
+   */
+  agentName: string;
+
+  /**
+   * @generated from field: bytes agent_metadata = 2;
+   */
+  agentMetadata: Uint8Array;
+
+  /**
+   * @generated from field: kvmesh.api.common.v1.NixlPoolRegion region = 3;
+   */
+  region?: NixlPoolRegion | undefined;
+
+  /**
+   * @generated from field: uint32 first_kv_head = 4;
+   */
+  firstKvHead: number;
+};
+
+/**
+ * Describes the message kvmesh.api.common.v1.NixlRank.
+ * Use `create(NixlRankSchema)` to create a new message.
+ */
+export const NixlRankSchema: GenMessage<NixlRank> = /*@__PURE__*/
+  messageDesc(file_kvmesh_api_common_v1_kv, 5);
 
 /**
  * Where a worker holds a block. The router's index keeps tiers apart: a GPU

@@ -1,0 +1,331 @@
+"""A worker's KV pool on NIXL rank by rank: every tensor-parallel rank its own agent over its own KV heads.
+
+A tensor-parallel worker's pool is split by KV head (``TPLayout.kv_head_range``): rank r's pool holds its
+heads of every block, under the block ids rank 0's block manager gives them. So every rank registers its
+own pool with an agent of its own (``serve_rank``, the rank service each follower runs beside its steps,
+``TensorParallelGroup.start_rank_service``), and a hand-off's blocks never gather in one process: each rank
+of the reader READs exactly its heads from the ranks of the holder that hold them (``ShardedRead``), one
+READ per (its rank, their rank) pair that share heads, whole blocks where both hold the same heads, token
+rows of head ranges where they do not (``HeadSpan``). A worker of one rank is the case of one rank.
+
+Every rank checksums its part of what landed, with every head it does not own zeroed, and rank 0 combines
+the parts into each block's checksum (``kvmesh.engine.kv_checksum``), compared with the holder's before
+the blocks are used: the one checksum a block has, whatever the degrees on either side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from multiprocessing.connection import Connection
+from typing import Any
+
+import structlog
+import torch
+
+from kvmesh.api.common.v1 import kv_pb2
+from kvmesh.engine.kv_cache import KVCache
+from kvmesh.engine.kv_checksum import combine_block_checksums, partial_block_checksums
+from kvmesh.engine.sharded_kv import ShardedKVCache
+from kvmesh.engine.tensor_parallel import RankLost
+from kvmesh.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from kvmesh.worker.kv_nixl import BlockRead, NixlEndpoint, load_nixl
+from kvmesh.worker.nixl_layout import HeadSpan, PoolRegion
+
+log = structlog.get_logger(__name__)
+
+# After a READ was abandoned, how long a rank waits for UCX to give up on it before it answers.
+SETTLE_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class RankPool:
+    """One rank's agent and pool, as a peer reaches them: its pool holds KV heads ``first_head`` onwards."""
+
+    agent_name: str
+    metadata: bytes
+    region: PoolRegion
+    first_head: int
+
+    @classmethod
+    def from_pb(cls, pb: kv_pb2.NixlRank) -> RankPool:
+        return cls(pb.agent_name, pb.agent_metadata, PoolRegion.from_pb(pb.region), pb.first_kv_head)
+
+    def to_pb(self) -> kv_pb2.NixlRank:
+        return kv_pb2.NixlRank(
+            agent_name=self.agent_name,
+            agent_metadata=self.metadata,
+            region=self.region.to_pb(),
+            first_kv_head=self.first_head,
+        )
+
+
+def head_spans(mine: tuple[int, int], theirs: list[RankPool]) -> list[tuple[RankPool, HeadSpan]]:
+    """Where a rank holding heads ``mine`` (first, count) reads each of them: from the first of ``theirs``
+    holding it. FailedPrecondition where none does (the peer's ranks do not hold every head)."""
+    first, count = mine
+    out, covered = [], first
+    for pool in theirs:
+        lo, hi = max(covered, pool.first_head), min(first + count, pool.first_head + pool.region.num_kv_heads)
+        if lo == covered and lo < hi:
+            out.append((pool, HeadSpan(lo - pool.first_head, lo - first, hi - lo)))
+            covered = hi
+    if covered != first + count:
+        raise FailedPrecondition(f"the peer's ranks hold no copy of KV head {covered}")
+    return out
+
+
+class RankRead:
+    """One rank's READs of a hand-off: its heads of blocks ``src`` (the same ids on every rank of the peer)
+    into its blocks ``dst``, from each peer rank ``spans`` names; then its checksums' part (``checksums``)."""
+
+    def __init__(
+        self,
+        endpoint: NixlEndpoint,
+        spans: list[tuple[str, HeadSpan]],
+        src: list[int],
+        dst: list[int],
+        checksums: Callable[[list[int]], list[int]],
+    ) -> None:
+        self._checksums, self._dst = checksums, dst
+        # One READ: its chunks are checksummed as they land. Several: the blocks are whole after the last.
+        on_landed = checksums if len(spans) == 1 else (lambda ids: [0] * len(ids))
+        self._reads = [BlockRead(endpoint, agent, src, dst, on_landed, span) for agent, span in spans]
+        self.nbytes = sum(r.nbytes for r in self._reads)
+
+    async def run(self, timeout_s: float) -> list[int]:
+        results = await asyncio.gather(*(r.run(timeout_s) for r in self._reads))
+        if len(self._reads) == 1:
+            return results[0]
+        return await asyncio.to_thread(self._checksums, self._dst)
+
+    async def settle(self, timeout_s: float) -> bool:
+        settled = [await r.settle(timeout_s) for r in self._reads]
+        return all(settled)
+
+
+def _pool_checksums(pool: torch.Tensor, first_head: int, total_heads: int) -> Callable[[list[int]], list[int]]:
+    return lambda ids: partial_block_checksums(pool, ids, first_head, total_heads)
+
+
+def serve_rank(side: Connection, pool: torch.Tensor, first_head: int, total_heads: int, settings: dict) -> RankPool:
+    """A follower's rank service (``TensorParallelGroup.start_rank_service``): its pool registered with an agent
+    of its own, then, on a thread, each call rank 0 makes on the side channel (``ShardedRead``)."""
+    nixl = load_nixl()
+    if nixl is None:
+        raise RuntimeError("NIXL is not installed")
+    endpoint = NixlEndpoint(nixl, pool, settings["role"], settings["progress_pause_us"])
+    checksums = _pool_checksums(pool, first_head, total_heads)
+    threading.Thread(target=_serve, args=(side, endpoint, checksums), name="rank-nixl", daemon=True).start()
+    return RankPool(endpoint.name, endpoint.metadata(), endpoint.region, first_head)
+
+
+def _serve(side: Connection, endpoint: NixlEndpoint, checksums: Callable[[list[int]], list[int]]) -> None:
+    while True:
+        try:
+            kind, *args = pickle.loads(side.recv_bytes())
+        except (EOFError, OSError):
+            endpoint.close()
+            return
+        try:
+            if kind == "peer":
+                reply: Any = ("ok", endpoint.add_peer(*args))
+            elif kind == "forget":
+                reply = ("ok", endpoint.forget_peer(*args))
+            else:  # "read"
+                reply = asyncio.run(_read(endpoint, checksums, *args))
+        except Exception as e:  # noqa: BLE001 - NIXL's own types too: the reason goes to rank 0
+            reply = ("failed", f"{type(e).__name__}: {e}", True)
+        side.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+async def _read(
+    endpoint: NixlEndpoint,
+    checksums: Callable[[list[int]], list[int]],
+    spans: list[tuple[str, HeadSpan]],
+    src: list[int],
+    dst: list[int],
+    timeout_s: float,
+) -> tuple:
+    read = RankRead(endpoint, spans, src, dst, checksums)
+    try:
+        return ("ok", await read.run(timeout_s))
+    except (Unavailable, DeadlineExceeded, InvalidArgument) as e:
+        return ("failed", e.message, await read.settle(SETTLE_TIMEOUT_S))
+
+
+class RankEndpoints:
+    """Every rank's NIXL endpoint of this worker, driven from rank 0: the pools a peer reads, and the READs of
+    a peer's blocks into them (``ShardedRead``)."""
+
+    def __init__(self, local: NixlEndpoint, kv: KVCache | ShardedKVCache, followers: list[RankPool]) -> None:
+        self.local, self._followers = local, followers
+        self.block_nbytes = kv.block_nbytes
+        if isinstance(kv, ShardedKVCache):
+            self._group, self.head_ranges, self._owners = kv.group, kv.head_ranges, kv.owners
+            self._total_heads = kv.block_shape[3]
+            self._rank0_sums = _pool_checksums(kv.local.tensor, 0, self._total_heads)
+        else:  # one rank: every head, its checksums the pool's own (no copy)
+            self._group, self.head_ranges, self._owners = None, [(0, kv.block_shape[3])], [0]
+            self._total_heads = kv.block_shape[3]
+            self._rank0_sums = lambda ids: [int.from_bytes(s, "little") for s in kv.block_checksums(ids)]
+        # Per peer (by its rank 0's agent): the ranks of it we read from, and per rank of ours the agents it added.
+        self._peers: dict[str, list[RankPool]] = {}
+        self._added: dict[str, list[list[str]]] = {}
+
+    @classmethod
+    def open(
+        cls, local: NixlEndpoint, kv: KVCache | ShardedKVCache, role: str, progress_pause_us: int
+    ) -> RankEndpoints:
+        """``local`` (rank 0's) with, on a tensor-parallel worker, every follower's endpoint started (blocking)."""
+        followers: list[RankPool] = []
+        if isinstance(kv, ShardedKVCache):
+            settings = {"role": role, "progress_pause_us": progress_pause_us}
+            followers = kv.group.start_rank_service(__name__, settings)
+        return cls(local, kv, followers)
+
+    @property
+    def name(self) -> str:
+        return self.local.name
+
+    @property
+    def sharded(self) -> bool:
+        return self._group is not None
+
+    def pools(self) -> list[RankPool]:
+        """Every rank's pool, rank 0's first."""
+        return [RankPool(self.local.name, self.local.metadata(), self.local.region, 0), *self._followers]
+
+    def has_peer(self, agent_name: str) -> bool:
+        return agent_name in self._peers
+
+    async def add_peer(self, peer: list[RankPool]) -> str:
+        """A peer's ranks (its rank 0 first) known to each of our ranks that reads from them (and rank 0's
+        agent to ours, which notifies it); returns its rank 0's agent name."""
+        owners, name = _owners(peer), peer[0].agent_name
+        added: list[list[str]] = []
+        self._added[name] = added  # so that forget_peer undoes a partial add
+        try:
+            for rank, heads in enumerate(self.head_ranges):
+                needed = [pool for pool, _ in head_spans(heads, owners)]
+                if rank == 0 and peer[0] not in needed:
+                    needed.append(peer[0])
+                added.append([])
+                for pool in needed:
+                    if rank == 0:
+                        added[-1].append(self.local.add_peer(pool.metadata, pool.region))
+                    else:
+                        added[-1].append(await self._call(rank, "peer", pool.metadata, pool.region))
+        except BaseException:
+            await self.forget_peer(name)
+            raise
+        self._peers[name] = owners
+        return name
+
+    async def forget_peer(self, agent_name: str) -> None:
+        self._peers.pop(agent_name, None)
+        for rank, names in enumerate(self._added.pop(agent_name, [])):
+            for name in names:
+                if rank == 0:
+                    self.local.forget_peer(name)
+                else:
+                    await self._call(rank, "forget", name)
+
+    def peer_region(self, agent_name: str) -> PoolRegion:
+        return self.local.peer_region(agent_name)
+
+    def notify(self, agent_name: str, message: bytes) -> None:
+        self.local.notify(agent_name, message)
+
+    def notifications(self) -> list[bytes]:
+        """What peers' finished READs sent rank 0's agent (they notify the agent their leases name)."""
+        return self.local.notifications()
+
+    def read(self, agent_name: str, src: list[int], dst: list[int], timeout_s: float) -> ShardedRead:
+        """The READs of blocks ``src`` of peer ``agent_name`` (its rank 0's agent) into our blocks ``dst``, each
+        rank's within ``timeout_s``."""
+        owners = self._peers[agent_name]
+        spans = [[(pool.agent_name, span) for pool, span in head_spans(h, owners)] for h in self.head_ranges]
+        local = RankRead(self.local, spans[0], src, dst, self._rank0_sums)
+        followers = [partial(self._side, rank, ("read", spans[rank], src, dst, timeout_s)) for rank in self._ranks()]
+        head_bytes = self.block_nbytes // self._total_heads
+        nbytes = len(dst) * head_bytes * sum(span.count for rank in spans for _, span in rank)
+        return ShardedRead(local, followers, self._owners, self.block_nbytes, nbytes, timeout_s)
+
+    def _ranks(self) -> range:
+        return range(1, len(self.head_ranges))
+
+    def _side(self, rank: int, message: tuple) -> tuple:
+        """A follower's answer: ``("ok", result)`` or ``("failed", reason, settled)``. Blocking."""
+        try:
+            return self._group.side_call(rank, message)
+        except RankLost as e:  # gone: so is anything it had posted
+            return ("failed", str(e), True)
+
+    async def _call(self, rank: int, *message: object) -> Any:
+        status, *rest = await asyncio.to_thread(self._side, rank, message)
+        if status != "ok":
+            raise Unavailable(f"tensor-parallel rank {rank}'s NIXL agent: {rest[0]}")
+        return rest[0]
+
+    def close(self) -> None:
+        self.local.close()  # the followers' close with their side channels
+
+
+def _owners(peer: list[RankPool]) -> list[RankPool]:
+    """The peer's ranks that hold each head first (where ranks replicate heads, the first of each)."""
+    out: list[RankPool] = []
+    for pool in peer:
+        if not out or pool.first_head != out[-1].first_head:
+            out.append(pool)
+    return out
+
+
+class ShardedRead:
+    """One hand-off's READs, every rank of ours at once: rank 0's here (``local``), each follower's on its rank
+    service (``followers``, blocking calls run on threads); each block's checksum combined from the parts of
+    the ``owners`` ranks."""
+
+    def __init__(
+        self,
+        local: RankRead,
+        followers: list[Callable[[], tuple]],
+        owners: list[int],
+        block_nbytes: int,
+        nbytes: int,
+        timeout_s: float,
+    ) -> None:
+        self._local, self._follower_calls, self._owners = local, followers, owners
+        self._block_nbytes, self.nbytes, self._timeout_s = block_nbytes, nbytes, timeout_s
+        # Each future of its own, so a cancelled run still finds (and settles) what was posted.
+        self._local_run: asyncio.Future | None = None
+        self._followers: list[asyncio.Future] = []
+
+    async def run(self) -> list[bytes]:
+        """Every block's checksum of what landed. Unavailable or DeadlineExceeded where a rank's READ failed."""
+        self._local_run = asyncio.ensure_future(self._local.run(self._timeout_s))
+        self._followers = [asyncio.ensure_future(asyncio.to_thread(call)) for call in self._follower_calls]
+        results = await asyncio.gather(asyncio.shield(self._local_run), *map(asyncio.shield, self._followers))
+        parts = [results[0]]
+        for rank, (status, *rest) in enumerate(results[1:], start=1):
+            if status != "ok":
+                raise Unavailable(f"tensor-parallel rank {rank}'s NIXL READ failed: {rest[0]}")
+            parts.append(rest[0])
+        return combine_block_checksums([parts[r] for r in self._owners], self._block_nbytes)
+
+    async def settle(self, timeout_s: float) -> bool:
+        """True once no rank's READ can land any more."""
+        if self._local_run is not None:
+            await asyncio.gather(self._local_run, return_exceptions=True)  # it has a deadline
+        settled = await self._local.settle(timeout_s)
+        for future in self._followers:
+            try:
+                status, *rest = await future  # a follower answers once its READ settled, or gave up on it
+            except Exception:  # noqa: BLE001 - the call itself failed: the rank is gone, and what it posted
+                continue
+            settled = settled and (status == "ok" or rest[1])
+        return settled
