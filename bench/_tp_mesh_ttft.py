@@ -2,8 +2,9 @@
 
 Each pair gets a real mesh (gateway -> router -> prefill -> decode, Redis and the kvstore; bench/ttft_mesh.py's
 ``start``: the router never lets decode prefill), with the prefill and decode workers over their degrees. Every
-pair moves KV over gRPC (a tensor-parallel worker keeps NIXL off; the TP1 pair does the same so the hand-off
-is not what differs). Prompts are fresh, so each is computed on the prefill worker and handed to decode.
+pair moves KV over the one transport asked for: NIXL (each decode rank READs its KV heads from the prefill
+ranks holding them) or gRPC (blocks gathered whole on rank 0). Prompts are fresh, so each is computed on the
+prefill worker and handed to decode.
 Meshes are started round by round, the pairs' order reversed every other round.
 """
 
@@ -23,7 +24,7 @@ from kvmesh.launcher.supervisor import MeshError
 PAIRS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (prefill ranks, decode ranks); the first is the anchor
 
 
-def run_pairs(tmp: Path, tokens: int, prompts: int, rounds: int) -> dict[str, dict]:
+def run_pairs(tmp: Path, tokens: int, prompts: int, rounds: int, transport: str) -> dict[str, dict]:
     """Medians per pair (TTFT, prefill and transfer ms) and every sample."""
     g = torch.Generator().manual_seed(11)
     batch = [torch.randint(1, VOCAB, (tokens,), generator=g).tolist() for _ in range(prompts + 1)]
@@ -35,7 +36,7 @@ def run_pairs(tmp: Path, tokens: int, prompts: int, rounds: int) -> dict[str, di
     for rnd in range(rounds):
         for prefill_tp, decode_tp in PAIRS[:: -1 if rnd % 2 else 1]:
             name = _name((prefill_tp, decode_tp))
-            env = {"KVMESH_KV_TRANSPORT": "grpc"}
+            env = {"KVMESH_KV_TRANSPORT": transport}
             role_tp = {"prefill": {"KVMESH_TENSOR_PARALLEL_SIZE": str(prefill_tp)}}
             role_tp["decode"] = {"KVMESH_TENSOR_PARALLEL_SIZE": str(decode_tp)}
             try:
@@ -47,7 +48,7 @@ def run_pairs(tmp: Path, tokens: int, prompts: int, rounds: int) -> dict[str, di
                 continue
             print(f"  round {rnd + 1} {name}: TTFT {samples[name][-1]['ttft_ms']:.0f} ms", flush=True)
     anchor = statistics.median(r["ttft_ms"] for r in samples[_name(PAIRS[0])])
-    out: dict[str, dict] = {"failed_starts": failures}
+    out: dict[str, dict] = {"failed_starts": failures, "transport": transport}
     for name, runs in samples.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         out[name] = med | {"ttft_ratio": med["ttft_ms"] / anchor, "samples": runs}
@@ -55,8 +56,8 @@ def run_pairs(tmp: Path, tokens: int, prompts: int, rounds: int) -> dict[str, di
 
 
 def print_pairs(results: dict[str, dict], tokens: int) -> None:
-    pairs = {name: r for name, r in results.items() if name != "failed_starts"}
-    print(f"\nTTFT of a fresh {tokens}-token prompt through the mesh (KV over gRPC), medians")
+    pairs = {name: r for name, r in results.items() if name.startswith("TP")}
+    print(f"\nTTFT of a fresh {tokens}-token prompt through the mesh (KV over {results['transport']}), medians")
     rows = [
         [name, str(len(r["samples"])), f"{r['prefill_ms']:.0f}", f"{r['transfer_ms']:.1f}", f"{r['ttft_ms']:.0f}",
          f"{r['ttft_ratio']:.2f}x"]

@@ -15,14 +15,15 @@ torch.distributed path CUDA ranks take with NCCL) beside TP2 through shared memo
 ``--sizes 1,2,1+compile,2+compile``.
 
 Then (``--part mesh``, or ``all``, the default) the TTFT of a fresh 4,000-token prompt through a real mesh for
-the four pairs prefill TP1/TP2 x decode TP1/TP2 (bench/_tp_mesh_ttft.py), the TP1/TP1 mesh the anchor.
+the four pairs prefill TP1/TP2 x decode TP1/TP2 (bench/_tp_mesh_ttft.py), the TP1/TP1 mesh the anchor, with KV
+over ``--kv-transport`` (nixl, the default, or grpc).
 
 On 2 CPU cores TP cannot win: the same arithmetic is split over the same cores, and each layer adds two
 all-reduces (through shared memory). It shows what the split costs, not a speed-up.
 
 Run (not part of ``make test``; ~10 minutes): ``flock /tmp/kvmesh-bench.lock python bench/tensor_parallel.py
 [--part engine|mesh|all] [--model random|default] [--sizes 1,2[,2:gloo][,2+compile]] [--repeats 3] [--ttft-tokens 4000]
-[--json PATH]``.
+[--kv-transport nixl|grpc] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def main() -> int:
     ap.add_argument("--part", default="all", choices=("engine", "mesh", "all"))
     ap.add_argument("--ttft-tokens", type=int, default=4000)
     ap.add_argument("--ttft-prompts", type=int, default=2, help="fresh prompts per pair and round")
+    ap.add_argument("--kv-transport", default="nixl", choices=("nixl", "grpc"), help="the mesh part's KV transport")
     ap.add_argument("--json", default="bench/results/tensor_parallel.json")
     args = ap.parse_args()
     report: dict = {}
@@ -81,7 +83,7 @@ def main() -> int:
         report["engine"] = engine_part(args)
     if args.part in ("mesh", "all"):
         with tempfile.TemporaryDirectory() as tmp:
-            pairs = run_pairs(Path(tmp), args.ttft_tokens, args.ttft_prompts, args.repeats)
+            pairs = run_pairs(Path(tmp), args.ttft_tokens, args.ttft_prompts, args.repeats, args.kv_transport)
         print_pairs(pairs, args.ttft_tokens)
         report["mesh_ttft"] = {"tokens": args.ttft_tokens, "pairs": pairs}
     write_json(args.json, report)

@@ -49,7 +49,7 @@ ENGINE_FLAGS = [
         "--tensor-parallel-size",
         "split the model over this many processes (ranks) of this machine, Megatron-style: rank 0 serves, the "
         "others are its children (one machine; on CUDA rank r on the r-th GPU from --device; "
-        "docs/tensor_parallel.md). KV is handed off whole, over gRPC",
+        "docs/tensor_parallel.md). Over NIXL each rank reads its own KV heads",
         default=1,
         type=int,
     ),

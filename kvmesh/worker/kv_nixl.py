@@ -34,12 +34,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy
 import structlog
 
 from kvmesh.errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable
 from kvmesh.worker.kv_transport import DEFAULT_PROGRESS_PAUSE_US
-from kvmesh.worker.nixl_layout import HeadSpan, PoolRegion, block_runs
+from kvmesh.worker.nixl_layout import PoolRegion, block_runs
 
 if TYPE_CHECKING:
     import torch
@@ -208,8 +207,16 @@ class NixlEndpoint:
         self.agent = _agent_with_paced_progress(nixl, self.name, config, progress_pause_us)
         if "UCX" not in self.agent.backends:
             raise RuntimeError("NIXL's UCX backend did not start")
-        self._registered = self.agent.register_memory(tensor)
+        self._registered = [self.agent.register_memory(tensor)]
+        self._staging: list[torch.Tensor] = []  # kept alive while registered
         self._peers: dict[str, _Peer] = {}
+
+    def register_staging(self, tensor: torch.Tensor) -> PoolRegion:
+        """Register ``tensor``, shaped like a pool, as a place READs may land in (``post``'s ``into``):
+        blocks staged there before they are copied into the pool (``kvmesh.worker.rank_nixl``)."""
+        self._registered.append(self.agent.register_memory(tensor))
+        self._staging.append(tensor)
+        return PoolRegion.of(tensor)
 
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()
@@ -235,36 +242,32 @@ class NixlEndpoint:
         if self._peers.pop(agent_name, None) is not None:
             self.agent.remove_remote_agent(agent_name)
 
-    def transfer_nbytes(self, blocks: int, heads: HeadSpan | None) -> int:
-        """The bytes ``post`` moves for ``blocks`` blocks (of ``heads`` only, where given)."""
-        whole = blocks * self.region.block_nbytes
-        return whole if heads is None else whole // self.region.num_kv_heads * heads.count
-
     def post(
-        self, op: str, agent_name: str, remote_blocks: list[int], local_blocks: list[int], heads: HeadSpan | None = None
+        self,
+        op: str,
+        agent_name: str,
+        remote_blocks: list[int],
+        local_blocks: list[int],
+        into: PoolRegion | None = None,
     ) -> NixlRead:
         """Post one ``op`` ("READ": peer's blocks into ours, "WRITE": ours into the peer's) of whole
-        blocks, or of the KV heads ``heads`` of each (tensor-parallel ranks). Over shared memory UCX
-        copies inside this call (it releases the GIL): call it off the event loop."""
-        peer = self.peer_region(agent_name)
+        blocks, ours in the pool or in a staging area (``into``, from ``register_staging``). Over
+        shared memory UCX copies inside this call (it releases the GIL): call it off the event loop."""
+        peer, local = self.peer_region(agent_name), into or self.region
         if len(remote_blocks) != len(local_blocks):
             raise InvalidArgument(f"{len(remote_blocks)} remote blocks for {len(local_blocks)} local ones")
         peer.check_blocks(remote_blocks, f"peer {agent_name}'s")
-        self.region.check_blocks(local_blocks, "this worker's")
-        mem = self.region.mem_type
-        if heads is None or heads.whole(peer, self.region):
-            if peer.piece_bytes != self.region.piece_bytes or peer.num_layers != self.region.num_layers:
-                raise Unavailable(f"peer {agent_name} has another block shape")  # the handshake refuses this first
-            src, dst, lengths = block_runs(remote_blocks, local_blocks)
-            local, remote = self.region.run_descs(dst, lengths), peer.run_descs(src, lengths)
-        else:
-            self._check_heads(agent_name, peer, heads)
-            local = self.region.head_descs(numpy.asarray(local_blocks), heads.local_first, heads.count)
-            remote = peer.head_descs(numpy.asarray(remote_blocks), heads.remote_first, heads.count)
+        local.check_blocks(local_blocks, "this worker's")
+        if peer.piece_bytes != local.piece_bytes or peer.num_layers != local.num_layers:
+            raise Unavailable(f"peer {agent_name} has another block shape")  # the handshake refuses this first
+        src, dst, lengths = block_runs(remote_blocks, local_blocks)
         handle = self.agent.initialize_xfer(
-            op, self.agent.get_xfer_descs(local, mem), self.agent.get_xfer_descs(remote, peer.mem_type), agent_name
+            op,
+            self.agent.get_xfer_descs(local.run_descs(dst, lengths), local.mem_type),
+            self.agent.get_xfer_descs(peer.run_descs(src, lengths), peer.mem_type),
+            agent_name,
         )
-        read = NixlRead(self.agent, handle, self.transfer_nbytes(len(local_blocks), heads))
+        read = NixlRead(self.agent, handle, len(local_blocks) * local.block_nbytes)
         try:
             posted = self.agent.transfer(handle)
         except Exception as e:  # noqa: BLE001 - e.g. nixlRemoteDisconnectError: the peer is gone
@@ -275,20 +278,6 @@ class NixlEndpoint:
             read._finish()
             raise Unavailable(f"NIXL {op} with {agent_name} could not be posted: {reason}")
         return read
-
-    def _check_heads(self, agent_name: str, peer: PoolRegion, heads: HeadSpan) -> None:
-        """Unavailable unless both pools' rows have the same heads' shape and hold the heads named."""
-        mine = self.region
-        if not peer.head_bytes or (peer.head_bytes, peer.block_tokens, peer.num_layers) != (
-            mine.head_bytes,
-            mine.block_tokens,
-            mine.num_layers,
-        ):
-            raise Unavailable(f"peer {agent_name}'s blocks cannot be read by KV head: another block shape")
-        if heads.count <= 0 or heads.remote_first + heads.count > peer.num_kv_heads:
-            raise InvalidArgument(f"KV heads {heads} are outside peer {agent_name}'s {peer.num_kv_heads}")
-        if heads.local_first + heads.count > mine.num_kv_heads:
-            raise InvalidArgument(f"KV heads {heads} are outside this pool's {mine.num_kv_heads}")
 
     def notify(self, agent_name: str, message: bytes) -> None:
         """A one-way message to a peer (it finds it in ``notifications``)."""
@@ -304,13 +293,14 @@ class NixlEndpoint:
     def close(self) -> None:
         for name in list(self._peers):
             self.forget_peer(name)
-        self.agent.deregister_memory(self._registered)
+        for registered in self._registered:
+            self.agent.deregister_memory(registered)
 
 
 class BlockRead:
-    """Whole blocks (or their KV heads ``heads``) from a peer's pool into ours, in chunks, each
-    chunk's blocks checksummed (``on_landed``, on a worker thread: one result per block) as soon as
-    it lands while the next is in flight.
+    """Whole blocks from a peer's pool into ours, in chunks, each chunk's blocks checksummed
+    (``on_landed``, on a worker thread: one result per block) as soon as it lands while the next
+    is in flight.
 
     ``run`` returns ``on_landed``'s results in block order (the checksums of what landed, for
     the caller to compare with the holder's before the blocks are used). After ``run`` failed or
@@ -324,12 +314,11 @@ class BlockRead:
         src: list[int],
         dst: list[int],
         on_landed: Callable[[list[int]], list[Any]],
-        heads: HeadSpan | None = None,
     ) -> None:
         self._endpoint, self._agent_name = endpoint, agent_name
-        self._src, self._dst, self._heads = src, dst, heads
+        self._src, self._dst = src, dst
         self._on_landed = on_landed
-        self.nbytes = endpoint.transfer_nbytes(len(dst), heads)
+        self.nbytes = len(dst) * endpoint.region.block_nbytes
         self._posts: list[asyncio.Future] = []  # each resolves to its posted NixlRead (and results)
 
     async def run(self, timeout_s: float) -> list[Any]:
@@ -367,7 +356,7 @@ class BlockRead:
         """On a worker thread: post one chunk (``posted`` lets the next chunk post); if it landed
         inside the post, its results too."""
         try:
-            read = self._endpoint.post("READ", self._agent_name, src, dst, self._heads)
+            read = self._endpoint.post("READ", self._agent_name, src, dst)
         finally:
             posted()
         try:

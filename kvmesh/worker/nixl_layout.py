@@ -2,10 +2,9 @@
 
 ``PoolRegion`` is the pool's registered memory and its shape (what a peer needs to name any block in it),
 ``NixlBlocks`` the blocks of one hand-off in it, ``block_runs`` the runs of blocks consecutive on both sides
-of a READ (one descriptor per (layer, k/v) plane per run), ``HeadSpan`` a range of KV heads read from one
-pool into another where either holds other heads too (tensor-parallel ranks: one descriptor per token row
-of each piece), ``layout_mismatch`` why two pools cannot exchange blocks. Pure: no NIXL calls (``kv_nixl``
-makes them).
+of a READ (one descriptor per (layer, k/v) plane per run), ``HeadSpan`` the KV heads one tensor-parallel
+rank's pool takes from another's, ``layout_mismatch`` why two pools cannot exchange blocks. Pure: no NIXL
+calls (``kv_nixl`` makes them).
 """
 
 from __future__ import annotations
@@ -116,29 +115,6 @@ class PoolRegion:
     @property
     def block_nbytes(self) -> int:
         return self.pieces_per_block * self.piece_bytes
-
-    @property
-    def head_bytes(self) -> int:
-        """One KV head's bytes in one token row (0 where the peer did not say its rows' shape)."""
-        if not self.block_tokens or not self.num_kv_heads:
-            return 0
-        return self.piece_bytes // (self.block_tokens * self.num_kv_heads)
-
-    def head_descs(self, blocks: numpy.ndarray, first_head: int, count: int) -> numpy.ndarray:
-        """(address, length, device) of heads ``first_head`` .. ``+ count`` (of this pool's) in each token row
-        of every piece of ``blocks``, block-major, then (layer, k/v), then token."""
-        row = self.piece_bytes // self.block_tokens
-        offsets = (
-            numpy.arange(self.num_layers, dtype=numpy.uint64)[:, None, None] * self.layer_stride
-            + numpy.arange(2, dtype=numpy.uint64)[None, :, None] * self.kv_stride
-            + numpy.arange(self.block_tokens, dtype=numpy.uint64)[None, None, :] * row
-        ).ravel() + first_head * self.head_bytes
-        starts = self.base_address + blocks.astype(numpy.uint64) * self.block_stride
-        out = numpy.empty((len(starts) * len(offsets), 3), dtype=numpy.uint64)
-        out[:, 0] = (starts[:, None] + offsets[None, :]).ravel()
-        out[:, 1] = count * self.head_bytes
-        out[:, 2] = self.device_id
-        return out
 
 
 @dataclass(frozen=True)

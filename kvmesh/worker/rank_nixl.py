@@ -5,8 +5,9 @@ heads of every block, under the block ids rank 0's block manager gives them. So 
 own pool with an agent of its own (``serve_rank``, the rank service each follower runs beside its steps,
 ``TensorParallelGroup.start_rank_service``), and a hand-off's blocks never gather in one process: each rank
 of the reader READs exactly its heads from the ranks of the holder that hold them (``ShardedRead``), one
-READ per (its rank, their rank) pair that share heads, whole blocks where both hold the same heads, token
-rows of head ranges where they do not (``HeadSpan``). A worker of one rank is the case of one rank.
+READ per (its rank, their rank) pair that share heads (``HeadSpan``): whole blocks straight into the pool
+where both hold the same heads, through a staging area where they do not (``kvmesh.worker.kv_staging``). A
+worker of one rank is the case of one rank.
 
 Every rank checksums its part of what landed, with every head it does not own zeroed, and rank 0 combines
 the parts into each block's checksum (``kvmesh.engine.kv_checksum``), compared with the holder's before
@@ -32,8 +33,9 @@ from kvmesh.engine.kv_cache import KVCache
 from kvmesh.engine.kv_checksum import combine_block_checksums, partial_block_checksums
 from kvmesh.engine.sharded_kv import ShardedKVCache
 from kvmesh.engine.tensor_parallel import RankLost
-from kvmesh.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from kvmesh.errors import FailedPrecondition, Unavailable
 from kvmesh.worker.kv_nixl import BlockRead, NixlEndpoint, load_nixl
+from kvmesh.worker.kv_staging import StagedRead, Staging
 from kvmesh.worker.nixl_layout import HeadSpan, PoolRegion
 
 log = structlog.get_logger(__name__)
@@ -81,30 +83,47 @@ def head_spans(mine: tuple[int, int], theirs: list[RankPool]) -> list[tuple[Rank
 
 class RankRead:
     """One rank's READs of a hand-off: its heads of blocks ``src`` (the same ids on every rank of the peer)
-    into its blocks ``dst``, from each peer rank ``spans`` names; then its checksums' part (``checksums``)."""
+    into its blocks ``dst`` of ``pool``, from each peer rank ``spans`` names: straight into the pool where both
+    hold the same heads, through ``staging`` where not; then its part of the checksums (``checksums``)."""
 
     def __init__(
         self,
         endpoint: NixlEndpoint,
+        staging: Staging,
         spans: list[tuple[str, HeadSpan]],
         src: list[int],
         dst: list[int],
         checksums: Callable[[list[int]], list[int]],
     ) -> None:
         self._checksums, self._dst = checksums, dst
-        # One READ: its chunks are checksummed as they land. Several: the blocks are whole after the last.
-        on_landed = checksums if len(spans) == 1 else (lambda ids: [0] * len(ids))
-        self._reads = [BlockRead(endpoint, agent, src, dst, on_landed, span) for agent, span in spans]
-        self.nbytes = sum(r.nbytes for r in self._reads)
+        self._direct: list[BlockRead] = []
+        reads: list[BlockRead | StagedRead] = []
+        # One READ straight into the pool: its chunks are checksummed as they land. Else after the last.
+        self._sums_as_landed = len(spans) == 1
+        on_landed = checksums if self._sums_as_landed else (lambda ids: [0] * len(ids))
+        for agent, span in spans:
+            holder = endpoint.peer_region(agent)
+            if span.whole(holder, endpoint.region):
+                self._direct.append(BlockRead(endpoint, agent, src, dst, on_landed))
+                reads.append(self._direct[-1])
+            else:
+                self._sums_as_landed = False
+                reads.append(StagedRead(staging, endpoint, agent, holder, src, dst, span, staging.pool))
+        self._reads = reads
+        self._tasks: list[asyncio.Future] = []
+        self.nbytes = sum(r.nbytes for r in reads)
 
     async def run(self, timeout_s: float) -> list[int]:
-        results = await asyncio.gather(*(r.run(timeout_s) for r in self._reads))
-        if len(self._reads) == 1:
+        self._tasks = [asyncio.ensure_future(r.run(timeout_s)) for r in self._reads]
+        results = await asyncio.gather(*map(asyncio.shield, self._tasks))
+        if self._sums_as_landed:
             return results[0]
         return await asyncio.to_thread(self._checksums, self._dst)
 
     async def settle(self, timeout_s: float) -> bool:
-        settled = [await r.settle(timeout_s) for r in self._reads]
+        """True once no READ can land in this rank's blocks any more."""
+        await asyncio.gather(*self._tasks, return_exceptions=True)  # each has a deadline
+        settled = [await r.settle(timeout_s) for r in self._direct]  # a staged READ settled before it ended
         return all(settled)
 
 
@@ -120,16 +139,21 @@ def serve_rank(side: Connection, pool: torch.Tensor, first_head: int, total_head
         raise RuntimeError("NIXL is not installed")
     endpoint = NixlEndpoint(nixl, pool, settings["role"], settings["progress_pause_us"])
     checksums = _pool_checksums(pool, first_head, total_heads)
-    threading.Thread(target=_serve, args=(side, endpoint, checksums), name="rank-nixl", daemon=True).start()
+    args = (side, endpoint, Staging(endpoint, pool), checksums)
+    threading.Thread(target=_serve, args=args, name="rank-nixl", daemon=True).start()
     return RankPool(endpoint.name, endpoint.metadata(), endpoint.region, first_head)
 
 
-def _serve(side: Connection, endpoint: NixlEndpoint, checksums: Callable[[list[int]], list[int]]) -> None:
+def _serve(
+    side: Connection, endpoint: NixlEndpoint, staging: Staging, checksums: Callable[[list[int]], list[int]]
+) -> None:
+    loop = asyncio.new_event_loop()  # one for every read: the staging area's lock belongs to it
     while True:
         try:
             kind, *args = pickle.loads(side.recv_bytes())
         except (EOFError, OSError):
             endpoint.close()
+            loop.close()
             return
         try:
             if kind == "peer":
@@ -137,7 +161,7 @@ def _serve(side: Connection, endpoint: NixlEndpoint, checksums: Callable[[list[i
             elif kind == "forget":
                 reply = ("ok", endpoint.forget_peer(*args))
             else:  # "read"
-                reply = asyncio.run(_read(endpoint, checksums, *args))
+                reply = loop.run_until_complete(_read(endpoint, staging, checksums, *args))
         except Exception as e:  # noqa: BLE001 - NIXL's own types too: the reason goes to rank 0
             reply = ("failed", f"{type(e).__name__}: {e}", True)
         side.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
@@ -145,17 +169,18 @@ def _serve(side: Connection, endpoint: NixlEndpoint, checksums: Callable[[list[i
 
 async def _read(
     endpoint: NixlEndpoint,
+    staging: Staging,
     checksums: Callable[[list[int]], list[int]],
     spans: list[tuple[str, HeadSpan]],
     src: list[int],
     dst: list[int],
     timeout_s: float,
 ) -> tuple:
-    read = RankRead(endpoint, spans, src, dst, checksums)
+    read = RankRead(endpoint, staging, spans, src, dst, checksums)
     try:
         return ("ok", await read.run(timeout_s))
-    except (Unavailable, DeadlineExceeded, InvalidArgument) as e:
-        return ("failed", e.message, await read.settle(SETTLE_TIMEOUT_S))
+    except Exception as e:  # noqa: BLE001 - NIXL's own types too: the reason goes to rank 0
+        return ("failed", f"{type(e).__name__}: {e}", await read.settle(SETTLE_TIMEOUT_S))
 
 
 class RankEndpoints:
@@ -173,6 +198,7 @@ class RankEndpoints:
             self._group, self.head_ranges, self._owners = None, [(0, kv.block_shape[3])], [0]
             self._total_heads = kv.block_shape[3]
             self._rank0_sums = lambda ids: [int.from_bytes(s, "little") for s in kv.block_checksums(ids)]
+        self._staging = Staging(local, kv.tensor)
         # Per peer (by its rank 0's agent): the ranks of it we read from, and per rank of ours the agents it added.
         self._peers: dict[str, list[RankPool]] = {}
         self._added: dict[str, list[list[str]]] = {}
@@ -206,7 +232,7 @@ class RankEndpoints:
     async def add_peer(self, peer: list[RankPool]) -> str:
         """A peer's ranks (its rank 0 first) known to each of our ranks that reads from them (and rank 0's
         agent to ours, which notifies it); returns its rank 0's agent name."""
-        owners, name = _owners(peer), peer[0].agent_name
+        owners, name = first_holders(peer), peer[0].agent_name
         added: list[list[str]] = []
         self._added[name] = added  # so that forget_peer undoes a partial add
         try:
@@ -248,12 +274,13 @@ class RankEndpoints:
     def read(self, agent_name: str, src: list[int], dst: list[int], timeout_s: float) -> ShardedRead:
         """The READs of blocks ``src`` of peer ``agent_name`` (its rank 0's agent) into our blocks ``dst``, each
         rank's within ``timeout_s``."""
-        owners = self._peers[agent_name]
-        spans = [[(pool.agent_name, span) for pool, span in head_spans(h, owners)] for h in self.head_ranges]
-        local = RankRead(self.local, spans[0], src, dst, self._rank0_sums)
+        plans = [head_spans(heads, self._peers[agent_name]) for heads in self.head_ranges]
+        spans = [[(pool.agent_name, span) for pool, span in plan] for plan in plans]
+        local = RankRead(self.local, self._staging, spans[0], src, dst, self._rank0_sums)
         followers = [partial(self._side, rank, ("read", spans[rank], src, dst, timeout_s)) for rank in self._ranks()]
-        head_bytes = self.block_nbytes // self._total_heads
-        nbytes = len(dst) * head_bytes * sum(span.count for rank in spans for _, span in rank)
+        # The bytes that cross: every READ moves whole blocks of the holder rank's pool (staged or not).
+        heads = sum(pool.region.num_kv_heads for plan in plans for pool, _ in plan)
+        nbytes = len(dst) * self.block_nbytes // self._total_heads * heads
         return ShardedRead(local, followers, self._owners, self.block_nbytes, nbytes, timeout_s)
 
     def _ranks(self) -> range:
@@ -276,7 +303,7 @@ class RankEndpoints:
         self.local.close()  # the followers' close with their side channels
 
 
-def _owners(peer: list[RankPool]) -> list[RankPool]:
+def first_holders(peer: list[RankPool]) -> list[RankPool]:
     """The peer's ranks that hold each head first (where ranks replicate heads, the first of each)."""
     out: list[RankPool] = []
     for pool in peer:

@@ -75,9 +75,10 @@ class NixlKVSource:
         t_reserve = time.perf_counter()
         dst = sorted(await engine.call(lambda e: e.reserve_blocks(len(missing))))
         timeout_s = read_timeout_s(self._read_floor_s, engine.kv.block_nbytes * len(dst))
-        read = self._endpoints.read(agent, src, dst, timeout_s)
+        read: ShardedRead | None = None
         adopted = False
         try:
+            read = self._endpoints.read(agent, src, dst, timeout_s)
             t0 = time.perf_counter()
             log.debug("NIXL READ posted", lease_id=remote.lease_id, blocks=len(dst), bytes=read.nbytes)
             got = await read.run()
@@ -150,11 +151,12 @@ class NixlKVSource:
         log.info("NIXL peer added", address=address, agent=name)
         return name
 
-    def _free_when_settled(self, engine: AsyncEngine, read: ShardedRead, blocks: list[int]) -> None:
-        """Hand reserved blocks back once no READ can write into them any more."""
+    def _free_when_settled(self, engine: AsyncEngine, read: ShardedRead | None, blocks: list[int]) -> None:
+        """Hand reserved blocks back once no READ can write into them any more (``read``: None where none
+        was posted)."""
 
         async def settle_then_free() -> None:
-            if not await read.settle(SETTLE_TIMEOUT_S):
+            if read is not None and not await read.settle(SETTLE_TIMEOUT_S):
                 log.error("an abandoned NIXL READ never ended; its blocks stay reserved", blocks=len(blocks))
                 return
             await engine.call(lambda e: e.release_reserved(blocks))

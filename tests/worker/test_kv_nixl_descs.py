@@ -28,22 +28,3 @@ def test_a_run_descriptor_covers_exactly_its_blocks_pieces_in_each_plane():
             assert (length, device) == (n * region.piece_bytes, 0)
             assert numpy.array_equal(flat[offset : offset + length], want)
 
-
-def test_a_head_descriptor_covers_exactly_its_heads_in_each_token_row():
-    pool = torch.arange(3 * 2 * 10 * 4 * 3 * 8, dtype=torch.float32).view(3, 2, 10, 4, 3, 8)
-    region = PoolRegion.of(pool)
-    assert (region.block_tokens, region.num_kv_heads, region.head_bytes) == (4, 3, 32)
-    blocks = [7, 2]
-    descs = region.head_descs(numpy.array(blocks), 1, 2)
-    assert len(descs) == len(blocks) * region.pieces_per_block * region.block_tokens  # block, (layer, k/v), token
-    flat = pool.view(torch.uint8).numpy().reshape(-1)
-    rows = iter(descs.tolist())
-    for block in blocks:
-        for layer in range(3):
-            for kv in range(2):
-                for token in range(4):
-                    addr, length, device = next(rows)
-                    offset = addr - region.base_address
-                    want = pool[layer, kv, block, token, 1:3].contiguous().view(torch.uint8).numpy().reshape(-1)
-                    assert (length, device) == (2 * region.head_bytes, 0)
-                    assert numpy.array_equal(flat[offset : offset + length], want)
