@@ -159,7 +159,11 @@ def compile_decode(
     Without ``recompile``, a later step that no graph fits runs eager rather than compiling: a
     tensor-parallel rank compiling mid-step (minutes on CPU) would leave the others waiting in an
     all-reduce past its timeout."""
-    with compile_cache(compile_key(settings)):
+    # The graphs follow what this process's small-row linears calibrated (a timing, which can differ from
+    # one start to the next): the few-rows graph's range, and whether one row's product is reordered. A
+    # graph cached under other figures would bring guards that contradict this process's ranges.
+    calibrated = {"streamed_rows": streamed_rows(model), "one_row_reordered": one_row_runs_reordered(model)}
+    with compile_cache(compile_key({**settings, **calibrated})):
         _compile_decode(model, kv_cache)
     model.compiled_decode.eager_on_recompile = not recompile
 
