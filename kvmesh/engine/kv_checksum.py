@@ -3,9 +3,10 @@
 A block's checksum (``kvmesh.checksum``) is the CRC-32 of its bytes in the wire layout, every KV head. On a
 tensor-parallel worker each rank holds some of the heads. CRC-32 is affine over GF(2) for a fixed length:
 crc(a xor b) = crc(a) xor crc(b) xor crc(zeros). A rank sums the whole block with every head it does not
-own zeroed (``partial_block_checksums``); the block's checksum is the xor of the ranks' sums, with one
-crc(zeros) for each pair of them (``combine_block_checksums``). Each head counts once: a head that ranks
-replicate is summed by the first rank holding it only. What moves is 4 bytes a block a rank, not the block.
+own zeroed (``partial_block_checksums``); the block's checksum is the xor of the ranks' sums, and of
+crc(zeros) once more where they are an even number (``combine_block_checksums``). Each head counts once: a
+head that ranks replicate is counted from the first rank holding it only. What moves is 4 bytes a block a
+rank, not the block.
 """
 
 from __future__ import annotations

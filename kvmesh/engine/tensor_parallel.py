@@ -266,15 +266,19 @@ class TensorParallelGroup:
 
     def start_rank_service(self, module: str, settings: Mapping[str, object]) -> list[object]:
         """Start ``module``'s ``serve_rank`` on every follower (it answers calls on the rank's side channel from
-        then on, on a thread of its own); what each follower's start gave, in rank order. FailedPrecondition
-        with its reason where one failed."""
+        then on, on a thread of its own, and ends on ``("close",)``); what each follower's start gave, in rank
+        order. FailedPrecondition with its reason where one failed: the others' are closed."""
         with self._lock:
             for rank in range(1, len(self._pipes) + 1):
                 self._send(rank, ("service", module, dict(settings)))
             replies = [self._receive(rank) for rank in range(1, len(self._pipes) + 1)]
-        for rank, reply in enumerate(replies, start=1):
-            if isinstance(reply, str):
-                raise FailedPrecondition(f"tensor-parallel rank {rank} could not start {module}: {reply}")
+        failed = [(rank, reply) for rank, reply in enumerate(replies, start=1) if isinstance(reply, str)]
+        if failed:
+            for rank, reply in enumerate(replies, start=1):
+                if not isinstance(reply, str):
+                    self.side_call(rank, ("close",))
+            rank, reason = failed[0]
+            raise FailedPrecondition(f"tensor-parallel rank {rank} could not start {module}: {reason}")
         return [reply[0] for reply in replies]
 
     def side_call(self, rank: int, message: object) -> object:

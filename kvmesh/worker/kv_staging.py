@@ -16,6 +16,7 @@ import asyncio
 import structlog
 import torch
 
+from kvmesh.errors import DeadlineExceeded
 from kvmesh.worker.kv_nixl import NixlEndpoint, NixlRead
 from kvmesh.worker.nixl_layout import HeadSpan, PoolRegion
 
@@ -72,17 +73,19 @@ class StagedRead:
     ) -> None:
         self._staging, self._endpoint, self._agent_name, self._holder = staging, endpoint, agent_name, holder
         self._src, self._dst, self._span, self._pool = src, dst, span, pool
-        self.nbytes = len(dst) * holder.block_nbytes
 
     async def run(self, timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         async with self._staging.lock:
-            area, region = self._staging.area(self._holder.num_kv_heads)
+            # Allocated and registered once, off the event loop.
+            area, region = await asyncio.to_thread(self._staging.area, self._holder.num_kv_heads)
             read: NixlRead | None = None
             copy: asyncio.Future | None = None
             try:
                 for lo in range(0, len(self._dst), region.num_blocks):
+                    if loop.time() >= deadline:  # queued behind another READ: post nothing that cannot land
+                        raise DeadlineExceeded(f"staged NIXL READ past its {timeout_s:.1f} s")
                     src, dst = self._src[lo : lo + region.num_blocks], self._dst[lo : lo + region.num_blocks]
                     into = list(range(len(src)))
                     read = await asyncio.to_thread(self._endpoint.post, "READ", self._agent_name, src, into, region)
@@ -105,3 +108,5 @@ class StagedRead:
         heads = area[:, :, : len(dst), :, span.remote_first : span.remote_first + span.count]
         index = torch.tensor(dst, device=self._pool.device)
         self._pool[:, :, index, :, span.local_first : span.local_first + span.count] = heads
+        if self._pool.device.type == "cuda":  # done before the area takes the next READ (NIXL is not on a stream)
+            torch.cuda.current_stream(self._pool.device).synchronize()

@@ -4,14 +4,15 @@ A tensor-parallel worker's pool is split by KV head (``TPLayout.kv_head_range``)
 heads of every block, under the block ids rank 0's block manager gives them. So every rank registers its
 own pool with an agent of its own (``serve_rank``, the rank service each follower runs beside its steps,
 ``TensorParallelGroup.start_rank_service``), and a hand-off's blocks never gather in one process: each rank
-of the reader READs exactly its heads from the ranks of the holder that hold them (``ShardedRead``), one
-READ per (its rank, their rank) pair that share heads (``HeadSpan``): whole blocks straight into the pool
-where both hold the same heads, through a staging area where they do not (``kvmesh.worker.kv_staging``). A
-worker of one rank is the case of one rank.
+of the reader READs exactly its heads from the ranks of the holder that hold them (``ShardedRead``), from
+each holder rank it shares heads with (``HeadSpan``): whole blocks straight into the pool where both hold
+the same heads, through a staging area where they do not (``kvmesh.worker.kv_staging``). A worker of one
+rank is the case of one rank.
 
-Every rank checksums its part of what landed, with every head it does not own zeroed, and rank 0 combines
-the parts into each block's checksum (``kvmesh.engine.kv_checksum``), compared with the holder's before
-the blocks are used: the one checksum a block has, whatever the degrees on either side.
+Every rank checksums its part of what landed, with every head it does not hold zeroed, and rank 0 combines
+the owners' parts into each block's checksum (``kvmesh.engine.kv_checksum``), compared with the holder's
+before the blocks are used: the one checksum a block has, whatever the degrees on either side. A rank
+holding a copy of another's heads (more ranks than KV heads) must give its owner's part exactly.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import pickle
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from multiprocessing.connection import Connection
@@ -33,7 +35,7 @@ from kvmesh.engine.kv_cache import KVCache
 from kvmesh.engine.kv_checksum import combine_block_checksums, partial_block_checksums
 from kvmesh.engine.sharded_kv import ShardedKVCache
 from kvmesh.engine.tensor_parallel import RankLost
-from kvmesh.errors import FailedPrecondition, Unavailable
+from kvmesh.errors import FailedPrecondition, InvalidArgument, KvmeshError, Unavailable
 from kvmesh.worker.kv_nixl import BlockRead, NixlEndpoint, load_nixl
 from kvmesh.worker.kv_staging import StagedRead, Staging
 from kvmesh.worker.nixl_layout import HeadSpan, PoolRegion
@@ -111,7 +113,6 @@ class RankRead:
                 reads.append(StagedRead(staging, endpoint, agent, holder, src, dst, span, staging.pool))
         self._reads = reads
         self._tasks: list[asyncio.Future] = []
-        self.nbytes = sum(r.nbytes for r in reads)
 
     async def run(self, timeout_s: float) -> list[int]:
         self._tasks = [asyncio.ensure_future(r.run(timeout_s)) for r in self._reads]
@@ -147,24 +148,29 @@ def serve_rank(side: Connection, pool: torch.Tensor, first_head: int, total_head
 def _serve(
     side: Connection, endpoint: NixlEndpoint, staging: Staging, checksums: Callable[[list[int]], list[int]]
 ) -> None:
-    loop = asyncio.new_event_loop()  # one for every read: the staging area's lock belongs to it
-    while True:
-        try:
-            kind, *args = pickle.loads(side.recv_bytes())
-        except (EOFError, OSError):
-            endpoint.close()
-            loop.close()
-            return
-        try:
-            if kind == "peer":
-                reply: Any = ("ok", endpoint.add_peer(*args))
-            elif kind == "forget":
-                reply = ("ok", endpoint.forget_peer(*args))
-            else:  # "read"
-                reply = loop.run_until_complete(_read(endpoint, staging, checksums, *args))
-        except Exception as e:  # noqa: BLE001 - NIXL's own types too: the reason goes to rank 0
-            reply = ("failed", f"{type(e).__name__}: {e}", True)
-        side.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+    loop = asyncio.new_event_loop()  # every read runs on it: the staging area's lock belongs to it
+    try:
+        while True:
+            try:
+                kind, *args = pickle.loads(side.recv_bytes())
+            except (EOFError, OSError):
+                return
+            if kind == "close":  # the worker went to gRPC (TensorParallelGroup.start_rank_service)
+                side.send_bytes(pickle.dumps(("ok", None)))
+                return
+            try:
+                if kind == "peer":
+                    reply: Any = ("ok", endpoint.add_peer(*args))
+                elif kind == "forget":
+                    reply = ("ok", endpoint.forget_peer(*args))
+                else:  # "read"
+                    reply = loop.run_until_complete(_read(endpoint, staging, checksums, *args))
+            except Exception as e:  # noqa: BLE001 - NIXL's own types too: the reason goes to rank 0
+                reply = ("failed", f"{type(e).__name__}: {e}", True)
+            side.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+    finally:
+        endpoint.close()
+        loop.close()
 
 
 async def _read(
@@ -174,11 +180,13 @@ async def _read(
     spans: list[tuple[str, HeadSpan]],
     src: list[int],
     dst: list[int],
-    timeout_s: float,
+    deadline: float,
 ) -> tuple:
+    """One READ rank 0 asked for, by ``deadline`` (``time.monotonic()``: the ranks share a machine's clock,
+    and a READ queued behind another's gets only what is left)."""
     read = RankRead(endpoint, staging, spans, src, dst, checksums)
     try:
-        return ("ok", await read.run(timeout_s))
+        return ("ok", await read.run(deadline - time.monotonic()))
     except Exception as e:  # noqa: BLE001 - NIXL's own types too: the reason goes to rank 0
         return ("failed", f"{type(e).__name__}: {e}", await read.settle(SETTLE_TIMEOUT_S))
 
@@ -190,15 +198,19 @@ class RankEndpoints:
     def __init__(self, local: NixlEndpoint, kv: KVCache | ShardedKVCache, followers: list[RankPool]) -> None:
         self.local, self._followers = local, followers
         self.block_nbytes = kv.block_nbytes
+        self._total_heads = kv.block_shape[3]
         if isinstance(kv, ShardedKVCache):
-            self._group, self.head_ranges, self._owners = kv.group, kv.head_ranges, kv.owners
-            self._total_heads = kv.block_shape[3]
+            self._group, self.head_ranges = kv.group, kv.head_ranges
             self._rank0_sums = _pool_checksums(kv.local.tensor, 0, self._total_heads)
         else:  # one rank: every head, its checksums the pool's own (no copy)
-            self._group, self.head_ranges, self._owners = None, [(0, kv.block_shape[3])], [0]
-            self._total_heads = kv.block_shape[3]
+            self._group, self.head_ranges = None, [(0, self._total_heads)]
             self._rank0_sums = lambda ids: [int.from_bytes(s, "little") for s in kv.block_checksums(ids)]
+        # Per rank, the first rank holding the same heads: its owner, whose part of a checksum counts.
+        firsts = [first for first, _ in self.head_ranges]
+        self._owner_of = [firsts.index(first) for first in firsts]
         self._staging = Staging(local, kv.tensor)
+        # One call at a time on a follower's side channel: queued here, not in threads of the loop's pool.
+        self._side_locks = [asyncio.Lock() for _ in self.head_ranges]
         # Per peer (by its rank 0's agent): the ranks of it we read from, and per rank of ours the agents it added.
         self._peers: dict[str, list[RankPool]] = {}
         self._added: dict[str, list[list[str]]] = {}
@@ -253,13 +265,17 @@ class RankEndpoints:
         return name
 
     async def forget_peer(self, agent_name: str) -> None:
+        """Every rank forgets the peer's agents, as far as it can (a rank that cannot is logged)."""
         self._peers.pop(agent_name, None)
         for rank, names in enumerate(self._added.pop(agent_name, [])):
             for name in names:
-                if rank == 0:
-                    self.local.forget_peer(name)
-                else:
-                    await self._call(rank, "forget", name)
+                try:
+                    if rank == 0:
+                        self.local.forget_peer(name)
+                    else:
+                        await self._call(rank, "forget", name)
+                except Exception as e:  # noqa: BLE001 - NIXL's own types too: the others are still forgotten
+                    log.warning("a rank could not forget a NIXL peer", rank=rank, agent=name, error=str(e))
 
     def peer_region(self, agent_name: str) -> PoolRegion:
         return self.local.peer_region(agent_name)
@@ -273,15 +289,21 @@ class RankEndpoints:
 
     def read(self, agent_name: str, src: list[int], dst: list[int], timeout_s: float) -> ShardedRead:
         """The READs of blocks ``src`` of peer ``agent_name`` (its rank 0's agent) into our blocks ``dst``, each
-        rank's within ``timeout_s``."""
-        plans = [head_spans(heads, self._peers[agent_name]) for heads in self.head_ranges]
+        rank's within ``timeout_s``. Unavailable where the peer was forgotten meanwhile (it restarted)."""
+        holders = self._peers.get(agent_name)
+        if holders is None:
+            raise Unavailable(f"NIXL peer {agent_name} was forgotten before its READ (it restarted)")
+        plans = [head_spans(heads, holders) for heads in self.head_ranges]
         spans = [[(pool.agent_name, span) for pool, span in plan] for plan in plans]
         local = RankRead(self.local, self._staging, spans[0], src, dst, self._rank0_sums)
-        followers = [partial(self._side, rank, ("read", spans[rank], src, dst, timeout_s)) for rank in self._ranks()]
+        deadline = time.monotonic() + timeout_s
+        followers = [
+            partial(self._side_async, rank, ("read", spans[rank], src, dst, deadline)) for rank in self._ranks()
+        ]
         # The bytes that cross: every READ moves whole blocks of the holder rank's pool (staged or not).
         heads = sum(pool.region.num_kv_heads for plan in plans for pool, _ in plan)
         nbytes = len(dst) * self.block_nbytes // self._total_heads * heads
-        return ShardedRead(local, followers, self._owners, self.block_nbytes, nbytes, timeout_s)
+        return ShardedRead(local, followers, self._owner_of, self.block_nbytes, nbytes, timeout_s)
 
     def _ranks(self) -> range:
         return range(1, len(self.head_ranges))
@@ -293,14 +315,19 @@ class RankEndpoints:
         except RankLost as e:  # gone: so is anything it had posted
             return ("failed", str(e), True)
 
+    async def _side_async(self, rank: int, message: tuple) -> tuple:
+        async with self._side_locks[rank]:
+            return await asyncio.to_thread(self._side, rank, message)
+
     async def _call(self, rank: int, *message: object) -> Any:
-        status, *rest = await asyncio.to_thread(self._side, rank, message)
+        status, *rest = await self._side_async(rank, message)
         if status != "ok":
             raise Unavailable(f"tensor-parallel rank {rank}'s NIXL agent: {rest[0]}")
         return rest[0]
 
     def close(self) -> None:
-        self.local.close()  # the followers' close with their side channels
+        """Rank 0's endpoint; each follower's closes when its side channel does (the group's close)."""
+        self.local.close()
 
 
 def first_holders(peer: list[RankPool]) -> list[RankPool]:
@@ -314,35 +341,45 @@ def first_holders(peer: list[RankPool]) -> list[RankPool]:
 
 class ShardedRead:
     """One hand-off's READs, every rank of ours at once: rank 0's here (``local``), each follower's on its rank
-    service (``followers``, blocking calls run on threads); each block's checksum combined from the parts of
-    the ``owners`` ranks."""
+    service (``followers``: coroutines of their answers); each block's checksum combined from the parts of the
+    ranks that own their heads (``owner_of[r] == r``), every other rank's part equal to its owner's."""
 
     def __init__(
         self,
         local: RankRead,
-        followers: list[Callable[[], tuple]],
-        owners: list[int],
+        followers: list[Callable[[], Awaitable[tuple]]],
+        owner_of: list[int],
         block_nbytes: int,
         nbytes: int,
         timeout_s: float,
     ) -> None:
-        self._local, self._follower_calls, self._owners = local, followers, owners
+        self._local, self._follower_calls, self._owner_of = local, followers, owner_of
         self._block_nbytes, self.nbytes, self._timeout_s = block_nbytes, nbytes, timeout_s
         # Each future of its own, so a cancelled run still finds (and settles) what was posted.
         self._local_run: asyncio.Future | None = None
         self._followers: list[asyncio.Future] = []
 
     async def run(self) -> list[bytes]:
-        """Every block's checksum of what landed. Unavailable or DeadlineExceeded where a rank's READ failed."""
+        """Every block's checksum of what landed. Unavailable (or rank 0's DeadlineExceeded) where a rank's READ
+        failed; InvalidArgument where a rank's copy of replicated heads differs from its owner's."""
         self._local_run = asyncio.ensure_future(self._local.run(self._timeout_s))
-        self._followers = [asyncio.ensure_future(asyncio.to_thread(call)) for call in self._follower_calls]
-        results = await asyncio.gather(asyncio.shield(self._local_run), *map(asyncio.shield, self._followers))
+        self._followers = [asyncio.ensure_future(call()) for call in self._follower_calls]
+        try:
+            results = await asyncio.gather(asyncio.shield(self._local_run), *map(asyncio.shield, self._followers))
+        except KvmeshError:
+            raise
+        except Exception as e:  # NIXL's or torch's own (a staging area that could not be registered)
+            raise Unavailable(f"NIXL READ failed: {type(e).__name__}: {e}") from None
         parts = [results[0]]
         for rank, (status, *rest) in enumerate(results[1:], start=1):
             if status != "ok":
                 raise Unavailable(f"tensor-parallel rank {rank}'s NIXL READ failed: {rest[0]}")
             parts.append(rest[0])
-        return combine_block_checksums([parts[r] for r in self._owners], self._block_nbytes)
+        copies = [r for r, owner in enumerate(self._owner_of) if owner != r and parts[r] != parts[owner]]
+        if copies:
+            raise InvalidArgument(f"rank {copies[0]}'s copy of replicated KV heads read over NIXL fails its checksum")
+        owned = [part for r, part in enumerate(parts) if self._owner_of[r] == r]
+        return combine_block_checksums(owned, self._block_nbytes)
 
     async def settle(self, timeout_s: float) -> bool:
         """True once no rank's READ can land any more."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import grpc
 import structlog
@@ -140,9 +141,10 @@ class NixlKVSource:
         if resp.agent_name != agent_name:
             raise Unavailable(f"prefill worker {address} restarted since the hand-off (agent {resp.agent_name})")
         ranks = [RankPool.from_pb(r) for r in resp.ranks]
-        name = await self._endpoints.add_peer(
-            ranks or [RankPool(resp.agent_name, resp.agent_metadata, PoolRegion.from_pb(resp.region), 0)]
-        )
+        if not ranks:  # one rank: every head (a worker from before tensor-parallel NIXL does not say so)
+            region = replace(PoolRegion.from_pb(resp.region), num_kv_heads=resp.layout.num_kv_heads)
+            ranks = [RankPool(resp.agent_name, resp.agent_metadata, region, 0)]
+        name = await self._endpoints.add_peer(ranks)
         old = self._peer_at.get(address)
         if old is not None and old != name:
             await self._endpoints.forget_peer(old)

@@ -27,4 +27,3 @@ def test_a_run_descriptor_covers_exactly_its_blocks_pieces_in_each_plane():
             want = pool[layer, kv, first : first + n].contiguous().view(torch.uint8).numpy().reshape(-1)
             assert (length, device) == (n * region.piece_bytes, 0)
             assert numpy.array_equal(flat[offset : offset + length], want)
-

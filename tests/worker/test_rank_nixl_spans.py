@@ -1,12 +1,16 @@
-"""Where each rank of a reader takes each of its KV heads from a holder's ranks (pure: no NIXL)."""
+"""Where each rank of a reader takes each of its KV heads from a holder's ranks, and how the ranks' parts of
+a READ's checksums combine (pure: no NIXL)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from kvmesh.errors import FailedPrecondition
+from kvmesh.engine.kv_checksum import combine_block_checksums
+from kvmesh.errors import FailedPrecondition, InvalidArgument
 from kvmesh.worker.nixl_layout import HeadSpan, PoolRegion
-from kvmesh.worker.rank_nixl import RankPool, first_holders, head_spans
+from kvmesh.worker.rank_nixl import RankPool, ShardedRead, first_holders, head_spans
 
 
 def _pools(*ranges: tuple[int, int]) -> list[RankPool]:
@@ -46,3 +50,38 @@ def test_a_head_replicated_over_holder_ranks_is_read_from_the_first_of_them():
 def test_a_holder_without_some_head_is_refused():
     with pytest.raises(FailedPrecondition, match="no copy of KV head 2"):
         head_spans((0, 4), first_holders(_pools((0, 2))))
+
+
+class _Landed:
+    """Rank 0's READ, landed: its part of the checksums."""
+
+    def __init__(self, part: list[int]) -> None:
+        self.part = part
+
+    async def run(self, timeout_s: float) -> list[int]:
+        return self.part
+
+    async def settle(self, timeout_s: float) -> bool:
+        return True
+
+
+def _answer(part: list[int]):
+    async def call() -> tuple:
+        return ("ok", part)
+
+    return call
+
+
+def test_replicating_ranks_parts_must_equal_their_owner_s_and_count_once():
+    """Four ranks over two KV heads: ranks 0 and 2 own them, 1 and 3 hold copies. The copies' parts are checked
+    against their owners' and left out of the sum; a copy that landed differently fails the READ."""
+    parts = [[11, 12], [11, 12], [21, 22], [21, 22]]
+    owner_of = [0, 0, 2, 2]
+
+    def run(parts: list[list[int]]) -> list[bytes]:
+        read = ShardedRead(_Landed(parts[0]), [_answer(p) for p in parts[1:]], owner_of, 64, 0, 1.0)
+        return asyncio.run(read.run())
+
+    assert run(parts) == combine_block_checksums([parts[0], parts[2]], 64)
+    with pytest.raises(InvalidArgument, match="rank 3's copy of replicated KV heads"):
+        run([*parts[:3], [21, 99]])

@@ -514,9 +514,9 @@ func (x *NixlBlocks) GetChecksums() []byte {
 // piece (layer l, k/v kv) of block b starts at
 // base_address + l*layer_stride + kv*kv_stride + b*block_stride and is
 // piece_bytes long; a block is its 2*num_layers pieces in (l, kv) order.
-// A piece is block_tokens rows of num_kv_heads heads (the heads this pool
-// holds: a tensor-parallel rank's pool holds some of the model's), so that a
-// reader can address a range of heads: the head_dim-sized pieces of each row.
+// A piece is block_tokens rows of num_kv_heads heads: the heads this pool
+// holds (a tensor-parallel rank's pool holds some of the model's), which
+// tells a reader what each rank has (and how large its blocks are to stage).
 type NixlPoolRegion struct {
 	state       protoimpl.MessageState `protogen:"open.v1"`
 	BaseAddress uint64                 `protobuf:"varint,1,opt,name=base_address,json=baseAddress,proto3" json:"base_address,omitempty"`
@@ -529,7 +529,7 @@ type NixlPoolRegion struct {
 	// "DRAM" (host memory) or "VRAM" (device memory), as NIXL names them.
 	MemType  string `protobuf:"bytes,8,opt,name=mem_type,json=memType,proto3" json:"mem_type,omitempty"`
 	DeviceId uint32 `protobuf:"varint,9,opt,name=device_id,json=deviceId,proto3" json:"device_id,omitempty"`
-	// 0 from a peer that predates them: it can be read only whole.
+	// 0 from a peer that predates them: a pool of every head.
 	BlockTokens   uint32 `protobuf:"varint,10,opt,name=block_tokens,json=blockTokens,proto3" json:"block_tokens,omitempty"`
 	NumKvHeads    uint32 `protobuf:"varint,11,opt,name=num_kv_heads,json=numKvHeads,proto3" json:"num_kv_heads,omitempty"`
 	unknownFields protoimpl.UnknownFields

@@ -249,9 +249,9 @@ export const NixlBlocksSchema: GenMessage<NixlBlocks> = /*@__PURE__*/
  * piece (layer l, k/v kv) of block b starts at
  * base_address + l*layer_stride + kv*kv_stride + b*block_stride and is
  * piece_bytes long; a block is its 2*num_layers pieces in (l, kv) order.
- * A piece is block_tokens rows of num_kv_heads heads (the heads this pool
- * holds: a tensor-parallel rank's pool holds some of the model's), so that a
- * reader can address a range of heads: the head_dim-sized pieces of each row.
+ * A piece is block_tokens rows of num_kv_heads heads: the heads this pool
+ * holds (a tensor-parallel rank's pool holds some of the model's), which
+ * tells a reader what each rank has (and how large its blocks are to stage).
  *
  * @generated from message kvmesh.api.common.v1.NixlPoolRegion
  */
@@ -304,7 +304,7 @@ export type NixlPoolRegion = Message<"kvmesh.api.common.v1.NixlPoolRegion"> & {
   deviceId: number;
 
   /**
-   * 0 from a peer that predates them: it can be read only whole.
+   * 0 from a peer that predates them: a pool of every head.
    *
    * @generated from field: uint32 block_tokens = 10;
    */
