@@ -166,6 +166,30 @@ def test_speculative_verifies_across_ranks(checkpoints, compiled) -> None:
         spec.close()
 
 
+def test_penalties_chunked_prefill_and_the_prefix_cache_across_ranks(checkpoints) -> None:
+    """Rank 0 alone samples, schedules and keeps the block table; the other ranks run the same steps. Penalised
+    sampling, prompts prefilled in 16-token chunks, and prompts that find their prefix cached give one rank's
+    tokens and logprobs."""
+    path = checkpoints["llama-gqa"]
+    penalised = replace(GREEDY, max_tokens=16, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3)
+    long = [(7 * i + 3) % 500 + 1 for i in range(70)]
+    prompts = [
+        long,
+        [(11 * i + 5) % 500 + 1 for i in range(45)],
+        long[:48] + [7, 8, 9],
+    ]  # the third: 3 blocks of the first
+    one, two = _engine(path, 1, max_num_batched_tokens=16), _engine(path, 2, max_num_batched_tokens=16)
+    try:
+        for params in (penalised, GREEDY):
+            expected = one.generate(prompts, params)
+            got = two.generate(prompts, params)  # the second round finds every prompt's full blocks cached
+            _close_enough(got, expected)
+        assert [c.num_cached_tokens for c in got] == [c.num_cached_tokens for c in expected]
+        assert min(c.num_cached_tokens for c in got) >= 32
+    finally:
+        two.close()
+
+
 def test_structured_output_across_ranks(llama_with_tokenizer) -> None:
     schema = {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 4}
     params = SamplingParams(temperature=0.0, max_tokens=64, grammar=GrammarSpec.json_schema(schema))
