@@ -47,7 +47,7 @@ def test_compiled_decode_with_speculation_matches_transformers(checkpoints):
 
     path = checkpoints["llama-gqa"]
     drafts = ScriptedProposer({"req-0": [7, 8, 9] * 4})
-    engine = LLMEngine(path, EngineConfig(num_blocks=128, compile=True), drafter=Drafter(drafts, 3))
+    engine = LLMEngine(path, EngineConfig(num_blocks=128, compile=True), drafter=Drafter(drafts, 3, ()))
     got = engine.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True))
     for prompt, res in zip(PROMPTS, got):
         assert res.token_ids == hf_greedy(path, prompt, N_NEW)[0]
@@ -150,7 +150,7 @@ def test_verify_steps_run_a_graph_of_few_rows_on_streamed_products(checkpoints, 
     drafts = ScriptedProposer({"req-0": expected})
     torch._dynamo.reset()  # so that this engine's graphs are compiled here, where their code is kept
     engine, codes = run_and_get_code(
-        lambda: LLMEngine(path, EngineConfig(num_blocks=128, compile=True), drafter=Drafter(drafts, 3))
+        lambda: LLMEngine(path, EngineConfig(num_blocks=128, compile=True), drafter=Drafter(drafts, 3, ()))
     )
     assert engine.model.compiled_decode.few_rows == 6
     assert len(codes) == 3

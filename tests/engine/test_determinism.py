@@ -87,10 +87,10 @@ def test_a_request_gives_the_same_bits_whatever_its_batch_cache_chunks_or_migrat
     resumed = _run(engine, params, resume_ids=alone[0][:cut])
     cases["resumed after its 10th token"] = (alone[0][:cut] + resumed[0], alone[1][:cut] + resumed[1])
     # Sampled too: under --deterministic a verify row keeps the token plain decoding draws at its position.
-    speculating = _engine(wide_llama, dtype, drafter=Drafter(ScriptedProposer(garbage=True), 3))
+    speculating = _engine(wide_llama, dtype, drafter=Drafter(ScriptedProposer(garbage=True), 3, ()))
     cases["speculating, drafts rejected"] = _run(speculating, params, OTHERS[:5])
     # Drafts that are the answer: every token but the bonus one comes out of a verify row.
-    oracle = _engine(wide_llama, dtype, drafter=Drafter(ScriptedProposer({"target": alone[0]}), 3))
+    oracle = _engine(wide_llama, dtype, drafter=Drafter(ScriptedProposer({"target": alone[0]}), 3, ()))
     cases["speculating, drafts accepted"] = _run(oracle, params, OTHERS[:5], request_id="target")
     assert oracle.stats.draft_tokens_accepted >= NEW_TOKENS // 2  # most tokens did come from verify rows
     for name, run in cases.items():

@@ -107,7 +107,7 @@ def test_greedy_with_repetition_penalty_and_bias_identical_to_transformers(check
 
     # Speculation with oracle and garbage drafts: the same tokens.
     for proposer in (ScriptedProposer({f"req-{i}": t for i, t in enumerate(expected)}), ScriptedProposer(garbage=True)):
-        spec = LLMEngine(path, EngineConfig(num_blocks=128), drafter=Drafter(proposer, 3))
+        spec = LLMEngine(path, EngineConfig(num_blocks=128), drafter=Drafter(proposer, 3, ()))
         assert [c.token_ids for c in spec.generate(PROMPTS, params)] == expected
         assert spec.stats.draft_tokens_proposed > 0
 

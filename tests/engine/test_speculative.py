@@ -50,7 +50,7 @@ def test_greedy_output_identical_with_oracle_and_garbage_drafts(checkpoints):
     expected = [c.token_ids for c in plain]
 
     oracle = ScriptedProposer({f"req-{i}": toks for i, toks in enumerate(expected)})
-    spec = LLMEngine(path, EngineConfig(num_blocks=128), drafter=Drafter(oracle, 4))
+    spec = LLMEngine(path, EngineConfig(num_blocks=128), drafter=Drafter(oracle, 4, ()))
     got = spec.generate(PROMPTS, _greedy())
     assert [c.token_ids for c in got] == expected
     # Its verify steps ran on the few-row linears (float32 on CPU): output identical all the same.
@@ -59,7 +59,7 @@ def test_greedy_output_identical_with_oracle_and_garbage_drafts(checkpoints):
     assert spec.stats.steps < plain[0].token_ids.__len__() + 5  # ~5 tokens per step
     assert sorted(oracle.finished_ids) == sorted(f"req-{i}" for i in range(len(PROMPTS)))
 
-    bad = LLMEngine(path, EngineConfig(num_blocks=128), drafter=Drafter(ScriptedProposer(garbage=True), 3))
+    bad = LLMEngine(path, EngineConfig(num_blocks=128), drafter=Drafter(ScriptedProposer(garbage=True), 3, ()))
     assert [c.token_ids for c in bad.generate(PROMPTS, _greedy())] == expected
     assert bad.stats.draft_tokens_proposed > 0
     assert bad.blocks.num_free == 128
@@ -70,7 +70,7 @@ def test_speculation_with_tiny_pool_and_logprobs(checkpoints):
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
     plain = LLMEngine(path, EngineConfig(num_blocks=64)).generate(PROMPTS, params)
     oracle = ScriptedProposer({f"req-{i}": c.token_ids for i, c in enumerate(plain)})
-    spec = LLMEngine(path, EngineConfig(num_blocks=10), drafter=Drafter(oracle, 4))
+    spec = LLMEngine(path, EngineConfig(num_blocks=10), drafter=Drafter(oracle, 4, ()))
     got = spec.generate(PROMPTS, params)
     for a, b in zip(plain, got):
         assert a.token_ids == b.token_ids

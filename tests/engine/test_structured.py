@@ -104,7 +104,7 @@ def test_speculation_gives_identical_constrained_output(llama_with_tokenizer, ga
 
     # The oracle proposes the true continuation; garbage proposes tokens the grammar mostly forbids.
     proposer = ScriptedProposer({f"req-{i}": t for i, t in enumerate(expected)}, garbage=garbage)
-    spec = LLMEngine(llama_with_tokenizer, EngineConfig(num_blocks=512), drafter=Drafter(proposer, 4))
+    spec = LLMEngine(llama_with_tokenizer, EngineConfig(num_blocks=512), drafter=Drafter(proposer, 4, ()))
     got = spec.generate([prompt] * len(params), params)
     assert [c.token_ids for c in got] == expected
     if garbage:

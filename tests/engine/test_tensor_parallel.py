@@ -158,7 +158,7 @@ def test_speculative_verifies_across_ranks(checkpoints, compiled) -> None:
     decodes), with the drafter's calibration probes mirrored after the ranks compiled."""
     path = checkpoints["llama-gqa"]
     one = _engine(path, 1).generate(EIGHT_PROMPTS, GREEDY)
-    spec = _engine(path, 2, drafter=Drafter(ScriptedProposer(garbage=True), 3), compile=compiled)
+    spec = _engine(path, 2, drafter=Drafter(ScriptedProposer(garbage=True), 3, ()), compile=compiled)
     try:
         _close_enough(spec.generate(EIGHT_PROMPTS, GREEDY), one)
         assert spec.stats.draft_tokens_proposed > 0

@@ -22,7 +22,7 @@ def test_draft_model_speculation_keeps_greedy_output_and_accepts_drafts():
     expected = [c.token_ids for c in plain.generate(prompts, params)]
 
     proposer = DraftModelProposer(DRAFT, EngineConfig(num_blocks=128))
-    spec = LLMEngine(SMALL, EngineConfig(num_blocks=128), drafter=Drafter(proposer, 4))
+    spec = LLMEngine(SMALL, EngineConfig(num_blocks=128), drafter=Drafter(proposer, 4, ()))
     got = [c.token_ids for c in spec.generate(prompts, params)]
 
     assert got == expected
