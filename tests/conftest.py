@@ -8,6 +8,9 @@ to play an outage.
 A test that fails because a mesh process died while starting gets that
 process's last log lines in its report: the message alone says only the exit
 code, and a failure seen once in CI must be diagnosable from its report.
+
+The suite runs on pytest-xdist runners (``make test``: ``-n 2 --dist loadgroup``). Each runner
+picks ports from its own slice of the range; which runner runs which tests: tests/xdist_groups.py.
 """
 
 from __future__ import annotations
@@ -23,9 +26,15 @@ from collections.abc import Iterator
 import pytest
 
 from kvmesh.launcher.supervisor import MeshError
+from kvmesh.runtime.ports import PORT_RANGE_ENV, port_slice
+
+pytest_plugins = ["tests.durations", "tests.xdist_groups"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    runner = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... on xdist's runners
+    if runner is not None:
+        os.environ[PORT_RANGE_ENV] = port_slice(int(runner[2:]), int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     # Workers these tests start (meshes, containers) decode eagerly, as compiling every mesh's graphs would
     # cost minutes each; the compiled path has tests of its own, which compile into this run's own cache.
     os.environ["KVMESH_COMPILE"] = os.environ["KVMESH_DECODE_COMPILE"] = "0"  # the flag; the compose files' variable
