@@ -2,7 +2,12 @@
 # installed into node_modules/ on first use.
 BUF := npx --no-install buf
 
-.PHONY: install up test lint gen gen-check lint-protos breaking
+.PHONY: install up test test-fast durations flaky-check lint gen gen-check lint-protos breaking
+
+# The suite's pytest-xdist runners. Tests that share a mesh, or a module's fixtures, run on one runner
+# (the groups: tests/conftest.py); each runner picks ports from its own slice.
+TEST_RUNNERS ?= 2
+PYTEST := python3 -m pytest -q -n $(TEST_RUNNERS) --dist loadgroup
 
 # Everything the mesh and its tests need on a fresh Debian machine (idempotent).
 install:
@@ -12,9 +17,25 @@ install:
 up: install
 	kvmesh up
 
-# The test suite: installs, checks generated code, the contracts and the Python style, runs pytest.
+# The test suite: installs, checks generated code, the contracts and the Python style, runs pytest
+# (each test's and fixture's seconds into build/test-durations.json).
 test: install lint gen-check lint-protos breaking
-	python3 -m pytest -q
+	$(PYTEST) --durations-json build/test-durations.json
+
+# The inner loop: every test that starts no process and is not marked slow (docs/testing.md).
+test-fast:
+	$(PYTEST) -m "not processes and not slow"
+
+# Run the suite and regenerate docs/test-durations.md: where the time goes, per folder, file and fixture.
+durations:
+	$(PYTEST) --durations-json build/test-durations.json; status=$$?; \
+	python3 scripts/test_durations.py build/test-durations.json > docs/test-durations.md; exit $$status
+
+# The end-to-end set (whole meshes as real processes) three times in a row: any test whose outcome
+# changed is named, and the check fails.
+E2E_TESTS := tests/e2e tests/openai tests/clients tests/compose
+flaky-check:
+	python3 scripts/flaky_check.py --runs 3 --pytest-args "-n $(TEST_RUNNERS) --dist loadgroup" $(E2E_TESTS)
 
 # ruff: lint and format check (configuration in pyproject.toml; `ruff format .` and `ruff check --fix .` mend).
 lint:

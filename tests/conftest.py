@@ -30,6 +30,10 @@ from kvmesh.runtime.ports import PORT_RANGE_ENV, port_slice
 
 pytest_plugins = ["tests.durations", "tests.xdist_groups"]
 
+# Folders whose tests run whole meshes, containers or the clients' toolchains as processes: marked
+# ``processes``, which `make test-fast` leaves out (a file elsewhere that starts processes says so itself).
+PROCESS_FOLDERS = ("tests/e2e/", "tests/openai/", "tests/clients/", "tests/compose/", "tests/deploy/")
+
 
 def pytest_configure(config: pytest.Config) -> None:
     runner = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... on xdist's runners
@@ -43,6 +47,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(os.environ.pop("KVMESH_COMPILE_CACHE", ""), ignore_errors=True)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.startswith(PROCESS_FOLDERS):
+            item.add_marker(pytest.mark.processes)
 
 
 @pytest.hookimpl(wrapper=True)

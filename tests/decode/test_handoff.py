@@ -20,6 +20,8 @@ from services.prefill import main as prefill_main
 from tests.engine.conftest import write_checkpoint
 from tests.service_helpers import serve_main
 
+pytestmark = pytest.mark.slow
+
 BS = 16
 PROMPT = list(range(30, 30 + 3 * BS + 7))  # three full blocks and a partial one
 N_NEW = 12

@@ -17,6 +17,8 @@ from kvmesh.speculation.drafter import Drafter
 from .conftest import PROMPTS
 from .hf_reference import hf_greedy
 
+pytestmark = pytest.mark.slow
+
 N_NEW = 40  # crosses block boundaries (block size 16), so block tables widen mid-decode
 
 

@@ -31,6 +31,8 @@ from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.compile_cache import compiled_graph_counts
 from kvmesh.sampling import SamplingParams
 
+pytestmark = pytest.mark.processes
+
 path, rank, prompts, n = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
 engine = LLMEngine(path, EngineConfig(num_blocks=64, compile=True, max_lora_rank=rank))
 out = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))

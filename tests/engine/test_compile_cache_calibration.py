@@ -7,10 +7,13 @@ start that marked 2 to 5 with the guards of 3 (ConstraintViolationError: the dec
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
+
+pytestmark = pytest.mark.slow
 
 
 def test_a_start_that_streams_other_rows_compiles_its_own_graphs(checkpoints, monkeypatch, tmp_path):

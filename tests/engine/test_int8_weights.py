@@ -18,6 +18,8 @@ from kvmesh.speculation.drafter import Drafter
 from .conftest import PROMPTS
 from .test_speculative import ScriptedProposer
 
+pytestmark = pytest.mark.slow
+
 N_NEW = 40  # crosses block boundaries (block size 16)
 
 

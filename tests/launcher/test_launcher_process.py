@@ -17,6 +17,8 @@ from kvmesh.launcher.compose import REPO_ROOT
 from kvmesh.launcher.netns import can_make_hosts
 from tests.launcher.helpers import alive, kill_if_alive, read_pid, wait_gone
 
+pytestmark = pytest.mark.processes
+
 
 @pytest.fixture
 def launch(tmp_path) -> Iterator:

@@ -14,7 +14,7 @@ from kvmesh.launcher import Mesh, RestartPolicy, Topology
 from kvmesh.launcher.restart import CrashRecord
 from tests.launcher.helpers import alive, child, read_pid, wait_gone
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.processes]
 
 
 def test_backoff_doubles_up_to_its_cap() -> None:

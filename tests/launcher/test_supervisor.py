@@ -13,6 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh.launcher import Mesh, MeshError, MeshOptions, ProcessSpec, Topology, build_topology
 from tests.launcher.helpers import alive, child, kill_if_alive, read_pid, wait_gone
 
+pytestmark = pytest.mark.processes
+
 
 def _serving(address: str) -> bool:
     with grpc.insecure_channel(address) as channel:

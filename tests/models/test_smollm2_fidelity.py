@@ -13,7 +13,7 @@ from kvmesh.sampling import SamplingParams
 
 from .smollm2_reference import LOGPROB_TOLERANCE, NEW_TOKENS, TOP, first_divergence, prompts, references
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 
 def test_greedy_tokens_and_logprobs_match_transformers():

@@ -32,6 +32,8 @@ from tests.service_helpers import free_port
 
 from .conftest import connected, eventually, proposer_for, speculator_on
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
