@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -22,6 +23,8 @@ from kvmesh.engine.compile_cache import compile_cache, compile_key, key_folder
 from .conftest import PROMPTS
 from .hf_reference import hf_greedy
 
+pytestmark = pytest.mark.processes
+
 N_NEW = 24
 
 _START = """
@@ -30,8 +33,6 @@ from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.compile_cache import compiled_graph_counts
 from kvmesh.sampling import SamplingParams
-
-pytestmark = pytest.mark.processes
 
 path, rank, prompts, n = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
 engine = LLMEngine(path, EngineConfig(num_blocks=64, compile=True, max_lora_rank=rank))
@@ -66,9 +67,17 @@ def expected(model) -> list[list[int]]:
     return [hf_greedy(model, p, N_NEW)[0] for p in PROMPTS]
 
 
-def test_a_second_start_loads_the_graphs_the_first_compiled(model, expected, tmp_path) -> None:
-    cold = _result(_start(model, tmp_path))
-    warm = _result(_start(model, tmp_path))
+@pytest.fixture(scope="module")
+def filled(model, tmp_path_factory) -> tuple[Path, dict]:
+    """A cache root one cold start filled, and that start's result: a cold compile costs half a minute
+    here, so the tests that need a filled root share this one (each reads it, or a copy it may change)."""
+    root = tmp_path_factory.mktemp("filled-cache")
+    return root, _result(_start(model, root))
+
+
+def test_a_second_start_loads_the_graphs_the_first_compiled(model, expected, filled) -> None:
+    root, cold = filled
+    warm = _result(_start(model, root))
 
     assert cold["tokens"] == expected and warm["tokens"] == expected
     assert cold["graphs"]["compiled"] >= 2 and cold["graphs"]["cached"] == 0
@@ -77,18 +86,19 @@ def test_a_second_start_loads_the_graphs_the_first_compiled(model, expected, tmp
     assert warm["graphs"]["compiled"] == 0
     assert warm["graphs"]["cached"] == cold["graphs"]["compiled"]
     assert warm["graphs"]["uncacheable"] == cold["graphs"]["uncacheable"] <= 1
-    assert len(_folders(tmp_path)) == 1
-    key = json.loads((_folders(tmp_path)[0] / "key.json").read_text())
+    assert len(_folders(root)) == 1
+    key = json.loads((_folders(root)[0] / "key.json").read_text())
     assert key["max_lora_rank"] == 16 and key["kv_pool"][2] == 64 and "torch" in key and "kernels" in key
 
 
-def test_another_configuration_never_uses_those_graphs(model, expected, tmp_path) -> None:
-    _result(_start(model, tmp_path))
-    other = _result(_start(model, tmp_path, rank=8))  # a flag in the key: its own folder, compiled anew
+def test_another_configuration_never_uses_those_graphs(model, expected, filled, tmp_path) -> None:
+    root = shutil.copytree(filled[0], tmp_path / "cache")  # holds the first configuration's graphs
+    assert len(_folders(root)) == 1
+    other = _result(_start(model, root, rank=8))  # a flag in the key: its own folder, compiled anew
 
     assert other["tokens"] == expected
     assert other["graphs"]["cached"] == 0 and other["graphs"]["compiled"] >= 2
-    assert len(_folders(tmp_path)) == 2
+    assert len(_folders(root)) == 2
 
 
 def test_workers_starting_at_once_compile_once_and_serve_the_same_tokens(model, expected, tmp_path) -> None:
