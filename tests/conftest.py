@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvmesh.launcher.supervisor import MeshError
-from kvmesh.runtime.ports import PORT_RANGE_ENV, port_slice
+from kvmesh.runtime.ports import PORT_RANGE_ENV, free_port, port_slice
 
 pytest_plugins = ["tests.durations", "tests.xdist_groups"]
 
@@ -61,12 +61,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if call.excinfo is not None and isinstance(call.excinfo.value, MeshError):
         report.sections.append((f"log of {call.excinfo.value.process}", call.excinfo.value.log_tail))
     return report
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:
@@ -124,7 +118,7 @@ def redis_server(tmp_path) -> Iterator[RedisServer]:
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.skip("redis-server is not on PATH (Debian: apt-get install redis-server)")
-    server = RedisServer(exe, _free_port(), str(tmp_path))
+    server = RedisServer(exe, free_port(), str(tmp_path))
     server.start()
     try:
         yield server
