@@ -66,6 +66,8 @@ def write_mesh_model(path: Path, plan: Plan) -> None:
 
 def options(model: Path, plan: Plan, transport: str) -> MeshOptions:
     worker = {"KVMESH_KV_TRANSPORT": transport, "KVMESH_NUM_BLOCKS": "512"}
+    if plan.device == "cpu":  # dynamo cannot trace Triton's interpreter: a dry run's workers step eager
+        worker["KVMESH_COMPILE"] = "0"
     return MeshOptions(
         model=model,
         prefill=1,
