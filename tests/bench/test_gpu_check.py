@@ -21,7 +21,9 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.processes]
 def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path_factory.mktemp("gpu_check")
     # As a user's shell runs it: without the suite's interpreter and compile switches.
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KVMESH_COMPILE", "KVMESH_DECODE_COMPILE")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KVMESH_COMPILE", "KVMESH_DECODE_COMPILE")
+    }
     run = subprocess.run(
         ["bench/gpu_check.sh", str(out), "--dry-run"], cwd=REPO, env=env, capture_output=True, text=True, timeout=880
     )
