@@ -30,7 +30,7 @@ from kvmesh.sampling import SamplingParams
 T = TypeVar("T")
 log = structlog.get_logger(__name__)
 
-_IDLE_WAIT_S = 0.5  # how long the idle thread blocks before re-checking for shutdown
+_IDLE_WAIT_S = 0.5  # how long the idle thread blocks before re-checking for shutdown (stop() also wakes it)
 
 
 class AsyncEngine:
@@ -87,6 +87,7 @@ class AsyncEngine:
 
     def stop(self) -> None:
         self._stop.set()
+        self._commands.put((lambda engine: None, concurrent.futures.Future()))  # wakes an idle loop now
         if self._thread is not None:
             self._thread.join()
         if self.engine is not None:
