@@ -93,16 +93,22 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """One query token per sequence. q [B, Hq, D]; block_tables [B, max_blocks]; seq_lens [B]
     (including the query token, whose K/V is already in the cache). Returns [B, Hq, D].
+    ``window`` > 0: sliding-window attention, the query at position p sees keys p - window < k <= p
+    (the last ``window`` tokens, itself included: transformers' sliding window); 0: all of them.
 
     Batched over sequences: each one's blocks are gathered into a padded [B, S] view and
     positions past its length are masked, so a step costs a few ops per layer, not per sequence.
     """
     k = _gather_blocks(k_cache, block_tables).transpose(1, 2).float()  # [B, Hk, S, D]
     v = _gather_blocks(v_cache, block_tables).transpose(1, 2).float()
-    live = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None]  # [B, S]
+    at = torch.arange(k.shape[2], device=q.device)[None, :]
+    live = at < seq_lens[:, None]  # [B, S]
+    if window:
+        live &= at >= (seq_lens - window)[:, None]
     out = F.scaled_dot_product_attention(
         q.float()[:, :, None, :], k, v, attn_mask=live[:, None, None, :], scale=scale, enable_gqa=True
     )
@@ -117,6 +123,7 @@ def paged_extend_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Varlen batch of new tokens over a paged prefix. q [T, Hq, D] packs each sequence's new
     tokens at query_start_loc[i]:query_start_loc[i+1]; seq_lens[i] counts prefix + new tokens
@@ -130,12 +137,15 @@ def paged_extend_attention(
     speculation decoded otherwise than plain decoding. In float32 those bits stay below the
     output's rounding (greedy was identical in every benchmark run), and computing a verify
     row by row costs 1-5 ms a step here, so float32 keeps the one call. The others (prefill
-    chunks) are padded to the longest and attend in one masked call.
+    chunks) are padded to the longest and attend in one masked call. ``window``: as in
+    ``paged_decode_attention``, for each row at its own position.
     """
-    return extend_attention(_rows_as_decodes, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+    return extend_attention(
+        _rows_as_decodes, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window
+    )
 
 
-# (out, q, k_cache, v_cache, block_tables, starts, counts, seq_lens, scale): writes into ``out``
+# (out, q, k_cache, v_cache, block_tables, starts, counts, seq_lens, scale, window): writes into ``out``
 # the rows of the sequences whose new tokens start at ``starts`` and number ``counts``, each row
 # attending as the decode of its token.
 RowsAsDecodes = Callable[..., None]
@@ -150,6 +160,7 @@ def extend_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """``paged_extend_attention`` with the rows that attend as decodes computed by
     ``rows_as_decodes``: a native decode kernel plugs in its own, so that a verify row or a
@@ -160,7 +171,7 @@ def extend_attention(
     short = (counts <= as_decodes).nonzero().flatten()
     if short.numel():
         rows_as_decodes(
-            out, q, k_cache, v_cache, block_tables[short], starts[short], counts[short], seq_lens[short], scale
+            out, q, k_cache, v_cache, block_tables[short], starts[short], counts[short], seq_lens[short], scale, window
         )
     multi = (counts > as_decodes).nonzero().flatten()
     if multi.numel() == 0:
@@ -174,7 +185,10 @@ def extend_attention(
     k = _gather_blocks(k_cache, block_tables[multi]).transpose(1, 2).float()  # [M, Hk, S, D]
     v = _gather_blocks(v_cache, block_tables[multi]).transpose(1, 2).float()
     q_pos = (seq_lens[multi] - n)[:, None] + j[None, :]  # each query row's position
-    visible = torch.arange(k.shape[2], device=q.device)[None, None, :] <= q_pos[:, :, None]  # [M, max_n, S]
+    at = torch.arange(k.shape[2], device=q.device)[None, None, :]
+    visible = at <= q_pos[:, :, None]  # [M, max_n, S]
+    if window:
+        visible &= at > (q_pos - window)[:, :, None]
     attn = F.scaled_dot_product_attention(qp, k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=True)
     out[rows[valid]] = attn.transpose(1, 2)[valid].to(q.dtype)
     return out
@@ -190,6 +204,7 @@ def _rows_as_decodes(
     counts: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> None:
     """Writes into ``out`` the attention of each of these sequences' few new rows, each row
     computed as a decode of its token: one query row against its prefix and itself.
@@ -212,7 +227,10 @@ def _rows_as_decodes(
     v = _gather_blocks(v_cache, block_tables).transpose(1, 2).float()
     s = k.shape[2]
     q_pos = (seq_lens - counts)[:, None] + j[None, :]  # [M, n]: each row's position
-    live = torch.arange(s, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [M, n, S]
+    at = torch.arange(s, device=q.device)[None, None, :]
+    live = at <= q_pos[:, :, None]  # [M, n, S]
+    if window:
+        live &= at > (q_pos - window)[:, :, None]
     mask = live[:, None, None].expand(m, hk, group, n, s).reshape(m, hq * n, 1, s)
     attn = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     attn = attn.view(m, hk, group, n, d).permute(0, 3, 1, 2, 4).reshape(m, n, hq, d)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-# (q [R, Hq, D], k_cache, v_cache, block_tables [R, blocks], seq_lens [R], scale) -> [R, Hq, D]
+# (q [R, Hq, D], k_cache, v_cache, block_tables [R, blocks], seq_lens [R], scale, window) -> [R, Hq, D]
 DecodeAttention = Callable[..., torch.Tensor]
 
 
@@ -28,6 +28,7 @@ def rows_as_decodes(
     counts: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> None:
     """Writes into ``out`` the rows of the sequences whose new tokens start at ``starts`` and number
     ``counts`` (``kernels.reference.RowsAsDecodes``), each row one query of ``decode_attention``."""
@@ -36,7 +37,7 @@ def rows_as_decodes(
     j = torch.arange(len(which), device=q.device) - first[which]  # a row's place among its sequence's new tokens
     rows = starts[which] + j
     lens = seq_lens[which] - counts[which] + j + 1  # its prefix, the new tokens before it, itself
-    out[rows] = decode_attention(q[rows], k_cache, v_cache, block_tables[which], lens, scale)
+    out[rows] = decode_attention(q[rows], k_cache, v_cache, block_tables[which], lens, scale, window)
 
 
 def every_row_as_decode(
@@ -48,11 +49,12 @@ def every_row_as_decode(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """``paged_extend_attention`` with every row, prefill chunks included, a decode by ``decode_attention``:
     the batch-invariant extend attention of deterministic serving."""
     starts = query_start_loc[:-1]
     out = torch.empty_like(q)
     counts = query_start_loc[1:] - starts
-    rows_as_decodes(decode_attention, out, q, k_cache, v_cache, block_tables, starts, counts, seq_lens, scale)
+    rows_as_decodes(decode_attention, out, q, k_cache, v_cache, block_tables, starts, counts, seq_lens, scale, window)
     return out

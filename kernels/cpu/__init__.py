@@ -104,6 +104,7 @@ def _fake_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """The output's shape and dtype, for torch.compile's tracing."""
     return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -1,7 +1,7 @@
 // Decode attention over the paged KV cache on AVX-512: kernels.reference.paged_decode_attention.
 //
-// One query row per sequence attends to its first seq_lens[b] cached tokens, read in place
-// through its block table. The reference gathers every sequence's blocks into a padded copy,
+// One query row per sequence attends to its first seq_lens[b] cached tokens (with a sliding
+// window W > 0, to the last W of them: the others are never read), in place through its block table. The reference gathers every sequence's blocks into a padded copy,
 // widens it to float32 and calls SDPA with a mask: at SmolLM2's shapes (9 query heads over 3
 // KV heads of 64, ~180 tokens) that was ~50 us a layer, 1.5 ms of a 9 ms bf16 decode step,
 // for work worth a few microseconds. This reads each K/V row once per query head, from L1/L2.
@@ -61,11 +61,11 @@ struct Cache {
   int64_t block_stride, offset_stride, head_stride, block_size;
 };
 
-// One (sequence, query head): out[d] = sum_t softmax(scale * q.k_t)_t v_t[d], t < len.
-// ``scores`` holds len floats (+16 for the last masked vector).
+// One (sequence, query head): out[d] = sum_t softmax(scale * q.k_t)_t v_t[d], begin <= t < len.
+// ``scores`` holds len - begin floats (+16 for the last masked vector).
 template <typename Q, typename T>
-void attend_one(const Q* q, const T* k_cache, const T* v_cache, const Cache& c, const int64_t* table, int64_t len,
-                int64_t kv_head, int64_t head_dim, float scale, float* scores, Q* out) {
+void attend_one(const Q* q, const T* k_cache, const T* v_cache, const Cache& c, const int64_t* table, int64_t begin,
+                int64_t len, int64_t kv_head, int64_t head_dim, float scale, float* scores, Q* out) {
   const int vectors = static_cast<int>((head_dim + 15) / 16);
   __mmask16 mask[kMaxVectors];
   __m512 qv[kMaxVectors];
@@ -74,34 +74,39 @@ void attend_one(const Q* q, const T* k_cache, const T* v_cache, const Cache& c, 
     qv[v] = _mm512_mul_ps(load16(q + v * 16, mask[v]), _mm512_set1_ps(scale));
   }
   // Token t lives in block table[t / block_size] at offset t % block_size: walked block by
-  // block (a division per token cost more than its dot product).
+  // block (a division per token cost more than its dot product), from the block holding ``begin``.
   const int64_t head_offset = kv_head * c.head_stride;
+  const int64_t count = len - begin;
   float max_score = -INFINITY;
-  for (int64_t first = 0, blk = 0; first < len; first += c.block_size, ++blk) {
-    const T* k = k_cache + table[blk] * c.block_stride + head_offset;
-    const int64_t n = std::min(c.block_size, len - first);
+  for (int64_t blk = begin / c.block_size, first = blk * c.block_size; first < len; first += c.block_size, ++blk) {
+    const int64_t lo = std::max(first, begin);
+    const T* k = k_cache + table[blk] * c.block_stride + head_offset + (lo - first) * c.offset_stride;
+    const int64_t n = std::min(first + c.block_size, len) - lo;
+    float* s = scores + (lo - begin);
     for (int64_t o = 0; o < n; ++o, k += c.offset_stride) {
       __m512 acc = _mm512_setzero_ps();
       for (int v = 0; v < vectors; ++v) acc = _mm512_fmadd_ps(qv[v], load16(k + v * 16, mask[v]), acc);
-      scores[first + o] = _mm512_reduce_add_ps(acc);
-      max_score = std::max(max_score, scores[first + o]);
+      s[o] = _mm512_reduce_add_ps(acc);
+      max_score = std::max(max_score, s[o]);
     }
   }
   const __m512 shift = _mm512_set1_ps(max_score);
   __m512 sum = _mm512_setzero_ps();
-  for (int64_t t = 0; t < len; t += 16) {
-    const __mmask16 m = first_lanes(len - t);
+  for (int64_t t = 0; t < count; t += 16) {
+    const __mmask16 m = first_lanes(count - t);
     const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), shift)));
     _mm512_mask_storeu_ps(scores + t, m, e);
     sum = _mm512_add_ps(sum, e);
   }
   __m512 acc[kMaxVectors];
   for (int v = 0; v < vectors; ++v) acc[v] = _mm512_setzero_ps();
-  for (int64_t first = 0, blk = 0; first < len; first += c.block_size, ++blk) {
-    const T* vt = v_cache + table[blk] * c.block_stride + head_offset;
-    const int64_t n = std::min(c.block_size, len - first);
+  for (int64_t blk = begin / c.block_size, first = blk * c.block_size; first < len; first += c.block_size, ++blk) {
+    const int64_t lo = std::max(first, begin);
+    const T* vt = v_cache + table[blk] * c.block_stride + head_offset + (lo - first) * c.offset_stride;
+    const int64_t n = std::min(first + c.block_size, len) - lo;
+    const float* s = scores + (lo - begin);
     for (int64_t o = 0; o < n; ++o, vt += c.offset_stride) {
-      const __m512 p = _mm512_set1_ps(scores[first + o]);
+      const __m512 p = _mm512_set1_ps(s[o]);
       for (int v = 0; v < vectors; ++v) acc[v] = _mm512_fmadd_ps(p, load16(vt + v * 16, mask[v]), acc[v]);
     }
   }
@@ -112,7 +117,8 @@ void attend_one(const Q* q, const T* k_cache, const T* v_cache, const Cache& c, 
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                  int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3, "q must be a 3-D CPU tensor [B, Hq, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
                   k_cache.scalar_type() == v_cache.scalar_type(),
@@ -122,6 +128,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               ") must match and be at most ", kMaxVectors * 16);
   TORCH_CHECK(Hk > 0 && Hq % Hk == 0, Hq, " query heads cannot share ", Hk, " KV heads");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1, "each head's D values must be contiguous");
+  TORCH_CHECK(window >= 0, "window ", window, " must be 0 (none) or a positive number of tokens");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B && seq_lens.numel() == B,
               "block_tables [B, W] and seq_lens [B] must have one row per query");
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
@@ -152,8 +159,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
         std::vector<float> scores(static_cast<size_t>(max_len) + 16);
         for (int64_t i = begin; i < end; ++i) {
           const int64_t b = i / Hq, h = i % Hq;
-          attend_one(qp + b * q.stride(0) + h * q.stride(1), kp, vp, c, table + b * width, len[b], h / group, D,
-                     static_cast<float>(scale), scores.data(), op + i * D);
+          const int64_t begin = window > 0 ? std::max<int64_t>(0, len[b] - window) : 0;
+          attend_one(qp + b * q.stride(0) + h * q.stride(1), kp, vp, c, table + b * width, begin, len[b], h / group,
+                     D, static_cast<float>(scale), scores.data(), op + i * D);
         }
       });
     });
@@ -166,7 +174,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 TORCH_LIBRARY_FRAGMENT(kvmesh_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-      "float scale) -> Tensor");
+      "float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh_cpu, CPU, m) { m.impl("paged_decode_attention", paged_decode_attention); }

@@ -45,6 +45,13 @@ class ModelConfig:
     dtype: str
     eos_token_ids: tuple[int, ...]
     raw: dict[str, Any] = field(repr=False, compare=False)
+    # Each layer's sliding attention window in tokens, 0 where the layer attends to every token before it.
+    layer_windows: tuple[int, ...] = ()
+
+    @property
+    def sliding_window(self) -> int:
+        """The widest window any layer slides (0: no layer does)."""
+        return max(self.layer_windows, default=0)
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelConfig:
@@ -72,12 +79,13 @@ class ModelConfig:
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             family = SUPPORTED_ARCHITECTURES[arch]
+            num_layers = int(raw["num_hidden_layers"])
             return cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(raw["intermediate_size"]),
-                num_layers=int(raw["num_hidden_layers"]),
+                num_layers=num_layers,
                 num_heads=heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or heads),
                 head_dim=int(raw.get("head_dim") or hidden // heads),
@@ -91,9 +99,37 @@ class ModelConfig:
                 dtype=_dtype_name(raw.get("dtype") or raw.get("torch_dtype") or "float32", source),
                 eos_token_ids=eos_ids,
                 raw=raw,
+                layer_windows=_layer_windows(raw, family, num_layers, source),
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: missing field {e.args[0]!r}") from None
+
+
+def _layer_windows(raw: dict[str, Any], family: str, num_layers: int, source: str) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention), read as transformers' own model classes read it:
+    Llama has none; Mistral slides every layer when ``sliding_window`` is set (its model ignores
+    ``layer_types``); Qwen2/Qwen3 slide only with ``use_sliding_window``, on the layers ``layer_types``
+    names, or, in configs written before it existed, on layers from ``max_window_layers`` on."""
+    window = raw.get("sliding_window")
+    if family == "qwen2" or family == "qwen3":
+        window = window if raw.get("use_sliding_window", False) else None
+    if family == "llama" or not window:
+        return (0,) * num_layers
+    if not isinstance(window, int) or window < 1:
+        raise ModelLoadError(f"{source}: sliding_window {window!r} is not a positive number of tokens")
+    if family == "mistral":
+        return (window,) * num_layers
+    types = raw.get("layer_types")
+    if types is None:
+        first = int(raw.get("max_window_layers", num_layers))
+        return tuple(window if i >= first else 0 for i in range(num_layers))
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown or len(types) != num_layers:
+        raise ModelLoadError(
+            f"{source}: layer_types {unknown or types!r}: kvmesh serves full_attention and sliding_attention layers, "
+            f"one per layer ({num_layers})"
+        )
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
 
 
 def _rope_params(raw: dict[str, Any]) -> dict[str, Any]:

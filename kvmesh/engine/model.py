@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3; sliding-window layers where the config
+sets them) over a paged KV cache.
 
 One forward pass takes a flat batch of new tokens from many sequences plus the
 metadata that says where each sequence's K/V lives (``AttentionMetadata``).
@@ -49,6 +50,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.index = index  # which layer of the KV pool is this one's
+        # Sliding-window attention: the last ``window`` tokens only, this token included (0: all of them).
+        self.window = cfg.layer_windows[index] if cfg.layer_windows else 0
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_size, self.kv_size = q_size, kv_size
         h = cfg.hidden_size
@@ -106,10 +109,10 @@ class DecoderLayer(nn.Module):
         k_cache, v_cache = kv_cache[self.index, 0], kv_cache[self.index, 1]
         scale = cfg.head_dim**-0.5
         if meta.is_decode:
-            attn = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+            attn = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, self.window)
         else:
             attn = ops.paged_extend_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, self.window
             )
         hidden = self._project(ops, "o_proj", attn.reshape(t, -1))
         if self.all_reduce is not None:

@@ -46,7 +46,8 @@ ARCHS = {
         },
     ),
     "llama-linear-rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"head_dim": 16, "sliding_window": None}),
+    # A 32-token window: prompts with their 32 new tokens run past it (tests/engine/test_sliding_window.py has more).
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"head_dim": 16, "sliding_window": 32}),
     "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", {"rope_theta": 1000000.0}),
     "qwen2-yarn": (
         "Qwen2Config",
