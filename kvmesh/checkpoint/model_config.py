@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvmesh.checkpoint.config_fields import check_fields
 from kvmesh.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = {
@@ -73,6 +74,7 @@ class ModelConfig:
                 f"{source}: unsupported architecture {arch or raw.get('model_type')!r}; "
                 f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
+        check_fields(raw, source)
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
@@ -92,8 +94,7 @@ class ModelConfig:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                # Qwen2 always has qkv bias; Llama/Mistral only when attention_bias says so.
-                qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+                qkv_bias=family == "qwen2",  # always; the others' attention_bias is refused (config_fields)
                 qk_norm=family == "qwen3",
                 rope=_rope_params(raw),
                 dtype=_dtype_name(raw.get("dtype") or raw.get("torch_dtype") or "float32", source),

@@ -1,0 +1,74 @@
+"""Every field of a served family's ``config.json`` and what kvmesh does with it: no field that changes
+the maths is ignored silently.
+
+A field is ``HONOURED`` (``ModelConfig`` or the engine reads it and computes as transformers does),
+``NO_EFFECT`` at inference (with the reason), or ``REQUIRED``: served only at the values listed, the
+model refused otherwise with the field named. tests/models/test_config_fields.py walks
+transformers' config classes for the families in ``SUPPORTED_ARCHITECTURES`` and fails on a field
+this table does not list, so a new transformers field is decided here before it can be ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvmesh.errors import ModelLoadError
+
+HONOURED: dict[str, str] = {
+    "vocab_size": "embedding and LM head rows",
+    "hidden_size": "the residual stream",
+    "intermediate_size": "the MLP's width",
+    "num_hidden_layers": "the layers",
+    "num_attention_heads": "query heads",
+    "num_key_value_heads": "KV heads (grouped-query attention)",
+    "head_dim": "per-head width where it is not hidden_size / heads",
+    "rms_norm_eps": "every RMSNorm",
+    "max_position_embeddings": "the rope table and the longest sequence",
+    "tie_word_embeddings": "the LM head is the embedding",
+    "rope_parameters": "kvmesh.engine.rope: default, linear, llama3 and yarn; other types refused there",
+    "rope_theta": "the rope base (configs written before rope_parameters)",
+    "rope_scaling": "the rope scaling (configs written before rope_parameters)",
+    "sliding_window": "each sliding layer's window (ModelConfig.layer_windows)",
+    "use_sliding_window": "whether Qwen2/Qwen3 layers slide",
+    "max_window_layers": "the first sliding layer of Qwen2/Qwen3 configs without layer_types",
+    "layer_types": "full_attention and sliding_attention layers; other types refused",
+    "dtype": "the checkpoint's dtype, served unless --dtype says otherwise",
+    "eos_token_id": "where generation stops",
+}
+
+NO_EFFECT: dict[str, str] = {
+    "attention_dropout": "dropout is off at inference",
+    "initializer_range": "random initialisation (training)",
+    "use_cache": "transformers' own KV cache switch; kvmesh always pages its KV cache",
+    "pretraining_tp": "transformers no longer reads it: the products are the same maths",
+    "bos_token_id": "the tokenizer and chat template add it",
+    "pad_token_id": "no padding: sequences are packed",
+    "architectures": "read to pick the family",
+    "chunk_size_feed_forward": "a memory trade-off of transformers' training code",
+    "is_encoder_decoder": "false for every family served",
+    "output_hidden_states": "transformers' output switch",
+    "return_dict": "transformers' output switch",
+    "problem_type": "classification heads only",
+    "id2label": "classification heads only",
+    "label2id": "classification heads only",
+    "transformers_version": "metadata",
+}
+
+# field -> (the values served, why others are not)
+REQUIRED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "hidden_act": (("silu",), "the MLP runs SiLU-gated products only"),
+    "mlp_bias": ((False, None), "the MLP's projections have no bias here"),
+    "attention_bias": ((False, None), "q/k/v/o biases as Llama writes them are not implemented (Qwen2's q/k/v are)"),
+}
+
+
+def check_fields(raw: dict[str, Any], source: str) -> None:
+    """ModelLoadError naming the first field whose value kvmesh would compute differently from transformers."""
+    for name, (served, why) in REQUIRED.items():
+        if name in raw and raw[name] not in served:
+            raise ModelLoadError(f"{source}: {name}={raw[name]!r} is not served ({why}); served: {list(served)}")
+
+
+def decided(name: str) -> bool:
+    """Whether the table says what happens to the field ``name``."""
+    return name in HONOURED or name in NO_EFFECT or name in REQUIRED
