@@ -33,6 +33,8 @@ HONOURED: dict[str, str] = {
     "max_window_layers": "the first sliding layer of Qwen2/Qwen3 configs without layer_types",
     "layer_types": "full_attention and sliding_attention layers; other types refused",
     "dtype": "the checkpoint's dtype, served unless --dtype says otherwise",
+    "torch_dtype": "dtype's name before transformers 4.56",
+    "quantization_config": "kvmesh.checkpoint.formats: the formats it names; others refused there",
     "eos_token_id": "where generation stops",
 }
 
@@ -44,6 +46,7 @@ NO_EFFECT: dict[str, str] = {
     "bos_token_id": "the tokenizer and chat template add it",
     "pad_token_id": "no padding: sequences are packed",
     "architectures": "read to pick the family",
+    "model_type": "read to pick the family where architectures is absent",
     "chunk_size_feed_forward": "a memory trade-off of transformers' training code",
     "is_encoder_decoder": "false for every family served",
     "output_hidden_states": "transformers' output switch",
