@@ -14,7 +14,7 @@ from kvmesh.launcher.health_cli import add_health_parser
 from kvmesh.models.cli import add_models_parser
 from kvmesh.quant.cli import add_quantize_parser
 from kvmesh.sampling import SamplingDefaults
-from kvmesh.verify.cli import add_verify_parser
+from kvmesh.verify.cli import add_model_check_parser, add_verify_parser
 
 # What `kvmesh generate` runs with where its flags are unset: a look at the model's greedy text.
 GENERATE_DEFAULTS = SamplingDefaults(temperature=0.0, max_tokens=64)
@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_up_parser(sub)
     add_health_parser(sub)
     add_certs_parser(sub)
-    add_models_parser(sub)
+    add_model_check_parser(add_models_parser(sub))
     add_quantize_parser(sub)
     add_verify_parser(sub)
     for name in SERVICES:

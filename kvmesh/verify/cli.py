@@ -65,3 +65,26 @@ def _verify(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps({"checks": [c.__dict__ for c in checks], "prompts": rows}, indent=2) + "\n")
     return 1 if failed else 0
+
+
+def add_model_check_parser(verbs: argparse._SubParsersAction) -> None:
+    """``kvmesh models check PATH`` (kvmesh.verify.model_check)."""
+    check = verbs.add_parser(
+        "check", help="before serving a model folder: config, chat template, tokenizer, greedy and KL vs transformers"
+    )
+    check.add_argument("path", type=Path, help="the model folder (config.json, weights, tokenizer)")
+    check.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")
+    check.add_argument("--max-kl", type=float, default=1e-3, help="most mean top-k KL to pass (default 1e-3)")
+    check.set_defaults(func=_check)
+
+
+def _check(args: argparse.Namespace) -> int:
+    from kvmesh.verify.checks import render
+    from kvmesh.verify.model_check import check_model
+
+    checks = check_model(args.path, args.max_tokens, args.max_kl)
+    print(f"kvmesh models check: {args.path}")
+    print(render(checks))
+    failed = [c.name for c in checks if not c.ok]
+    print("PASS" if not failed else f"FAIL: {'; '.join(failed)}")
+    return 1 if failed else 0

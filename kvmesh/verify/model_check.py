@@ -1,5 +1,6 @@
-"""``kvmesh models check PATH``: whether kvmesh serves a model folder as transformers computes it, before
-it is deployed. One table (kvmesh verify's), non-zero exit on any failure, so it fits a release pipeline:
+"""``kvmesh models check PATH`` (the verb: kvmesh.verify.cli): whether kvmesh serves a model folder as
+transformers computes it, before it is deployed. One table (kvmesh verify's), non-zero exit on any
+failure, so it fits a release pipeline:
 
 - the architecture is one kvmesh serves, and every config field is honoured or refused by name
   (kvmesh/checkpoint/config_fields.py); fields no table lists are named;
