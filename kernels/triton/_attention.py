@@ -23,19 +23,28 @@ def paged_row_offsets(block_table_ptr, tokens, token_mask, BLOCK_SIZE: tl.conste
 
 
 @triton.jit
-def attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, APPLY_MASK: tl.constexpr):
+def attend_tile(
+    acc, m_i, l_i, q, k, v, visible, qk_scale, APPLY_MASK: tl.constexpr, ROWS_MAY_BE_EMPTY: tl.constexpr = False
+):
     """Fold one key tile into the running (acc, row max m_i, row sum l_i).
 
     q [M, D], k [D, N], v [N, D]; ``visible`` [M, N] is applied only when APPLY_MASK.
-    Every caller guarantees each row has seen at least one visible key by its first
-    tile, so m_i is finite after it and exp2(m_i - m_new) never sees inf - inf.
+    Unless ROWS_MAY_BE_EMPTY, the caller guarantees each row has seen at least one
+    visible key by its first tile, so m_i is finite after it and exp2(m_i - m_new)
+    never sees inf - inf. With ROWS_MAY_BE_EMPTY (sliding windows: a row's window can
+    begin tiles after the first one the program reads), a row that has seen no visible
+    key yet keeps m = -inf and weighs this tile against 0 instead: all its weights are
+    exp2(-inf) = 0, so acc and l_i stay 0 rather than turning NaN.
     """
     scores = tl.dot(q, k) * qk_scale
     if APPLY_MASK:
         scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
+    m_ref = m_new
+    if ROWS_MAY_BE_EMPTY:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(scores - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, m_new, l_i
@@ -61,6 +70,14 @@ def check_paged_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         f"q {q.dtype}, k_cache {k_cache.dtype} and v_cache {v_cache.dtype} must share one dtype",
     )
     return num_q_heads // num_kv_heads
+
+
+def check_window(window: int) -> None:
+    """A sliding window is a whole number of keys; 0 means none (full causal attention)."""
+    require(
+        isinstance(window, int) and not isinstance(window, bool) and window >= 0,
+        f"window must be an int >= 0 (0: no sliding window), got {window!r}",
+    )
 
 
 def check_block_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, batch: int) -> None:

@@ -6,9 +6,12 @@ packs the KV head's whole GQA group as the rows of one tile, reading each K/V
 row once for all of them. It writes the split's normalized output and its
 log-sum-exp. Stage 2 merges the splits per (sequence, query head).
 
-The split size is a function of the sequence's own length alone (computed in the
-kernel from seq_lens, no host sync), so a sequence's output is bitwise the same
-whatever else is in the batch.
+A sliding window (``window`` W > 0) starts the keys at max(0, seq_len - W): the
+keys before it are never read, and the splits cut only the windowed span.
+
+The split size is a function of the sequence's own (windowed) span alone (computed
+in the kernel from seq_lens and the window, no host sync), so a sequence's output
+is bitwise the same whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -17,21 +20,38 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._attention import LOG2_E, attend_tile, check_block_tables, check_paged_caches, paged_row_offsets
+from kernels.triton._attention import (
+    LOG2_E,
+    attend_tile,
+    check_block_tables,
+    check_paged_caches,
+    check_window,
+    paged_row_offsets,
+)
 from kernels.triton._validate import check_same_device, check_tensor
 
 # Splits are at least this many tokens (shorter ones would cost more to merge than they
 # save) and at most this many per sequence (the merge holds them all in one tile).
 _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 16
+# The kernels' window for full attention (window=0): longer than any sequence, and seq_len minus
+# it cannot overflow int32.
+_NO_WINDOW = 2**31 - 1
 
 
 @triton.jit
-def _split_tokens(seq_len, MIN_SPLIT_TOKENS: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Tokens per split for a sequence of seq_len keys: a multiple of the key tile. An empty
+def _split_tokens(span, MIN_SPLIT_TOKENS: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tokens per split for a sequence attending to span keys: a multiple of the key tile. An empty
     sequence gets one empty split (and a NaN output, as in the reference), not a division by 0."""
-    num_splits = tl.maximum(tl.minimum(tl.cdiv(seq_len, MIN_SPLIT_TOKENS), MAX_SPLITS), 1)
-    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N), 1) * BLOCK_N
+    num_splits = tl.maximum(tl.minimum(tl.cdiv(span, MIN_SPLIT_TOKENS), MAX_SPLITS), 1)
+    return tl.maximum(tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit
+def _first_key(seq_len, window):
+    """The first key the query (at position seq_len - 1) sees: the window holds it and the
+    window - 1 keys before it. Full attention comes in as a window of _NO_WINDOW keys."""
+    return tl.maximum(seq_len - window, 0)
 
 
 @triton.jit
@@ -44,6 +64,7 @@ def _decode_split_kernel(
     part_out_ptr,
     part_lse_ptr,
     qk_scale,
+    window,
     stride_qb,
     stride_qh,
     stride_bt,
@@ -63,8 +84,9 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    split_tokens = _split_tokens(seq_len, MIN_SPLIT_TOKENS, MAX_SPLITS, BLOCK_N)
-    start = split * split_tokens
+    first_key = _first_key(seq_len, window)
+    split_tokens = _split_tokens(seq_len - first_key, MIN_SPLIT_TOKENS, MAX_SPLITS, BLOCK_N)
+    start = first_key + split * split_tokens
     if start < seq_len:
         end = tl.minimum(start + split_tokens, seq_len)
         rows = tl.arange(0, BLOCK_G)
@@ -104,6 +126,7 @@ def _decode_merge_kernel(
     part_lse_ptr,
     seq_lens_ptr,
     out_ptr,
+    window,
     head_dim,
     MIN_SPLIT_TOKENS: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
@@ -113,7 +136,8 @@ def _decode_merge_kernel(
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    num_splits = tl.cdiv(seq_len, _split_tokens(seq_len, MIN_SPLIT_TOKENS, MAX_SPLITS, BLOCK_N))
+    span = seq_len - _first_key(seq_len, window)
+    num_splits = tl.cdiv(span, _split_tokens(span, MIN_SPLIT_TOKENS, MAX_SPLITS, BLOCK_N))
     splits = tl.arange(0, MAX_SPLITS)
     dims = tl.arange(0, BLOCK_D)
     split_mask = splits < num_splits
@@ -141,10 +165,15 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """q [B, Hq, D]; caches [num_blocks, block_size, Hk, D]; block_tables [B, max_blocks];
-    seq_lens [B] (each ≥ 1, counting the query token, whose K/V is already cached). Returns [B, Hq, D]."""
+    seq_lens [B] (each ≥ 1, counting the query token, whose K/V is already cached). Returns [B, Hq, D].
+    ``window`` > 0: sliding-window attention, the query (position seq_len - 1) sees only the last
+    ``window`` keys, itself included; 0: all of them. The 7th positional parameter, as
+    ``kernels.rows_as_decodes`` passes it."""
     check_tensor("q", q, 3)
+    check_window(window)
     group = check_paged_caches(q, k_cache, v_cache)
     batch, num_q_heads, head_dim = q.shape
     check_block_tables(block_tables, seq_lens, batch)
@@ -154,16 +183,19 @@ def paged_decode_attention(
         return out
     cfg = _decode_config(head_dim, q.element_size())
     block_size = k_cache.shape[1]
-    # The grid covers the most splits any sequence that fits its block table can need;
-    # programs past a sequence's own split count return at once.
+    # The grid covers the most splits any sequence that fits its block table can need (a window
+    # bounds the span a split count is cut from); programs past a sequence's own count return at once.
     longest = block_tables.shape[1] * block_size
+    if window:
+        longest = min(longest, window)
+    window_keys = min(window, _NO_WINDOW) if window else _NO_WINDOW
     grid_splits = min(_MAX_SPLITS, triton.cdiv(longest, _MIN_SPLIT_TOKENS))
     part_out = torch.empty((batch, num_q_heads, _MAX_SPLITS, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((batch, num_q_heads, _MAX_SPLITS), dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(batch, num_q_heads // group, grid_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
-        scale * LOG2_E,
+        scale * LOG2_E, window_keys,
         q.stride(0), q.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         head_dim,
@@ -172,7 +204,7 @@ def paged_decode_attention(
         BLOCK_D=block_d, **cfg,
     )  # fmt: skip
     _decode_merge_kernel[(batch, num_q_heads)](
-        part_out, part_lse, seq_lens, out, head_dim,
+        part_out, part_lse, seq_lens, out, window_keys, head_dim,
         MIN_SPLIT_TOKENS=_MIN_SPLIT_TOKENS, MAX_SPLITS=_MAX_SPLITS, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
         num_warps=4,
     )  # fmt: skip

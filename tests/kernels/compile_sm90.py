@@ -98,6 +98,12 @@ def _engine_like_calls() -> list[tuple[str, Callable[[], object]]]:
         ("paged_decode_attention", lambda: K["paged_decode_attention"](q[:2], cache, cache, tables, lens, 0.1)),
         ("paged_extend_attention",
          lambda: K["paged_extend_attention"](q, cache, cache, tables, torch.tensor([0, 100, t]), lens, 0.1)),
+        # Sliding windows: the decode kernels take the window as an argument, the extend kernel compiles
+        # a second (WINDOWED) variant with the masked leading tiles.
+        ("paged_decode_attention window",
+         lambda: K["paged_decode_attention"](q[:2], cache, cache, tables, lens, 0.1, 4096)),
+        ("paged_extend_attention window",
+         lambda: K["paged_extend_attention"](q, cache, cache, tables, torch.tensor([0, 100, t]), lens, 0.1, 4096)),
         ("quantize_fp8_weight", lambda: K["quantize_fp8_weight"](torch.randn(512, 4096, dtype=bf16))),
         ("fp8_scaled_mm", lambda: K["fp8_scaled_mm"](torch.randn(16, 4096, dtype=bf16), qweight, scale)),  # decode
         ("fp8_scaled_mm", lambda: K["fp8_scaled_mm"](torch.randn(4096, 4096, dtype=bf16), qweight, scale)),  # prefill
@@ -122,6 +128,8 @@ def _wide_row_calls(K: dict, dtype: torch.dtype, d: int) -> list[tuple[str, Call
         ("paged_decode_attention", lambda: K["paged_decode_attention"](q[:2], cache, cache, tables, lens, 0.1)),
         ("paged_extend_attention",
          lambda: K["paged_extend_attention"](q, cache, cache, tables, torch.tensor([0, 100, 300]), lens, 0.1)),
+        ("paged_extend_attention window",
+         lambda: K["paged_extend_attention"](q, cache, cache, tables, torch.tensor([0, 100, 300]), lens, 0.1, 4096)),
         ("fp8_scaled_mm", lambda: K["fp8_scaled_mm"](x, qweight, torch.ones(512))),
     ]  # fmt: skip
 

@@ -40,3 +40,38 @@ def random_paged_kv(
             k_cache[block, :rows] = torch.randn(rows, num_kv_heads, head_dim).to(dtype)
             v_cache[block, :rows] = torch.randn(rows, num_kv_heads, head_dim).to(dtype)
     return PagedKV(k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32))
+
+
+def dense_attention(
+    q: torch.Tensor,
+    kv: PagedKV,
+    seq: int,
+    positions: list[int],
+    scale: float,
+    window: int = 0,
+) -> torch.Tensor:
+    """Plain masked softmax in float64, independent of ``kernels.reference``: queries q [n, Hq, D]
+    at ``positions`` of sequence ``seq``, each over the keys at k <= p and, with a window W > 0,
+    k > p - W (transformers' sliding window). Returns [n, Hq, D] in float64."""
+    seq_len = int(kv.seq_lens[seq])
+    blocks = kv.block_tables[seq, : -(-seq_len // BLOCK_SIZE)].long()
+    k = kv.k_cache[blocks].flatten(0, 1)[:seq_len].double()  # [S, Hk, D]
+    v = kv.v_cache[blocks].flatten(0, 1)[:seq_len].double()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("nhd,khd->hnk", q.double(), k) * scale
+    keys, pos = torch.arange(seq_len)[None, :], torch.tensor(positions)[:, None]
+    visible = keys <= pos
+    if window:
+        visible &= keys > pos - window
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hnk,khd->nhd", probs, v)
+
+
+def poison_keys(kv: PagedKV, seq: int, end: int) -> None:
+    """NaN in sequence ``seq``'s K and V at positions [0, end): a kernel that reads any of them,
+    even to mask it, returns NaN there."""
+    for t in range(end):
+        block = int(kv.block_tables[seq, t // BLOCK_SIZE])
+        kv.k_cache[block, t % BLOCK_SIZE] = float("nan")
+        kv.v_cache[block, t % BLOCK_SIZE] = float("nan")

@@ -7,10 +7,11 @@ import random
 import pytest
 import torch
 
+import kernels.triton
 from kernels import reference
 from kernels.triton.extend_attention import paged_extend_attention
 from kernels.triton.testing import poisoned_allocations, relative_error
-from tests.kernels.paged import random_paged_kv
+from tests.kernels.paged import dense_attention, poison_keys, random_paged_kv
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
 # GQA ratios 1/4/8 × head dims 64/128 in fp32; fp16 (slow in the interpreter's numpy
@@ -61,3 +62,56 @@ def test_single_sequence() -> None:
     """One sequence: the program-to-sequence search has nothing to search."""
     out, ref = run_and_reference([40], [100], 2, 2, 64, torch.float32)
     assert relative_error(out, ref) < 1e-5
+
+
+# Sliding windows: none, each row alone, a few keys, a window crossing a block edge, one whose 128-row
+# query tiles have keys masked at the window's start, unmasked keys in every row's window and the
+# diagonal (300 over the 300-token prefix), and one longer than any sequence.
+WINDOWS = [0, 1, 5, 17, 300, 5000]
+# (cached prefix, new tokens): a prefill over two query tiles, a one-token extend, new tokens over a
+# long prefix (several key tiles, a ragged query tile), a short prefill.
+WINDOW_CASES = [(0, 130), (77, 1), (300, 200), (0, 3)]
+
+
+def _windowed_case(
+    dtype: torch.dtype, window: int, cases: list[tuple[int, int]] = WINDOW_CASES
+) -> tuple[torch.Tensor, object, torch.Tensor, torch.Tensor]:
+    """Inputs, the query_start_loc and the dense masked reference; then the keys before each sequence's
+    first window (its first new token's) hold NaN: no tile may read them."""
+    prefixes, news = (list(x) for x in zip(*cases))
+    kv = random_paged_kv([p + n for p, n in cases], 2, 64, dtype)
+    qsl = _query_start_loc(news)
+    q = torch.randn(sum(news), 8, 64).to(dtype)
+    ref = torch.cat([
+        dense_attention(q[qsl[i] : qsl[i + 1]], kv, i, list(range(p, p + n)), 0.125, window)
+        for i, (p, n) in enumerate(cases)
+    ])  # fmt: skip
+    if window:
+        for i, p in enumerate(prefixes):
+            poison_keys(kv, i, max(0, p - window + 1))
+    return q, kv, qsl, ref
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_sliding_window_matches_masked_softmax(window: int) -> None:
+    q, kv, qsl, ref = _windowed_case(torch.float32, window)
+    with poisoned_allocations():
+        out = paged_extend_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, qsl, kv.seq_lens, 0.125, window)
+    assert relative_error(out, ref) < TOLERANCE[torch.float32], f"window {window}"
+
+
+def test_sliding_window_float16() -> None:
+    q, kv, qsl, ref = _windowed_case(torch.float16, 17)
+    out = paged_extend_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, qsl, kv.seq_lens, 0.125, 17)
+    assert out.dtype == torch.float16 and relative_error(out, ref) < TOLERANCE[torch.float16]
+
+
+@pytest.mark.parametrize("window", [5, 17])
+def test_sliding_window_every_row_as_decode(window: int) -> None:
+    """Deterministic serving's extend (each row a Triton decode, through kernels.rows_as_decodes)
+    passes the window on to the decode kernel. Few rows: each is a decode of its own in the interpreter."""
+    every_row = kernels.triton.INVARIANT_KERNELS["paged_extend_attention"]
+    q, kv, qsl, ref = _windowed_case(torch.float32, window, [(40, 12), (0, 6)])
+    with poisoned_allocations():
+        out = every_row(q, kv.k_cache, kv.v_cache, kv.block_tables, qsl, kv.seq_lens, 0.125, window)
+    assert relative_error(out, ref) < TOLERANCE[torch.float32], f"window {window}"

@@ -64,6 +64,9 @@ def test_decode_attention() -> None:
         paged_decode_attention(torch.randn(3, 4, 64), CACHE, CACHE, TABLES, LENS[:2], 0.1)
     with pytest.raises(ValueError, match="block_tables must be one of"):
         paged_decode_attention(torch.randn(3, 4, 64), CACHE, CACHE, TABLES.float(), LENS, 0.1)
+    for window in (-1, 2.0, True, None):
+        with pytest.raises(ValueError, match="window must be an int >= 0"):
+            paged_decode_attention(torch.randn(3, 4, 64), CACHE, CACHE, TABLES, LENS, 0.1, window)
 
 
 def test_extend_attention() -> None:
@@ -72,6 +75,9 @@ def test_extend_attention() -> None:
         paged_extend_attention(q, CACHE, CACHE, TABLES, torch.tensor([0, 5, 10]), LENS[:2], 0.1)
     with pytest.raises(ValueError, match="query_start_loc must have 1 dims"):
         paged_extend_attention(q, CACHE, CACHE, TABLES, torch.zeros(4, 1, dtype=torch.long), LENS, 0.1)
+    for window in (-1, 2.0, True, None):
+        with pytest.raises(ValueError, match="window must be an int >= 0"):
+            paged_extend_attention(q, CACHE, CACHE, TABLES, torch.tensor([0, 5, 10, 10]), LENS, 0.1, window)
 
 
 def test_fp8_scaled_mm() -> None:
