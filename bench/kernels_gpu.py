@@ -296,6 +296,51 @@ def check_attention(report: Report, k: Any) -> None:
         report.check(f"extend {name}", relative_error(out, ref), TOLERANCE[dtype])
 
 
+def check_sliding_window(report: Report, k: Any) -> None:
+    """Sliding-window attention (Mistral's 4096 keys, and a window shorter than a key tile) against the
+    reference's masked softmax: the decode starts its splits at the window, the extend's compiled
+    WINDOWED variant masks each row's window start. Then a windowed decode's bits alone vs in a batch
+    (the window's span, not the sequence's length, sizes its splits)."""
+    from kernels import reference
+    from kernels.triton.testing import poisoned_allocations, relative_error
+
+    dev = DEVICE
+    for (hk, group, d, dtype), window in itertools.product([(8, 4, 128, LOWP), (8, 4, 128, torch.float32)],
+                                                           (n(4096), 17)):  # fmt: skip
+        name = f"window={window} Hk={hk} G={group} D={d} {str(dtype).removeprefix('torch.')}"
+        lens = [1, 16, n(257), n(1000), n(4097), n(20000)] + torch.randint(2, n(3000) + 2, (2,)).tolist()
+        kv = paged_kv(lens, hk, d, dtype, dev)
+        q = torch.randn(len(lens), hk * group, d, device=dev).to(dtype)
+        with poisoned_allocations():
+            out = k.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, d**-0.5, window)
+        ref = reference.paged_decode_attention(q.float(), kv.k_cache.float(), kv.v_cache.float(), kv.block_tables,
+                                               kv.seq_lens, d**-0.5, window)  # fmt: skip
+        report.check(f"decode {name}", relative_error(out, ref), TOLERANCE[dtype])
+
+        # (prefix, new tokens): new tokens past the window's length, over prefixes shorter and longer than it.
+        cases = [(0, n(1000)), (77, 1), (n(4200), n(300)), (n(9000), n(129)), (0, 3)]
+        news = [n for _, n in cases]
+        kv = paged_kv([p + n for p, n in cases], hk, d, dtype, dev)
+        qsl = query_start_loc(news, dev)
+        q = torch.randn(sum(news), hk * group, d, device=dev).to(dtype)
+        with poisoned_allocations():
+            out = k.paged_extend_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, qsl, kv.seq_lens, d**-0.5,
+                                           window)  # fmt: skip
+        ref = reference.paged_extend_attention(q.float(), kv.k_cache.float(), kv.v_cache.float(), kv.block_tables,
+                                               qsl, kv.seq_lens, d**-0.5, window)  # fmt: skip
+        report.check(f"extend {name}", relative_error(out, ref), TOLERANCE[dtype])
+
+    batch, at, window = 9, 5, n(4096)  # few: the interpreter of a dry run takes seconds a sequence
+    lens = torch.randint(1, n(12000) + 1, (batch,)).tolist()
+    lens[at] = n(20000)
+    kv = paged_kv(lens, HK, HEAD_DIM, LOWP, dev)
+    q = torch.randn(batch, HQ, HEAD_DIM, device=dev).to(LOWP)
+    batched = k.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.088, window)
+    alone = k.paged_decode_attention(q[at : at + 1], kv.k_cache, kv.v_cache, kv.block_tables[at : at + 1],
+                                     kv.seq_lens[at : at + 1], 0.088, window)  # fmt: skip
+    report.check_true(f"decode window={window} bitwise alone vs batch of {batch}", torch.equal(alone[0], batched[at]))
+
+
 def check_batch_invariance(report: Report, k: Any) -> None:
     dev, batch, at = DEVICE, 37, 17
     lens = torch.randint(1, n(3000) + 1, (batch,)).tolist()
@@ -756,6 +801,7 @@ def main(argv: list[str] | None = None) -> int:
     guarded(report, "ceilings", lambda: measure_ceilings(report))
     guarded(report, "correctness: elementwise kernels", lambda: check_elementwise(report, k))
     guarded(report, "correctness: attention", lambda: check_attention(report, k))
+    guarded(report, "correctness: sliding-window attention", lambda: check_sliding_window(report, k))
     guarded(report, "correctness: batch invariance", lambda: check_batch_invariance(report, k))
     guarded(report, "correctness: fp8 and int8 weights", lambda: check_8bit_weights(report, k))
     guarded(report, "correctness: LoRA", lambda: check_lora(report, k))
