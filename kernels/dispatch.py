@@ -37,6 +37,7 @@ OPS = (
     "rms_norm",
     "fused_add_rms_norm",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
     "rotary_embedding",
     "write_kv_cache",
     "paged_decode_attention",
