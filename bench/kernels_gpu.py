@@ -245,6 +245,10 @@ def check_elementwise(report: Report, k: Any) -> None:
     with poisoned_allocations():
         out = k.silu_and_mul(gate_up)
     report.check("silu_and_mul bf16", relative_error(out, reference.silu_and_mul(gate_up.float())), 1e-2)
+    with poisoned_allocations():
+        out = k.gelu_tanh_and_mul(gate_up)
+    ref = reference.gelu_tanh_and_mul(gate_up.float())
+    report.check("gelu_tanh_and_mul bf16", relative_error(out, ref), 1e-2)
 
     positions = torch.randint(0, 8192, (rows,), device=dev)
     table = rope_table(8192, HEAD_DIM).to(dev)
@@ -618,6 +622,8 @@ def time_elementwise(report: Report, k: Any) -> None:
         ("fused_add_rms_norm", lambda: k.fused_add_rms_norm(x, res, w, 1e-6),
          lambda: reference.fused_add_rms_norm(x, res, w, 1e-6), 4 * x.numel() * e),
         ("silu_and_mul", lambda: k.silu_and_mul(gate_up), lambda: reference.silu_and_mul(gate_up),
+         gate_up.numel() * e * 3 // 2),
+        ("gelu_tanh_and_mul", lambda: k.gelu_tanh_and_mul(gate_up), lambda: reference.gelu_tanh_and_mul(gate_up),
          gate_up.numel() * e * 3 // 2),
         ("rotary_embedding", lambda: k.rotary_embedding(positions, q, kk, table),
          lambda: reference.rotary_embedding(positions, q, kk, table), 2 * (q.numel() + kk.numel()) * e),

@@ -17,12 +17,13 @@ from kernels.triton.kv_write import write_kv_cache
 from kernels.triton.lora import lora_add
 from kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.triton.rotary import rotary_embedding
-from kernels.triton.silu_mul import silu_and_mul
+from kernels.triton.silu_mul import gelu_tanh_and_mul, silu_and_mul
 
 KERNELS = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "silu_and_mul": silu_and_mul,
+    "gelu_tanh_and_mul": gelu_tanh_and_mul,
     "rotary_embedding": rotary_embedding,
     "write_kv_cache": write_kv_cache,
     "paged_decode_attention": paged_decode_attention,

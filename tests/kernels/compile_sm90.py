@@ -93,6 +93,7 @@ def _engine_like_calls() -> list[tuple[str, Callable[[], object]]]:
         ("rms_norm", lambda: K["rms_norm"](x, ones, 1e-6)),
         ("fused_add_rms_norm", lambda: K["fused_add_rms_norm"](x, x, ones, 1e-6)),
         ("silu_and_mul", lambda: K["silu_and_mul"](torch.randn(t, 2 * 14336, dtype=bf16))),
+        ("gelu_tanh_and_mul", lambda: K["gelu_tanh_and_mul"](torch.randn(t, 2 * 14336, dtype=bf16))),
         ("rotary_embedding", lambda: K["rotary_embedding"](torch.arange(t), q, k, torch.randn(4096, d))),
         ("write_kv_cache", lambda: K["write_kv_cache"](k, k, cache, cache, torch.arange(t))),
         ("paged_decode_attention", lambda: K["paged_decode_attention"](q[:2], cache, cache, tables, lens, 0.1)),
