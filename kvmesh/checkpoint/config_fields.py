@@ -36,6 +36,11 @@ HONOURED: dict[str, str] = {
     "torch_dtype": "dtype's name before transformers 4.56",
     "quantization_config": "kvmesh.checkpoint.formats: the formats it names; others refused there",
     "eos_token_id": "where generation stops",
+    "query_pre_attn_scalar": "Gemma's attention scale, its -1/2 power",
+    "final_logit_softcapping": "Gemma's tanh cap on the logits",
+    "rope_local_base_freq": "Gemma 3's rope base of sliding layers (configs before rope_parameters)",
+    "sliding_window_pattern": "Gemma 3's every n-th layer global (configs before layer_types)",
+    "_sliding_window_pattern": "the same, as transformers 5 writes it",
 }
 
 NO_EFFECT: dict[str, str] = {
@@ -59,7 +64,10 @@ NO_EFFECT: dict[str, str] = {
 
 # field -> (the values served, why others are not)
 REQUIRED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "hidden_act": (("silu",), "the MLP runs SiLU-gated products only"),
+    "hidden_act": (("silu",), "Llama-family MLPs run SiLU-gated products"),
+    "hidden_activation": (("gelu_pytorch_tanh",), "Gemma's MLP runs tanh-GELU-gated products"),
+    "attn_logit_softcapping": ((None,), "soft-capped attention scores (Gemma 2) are not implemented"),
+    "use_bidirectional_attention": ((False, None), "attention is causal"),
     "mlp_bias": ((False, None), "the MLP's projections have no bias here"),
     "attention_bias": ((False, None), "q/k/v/o biases as Llama writes them are not implemented (Qwen2's q/k/v are)"),
 }

@@ -19,9 +19,10 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",  # the text model (kvmesh.engine.gemma)
 }
 # transformers' own config classes write model_type even when "architectures" is absent.
-_MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+_MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()} | {"gemma3_text": "Gemma3ForCausalLM"}
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 
@@ -45,9 +46,16 @@ class ModelConfig:
     # The checkpoint's dtype name ("bfloat16"): what the engine runs on a GPU unless told otherwise.
     dtype: str
     eos_token_ids: tuple[int, ...]
+    # What a family may change of the Llama maths: the attention's softmax scale (Gemma's
+    # query_pre_attn_scalar), the MLP's gate activation, and a tanh cap on the final logits.
+    attn_scale: float
+    hidden_act: str
+    final_logit_softcap: float | None
     raw: dict[str, Any] = field(repr=False, compare=False)
     # Each layer's sliding attention window in tokens, 0 where the layer attends to every token before it.
     layer_windows: tuple[int, ...] = ()
+    # The rope of the sliding layers where it differs from ``rope`` (Gemma 3's local base); None: the same.
+    local_rope: dict[str, Any] | None = None
 
     @property
     def sliding_window(self) -> int:
@@ -82,6 +90,8 @@ class ModelConfig:
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             family = SUPPORTED_ARCHITECTURES[arch]
             num_layers = int(raw["num_hidden_layers"])
+            head_dim = int(raw.get("head_dim") or hidden // heads)
+            rope, local_rope = _ropes(raw)
             return cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -90,17 +100,21 @@ class ModelConfig:
                 num_layers=num_layers,
                 num_heads=heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-                head_dim=int(raw.get("head_dim") or hidden // heads),
+                head_dim=head_dim,
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 qkv_bias=family == "qwen2",  # always; the others' attention_bias is refused (config_fields)
-                qk_norm=family == "qwen3",
-                rope=_rope_params(raw),
+                qk_norm=family in ("qwen3", "gemma3"),
+                rope=rope,
                 dtype=_dtype_name(raw.get("dtype") or raw.get("torch_dtype") or "float32", source),
                 eos_token_ids=eos_ids,
+                attn_scale=float(raw.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+                hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
+                final_logit_softcap=raw.get("final_logit_softcapping"),
                 raw=raw,
                 layer_windows=_layer_windows(raw, family, num_layers, source),
+                local_rope=local_rope,
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: missing field {e.args[0]!r}") from None
@@ -121,6 +135,9 @@ def _layer_windows(raw: dict[str, Any], family: str, num_layers: int, source: st
     if family == "mistral":
         return (window,) * num_layers
     types = raw.get("layer_types")
+    if types is None and family == "gemma3":  # configs before layer_types: every n-th layer is global
+        every = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
+        return tuple(window if (i + 1) % every else 0 for i in range(num_layers))
     if types is None:
         first = int(raw.get("max_window_layers", num_layers))
         return tuple(window if i >= first else 0 for i in range(num_layers))
@@ -131,6 +148,19 @@ def _layer_windows(raw: dict[str, Any], family: str, num_layers: int, source: st
             f"one per layer ({num_layers})"
         )
     return tuple(window if t == "sliding_attention" else 0 for t in types)
+
+
+def _ropes(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the rope of full-attention layers, that of sliding layers where it differs): Gemma 3 writes one per
+    layer type in ``rope_parameters`` (or, before transformers 5, ``rope_local_base_freq`` beside the rest)."""
+    by_type = raw.get("rope_parameters") or {}
+    if "full_attention" in by_type or "sliding_attention" in by_type:
+        full, local = (
+            _rope_params({"rope_parameters": by_type.get(t) or {}}) for t in ("full_attention", "sliding_attention")
+        )
+        return full, local
+    local = raw.get("rope_local_base_freq")
+    return _rope_params(raw), None if local is None else {"rope_type": "default", "rope_theta": float(local)}
 
 
 def _rope_params(raw: dict[str, Any]) -> dict[str, Any]:

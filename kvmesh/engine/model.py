@@ -46,6 +46,8 @@ def write_layer_kv(
 
 
 class DecoderLayer(nn.Module):
+    ACT = "silu_and_mul"  # the MLP's gated activation, an op of ``kernels.Ops``
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int) -> None:
         super().__init__()
         self.cfg = cfg
@@ -88,14 +90,29 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         write_kv=write_layer_kv,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
-        eps = cfg.rms_norm_eps
+        eps = self.cfg.rms_norm_eps
         if residual is None:
             residual = hidden
             hidden = ops.rms_norm(hidden, self.input_norm, eps)
         else:
             hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.input_norm, eps)
+        hidden = self.attention(ops, positions, hidden, kv_cache, cos_sin, meta, write_kv)
+        hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.post_attn_norm, eps)
+        return self.mlp(ops, hidden), residual
 
+    def attention(
+        self,
+        ops: Ops,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: torch.Tensor,
+        cos_sin: torch.Tensor,
+        meta: AttentionMetadata,
+        write_kv=write_layer_kv,
+    ) -> torch.Tensor:
+        """The attention block on the normed ``hidden``: its output projection, summed over the ranks."""
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
         t = hidden.shape[0]
         q, k, v = self._project(ops, "qkv_proj", hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, cfg.num_heads, cfg.head_dim)
@@ -107,7 +124,7 @@ class DecoderLayer(nn.Module):
         q, k = ops.rotary_embedding(positions, q, k, cos_sin)
         write_kv(ops, k, v, kv_cache, self.index, meta.slot_mapping)
         k_cache, v_cache = kv_cache[self.index, 0], kv_cache[self.index, 1]
-        scale = cfg.head_dim**-0.5
+        scale = cfg.attn_scale
         if meta.is_decode:
             attn = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, self.window)
         else:
@@ -117,15 +134,29 @@ class DecoderLayer(nn.Module):
         hidden = self._project(ops, "o_proj", attn.reshape(t, -1))
         if self.all_reduce is not None:
             self.all_reduce(hidden)
+        return hidden
 
-        hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.post_attn_norm, eps)
-        hidden = self._project(ops, "down_proj", ops.silu_and_mul(self._project(ops, "gate_up_proj", hidden)))
+    def mlp(self, ops: Ops, hidden: torch.Tensor) -> torch.Tensor:
+        """The gated MLP on the normed ``hidden``, summed over the ranks."""
+        gated = getattr(ops, self.ACT)(self._project(ops, "gate_up_proj", hidden))
+        hidden = self._project(ops, "down_proj", gated)
         if self.all_reduce is not None:
             self.all_reduce(hidden)
-        return hidden, residual
+        return hidden
 
 
 class CausalLM(nn.Module):
+    LAYER: type[DecoderLayer] = DecoderLayer  # a family's own layer (kvmesh.engine.families)
+    # HF module name -> ours, for the tensors that are not fused (norm weights are bare parameters here).
+    RENAMED = {
+        "self_attn.o_proj": "o_proj",
+        "mlp.down_proj": "down_proj",
+        "input_layernorm": "input_norm",
+        "post_attention_layernorm": "post_attn_norm",
+        "self_attn.q_norm": "q_norm",
+        "self_attn.k_norm": "k_norm",
+    }
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -150,7 +181,7 @@ class CausalLM(nn.Module):
         self.head_rows = tp.vocab_range(cfg.vocab_size) if tp is not None and tp.size > 1 else None
         rows = cfg.vocab_size if self.head_rows is None else self.head_rows[1]
         self.embed_tokens = nn.Embedding(rows, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(self.layer_cfg, dtype, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.LAYER(self.layer_cfg, dtype, i) for i in range(cfg.num_layers))
         for layer in self.layers:
             layer.all_reduce = all_reduce
         self.all_reduce = all_reduce
@@ -334,11 +365,16 @@ class CausalLM(nn.Module):
         residual = None
         taps = []
         for layer in self.layers:
-            hidden, residual = layer(self.ops, positions, hidden, residual, kv_cache, self.cos_sin, meta, self.write_kv)
+            cos_sin = self.cos_sin_of(layer)
+            hidden, residual = layer(self.ops, positions, hidden, residual, kv_cache, cos_sin, meta, self.write_kv)
             if layer.index in self.feature_layers:
                 taps.append(hidden + residual)
         hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
         return hidden, taps
+
+    def cos_sin_of(self, layer: DecoderLayer) -> torch.Tensor:
+        """The rope table ``layer`` rotates by: one for every layer here (a family may keep one per layer kind)."""
+        return self.cos_sin
 
     def load_weights(self, checkpoint: Callable[..., Iterable[tuple[str, torch.Tensor]]]) -> None:
         """Copy the HF-named tensors ``checkpoint()`` yields into this model, fusing q/k/v and gate/up
@@ -356,14 +392,7 @@ class CausalLM(nn.Module):
             "mlp.gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
             "mlp.up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
         }
-        renamed = {
-            "self_attn.o_proj": "o_proj",
-            "mlp.down_proj": "down_proj",
-            "input_layernorm": "input_norm",
-            "post_attention_layernorm": "post_attn_norm",
-            "self_attn.q_norm": "q_norm",
-            "self_attn.k_norm": "k_norm",
-        }
+        renamed = self.RENAMED
         for name, tensor in checkpoint():
             target, rows = self._map_name(name, fused, renamed)
             if target is None:

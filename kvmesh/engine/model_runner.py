@@ -1,10 +1,10 @@
 """The model runner: the model on its device, its paged KV pool, and one batched forward pass.
 
-``ModelRunner`` loads a checkpoint (quantized or not) into ``CausalLM``, allocates the KV pool, compiles the
-decode step when asked, and for each scheduled batch lays out the inputs (token ids, positions, KV slots,
-block tables), runs the forward and returns the logits of the rows that sample, with each request's logit
-adjustments (bias, penalties) and grammar masks applied. The engine (``kvmesh.engine.engine``) decides what
-runs; this file only runs it.
+``ModelRunner`` loads a checkpoint (quantized or not) into its family's model (``kvmesh.engine.families``),
+allocates the KV pool, compiles the decode step when asked, and for each scheduled batch lays out the
+inputs (token ids, positions, KV slots, block tables), runs the forward and returns the logits of the rows
+that sample, with each request's logit adjustments (bias, penalties) and grammar masks applied. The
+engine (``kvmesh.engine.engine``) decides what runs; this file only runs it.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from kvmesh.checkpoint.files import weight_files, weights_id
 from kvmesh.checkpoint.model_config import ModelConfig
 from kvmesh.engine.compile import compile_decode
 from kvmesh.engine.config import EngineConfig, dtype_name
+from kvmesh.engine.families import model_class
 from kvmesh.engine.grammar import MaskRows, Masks
 from kvmesh.engine.kv_cache import KVCache
 from kvmesh.engine.lora import LoraAdapters
-from kvmesh.engine.model import CausalLM
 from kvmesh.engine.penalties import PenaltyState, adjust_row
 from kvmesh.engine.scheduler import ScheduledBatch
 from kvmesh.engine.sequence import Sequence
@@ -51,7 +51,7 @@ class ModelRunner:
         files = weight_files(path)
         self.tp, layouts = self._start_tensor_parallel(path, cfg, mc)
         layout = layouts[0] if layouts else None  # this rank's
-        self.model = CausalLM(
+        self.model = model_class(mc)(
             mc, self.dtype, self.device, self.max_model_len, layout, self.tp.link.model_all_reduce if self.tp else None
         )
         # A compressed-tensors checkpoint (kvmesh quantize) is dequantized on load.

@@ -493,13 +493,13 @@ def build_rank_model(
     """A follower's model slice and KV pool on ``device``, built as rank 0's ``ModelRunner`` builds its own."""
     from kvmesh.checkpoint.compressed import checkpoint_tensors
     from kvmesh.checkpoint.files import weight_files
+    from kvmesh.engine.families import model_class
     from kvmesh.engine.kv_cache import KVCache
     from kvmesh.engine.lora import LoraSlots
-    from kvmesh.engine.model import CausalLM
 
     dtype = cfg.resolve_dtype(mc.dtype)
     max_len = cfg.resolve_max_model_len(mc.max_position_embeddings)
-    model = CausalLM(mc, dtype, device, max_len, tp=layout, all_reduce=link.model_all_reduce)
+    model = model_class(mc)(mc, dtype, device, max_len, tp=layout, all_reduce=link.model_all_reduce)
     files = weight_files(path)
     model.load_weights(partial(checkpoint_tensors, mc.raw, files))
     model.to(device).eval()

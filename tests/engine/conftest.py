@@ -55,6 +55,23 @@ ARCHS = {
         {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}},
     ),
     "qwen3-qknorm-tied": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "tie_word_embeddings": True}),
+    # A sliding layer (16-token window, its own rope base) and a global one (linear-scaled rope), Gemma's
+    # attention scale, soft-capped logits; its norms get random weights below (transformers starts them at 0).
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "head_dim": 16,
+            "sliding_window": 16,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 24,
+            "final_logit_softcapping": 3.0,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
+            },
+        },
+    ),
 }
 
 
@@ -65,6 +82,10 @@ def write_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
     cfg = getattr(transformers, cfg_cls)(**{**_COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():  # norms at their initial 1 (or Gemma's 0) would hide a norm read wrongly
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") and arch.startswith("gemma"):
+                param.normal_(0.0, 0.3)
     model.save_pretrained(path)
     return path
 

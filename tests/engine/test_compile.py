@@ -22,8 +22,9 @@ pytestmark = pytest.mark.slow
 N_NEW = 40  # crosses block boundaries (block size 16), so block tables widen mid-decode
 
 
-# Mistral: Llama's layers with a sliding window, which the graphs must keep (the other tests here run llama-gqa).
-@pytest.mark.parametrize("arch", ["mistral", "qwen3-qknorm-tied"])
+# Mistral: Llama's layers with a sliding window, which the graphs must keep; Gemma 3: its own layers, two rope
+# tables, QK-norm, a tied and soft-capped head (the other tests here run llama-gqa).
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
 def test_compiled_decode_matches_transformers_and_never_recompiles(checkpoints, arch):
     from torch._dynamo.utils import counters
 

@@ -89,7 +89,7 @@ def test_each_rank_looks_up_its_vocabulary_rows_and_the_sum_is_the_whole_embeddi
     assert torch.equal(sum(parts), whole[ids])
 
 
-@pytest.mark.parametrize("arch", ["llama-gqa", "llama3-rope", "qwen2-bias", "llama-mha-tied"])
+@pytest.mark.parametrize("arch", ["llama-gqa", "gemma3", "qwen2-bias", "llama-mha-tied"])
 def test_two_ranks_give_one_rank_s_greedy_tokens_and_logprobs(checkpoints, arch) -> None:
     """llama-gqa: 2 KV heads, one a rank; llama3-rope: 1 KV head, replicated; qwen2-bias: q/k/v biases
     split with their rows; llama-mha-tied: the tied LM head. Every rank holds half the vocabulary's embedding

@@ -17,7 +17,8 @@ BASE = {"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 10, "intermed
 
 
 def _config_class(architecture: str) -> type:
-    return getattr(transformers, architecture.removesuffix("ForCausalLM") + "Config")
+    # Gemma 3's causal LM is its text model, with a config of its own.
+    return getattr(transformers, architecture.removesuffix("ForCausalLM").replace("Gemma3", "Gemma3Text") + "Config")
 
 
 @pytest.mark.parametrize("architecture", sorted(SUPPORTED_ARCHITECTURES))
