@@ -25,7 +25,7 @@ HONOURED: dict[str, str] = {
     "rms_norm_eps": "every RMSNorm",
     "max_position_embeddings": "the rope table and the longest sequence",
     "tie_word_embeddings": "the LM head is the embedding",
-    "rope_parameters": "kvmesh.engine.rope: default, linear, llama3 and yarn; other types refused there",
+    "rope_parameters": "kvmesh.engine.rope: default, linear, llama3 and yarn; other types and partial rotary refused",
     "rope_theta": "the rope base (configs written before rope_parameters)",
     "rope_scaling": "the rope scaling (configs written before rope_parameters)",
     "sliding_window": "each sliding layer's window (ModelConfig.layer_windows)",
@@ -45,6 +45,9 @@ HONOURED: dict[str, str] = {
 
 NO_EFFECT: dict[str, str] = {
     "attention_dropout": "dropout is off at inference",
+    "resid_pdrop": "dropout is off at inference",
+    "embd_pdrop": "dropout is off at inference",
+    "original_max_position_embeddings": "read only by longrope scaling, which is refused (yarn reads its own)",
     "initializer_range": "random initialisation (training)",
     "use_cache": "transformers' own KV cache switch; kvmesh always pages its KV cache",
     "pretraining_tp": "transformers no longer reads it: the products are the same maths",

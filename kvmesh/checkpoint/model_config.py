@@ -20,11 +20,13 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",  # the text model (kvmesh.engine.gemma)
+    "Phi3ForCausalLM": "phi3",  # fused projections in the checkpoint (kvmesh.engine.phi3)
 }
 # transformers' own config classes write model_type even when "architectures" is absent.
 _MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()} | {"gemma3_text": "Gemma3ForCausalLM"}
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # kvmesh.engine.rope computes these
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,9 @@ class ModelConfig:
             num_layers = int(raw["num_hidden_layers"])
             head_dim = int(raw.get("head_dim") or hidden // heads)
             rope, local_rope = _ropes(raw)
+            for params in (rope, local_rope):
+                if params is not None:
+                    _check_rope(params, source)
             return cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -132,7 +137,7 @@ def _layer_windows(raw: dict[str, Any], family: str, num_layers: int, source: st
         return (0,) * num_layers
     if not isinstance(window, int) or window < 1:
         raise ModelLoadError(f"{source}: sliding_window {window!r} is not a positive number of tokens")
-    if family == "mistral":
+    if family in ("mistral", "phi3"):
         return (window,) * num_layers
     types = raw.get("layer_types")
     if types is None and family == "gemma3":  # configs before layer_types: every n-th layer is global
@@ -161,6 +166,18 @@ def _ropes(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
         return full, local
     local = raw.get("rope_local_base_freq")
     return _rope_params(raw), None if local is None else {"rope_type": "default", "rope_theta": float(local)}
+
+
+def _check_rope(params: dict[str, Any], source: str) -> None:
+    """ModelLoadError naming the rope setting kvmesh does not compute (``longrope``, partial rotary)."""
+    if params["rope_type"] not in ROPE_TYPES:
+        raise ModelLoadError(
+            f"{source}: rope_type {params['rope_type']!r} is not served; served: {', '.join(ROPE_TYPES)}"
+        )
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ModelLoadError(
+            f"{source}: partial_rotary_factor {params['partial_rotary_factor']} is not served (1.0 is)"
+        )
 
 
 def _rope_params(raw: dict[str, Any]) -> dict[str, Any]:

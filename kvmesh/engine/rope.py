@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 
+from kvmesh.checkpoint.model_config import ROPE_TYPES
 from kvmesh.errors import ModelLoadError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ROPE_TYPES
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:

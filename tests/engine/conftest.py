@@ -55,6 +55,8 @@ ARCHS = {
         {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}},
     ),
     "qwen3-qknorm-tied": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "tie_word_embeddings": True}),
+    # Fused q/k/v and gate/up in the checkpoint, every layer sliding a 40-token window.
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": 40, "pad_token_id": 0, "bos_token_id": 1}),
     # A sliding layer (16-token window, its own rope base) and a global one (linear-scaled rope), Gemma's
     # attention scale, soft-capped logits; its norms get random weights below (transformers starts them at 0).
     "gemma3": (

@@ -65,7 +65,7 @@ def test_dynamic_rope_is_refused_clearly(checkpoints, tmp_path):
     cfg = json.loads((path / "config.json").read_text())
     cfg["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="unsupported rope_type 'dynamic'"):
+    with pytest.raises(ModelLoadError, match="rope_type 'dynamic' is not served"):
         LLMEngine(path)
 
 
