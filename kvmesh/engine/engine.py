@@ -56,7 +56,11 @@ class LLMEngine(KVHandoff):
         self.device, self.dtype, self.max_model_len = self.runner.device, self.runner.dtype, self.runner.max_model_len
         self.blocks = BlockManager(cfg.num_blocks, cfg.enable_prefix_cache, on_block_event)
         self.lora = self.runner.lora
-        self.scheduler = Scheduler(self.blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.lora)
+        # Blocks fall out of use only when every layer slides (one full-attention layer reads them all).
+        window = min(mc.layer_windows, default=0)
+        self.scheduler = Scheduler(
+            self.blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.lora, window
+        )
         eos = set(mc.eos_token_ids)
         if self.tokenizer and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

@@ -41,8 +41,13 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         lora: LoraAdapters | None = None,
+        window: int = 0,
     ) -> None:
+        """``window``: where every layer attends to at most the last ``window`` tokens, a running
+        sequence's blocks wholly before the window of its next query are released as it advances (they
+        stay in the prefix cache until evicted); 0: a sequence holds all its blocks."""
         self.blocks = blocks
+        self.window = window
         self.block_size = block_size
         self.lora = lora
         self.max_num_seqs = max_num_seqs
@@ -115,10 +120,12 @@ class Scheduler:
         for seq, n in zip(batch.seqs, batch.num_new):
             seq.num_computed += n - len(seq.draft_ids)
             self.register_full_blocks(seq)
+            self._drop_out_of_window(seq)
 
     def accept_drafts(self, seq: Sequence, n_accepted: int) -> None:
         seq.num_computed += n_accepted
         self.register_full_blocks(seq)
+        self._drop_out_of_window(seq)
 
     def finish(self, seq: Sequence, reason: str, keep_prompt_blocks: bool = False) -> list[tuple[bytes, int]]:
         """End a sequence and release its blocks, except — with ``keep_prompt_blocks`` — its
@@ -180,11 +187,25 @@ class Scheduler:
         seq.block_table.extend(self.blocks.allocate(need))
         return True
 
+    def _drop_out_of_window(self, seq: Sequence) -> None:
+        """Release the blocks no query of ``seq`` reads again: its next query sits at ``num_computed`` (drafts
+        rejected or not) and sees keys after ``num_computed - window``. A sequence holding its prompt for a
+        hand-off keeps every block."""
+        if not self.window or seq.hold_prompt_blocks:
+            return
+        dead = max(0, seq.num_computed - self.window + 1) // self.block_size
+        if dead <= seq.num_dropped_blocks:
+            return
+        self.blocks.release(seq.block_table[seq.num_dropped_blocks : dead])
+        seq.block_table[seq.num_dropped_blocks : dead] = [0] * (dead - seq.num_dropped_blocks)
+        seq.num_dropped_blocks = dead
+
     def _release(self, seq: Sequence) -> None:
-        self.blocks.release(seq.block_table)
+        self.blocks.release(seq.block_table[seq.num_dropped_blocks :])
         seq.block_table = []
         seq.num_computed = 0
         seq.num_named_blocks = 0
+        seq.num_dropped_blocks = 0
         if seq.lora_slot >= 0:
             self.lora.release(seq.lora_slot)
             seq.lora_slot = -1

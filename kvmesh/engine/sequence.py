@@ -56,6 +56,9 @@ class Sequence:
     num_computed: int = 0
     # Leading blocks of block_table already named in the prefix cache.
     num_named_blocks: int = 0
+    # Leading blocks of block_table released because every layer's window has passed them (their
+    # entries point at block 0, which no query reads: kvmesh.engine.scheduler).
+    num_dropped_blocks: int = 0
     admissions: int = 0  # >1 after preemption
     # Prompt tokens served from the prefix cache at (first) admission.
     num_cached_prompt: int = 0

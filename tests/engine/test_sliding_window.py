@@ -113,3 +113,26 @@ def test_speculative_verify_rows_slide_as_decodes_do(models, dtype) -> None:
 def test_the_window_is_in_the_served_config(models) -> None:
     raw = json.loads((models["mistral"] / "config.json").read_text())
     assert raw["sliding_window"] == WINDOW  # what transformers wrote, so the reference above slides too
+
+
+def test_blocks_the_window_has_passed_are_released_and_nothing_leaks(models) -> None:
+    """Every Mistral layer slides: a running sequence holds the blocks of its window, not of its length."""
+    path = models["mistral"]
+    engine = LLMEngine(path, EngineConfig(num_blocks=64, max_num_batched_tokens=32))
+    engine.add_request(PROMPTS[-1], _greedy(), "long")
+    held = []
+    while engine.has_unfinished():
+        engine.step()
+        held += [len(s.block_table) - s.num_dropped_blocks for s in engine.scheduler.running]
+    # A 120-token prompt and 32 new tokens fill 10 blocks; the window (24) and the block being written span 3.
+    assert max(held[-20:]) <= 3 and len(held) > 20
+    assert engine.blocks.num_free == 64
+
+
+def test_a_pool_too_small_for_whole_sequences_still_serves_transformers_tokens(models) -> None:
+    """47 blocks' worth of sequences in a pool of 30: released blocks make room, preemption the rest."""
+    path = models["mistral"]
+    engine = LLMEngine(path, EngineConfig(num_blocks=30))
+    results = engine.generate(PROMPTS, _greedy())
+    assert [r.token_ids for r in results] == [hf_greedy(path, p, N_NEW)[0] for p in PROMPTS]
+    assert engine.blocks.num_free == 30
