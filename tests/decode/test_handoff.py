@@ -191,3 +191,27 @@ async def test_bad_sampling_is_invalid_argument(services):
             )
         )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err.value.details()
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "phi3", "mistral"])
+async def test_each_family_hands_off_what_it_computes_colocated(tmp_path, arch):
+    """The families with layers of their own (Gemma 3), fused checkpoint tensors (Phi-3) and sliding windows
+    shorter than the prompt (all three) through the split path: prefill's blocks, pulled over gRPC, decode
+    on as the colocated engine does."""
+    model = write_checkpoint(tmp_path / arch, arch)
+    colocated = LLMEngine(model, EngineConfig(num_blocks=64))
+    want = colocated.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True))[0]
+    args = ["--model", str(model), "--num-blocks", "64", "--kv-transport", "grpc"]
+    async with serve_main("prefill", prefill_main, args) as p, serve_main("decode", decode_main, args) as d:
+        async with (
+            grpc.aio.insecure_channel(f"127.0.0.1:{p.port}") as pc,
+            grpc.aio.insecure_channel(f"127.0.0.1:{d.port}") as dc,
+        ):
+            prefill, decode = prefill_pb2_grpc.PrefillServiceStub(pc), decode_pb2_grpc.DecodeServiceStub(dc)
+            pre = await prefill.Prefill(prefill_pb2.PrefillRequest(request_id="f", token_ids=PROMPT, sampling=greedy()))
+            remote = decode_pb2.RemotePrefill(first_token_id=pre.first_token_id, handoff=pre.handoff)
+            request = decode_pb2.DecodeRequest(
+                request_id="f", prompt_token_ids=PROMPT, sampling=greedy(), remote=remote
+            )
+            tokens, final = await _decode(decode, request)
+    assert tokens == want.token_ids and final.usage.cached_tokens == 3 * BS

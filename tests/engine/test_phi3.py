@@ -18,6 +18,7 @@ from kvmesh.sampling import SamplingParams
 from .conftest import PROMPTS
 
 
+@pytest.mark.slow  # starts a rank process
 def test_two_ranks_slice_the_fused_tensors_and_give_one_rank_s_tokens(checkpoints) -> None:
     path = checkpoints["phi3"]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
