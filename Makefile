@@ -18,9 +18,11 @@ up: install
 	kvmesh up
 
 # The test suite: installs, checks generated code, the contracts and the Python style, runs pytest
-# (each test's and fixture's seconds into build/test-durations.json).
+# (each test's and fixture's seconds into build/test-durations.json). The option's value is joined by "=":
+# given apart, pytest's first pass over the arguments takes it for a path, and once build/ exists it looks
+# for conftest.py files there instead of in tests/, so it never learns the option and the run stops.
 test: install lint gen-check lint-protos breaking
-	$(PYTEST) --durations-json build/test-durations.json
+	$(PYTEST) --durations-json=build/test-durations.json
 
 # The inner loop: every test that starts no process and is not marked slow (docs/testing.md).
 test-fast:
@@ -28,7 +30,7 @@ test-fast:
 
 # Run the suite and regenerate docs/test-durations.md: where the time goes, per folder, file and fixture.
 durations:
-	$(PYTEST) --durations-json build/test-durations.json; status=$$?; \
+	$(PYTEST) --durations-json=build/test-durations.json; status=$$?; \
 	python3 scripts/test_durations.py build/test-durations.json > docs/test-durations.md; exit $$status
 
 # The end-to-end set (whole meshes as real processes) three times in a row: any test whose outcome

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_once(paths: list[str], pytest_args: list[str], out: Path) -> dict[str, str]:
-    argv = [sys.executable, "-m", "pytest", "-q", *pytest_args, "--durations-json", str(out), *paths]
+    argv = [sys.executable, "-m", "pytest", "-q", *pytest_args, f"--durations-json={out}", *paths]
     subprocess.run(argv, cwd=REPO, check=False)
     return {t["nodeid"]: t["outcome"] for t in json.loads(out.read_text())["tests"]}
 
