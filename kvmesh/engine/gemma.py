@@ -43,11 +43,7 @@ class Gemma3DecoderLayer(DecoderLayer):
         write_kv=write_layer_kv,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         eps = self.cfg.rms_norm_eps
-        if residual is None:
-            residual = hidden
-            hidden = ops.rms_norm(hidden, self.input_norm, eps)
-        else:  # ``hidden``: the previous layer's normed MLP output, joining the stream here
-            hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.input_norm, eps)
+        hidden, residual = self.join_and_norm(ops, hidden, residual)  # ``hidden``: the last layer's normed MLP
         attn = ops.rms_norm(
             self.attention(ops, positions, hidden, kv_cache, cos_sin, meta, write_kv), self.post_attn_norm, eps
         )

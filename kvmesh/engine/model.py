@@ -90,15 +90,19 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         write_kv=write_layer_kv,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        eps = self.cfg.rms_norm_eps
-        if residual is None:
-            residual = hidden
-            hidden = ops.rms_norm(hidden, self.input_norm, eps)
-        else:
-            hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.input_norm, eps)
+        hidden, residual = self.join_and_norm(ops, hidden, residual)
         hidden = self.attention(ops, positions, hidden, kv_cache, cos_sin, meta, write_kv)
-        hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.post_attn_norm, eps)
+        hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.post_attn_norm, self.cfg.rms_norm_eps)
         return self.mlp(ops, hidden), residual
+
+    def join_and_norm(
+        self, ops: Ops, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the attention's normed input, the residual stream): the previous layer's output joins the stream
+        here (the first layer's input starts it)."""
+        if residual is None:
+            return ops.rms_norm(hidden, self.input_norm, self.cfg.rms_norm_eps), hidden
+        return ops.fused_add_rms_norm(hidden, residual, self.input_norm, self.cfg.rms_norm_eps)
 
     def attention(
         self,
