@@ -27,6 +27,8 @@ _MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()} | {"gem
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # kvmesh.engine.rope computes these
+# Each family's MLP activation where its config leaves the field out (transformers' config defaults).
+_DEFAULT_ACT = {family: "silu" for family in SUPPORTED_ARCHITECTURES.values()} | {"gemma3": "gelu_pytorch_tanh"}
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,8 @@ class ModelConfig:
                 dtype=_dtype_name(raw.get("dtype") or raw.get("torch_dtype") or "float32", source),
                 eos_token_ids=eos_ids,
                 attn_scale=float(raw.get("query_pre_attn_scalar") or head_dim) ** -0.5,
-                hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
+                # Gemma's field is hidden_activation; the others' hidden_act (each ignores the other's).
+                hidden_act=raw.get("hidden_activation" if family == "gemma3" else "hidden_act") or _DEFAULT_ACT[family],
                 final_logit_softcap=raw.get("final_logit_softcapping"),
                 raw=raw,
                 layer_windows=_layer_windows(raw, family, num_layers, source),

@@ -24,8 +24,6 @@ from kvmesh.engine.rope import rope_cos_sin_cache
 
 
 class Gemma3DecoderLayer(DecoderLayer):
-    ACT = "gelu_tanh_and_mul"
-
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int) -> None:
         super().__init__(cfg, dtype, index)
         self.pre_ff_norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype))

@@ -45,13 +45,16 @@ def write_layer_kv(
     ops.write_kv_cache(k, v, kv_cache[layer, 0], kv_cache[layer, 1], slot_mapping)
 
 
-class DecoderLayer(nn.Module):
-    ACT = "silu_and_mul"  # the MLP's gated activation, an op of ``kernels.Ops``
+# The config's activation (``ModelConfig.hidden_act``) -> the op of ``kernels.Ops`` that gates the MLP with it.
+GATED_ACTIVATIONS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
 
+
+class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int) -> None:
         super().__init__()
         self.cfg = cfg
         self.index = index  # which layer of the KV pool is this one's
+        self.act = GATED_ACTIVATIONS[cfg.hidden_act]
         # Sliding-window attention: the last ``window`` tokens only, this token included (0: all of them).
         self.window = cfg.layer_windows[index] if cfg.layer_windows else 0
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -142,7 +145,7 @@ class DecoderLayer(nn.Module):
 
     def mlp(self, ops: Ops, hidden: torch.Tensor) -> torch.Tensor:
         """The gated MLP on the normed ``hidden``, summed over the ranks."""
-        gated = getattr(ops, self.ACT)(self._project(ops, "gate_up_proj", hidden))
+        gated = getattr(ops, self.act)(self._project(ops, "gate_up_proj", hidden))
         hidden = self._project(ops, "down_proj", gated)
         if self.all_reduce is not None:
             self.all_reduce(hidden)

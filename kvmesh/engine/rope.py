@@ -16,8 +16,6 @@ import torch
 from kvmesh.checkpoint.model_config import ROPE_TYPES
 from kvmesh.errors import ModelLoadError
 
-SUPPORTED_ROPE_TYPES = ROPE_TYPES
-
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -66,9 +64,7 @@ def rope_cos_sin_cache(rope: dict[str, Any], head_dim: int, max_positions: int, 
     """A float32 table [max_positions, head_dim]: cos in the first half, sin in the second."""
     rope_type = rope.get("rope_type", "default")
     theta = float(rope.get("rope_theta", 10000.0))
-    dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
-    if dim != head_dim:
-        raise ModelLoadError("partial rotary embeddings are not supported")
+    dim = head_dim  # a partial_rotary_factor is refused when the config is read (ModelConfig)
     scale = 1.0
     if rope_type == "default":
         inv_freq = _base_inv_freq(theta, dim)
@@ -79,7 +75,7 @@ def rope_cos_sin_cache(rope: dict[str, Any], head_dim: int, max_positions: int, 
     elif rope_type == "yarn":
         inv_freq, scale = _yarn(theta, dim, rope, max_pos_cfg)
     else:
-        raise ModelLoadError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        raise ModelLoadError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(positions, inv_freq)
     return torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
