@@ -13,7 +13,8 @@ against ceilings measured in the same run.
    decode attention as GB/s and % of the copy ceiling at batch×context 64×4k and 8×32k;
    prefill (8k) and extend (7k prefix + 1k new) attention as TFLOP/s and % of the
    matmul ceiling; both against SDPA on the same unpaged shapes; fp8 × bf16 matmul
-   against the bf16 matmul; the elementwise kernels as GB/s.
+   against the bf16 matmul; the elementwise kernels as GB/s; the fused MoE experts (Qwen3-30B-A3B's
+   128 experts, 8 per token) as GB/s of expert weights at 16 tokens and TFLOP/s at 4096.
 4. A small sweep of attention tile configurations, to inform the block-size heuristics.
 
 Run ``bench/kernels_gpu.sh`` on a CUDA machine (no installs). JSON goes to
@@ -59,6 +60,9 @@ FP8_CASES = [
     (16, HIDDEN, INTERMEDIATE),
     (4096, HIDDEN, INTERMEDIATE),
 ]  # fmt: skip  (M, N, K): gate_up and down projections
+# Qwen3-30B-A3B's routed experts: hidden, per-expert intermediate, experts, experts per token.
+MOE_HIDDEN, MOE_INTER, MOE_EXPERTS, MOE_TOPK = 2048, 768, 128, 8
+MOE_CASES = [(16, True), (4096, False)]  # (tokens, bound by the expert weights' bytes rather than FLOPs)
 # The 16-bit dtype every "bf16" check runs in: float16 on a dry run, whose interpreter computes
 # bfloat16 wrongly (numpy has none).
 LOWP = torch.bfloat16
@@ -74,7 +78,9 @@ def n(count: int) -> int:
 def dry_run_sizes() -> None:
     """Tiny shapes on the CPU: every section runs, in minutes, in Triton's interpreter."""
     global DEVICE, SCALE, LOWP, HIDDEN, INTERMEDIATE, DECODE_CASES, PREFILL_CASES, FP8_CASES
+    global MOE_HIDDEN, MOE_INTER, MOE_EXPERTS
     DEVICE, SCALE, LOWP, HIDDEN, INTERMEDIATE = "cpu", 64, torch.float16, 256, 512
+    MOE_HIDDEN, MOE_INTER, MOE_EXPERTS = 128, 96, 16
     DECODE_CASES, PREFILL_CASES = [(2, 64)], [(1, 0, 64), (1, 48, 16)]
     FP8_CASES = [(1, 2 * INTERMEDIATE, HIDDEN), (64, HIDDEN, INTERMEDIATE)]
 
@@ -100,6 +106,16 @@ def attention_flops(batch: int, prefix: int, new: int, q_heads: int, head_dim: i
 
 def matmul_flops(m: int, n: int, k: int) -> float:
     return 2.0 * m * n * k
+
+
+def moe_flops(tokens: int, top_k: int, hidden: int, inter: int) -> float:
+    """Each (token, expert) pair's gate, up and down products: three hidden x inter matmuls of one row."""
+    return 3 * matmul_flops(tokens * top_k, hidden, inter)
+
+
+def moe_weight_bytes(topk_ids: torch.Tensor, hidden: int, inter: int, elem_bytes: int = 2) -> int:
+    """The expert weights a batch must read at least once: gate, up and down of each expert it routes to."""
+    return topk_ids.unique().numel() * 3 * hidden * inter * elem_bytes
 
 
 def default_json_path(environ: Mapping[str, str]) -> Path:
@@ -140,6 +156,19 @@ def paged_kv(lens: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype, 
         k_cache[last, used:] = UNOWNED
         v_cache[last, used:] = UNOWNED
     return PagedKV(k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=device))
+
+
+def moe_routing(tokens: int, experts: int, top_k: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router's output: each token's top_k distinct experts by random scores, their softmax as weights."""
+    scores, ids = torch.randn(tokens, experts, device=device).topk(top_k, dim=-1)
+    return ids, scores.softmax(-1)
+
+
+def moe_expert_weights(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """w_gate_up [E, 2I, H] and w_down [E, H, I] in the 16-bit dtype, scaled so each product is O(1)."""
+    w_gate_up = torch.randn(MOE_EXPERTS, 2 * MOE_INTER, MOE_HIDDEN, device=device) / MOE_HIDDEN**0.5
+    w_down = torch.randn(MOE_EXPERTS, MOE_HIDDEN, MOE_INTER, device=device) / MOE_INTER**0.5
+    return w_gate_up.to(LOWP), w_down.to(LOWP)
 
 
 def query_start_loc(new_tokens: list[int], device: str) -> torch.Tensor:
@@ -494,6 +523,45 @@ def check_lora(report: Report, k: Any) -> None:
         report.check_true(f"lora_add rank={rank}: base-model rows untouched", torch.equal(ours[base], y[base]))
 
 
+def check_moe(report: Report, k: Any) -> None:
+    """The fused MoE experts in bf16, both activations, against the reference in float32 on the upcast
+    inputs (one token: most experts idle; a few thousand: every expert's rows over several tiles), a
+    token's bits alone vs in a batch, and (on CUDA) that the call never waits for the device."""
+    from kernels import reference
+    from kernels.triton.testing import poisoned_allocations, relative_error
+
+    dev = DEVICE
+    w_gate_up, w_down = moe_expert_weights(dev)
+    for tokens, activation in itertools.product((1, n(3000)), ("silu", "gelu_tanh")):
+        x = torch.randn(tokens, MOE_HIDDEN, device=dev).to(LOWP)
+        ids, weights = moe_routing(tokens, MOE_EXPERTS, MOE_TOPK, dev)
+        with poisoned_allocations():
+            out = k.moe_experts(x, ids, weights, w_gate_up, w_down, activation)
+        ref = reference.moe_experts(x.float(), ids, weights, w_gate_up.float(), w_down.float(), activation)
+        report.check(f"moe_experts bf16 {activation} T={tokens}", relative_error(out, ref), 1e-2)
+
+    batch, at = 38, 17  # 304 pairs: a multiple of 16, which Triton would compile a variant for
+    x = torch.randn(batch, MOE_HIDDEN, device=dev).to(LOWP)
+    ids, weights = moe_routing(batch, MOE_EXPERTS, MOE_TOPK, dev)
+    batched = k.moe_experts(x, ids, weights, w_gate_up, w_down, "silu")
+    alone = k.moe_experts(x[at : at + 1], ids[at : at + 1], weights[at : at + 1], w_gate_up, w_down, "silu")
+    report.check_true(f"moe_experts bitwise alone vs batch of {batch}", torch.equal(alone[0], batched[at]))
+
+    if DEVICE != "cuda":
+        print("  skip moe_experts host-sync check: it needs CUDA's sync debug mode")
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        k.moe_experts(x, ids, weights, w_gate_up, w_down, "silu")
+        synced = ""
+    except RuntimeError as exc:
+        synced = str(exc).splitlines()[0]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    report.check_true("moe_experts makes no host sync", not synced, synced)
+
+
 def time_decode(report: Report, k: Any) -> None:
     import torch.nn.functional as F
 
@@ -638,6 +706,30 @@ def time_elementwise(report: Report, k: Any) -> None:
             "pct_of_copy": 100 * gbps / report.ceilings["copy_GBps"], "torch_reference_ms": ref_ms,
             "speedup_vs_torch_reference": ref_ms / ms,
         })  # fmt: skip
+
+
+def time_moe(report: Report, k: Any) -> None:
+    """The fused MoE experts at a decode step's 16 tokens (bound by the expert weights it reads: GB/s of
+    them) and a 4096-token prefill chunk (TFLOP/s), against the reference's loop over experts in bf16."""
+    from kernels import reference
+
+    w_gate_up, w_down = moe_expert_weights(DEVICE)
+    for count, weight_bound in MOE_CASES:
+        tokens = n(count)
+        x = torch.randn(tokens, MOE_HIDDEN, device=DEVICE).to(LOWP)
+        ids, weights = moe_routing(tokens, MOE_EXPERTS, MOE_TOPK, DEVICE)
+        args = (x, ids, weights, w_gate_up, w_down, "silu")
+        ms, ref_ms = bench_ms(lambda: k.moe_experts(*args)), bench_ms(lambda: reference.moe_experts(*args))
+        shape = f"T={tokens} E={MOE_EXPERTS} k={MOE_TOPK} H={MOE_HIDDEN} I={MOE_INTER}"
+        row = {"kernel": "moe_experts", "shape": shape, "ms": ms, "torch_reference_ms": ref_ms,
+               "speedup_vs_torch_reference": ref_ms / ms}  # fmt: skip
+        if weight_bound:
+            gbps = moe_weight_bytes(ids, MOE_HIDDEN, MOE_INTER) / ms / 1e6
+            row |= {"GBps": gbps, "pct_of_copy": 100 * gbps / report.ceilings["copy_GBps"]}
+        else:
+            tflops = moe_flops(tokens, MOE_TOPK, MOE_HIDDEN, MOE_INTER) / ms / 1e9
+            row |= {"TFLOPs": tflops, "pct_of_matmul": 100 * tflops / report.ceilings["matmul_bf16_TFLOPs"]}
+        report.timings.append(row)
 
 
 def sweep_attention(report: Report, k: Any, deadline: float) -> None:
@@ -811,11 +903,13 @@ def main(argv: list[str] | None = None) -> int:
     guarded(report, "correctness: batch invariance", lambda: check_batch_invariance(report, k))
     guarded(report, "correctness: fp8 and int8 weights", lambda: check_8bit_weights(report, k))
     guarded(report, "correctness: LoRA", lambda: check_lora(report, k))
+    guarded(report, "correctness: MoE experts", lambda: check_moe(report, k))
     if not args.checks_only and report.ceilings:
         guarded(report, "timing: decode attention", lambda: time_decode(report, k))
         guarded(report, "timing: prefill/extend attention", lambda: time_extend(report, k))
         guarded(report, "timing: fp8 and invariant matmul", lambda: time_fp8(report, k))
         guarded(report, "timing: elementwise kernels", lambda: time_elementwise(report, k))
+        guarded(report, "timing: MoE experts", lambda: time_moe(report, k))
         if not args.no_sweep and not args.dry_run:
             guarded(report, "sweep", lambda: sweep_attention(report, k, started + args.budget_s))
     write_json(report, args.json or default_json_path(os.environ))

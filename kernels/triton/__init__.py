@@ -12,6 +12,7 @@ from kernels.rows_as_decodes import every_row_as_decode
 from kernels.triton.decode_attention import paged_decode_attention
 from kernels.triton.extend_attention import paged_extend_attention
 from kernels.triton.fp8 import fp8_scaled_mm, int8_scaled_mm, quantize_fp8_weight
+from kernels.triton.fused_moe import moe_experts
 from kernels.triton.invariant_mm import invariant_mm
 from kernels.triton.kv_write import write_kv_cache
 from kernels.triton.lora import lora_add
@@ -33,6 +34,7 @@ KERNELS = {
     "int8_scaled_mm": int8_scaled_mm,
     "lora_add": lora_add,
     "invariant_mm": invariant_mm,
+    "moe_experts": moe_experts,
 }
 # Batch-invariant forms, where the kernel above depends on the batch: the extend kernel's tiles
 # round a row otherwise than the decode kernel does, so deterministic serving decodes every row.

@@ -89,11 +89,20 @@ def _engine_like_calls() -> list[tuple[str, Callable[[], object]]]:
     segments = LoraSegments.build([(0, 100), (-1, 50), (2, 120), (1, 30)], torch.device("cpu"))
     lora_a, lora_b = torch.zeros(4, 48, 4096, dtype=bf16), torch.zeros(4, 48, 6144, dtype=bf16)
     lora_y = torch.zeros(t, 6144, dtype=bf16)
+    # Qwen3-30B-A3B's routed experts (768 x 2048, 8 per token); 4 stand in for its 128: the count compiles nothing.
+    moe_ids, moe_weights = torch.randint(0, 4, (t, 8)), torch.rand(t, 8)
+    moe_gate_up, moe_down = torch.zeros(4, 2 * 768, 2048, dtype=bf16), torch.zeros(4, 2048, 768, dtype=bf16)
+    moe_x = torch.randn(t, 2048, dtype=bf16)
     return [
         ("rms_norm", lambda: K["rms_norm"](x, ones, 1e-6)),
         ("fused_add_rms_norm", lambda: K["fused_add_rms_norm"](x, x, ones, 1e-6)),
         ("silu_and_mul", lambda: K["silu_and_mul"](torch.randn(t, 2 * 14336, dtype=bf16))),
         ("gelu_tanh_and_mul", lambda: K["gelu_tanh_and_mul"](torch.randn(t, 2 * 14336, dtype=bf16))),
+        ("moe_experts", lambda: K["moe_experts"](moe_x, moe_ids, moe_weights, moe_gate_up, moe_down, "silu")),
+        ("moe_experts gelu_tanh",
+         lambda: K["moe_experts"](moe_x, moe_ids, moe_weights, moe_gate_up, moe_down, "gelu_tanh")),
+        ("moe_experts float32",
+         lambda: K["moe_experts"](moe_x.float(), moe_ids, moe_weights, moe_gate_up.float(), moe_down.float(), "silu")),
         ("rotary_embedding", lambda: K["rotary_embedding"](torch.arange(t), q, k, torch.randn(4096, d))),
         ("write_kv_cache", lambda: K["write_kv_cache"](k, k, cache, cache, torch.arange(t))),
         ("paged_decode_attention", lambda: K["paged_decode_attention"](q[:2], cache, cache, tables, lens, 0.1)),
