@@ -47,6 +47,7 @@ OPS = (
     "int8_scaled_mm",
     "lora_add",
     "invariant_mm",
+    "moe_experts",
 )
 # Ops that deterministic serving may not take from kernels.reference: the reference depends on the batch.
 INVARIANT_ONLY = ("invariant_mm",)

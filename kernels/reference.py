@@ -283,6 +283,80 @@ def invariant_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out.to(x.dtype)
 
 
+# ``moe_experts``'s activation names -> the gated op of this module that applies it.
+MOE_ACTIVATIONS = {"silu": "silu_and_mul", "gelu_tanh": "gelu_tanh_and_mul"}
+
+
+# A custom op, so that torch.compile keeps it whole: its grouping reads the per-expert counts on the host.
+@torch.library.custom_op("kvmesh::moe_experts", mutates_args=())
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str,
+) -> torch.Tensor:
+    """The routed experts of a Mixture-of-Experts layer: token ``t``'s output is
+    ``sum_j topk_weights[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t))`` over its experts ``e = topk_ids[t, j]``.
+
+    x [T, H]; topk_ids [T, k] (int); topk_weights [T, k] (float32 or x's dtype); w_gate_up [E, 2I, H]
+    (each expert's gate rows, then its up rows); w_down [E, H, I]; ``activation`` a key of
+    ``MOE_ACTIVATIONS``. Returns [T, H] in x's dtype; the weighted sum over a token's k experts is taken
+    in float32. An id of -1 contributes nothing: under expert parallelism
+    (``kvmesh.engine.moe``) it marks a pair whose expert another rank holds.
+
+    Grouped by expert: the (token, slot) pairs are sorted by expert once and each expert's rows go
+    through one product per projection, so the work is one pair of products per expert that has
+    tokens, whatever the batch size (never a loop over tokens).
+    """
+    return grouped_experts(F.linear, x, topk_ids, topk_weights, w_gate_up, w_down, activation)
+
+
+@moe_experts.register_fake
+def _moe_experts_shape(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str,
+) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def grouped_experts(
+    mm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str,
+) -> torch.Tensor:
+    """``moe_experts`` with the products ``mm(rows, weight)`` = rows @ weightᵀ (a batch-invariant one
+    for deterministic serving: a token's rows then round the same whatever shares its expert)."""
+    gated = globals()[MOE_ACTIVATIONS[activation]]
+    t, k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, in token order within one
+    # One host read of the counts; the first is of the pairs marked -1, which sort first.
+    elsewhere, *counts = torch.bincount(flat + 1, minlength=w_gate_up.shape[0] + 1).tolist()
+    rows = x.index_select(0, order[elsewhere:] // k)
+    out = torch.empty((t * k, w_down.shape[1]), dtype=x.dtype, device=x.device)
+    out[:elsewhere] = 0
+    start = elsewhere
+    for expert, n in enumerate(counts):
+        if n:
+            seg = rows[start - elsewhere : start - elsewhere + n]
+            out[start : start + n] = mm(gated(mm(seg, w_gate_up[expert])), w_down[expert])
+            start += n
+    per_pair = torch.empty_like(out)
+    per_pair[order] = out  # back to (token, slot) order
+    combined = (per_pair.view(t, k, -1).float() * topk_weights.float().unsqueeze(-1)).sum(dim=1)
+    return combined.to(x.dtype)
+
+
 def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: LoraSegments) -> None:
     """Add to ``y`` [T, out] (in place; a column slice of a wider output is fine) each token's own
     adapter's product ``(x @ A_slot^T) @ B_slot`` (nothing for a token without one).

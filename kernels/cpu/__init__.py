@@ -13,7 +13,8 @@ the ops where a CPU engine is bound by something torch's own kernels do badly.
 - ``streamed_mm`` (``streamed_mm.cpp``): the same loop over float weights, for the few-row
   products where it outruns torch's (``kernels.small_rows_linear`` measures where).
 - ``invariant_mm`` (``streamed_mm.cpp``): that loop for any number of rows, so a row's product
-  does not depend on its batch (``kernels.invariant_linear``, deterministic serving).
+  does not depend on its batch (``kernels.invariant_linear``, deterministic serving); and through it
+  the batch-invariant ``moe_experts`` (each expert's rows, grouped as the reference groups them).
 - ``paged_decode_attention`` (``paged_decode_attention.cpp``): one query row per sequence over
   the paged cache, read in place; and ``paged_extend_attention`` (``extend_attention.py``),
   whose rows that attend as decodes go through it, so they round as decode steps do
@@ -30,6 +31,7 @@ import torch
 
 from kernels.dispatch import register_cpu_invariant, register_cpu_native
 from kernels.errors import KernelUnavailable
+from kernels.reference import grouped_experts
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("streamed_mm.cpp", "paged_decode_attention.cpp")]
 # -fopenmp: at::parallel_for is inlined from ATen's headers as an OpenMP loop; without it the
@@ -82,7 +84,35 @@ def _build() -> str | None:
     register_cpu_native("paged_extend_attention", paged_extend_attention)
     register_cpu_invariant("paged_extend_attention", invariant_extend_attention)
     register_cpu_invariant("invariant_mm", torch.ops.kvmesh_cpu.invariant_mm)
+    register_cpu_invariant("moe_experts", invariant_moe_experts)
     return None
+
+
+# A custom op, as ``kernels.reference.moe_experts`` is: torch.compile keeps it whole.
+@torch.library.custom_op("kvmesh::invariant_moe_experts", mutates_args=())
+def invariant_moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str,
+) -> torch.Tensor:
+    """``moe_experts`` with every product through ``invariant_mm``: a token's experts round its rows the
+    same whatever other tokens share them."""
+    return grouped_experts(torch.ops.kvmesh_cpu.invariant_mm, x, topk_ids, topk_weights, w_gate_up, w_down, activation)
+
+
+@invariant_moe_experts.register_fake
+def _invariant_moe_experts_shape(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str,
+) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 def _fake_scaled_mm(

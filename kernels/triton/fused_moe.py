@@ -28,8 +28,10 @@ change nothing in its bits, so a token's result does not depend on the other tok
 A decode step wastes most of each 64-row block, but its products are bound by the expert weights'
 bytes, which every block reads once per column tile whatever its rows.
 
-``topk_ids`` must lie in [0, E). They are not read on the host (that would sync); an id outside
-makes the device-side ``index_select`` fail (an IndexError on CPU, a device assert on CUDA).
+``topk_ids`` must lie in [0, E), or be -1 for a pair whose expert another rank holds (expert
+parallelism): those sort into a sentinel expert's blocks, which no program computes, and the combine
+skips them. Ids are not read on the host (that would sync); an id outside makes the device-side
+``index_select`` fail (an IndexError on CPU, a device assert on CUDA).
 """
 
 from __future__ import annotations
@@ -117,15 +119,18 @@ def _expert_product_kernel(
 
 
 @triton.jit
-def _combine_kernel(per_pair_ptr, weights_ptr, out_ptr, top_k, hidden, stride_weights, BLOCK: tl.constexpr):
+def _combine_kernel(
+    per_pair_ptr, weights_ptr, ids_ptr, out_ptr, top_k, hidden, stride_weights, stride_ids, BLOCK: tl.constexpr
+):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in range(0, top_k):  # in slot order, as the reference sums
-        weight = tl.load(weights_ptr + token * stride_weights + j).to(tl.float32)
-        row = tl.load(per_pair_ptr + (token * top_k + j) * hidden + cols, mask=mask, other=0.0)
-        acc += weight * row.to(tl.float32)
+        if tl.load(ids_ptr + token * stride_ids + j) >= 0:  # -1: another rank's expert, its row never written
+            weight = tl.load(weights_ptr + token * stride_weights + j).to(tl.float32)
+            row = tl.load(per_pair_ptr + (token * top_k + j) * hidden + cols, mask=mask, other=0.0)
+            acc += weight * row.to(tl.float32)
     tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -187,7 +192,10 @@ def moe_experts(
     pairs = tokens * top_k
     if not (pairs and hidden and inter):  # nothing to sum: the reference's output is zeros
         return torch.zeros((tokens, hidden), dtype=x.dtype, device=x.device)
-    sorted_pairs, block_expert = _align_by_expert(topk_ids, experts)
+    # Pairs of other ranks' experts (-1) go to a sentinel expert past the last, whose blocks are skipped; an
+    # id of E itself is moved past the sentinel, so it still fails the alignment's index_select.
+    ids = topk_ids.masked_fill(topk_ids == experts, experts + 1).masked_fill(topk_ids == -1, experts)
+    sorted_pairs, block_expert = _align_by_expert(ids, experts + 1)
     blocks = block_expert.numel()
     common = {"IEEE": x.dtype == torch.float32, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K}
     intermediate = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
@@ -205,6 +213,15 @@ def moe_experts(
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
     block = min(triton.next_power_of_2(hidden), _COMBINE_BLOCK)
     _combine_kernel[(tokens, triton.cdiv(hidden, block))](
-        per_pair, topk_weights, out, top_k, hidden, topk_weights.stride(0), BLOCK=block, num_warps=4
+        per_pair,
+        topk_weights,
+        topk_ids,
+        out,
+        top_k,
+        hidden,
+        topk_weights.stride(0),
+        topk_ids.stride(0),
+        BLOCK=block,
+        num_warps=4,
     )
     return out

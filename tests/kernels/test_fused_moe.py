@@ -134,7 +134,26 @@ def test_align_groups_every_pair_once_by_expert_in_padded_blocks() -> None:
     assert int((sorted_pairs < pairs).sum()) == pairs and (sorted_pairs[sorted_pairs >= pairs] == pairs).all()
 
 
-@pytest.mark.parametrize("bad", [EXPERTS, -1])
+def test_pairs_of_another_rank_s_experts_contribute_nothing() -> None:
+    """Expert parallelism: each rank's experts, with the others' pairs marked -1, sum to the whole layer."""
+    x = torch.randn(9, HIDDEN)
+    ids = torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(9)])
+    weights = torch.rand(9, TOP_K)
+    w_gate_up, w_down = _weights(EXPERTS, HIDDEN, INTER, torch.float32)
+    first = 2  # this rank holds experts [0, 2), the other [2, EXPERTS)
+    mine = ids.masked_fill(ids >= first, -1)
+    theirs = torch.where(ids >= first, ids - first, -1)
+    _check(x, mine, weights, w_gate_up[:first], w_down[:first], "silu")
+    with poisoned_allocations():
+        parts = moe_experts(x, mine, weights, w_gate_up[:first], w_down[:first], "silu") + moe_experts(
+            x, theirs, weights, w_gate_up[first:], w_down[first:], "silu"
+        )
+    assert relative_error(parts, reference.moe_experts(x, ids, weights, w_gate_up, w_down, "silu")) < 1e-6
+    nothing = moe_experts(x, torch.full_like(ids, -1), weights, w_gate_up, w_down, "silu")
+    assert torch.equal(nothing, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("bad", [EXPERTS, -2])
 def test_an_expert_id_out_of_range_is_refused(bad: int) -> None:
     ids = torch.tensor([[0, bad]])
     with pytest.raises(IndexError):
