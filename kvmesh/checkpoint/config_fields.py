@@ -41,6 +41,13 @@ HONOURED: dict[str, str] = {
     "rope_local_base_freq": "Gemma 3's rope base of sliding layers (configs before rope_parameters)",
     "sliding_window_pattern": "Gemma 3's every n-th layer global (configs before layer_types)",
     "_sliding_window_pattern": "the same, as transformers 5 writes it",
+    "num_experts": "Qwen3-MoE's routed experts (kvmesh.checkpoint.moe_config)",
+    "num_local_experts": "Mixtral's routed experts (and Qwen3-MoE's, as transformers 5 saves them)",
+    "num_experts_per_tok": "the experts each token is routed to",
+    "moe_intermediate_size": "each routed expert's MLP width",
+    "norm_topk_prob": "whether the chosen experts' weights are renormalised",
+    "decoder_sparse_step": "Qwen3-MoE: every n-th layer is sparse",
+    "mlp_only_layers": "Qwen3-MoE: layers with a dense MLP",
 }
 
 NO_EFFECT: dict[str, str] = {
@@ -63,6 +70,9 @@ NO_EFFECT: dict[str, str] = {
     "id2label": "classification heads only",
     "label2id": "classification heads only",
     "transformers_version": "metadata",
+    "router_aux_loss_coef": "the load-balancing loss (training)",
+    "output_router_logits": "transformers' output switch (router logits feed the training loss)",
+    "router_jitter_noise": "multiplicative noise on the router's input while training only",
 }
 
 # field -> (the values served, why others are not)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.checkpoint.config_fields import check_fields
+from kvmesh.checkpoint.moe_config import MoEConfig, moe_config
 from kvmesh.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = {
@@ -21,6 +22,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",  # the text model (kvmesh.engine.gemma)
     "Phi3ForCausalLM": "phi3",  # fused projections in the checkpoint (kvmesh.engine.phi3)
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # Mixtures of Experts (kvmesh.engine.moe)
+    "MixtralForCausalLM": "mixtral",
 }
 # transformers' own config classes write model_type even when "architectures" is absent.
 _MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()} | {"gemma3_text": "Gemma3ForCausalLM"}
@@ -60,6 +63,8 @@ class ModelConfig:
     layer_windows: tuple[int, ...] = ()
     # The rope of the sliding layers where it differs from ``rope`` (Gemma 3's local base); None: the same.
     local_rope: dict[str, Any] | None = None
+    # The routed experts of a Mixture-of-Experts family (which layers, how tokens choose); None: dense.
+    moe: MoEConfig | None = None
 
     @property
     def sliding_window(self) -> int:
@@ -112,7 +117,7 @@ class ModelConfig:
                 max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 qkv_bias=family == "qwen2",  # always; the others' attention_bias is refused (config_fields)
-                qk_norm=family in ("qwen3", "gemma3"),
+                qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
                 rope=rope,
                 dtype=_dtype_name(raw.get("dtype") or raw.get("torch_dtype") or "float32", source),
                 eos_token_ids=eos_ids,
@@ -123,6 +128,7 @@ class ModelConfig:
                 raw=raw,
                 layer_windows=_layer_windows(raw, family, num_layers, source),
                 local_rope=local_rope,
+                moe=moe_config(raw, family, num_layers, source),
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: missing field {e.args[0]!r}") from None
@@ -131,16 +137,17 @@ class ModelConfig:
 def _layer_windows(raw: dict[str, Any], family: str, num_layers: int, source: str) -> tuple[int, ...]:
     """Each layer's sliding window (0: full attention), read as transformers' own model classes read it:
     Llama has none; Mistral slides every layer when ``sliding_window`` is set (its model ignores
-    ``layer_types``); Qwen2/Qwen3 slide only with ``use_sliding_window``, on the layers ``layer_types``
-    names, or, in configs written before it existed, on layers from ``max_window_layers`` on."""
+    ``layer_types``), and so do Mixtral's and Phi-3's; Qwen2/Qwen3 slide only with ``use_sliding_window``,
+    on the layers ``layer_types`` names, or, in configs written before it existed, on layers from
+    ``max_window_layers`` on; Qwen3-MoE with ``use_sliding_window`` slides every layer."""
     window = raw.get("sliding_window")
-    if family == "qwen2" or family == "qwen3":
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
         window = window if raw.get("use_sliding_window", False) else None
     if family == "llama" or not window:
         return (0,) * num_layers
     if not isinstance(window, int) or window < 1:
         raise ModelLoadError(f"{source}: sliding_window {window!r} is not a positive number of tokens")
-    if family in ("mistral", "phi3"):
+    if family in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         return (window,) * num_layers
     types = raw.get("layer_types")
     if types is None and family == "gemma3":  # configs before layer_types: every n-th layer is global

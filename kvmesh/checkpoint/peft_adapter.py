@@ -143,13 +143,21 @@ def _pair_factors(
     for name, t in tensors.items():
         m = _KEY.match(name)
         if m is None:
-            raise InvalidArgument(f"{path}: tensor {name!r} is not a LoRA factor of a decoder layer's projection")
+            experts = " (LoRA on experts is not served)" if ".experts." in name else ""
+            raise InvalidArgument(
+                f"{path}: tensor {name!r} is not a LoRA factor of a decoder layer's projection{experts}"
+            )
         layer, parent, module, half = int(m[1]), m[2], m[3], m[4]
         parents[module] = parent
         if module not in TARGETS:
             raise InvalidArgument(f"{path}: target {module!r} is not a projection of {cfg.architecture}")
         if layer >= cfg.num_layers:
             raise InvalidArgument(f"{path}: layer {layer} does not exist (the model has {cfg.num_layers})")
+        if parent == "mlp" and cfg.moe is not None and cfg.moe.sparse_layers[layer]:
+            raise InvalidArgument(
+                f"{path}: layers.{layer}.{module}: LoRA on a Mixture-of-Experts layer's experts is not served "
+                f"(adapters of {cfg.architecture} may target the attention projections and dense layers' MLPs)"
+            )
         halves.setdefault((layer, module), {})[half] = t
     if not halves:
         raise InvalidArgument(f"{path}: {WEIGHTS_FILE} holds no LoRA factors")

@@ -7,9 +7,15 @@ from __future__ import annotations
 from kvmesh.checkpoint.model_config import ModelConfig
 from kvmesh.engine.gemma import Gemma3CausalLM
 from kvmesh.engine.model import CausalLM
+from kvmesh.engine.moe import MoECausalLM
 from kvmesh.engine.phi3 import Phi3CausalLM
 
-_FAMILY_MODELS: dict[str, type[CausalLM]] = {"Gemma3ForCausalLM": Gemma3CausalLM, "Phi3ForCausalLM": Phi3CausalLM}
+_FAMILY_MODELS: dict[str, type[CausalLM]] = {
+    "Gemma3ForCausalLM": Gemma3CausalLM,
+    "Phi3ForCausalLM": Phi3CausalLM,
+    "Qwen3MoeForCausalLM": MoECausalLM,
+    "MixtralForCausalLM": MoECausalLM,
+}
 
 
 def model_class(cfg: ModelConfig) -> type[CausalLM]:

@@ -13,11 +13,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.moe import expert_tokens
 
 
 class EngineCollector(Collector):
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        # A Mixture-of-Experts model's routing counts when serving starts: its warm-up steps are not load.
+        self._expert_tokens_at_start = expert_tokens(engine.model)
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         e = self.engine
@@ -43,3 +46,29 @@ class EngineCollector(Collector):
         }
         for name, value in gauges.items():
             yield GaugeMetricFamily(f"kvmesh_engine_{name}", f"Engine {name.replace('_', ' ')}.", value=value)
+        yield from self._expert_load()
+
+    def _expert_load(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """Per expert of each sparse layer, the tokens routed to it; per layer, the busiest expert's share
+        over the mean (1: perfectly balanced; E: every token to one expert). Nothing for a dense model."""
+        start = self._expert_tokens_at_start
+        if not start:
+            return
+        tokens = CounterMetricFamily(
+            "kvmesh_moe_expert_tokens",
+            "Tokens routed to each expert since serving started.",
+            labels=["layer", "expert"],
+        )
+        imbalance = GaugeMetricFamily(
+            "kvmesh_moe_expert_imbalance",
+            "Tokens of a layer's busiest expert over the mean per expert, since serving started.",
+            labels=["layer"],
+        )
+        for layer, counts in expert_tokens(self.engine.model).items():
+            served = [now - then for now, then in zip(counts, start[layer])]
+            for expert, n in enumerate(served):
+                tokens.add_metric([str(layer), str(expert)], n)
+            if sum(served):
+                imbalance.add_metric([str(layer)], max(served) * len(served) / sum(served))
+        yield tokens
+        yield imbalance

@@ -62,8 +62,9 @@ class DecoderLayer(nn.Module):
         h = cfg.hidden_size
         self.qkv_proj = nn.Linear(h, q_size + 2 * kv_size, bias=cfg.qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(q_size, h, bias=False, dtype=dtype)
-        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False, dtype=dtype)
+        if self.has_dense_mlp(cfg, index):
+            self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False, dtype=dtype)
+            self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False, dtype=dtype)
         self.input_norm = nn.Parameter(torch.ones(h, dtype=dtype))
         self.post_attn_norm = nn.Parameter(torch.ones(h, dtype=dtype))
         if cfg.qk_norm:
@@ -74,6 +75,10 @@ class DecoderLayer(nn.Module):
         # Tensor parallelism (kvmesh.engine.tensor_parallel): sums the ranks' partial o_proj and
         # down_proj products in place; None: one rank holds the whole layer.
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
+
+    def has_dense_mlp(self, cfg: ModelConfig, index: int) -> bool:
+        """Whether layer ``index``'s MLP is the dense gated one (a Mixture-of-Experts layer's is not)."""
+        return True
 
     def _project(self, ops: Ops, name: str, x: torch.Tensor) -> torch.Tensor:
         """The projection ``name`` of ``x``, plus each token's LoRA adapter product."""

@@ -193,11 +193,11 @@ async def test_bad_sampling_is_invalid_argument(services):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err.value.details()
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "phi3", "mistral"])
+@pytest.mark.parametrize("arch", ["gemma3", "phi3", "mistral", "qwen3-moe"])
 async def test_each_family_hands_off_what_it_computes_colocated(tmp_path, arch):
-    """The families with layers of their own (Gemma 3), fused checkpoint tensors (Phi-3) and sliding windows
-    shorter than the prompt (all three) through the split path: prefill's blocks, pulled over gRPC, decode
-    on as the colocated engine does."""
+    """The families with layers of their own (Gemma 3, Qwen3-MoE's experts), fused checkpoint tensors (Phi-3)
+    and sliding windows shorter than the prompt (the first three) through the split path: prefill's blocks,
+    pulled over gRPC, decode on as the colocated engine does."""
     model = write_checkpoint(tmp_path / arch, arch)
     colocated = LLMEngine(model, EngineConfig(num_blocks=64))
     want = colocated.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True))[0]

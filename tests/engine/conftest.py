@@ -57,6 +57,25 @@ ARCHS = {
     "qwen3-qknorm-tied": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "tie_word_embeddings": True}),
     # Fused q/k/v and gate/up in the checkpoint, every layer sliding a 40-token window.
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": 40, "pad_token_id": 0, "bos_token_id": 1}),
+    # Mixtures of Experts: 8 experts of width 32, 2 a token; a dense first layer, weights renormalised.
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [0],
+        },
+    ),
+    # Every layer sparse, the chosen experts' probabilities as they are (Qwen3-30B-A3B's setting).
+    "qwen3-moe-unnormed": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "norm_topk_prob": False},
+    ),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # A sliding layer (16-token window, its own rope base) and a global one (linear-scaled rope), Gemma's
     # attention scale, soft-capped logits; its norms get random weights below (transformers starts them at 0).
     "gemma3": (
