@@ -41,6 +41,14 @@ class MoEConfig:
     shared_intermediate_size: int
     # Per layer: whether its MLP is the experts (True) or a dense MLP as wide as ``intermediate_size``.
     sparse_layers: tuple[bool, ...]
+    # (first, count) of the routed experts one tensor-parallel rank holds (kvmesh.engine.tp_layout); None:
+    # the checkpoint's description, every expert.
+    expert_slice: tuple[int, int] | None = None
+
+    @property
+    def local_experts(self) -> tuple[int, int]:
+        """(first, count) of the experts held here."""
+        return self.expert_slice or (0, self.num_experts)
 
     @property
     def has_correction_bias(self) -> bool:

@@ -74,6 +74,9 @@ class EngineConfig:
     # Ranks (processes) one engine's model is split over (kvmesh.engine.tensor_parallel): rank 0 is
     # this process; on CUDA rank r runs on the r-th GPU from ``device``. One machine.
     tensor_parallel_size: int = 1
+    # A Mixture-of-Experts model over those ranks: each rank holds 1/N of the experts, whole (expert
+    # parallelism), instead of 1/N of every expert's columns. Attention is split by heads either way.
+    expert_parallel: bool = False
     # How the ranks sum their partial products: "shm" (shared memory, CPU ranks), "gloo" (a
     # torch.distributed group over TCP, CPU ranks) or "nccl" (CUDA ranks); None: shm on CPU, nccl on CUDA.
     tp_all_reduce: str | None = None

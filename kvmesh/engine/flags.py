@@ -54,6 +54,14 @@ ENGINE_FLAGS = [
         type=int,
     ),
     Flag(
+        "--enable-expert-parallel",
+        "a Mixture-of-Experts model over the --tensor-parallel-size ranks holds 1/N of the experts whole on "
+        "each rank (expert parallelism) instead of 1/N of every expert's columns; attention is split by heads "
+        "either way (docs/moe.md)",
+        default=False,
+        type=bool,
+    ),
+    Flag(
         "--tp-all-reduce",
         "how tensor-parallel ranks sum their partial products: shm (shared memory) or gloo (torch.distributed "
         "over TCP) for CPU ranks, nccl for CUDA ranks; default: shm on CPU, nccl on CUDA",
@@ -114,6 +122,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         small_rows_linears=args.small_rows_linears,
         deterministic=args.deterministic,
         tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.enable_expert_parallel,
         tp_all_reduce=args.tp_all_reduce,
         fault_after_steps=args.inject_engine_fault_after_steps,
         max_loras=args.max_loras,

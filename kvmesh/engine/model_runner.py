@@ -90,7 +90,9 @@ class ModelRunner:
             dtype_name(self.dtype),
             cfg.block_size,
         )
-        self.system_fingerprint = system_fingerprint(self.fingerprint, self.device, cfg.tensor_parallel_size)
+        self.system_fingerprint = system_fingerprint(
+            self.fingerprint, self.device, cfg.tensor_parallel_size, cfg.expert_parallel and mc.moe is not None
+        )
         # Adapters loaded later find the model ready for them: nothing is allocated until one is.
         self.lora = None
         if cfg.max_loras > 0:
@@ -137,7 +139,9 @@ class ModelRunner:
         size = cfg.tensor_parallel_size
         if size == 1:
             return None, None
-        layouts = [TPLayout.of(mc, r, size) for r in range(size)]  # InvalidArgument where the config cannot be split
+        layouts = [
+            TPLayout.of(mc, r, size, cfg.expert_parallel) for r in range(size)
+        ]  # InvalidArgument where the config cannot be split
         cfg.resolve_tp_all_reduce()  # InvalidArgument where the device cannot use the one asked for
         if self.device.type == "cuda":
             first, last = rank_device(cfg.device, 0).index, rank_device(cfg.device, size - 1).index

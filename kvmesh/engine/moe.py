@@ -5,6 +5,8 @@ first layers as options of the same module (``kvmesh.checkpoint.moe_config``).
 The experts run as one op behind the kernel dispatcher (``kernels.reference.moe_experts``: grouped
 by expert on CPU, the fused Triton kernel on GPUs), so nothing here loops over tokens or experts.
 Attention is the Llama layer's; the KV cache, and so the P/D hand-off, are those of a dense model.
+Over tensor-parallel ranks each holds its share of the experts (``kvmesh.engine.tp_layout``: whole
+experts under expert parallelism, else every expert's columns) and the layer's all-reduce sums them.
 
 Weights load from both layouts checkpoints come in: one tensor per expert and projection (what
 real checkpoints and transformers' ``save_pretrained`` write: ``experts.{e}.gate_proj``, Mixtral's
@@ -46,13 +48,14 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.cfg = moe
         e, i = moe.num_experts, moe.expert_intermediate_size
+        self.first_expert, local = moe.local_experts
         # DeepSeek-V3 scores in float32 (its bias-corrected choice is sensitive to rounding); the
         # softmax routers take the model's dtype, as transformers does, and softmax in float32.
         router_dtype = torch.float32 if moe.scoring == "sigmoid" else dtype
         self.router = nn.Linear(hidden_size, e, bias=False, dtype=router_dtype)
         self.correction_bias = nn.Parameter(torch.zeros(e)) if moe.has_correction_bias else None
-        self.w_gate_up = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=dtype))
-        self.w_down = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype))
+        self.w_gate_up = nn.Parameter(torch.empty(local, 2 * i, hidden_size, dtype=dtype))
+        self.w_down = nn.Parameter(torch.empty(local, hidden_size, i, dtype=dtype))
         self.act = GATED_ACTIVATIONS[hidden_act]
         self.expert_act = _EXPERT_ACTIVATIONS[hidden_act]
         s = moe.shared_intermediate_size
@@ -66,6 +69,9 @@ class SparseMoE(nn.Module):
         weights, ids = route(logits, self.cfg, self.correction_bias)
         chosen = ids.flatten()  # an index_add, not a bincount: its shape is static, so compiled graphs keep it
         self.expert_tokens.index_add_(0, chosen, torch.ones_like(chosen))
+        if self.w_gate_up.shape[0] < self.cfg.num_experts:  # expert parallelism: the others' pairs are -1 here
+            local = ids - self.first_expert
+            ids = local.masked_fill((local < 0) | (local >= self.w_gate_up.shape[0]), -1)
         out = ops.moe_experts(x, ids, weights, self.w_gate_up, self.w_down, self.expert_act)
         if self.shared_gate_up is not None:
             out = out + self.shared_down(getattr(ops, self.act)(self.shared_gate_up(x)))
@@ -85,27 +91,16 @@ class MoEDecoderLayer(DecoderLayer):
         return not cfg.moe.sparse_layers[index]
 
     def mlp(self, ops: Ops, hidden: torch.Tensor) -> torch.Tensor:
-        return super().mlp(ops, hidden) if self.moe is None else self.moe(ops, hidden)
+        if self.moe is None:
+            return super().mlp(ops, hidden)
+        hidden = self.moe(ops, hidden)
+        if self.all_reduce is not None:  # each rank's experts' (and shared experts' columns') part
+            self.all_reduce(hidden)
+        return hidden
 
 
 class MoECausalLM(CausalLM):
     LAYER = MoEDecoderLayer
-
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        dtype: torch.dtype,
-        device: torch.device,
-        max_positions: int,
-        tp: TPLayout | None = None,
-        all_reduce: Callable[[torch.Tensor], None] | None = None,
-    ) -> None:
-        if tp is not None and tp.size > 1:
-            raise FailedPrecondition(
-                f"{cfg.architecture}: tensor parallelism of Mixture-of-Experts models is not built; "
-                "serve it on one rank (--tensor-parallel-size 1)"
-            )
-        super().__init__(cfg, dtype, device, max_positions, tp, all_reduce)
 
     def sparse_layers(self) -> list[SparseMoE]:
         return [layer.moe for layer in self.layers if layer.moe is not None]
@@ -133,7 +128,7 @@ class MoECausalLM(CausalLM):
                 if moe is None:
                     yield name, tensor
                     continue
-                for part in _copy_into(moe, match.group(2), tensor, name):
+                for part in _copy_into(moe, match.group(2), tensor, name, self.tp):
                     loaded.add(f"model.layers.{match.group(1)}.{part}")
 
         return rest
@@ -144,7 +139,8 @@ class MoECausalLM(CausalLM):
             if layer.moe is None:
                 continue
             p = f"model.layers.{layer.index}."
-            names = ["router"] + [f"expert.{e}.{x}" for e in range(self.cfg.moe.num_experts) for x in _PARTS]
+            first, count = layer.moe.cfg.local_experts
+            names = ["router"] + [f"expert.{e}.{x}" for e in range(first, first + count) for x in _PARTS]
             names += ["correction_bias"] if layer.moe.correction_bias is not None else []
             names += [f"shared.{x}" for x in _PARTS] if layer.moe.shared_gate_up is not None else []
             parts |= {p + n for n in names}
@@ -167,33 +163,44 @@ def expert_tokens(model: nn.Module) -> dict[int, list[int]]:
     return {layer.index: layer.moe.expert_tokens.tolist() for layer in layers if getattr(layer, "moe", None)}
 
 
-def _copy_into(moe: SparseMoE, rest: str, tensor: torch.Tensor, name: str) -> list[str]:
-    """Copy the sparse-layer tensor ``name`` (``rest`` after its layer's MLP prefix) into ``moe``; the
-    parts it filled."""
+def _copy_into(moe: SparseMoE, rest: str, tensor: torch.Tensor, name: str, tp: TPLayout | None = None) -> list[str]:
+    """Copy this rank's part (``tp``: None for the whole model) of the sparse-layer tensor ``name``
+    (``rest`` after its layer's MLP prefix) into ``moe``; the parts it filled (none for another rank's
+    expert)."""
     i = moe.cfg.expert_intermediate_size
     s = moe.cfg.shared_intermediate_size
+    first, count = moe.cfg.local_experts
+    shard = tp.shard_expert if tp is not None else lambda part, t, shared=False: t
     if rest == "gate.weight":
         return _put(moe.router.weight.data, tensor, name, ["router"])
     if rest == "gate.e_score_correction_bias" and moe.correction_bias is not None:
         return _put(moe.correction_bias.data, tensor, name, ["correction_bias"])
-    if rest == "experts.gate_up_proj":
-        experts = range(moe.cfg.num_experts)
-        return _put(moe.w_gate_up.data, tensor, name, [f"expert.{e}.{x}" for e in experts for x in ("gate", "up")])
-    if rest == "experts.down_proj":
-        return _put(moe.w_down.data, tensor, name, [f"expert.{e}.down" for e in range(moe.cfg.num_experts)])
+    experts = range(first, first + count)
+    if rest == "experts.gate_up_proj":  # [E, gate rows then up rows, H]
+        held = [torch.cat([shard(x, w) for x, w in zip(("gate", "up"), tensor[e].chunk(2))]) for e in experts]
+        return _put(
+            moe.w_gate_up.data, torch.stack(held), name, [f"expert.{e}.{x}" for e in experts for x in _PARTS[:2]]
+        )
+    if rest == "experts.down_proj":  # [E, H, I]
+        held = [shard("down", tensor[e]) for e in experts]
+        return _put(moe.w_down.data, torch.stack(held), name, [f"expert.{e}.down" for e in experts])
     per_expert = _PER_EXPERT.fullmatch(rest)
     if per_expert:
         e, part = int(per_expert.group(1)), _PART[per_expert.group(2)]
         if e >= moe.cfg.num_experts:
             raise ModelLoadError(f"weight {name!r}: expert {e} of {moe.cfg.num_experts}")
-        dst = moe.w_down.data[e] if part == "down" else moe.w_gate_up.data[e, (part == "up") * i :][:i]
-        return _put(dst, tensor, name, [f"expert.{e}.{part}"])
+        if not first <= e < first + count:
+            return []  # another rank's
+        here = e - first
+        dst = moe.w_down.data[here] if part == "down" else moe.w_gate_up.data[here, (part == "up") * i :][:i]
+        return _put(dst, shard(part, tensor), name, [f"expert.{e}.{part}"])
     if rest.startswith("shared_experts.") and moe.shared_gate_up is not None:
         part = _PART.get(rest.removeprefix("shared_experts.").removesuffix(".weight"))
         if part == "down":
-            return _put(moe.shared_down.weight.data, tensor, name, ["shared.down"])
+            return _put(moe.shared_down.weight.data, shard(part, tensor, shared=True), name, ["shared.down"])
         if part is not None:
-            return _put(moe.shared_gate_up.weight.data[(part == "up") * s :][:s], tensor, name, [f"shared.{part}"])
+            dst = moe.shared_gate_up.weight.data[(part == "up") * s :][:s]
+            return _put(dst, shard(part, tensor, shared=True), name, [f"shared.{part}"])
     raise ModelLoadError(f"weight {name!r} has no place in a Mixture-of-Experts layer")
 
 

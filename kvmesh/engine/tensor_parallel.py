@@ -393,7 +393,7 @@ def follower_main(fd: int, side_fd: int) -> None:
             link.attach(ShmAllReduce(meeting, rank, size, COLLECTIVE_TIMEOUT_S), lambda: os.getppid() == parent)
             os.close(meeting)  # mapped
         mc = ModelConfig.from_dir(Path(path))
-        layout = TPLayout.of(mc, rank, size)
+        layout = TPLayout.of(mc, rank, size, cfg.expert_parallel)
         model, kv = build_rank_model(Path(path), cfg, mc, layout, device, link)
     except Exception as e:  # the reason goes to rank 0, which refuses to start
         pipe.send_bytes(_pack(f"{type(e).__name__}: {e}"))

@@ -9,6 +9,12 @@ row-parallel (each rank's partial sum, added up by one all-reduce after each). T
 head are vocab-parallel: rank r holds vocabulary rows [r*ceil(V/N), ...) of both, looks up the tokens that
 fall in them (zeros for the rest) and computes their logits, and an all-reduce adds the ranks' parts up.
 Norms stay whole on every rank. A config that cannot be split so is refused, saying why.
+
+A Mixture-of-Experts layer's routed experts are split one of two ways: by each expert's columns, as a
+dense MLP is (every rank holds every expert, 1/N of each), or with ``expert_parallel`` whole, rank r
+holding experts [r*E/N, (r+1)*E/N). Either way each rank's output is a partial sum the MLP's all-reduce
+completes (a token's pairs with another rank's experts count 0 here), the router and DeepSeek's
+correction bias stay whole (every rank routes every token alike), and shared experts split by columns.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvmesh.checkpoint.model_config import ModelConfig
+from kvmesh.checkpoint.moe_config import MoEConfig
 from kvmesh.errors import InvalidArgument
 
 # HF weight-name suffix -> how it is split: "rows-q"/"rows-kv"/"rows-mlp" slice output rows (column
@@ -47,9 +54,12 @@ class TPLayout:
     num_kv_heads: int
     head_dim: int
     intermediate_size: int
+    # A Mixture-of-Experts model's experts: each whole on one rank (True) or split by columns.
+    expert_parallel: bool = False
+    moe: MoEConfig | None = None
 
     @classmethod
-    def of(cls, cfg: ModelConfig, rank: int, size: int) -> TPLayout:
+    def of(cls, cfg: ModelConfig, rank: int, size: int, expert_parallel: bool = False) -> TPLayout:
         """Rank ``rank`` of ``size`` over ``cfg``; InvalidArgument naming the config where it cannot be split."""
         if size < 1 or not 0 <= rank < size:
             raise InvalidArgument(f"tensor-parallel rank {rank} of {size}: no such rank")
@@ -60,12 +70,21 @@ class TPLayout:
             why.append(f"{cfg.num_kv_heads} KV heads (neither divisible by {size} nor dividing it)")
         if cfg.intermediate_size % size:
             why.append(f"intermediate size {cfg.intermediate_size}")
+        moe = cfg.moe
+        if moe is not None and expert_parallel and moe.num_experts % size:
+            why.append(f"{moe.num_experts} experts")
+        if moe is not None and not expert_parallel and moe.expert_intermediate_size % size:
+            why.append(f"expert intermediate size {moe.expert_intermediate_size} (or --enable-expert-parallel)")
+        if moe is not None and moe.shared_intermediate_size % size:
+            why.append(f"shared experts' intermediate size {moe.shared_intermediate_size}")
         if why:
             raise InvalidArgument(
                 f"tensor parallelism of {size} cannot split {cfg.architecture}: {', '.join(why)} "
                 f"do not divide by {size}"
             )
-        return cls(rank, size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
+        return cls(
+            rank, size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, expert_parallel, moe
+        )
 
     @property
     def local_heads(self) -> int:
@@ -82,12 +101,39 @@ class TPLayout:
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
         """``cfg`` as this rank's layers see it: its heads, its KV heads, its intermediate columns."""
+        moe = self.moe
+        if moe is not None:
+            first, count = self.expert_range()
+            moe = replace(
+                moe,
+                expert_intermediate_size=moe.expert_intermediate_size // (1 if self.expert_parallel else self.size),
+                shared_intermediate_size=moe.shared_intermediate_size // self.size,
+                expert_slice=(first, count),
+            )
         return replace(
             cfg,
             num_heads=self.local_heads,
             num_kv_heads=self.local_kv_heads,
             intermediate_size=self.intermediate_size // self.size,
+            moe=moe,
         )
+
+    def expert_range(self) -> tuple[int, int]:
+        """(first, count) of the routed experts this rank holds (all of them unless ``expert_parallel``)."""
+        experts = self.moe.num_experts
+        if not self.expert_parallel:
+            return 0, experts
+        per = experts // self.size
+        return self.rank * per, per
+
+    def shard_expert(self, part: str, tensor: torch.Tensor, shared: bool = False) -> torch.Tensor:
+        """This rank's part of one expert's ``part`` ("gate", "up": [I, H]; "down": [H, I]) projection: whole
+        under expert parallelism, else its 1/N of the columns of I (a shared expert's always so)."""
+        if self.size == 1 or (self.expert_parallel and not shared):
+            return tensor
+        axis = 1 if part == "down" else 0
+        per = tensor.shape[axis] // self.size
+        return tensor.narrow(axis, self.rank * per, per)
 
     def vocab_range(self, vocab_size: int) -> tuple[int, int]:
         """(first, count) of the vocabulary rows of the embedding and LM head this rank holds: ceil(V/N) a

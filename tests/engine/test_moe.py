@@ -214,3 +214,21 @@ def test_deterministic_a_request_alone_and_in_a_batch_of_16_are_the_same_bits(tm
         LLMEngine(path, EngineConfig(num_blocks=256, dtype=dtype, deterministic=True))
     )
     assert alone == batched and len(alone[0]) == 16
+
+
+@pytest.mark.slow  # starts a rank process per case
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["experts-by-columns", "expert-parallel"])
+def test_two_ranks_give_transformers_tokens(checkpoints, arch, expert_parallel) -> None:
+    """TP2 with every expert's columns split, and TP2 + EP2 with each rank holding half the experts whole."""
+    path = checkpoints[arch]
+    cfg = EngineConfig(num_blocks=64, tensor_parallel_size=2, expert_parallel=expert_parallel)
+    engine = LLMEngine(path, cfg)
+    try:
+        got = engine.generate(PROMPTS, _greedy(logprobs=0))
+    finally:
+        engine.close()
+    for prompt, res in zip(PROMPTS, got):
+        ids, logprobs = hf_greedy(path, prompt, N_NEW)
+        assert res.token_ids == ids
+        assert max(abs(a.logprob - b) for a, b in zip(res.logprobs, logprobs)) < 1e-4
