@@ -14,7 +14,8 @@ the ops where a CPU engine is bound by something torch's own kernels do badly.
   products where it outruns torch's (``kernels.small_rows_linear`` measures where).
 - ``invariant_mm`` (``streamed_mm.cpp``): that loop for any number of rows, so a row's product
   does not depend on its batch (``kernels.invariant_linear``, deterministic serving); and through it
-  the batch-invariant ``moe_experts`` (each expert's rows, grouped as the reference groups them).
+  the batch-invariant ``moe_experts`` (each expert's rows, grouped as the reference groups them); and
+  ``moe_experts`` itself, an expert's few rows (decode) through ``streamed_mm``.
 - ``paged_decode_attention`` (``paged_decode_attention.cpp``): one query row per sequence over
   the paged cache, read in place; and ``paged_extend_attention`` (``extend_attention.py``),
   whose rows that attend as decodes go through it, so they round as decode steps do
@@ -84,11 +85,49 @@ def _build() -> str | None:
     register_cpu_native("paged_extend_attention", paged_extend_attention)
     register_cpu_invariant("paged_extend_attention", invariant_extend_attention)
     register_cpu_invariant("invariant_mm", torch.ops.kvmesh_cpu.invariant_mm)
+    register_cpu_native("moe_experts", cpu_moe_experts)
     register_cpu_invariant("moe_experts", invariant_moe_experts)
     return None
 
 
-# A custom op, as ``kernels.reference.moe_experts`` is: torch.compile keeps it whole.
+# An expert's rows up to this many stream its weights through ``streamed_mm`` (a decode step's few rows an
+# expert: MKL's one-row path ran a 1408x512 float32 product in 66 us here, streamed_mm in 28 us); more
+# rows (prefill) take the library's GEMM.
+EXPERT_STREAMED_ROWS = 8
+
+
+def _expert_mm(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if rows.shape[0] <= EXPERT_STREAMED_ROWS:
+        return torch.ops.kvmesh_cpu.streamed_mm(rows.contiguous(), weight)
+    return torch.nn.functional.linear(rows, weight)
+
+
+# Custom ops, as ``kernels.reference.moe_experts`` is: torch.compile keeps them whole.
+@torch.library.custom_op("kvmesh::cpu_moe_experts", mutates_args=())
+def cpu_moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str,
+) -> torch.Tensor:
+    """``moe_experts`` grouped as the reference groups it, an expert's few rows streamed."""
+    return grouped_experts(_expert_mm, x, topk_ids, topk_weights, w_gate_up, w_down, activation)
+
+
+@cpu_moe_experts.register_fake
+def _cpu_moe_experts_shape(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str,
+) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 @torch.library.custom_op("kvmesh::invariant_moe_experts", mutates_args=())
 def invariant_moe_experts(
     x: torch.Tensor,
