@@ -287,9 +287,8 @@ def invariant_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 MOE_ACTIVATIONS = {"silu": "silu_and_mul", "gelu_tanh": "gelu_tanh_and_mul"}
 
 
-# A custom op, so that torch.compile keeps it whole: its grouping reads the per-expert counts on the host.
-@torch.library.custom_op("kvmesh::moe_experts", mutates_args=())
-def moe_experts(
+def grouped_experts(
+    mm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -309,33 +308,11 @@ def moe_experts(
     Grouped by expert: the (token, slot) pairs are sorted by expert once and each expert's rows go
     through one product per projection, so the work is one pair of products per expert that has
     tokens, whatever the batch size (never a loop over tokens).
+
+    The products are ``mm(rows, weight)`` = rows @ weightᵀ (``moe_experts``: the library's GEMM; a
+    batch-invariant one for deterministic serving, a token's rows then rounding the same whatever shares
+    its expert).
     """
-    return grouped_experts(F.linear, x, topk_ids, topk_weights, w_gate_up, w_down, activation)
-
-
-@moe_experts.register_fake
-def _moe_experts_shape(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    activation: str,
-) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-def grouped_experts(
-    mm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    activation: str,
-) -> torch.Tensor:
-    """``moe_experts`` with the products ``mm(rows, weight)`` = rows @ weightᵀ (a batch-invariant one
-    for deterministic serving: a token's rows then round the same whatever shares its expert)."""
     gated = globals()[MOE_ACTIVATIONS[activation]]
     t, k = topk_ids.shape
     flat = topk_ids.reshape(-1)
@@ -355,6 +332,30 @@ def grouped_experts(
     per_pair[order] = out  # back to (token, slot) order
     combined = (per_pair.view(t, k, -1).float() * topk_weights.float().unsqueeze(-1)).sum(dim=1)
     return combined.to(x.dtype)
+
+
+def grouped_experts_op(name: str, mm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    """``grouped_experts`` with the products ``mm``, as the torch custom op ``name``: torch.compile keeps it
+    whole (its grouping reads the per-expert counts on the host, which would break a graph)."""
+
+    def op(
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        activation: str,
+    ) -> torch.Tensor:
+        return grouped_experts(mm, x, topk_ids, topk_weights, w_gate_up, w_down, activation)
+
+    op.__doc__ = f"``grouped_experts`` with the products of ``{getattr(mm, '__name__', mm)}``."
+    custom = torch.library.custom_op(name, op, mutates_args=())
+    custom.register_fake(lambda x, *_: torch.empty_like(x))
+    return custom
+
+
+# The op's definition: the products by the library's GEMM.
+moe_experts = grouped_experts_op("kvmesh::moe_experts", F.linear)
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: LoraSegments) -> None:

@@ -32,7 +32,7 @@ import torch
 
 from kernels.dispatch import register_cpu_invariant, register_cpu_native
 from kernels.errors import KernelUnavailable
-from kernels.reference import grouped_experts
+from kernels.reference import grouped_experts_op
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("streamed_mm.cpp", "paged_decode_attention.cpp")]
 # -fopenmp: at::parallel_for is inlined from ATen's headers as an OpenMP loop; without it the
@@ -102,56 +102,13 @@ def _expert_mm(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(rows, weight)
 
 
-# Custom ops, as ``kernels.reference.moe_experts`` is: torch.compile keeps them whole.
-@torch.library.custom_op("kvmesh::cpu_moe_experts", mutates_args=())
-def cpu_moe_experts(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    activation: str,
-) -> torch.Tensor:
-    """``moe_experts`` grouped as the reference groups it, an expert's few rows streamed."""
-    return grouped_experts(_expert_mm, x, topk_ids, topk_weights, w_gate_up, w_down, activation)
-
-
-@cpu_moe_experts.register_fake
-def _cpu_moe_experts_shape(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    activation: str,
-) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("kvmesh::invariant_moe_experts", mutates_args=())
-def invariant_moe_experts(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    activation: str,
-) -> torch.Tensor:
-    """``moe_experts`` with every product through ``invariant_mm``: a token's experts round its rows the
-    same whatever other tokens share them."""
-    return grouped_experts(torch.ops.kvmesh_cpu.invariant_mm, x, topk_ids, topk_weights, w_gate_up, w_down, activation)
-
-
-@invariant_moe_experts.register_fake
-def _invariant_moe_experts_shape(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    activation: str,
-) -> torch.Tensor:
-    return torch.empty_like(x)
+# Custom ops, as ``kernels.reference.moe_experts`` is: torch.compile keeps them whole. ``cpu_moe_experts``
+# streams an expert's few rows; ``invariant_moe_experts`` runs every product through ``invariant_mm``, so a
+# token's experts round its rows the same whatever other tokens share them.
+cpu_moe_experts = grouped_experts_op("kvmesh::cpu_moe_experts", _expert_mm)
+invariant_moe_experts = grouped_experts_op(
+    "kvmesh::invariant_moe_experts", lambda rows, weight: torch.ops.kvmesh_cpu.invariant_mm(rows, weight)
+)
 
 
 def _fake_scaled_mm(

@@ -198,11 +198,19 @@ async def test_each_family_hands_off_what_it_computes_colocated(tmp_path, arch):
     """The families with layers of their own (Gemma 3, Qwen3-MoE's experts), fused checkpoint tensors (Phi-3)
     and sliding windows shorter than the prompt (the first three) through the split path: prefill's blocks,
     pulled over gRPC, decode on as the colocated engine does."""
-    model = write_checkpoint(tmp_path / arch, arch)
+    await _split_path_gives_colocated_tokens(write_checkpoint(tmp_path / arch, arch), [], [])
+
+
+async def _split_path_gives_colocated_tokens(model, prefill_flags: list[str], decode_flags: list[str]) -> None:
+    """PROMPT prefilled by a prefill worker (``prefill_flags``), its blocks pulled over gRPC by a decode worker
+    (``decode_flags``): the tokens the colocated engine gives."""
     colocated = LLMEngine(model, EngineConfig(num_blocks=64))
     want = colocated.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True))[0]
     args = ["--model", str(model), "--num-blocks", "64", "--kv-transport", "grpc"]
-    async with serve_main("prefill", prefill_main, args) as p, serve_main("decode", decode_main, args) as d:
+    async with (
+        serve_main("prefill", prefill_main, args + prefill_flags) as p,
+        serve_main("decode", decode_main, args + decode_flags) as d,
+    ):
         async with (
             grpc.aio.insecure_channel(f"127.0.0.1:{p.port}") as pc,
             grpc.aio.insecure_channel(f"127.0.0.1:{d.port}") as dc,
@@ -225,23 +233,4 @@ EP2 = ["--tensor-parallel-size", "2", "--enable-expert-parallel"]
 async def test_a_moe_model_hands_off_between_expert_parallel_degrees(tmp_path, prefill_ep, decode_ep):
     """Prefill and decode with their experts split differently (one rank holding all, two holding half each):
     the KV is a dense model's, so it crosses unchanged and decode goes on as the colocated engine does."""
-    model = write_checkpoint(tmp_path / "moe", "qwen3-moe")
-    colocated = LLMEngine(model, EngineConfig(num_blocks=64))
-    want = colocated.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True))[0]
-    args = ["--model", str(model), "--num-blocks", "64", "--kv-transport", "grpc"]
-    async with (
-        serve_main("prefill", prefill_main, args + prefill_ep) as p,
-        serve_main("decode", decode_main, args + decode_ep) as d,
-    ):
-        async with (
-            grpc.aio.insecure_channel(f"127.0.0.1:{p.port}") as pc,
-            grpc.aio.insecure_channel(f"127.0.0.1:{d.port}") as dc,
-        ):
-            prefill, decode = prefill_pb2_grpc.PrefillServiceStub(pc), decode_pb2_grpc.DecodeServiceStub(dc)
-            pre = await prefill.Prefill(prefill_pb2.PrefillRequest(request_id="m", token_ids=PROMPT, sampling=greedy()))
-            remote = decode_pb2.RemotePrefill(first_token_id=pre.first_token_id, handoff=pre.handoff)
-            request = decode_pb2.DecodeRequest(
-                request_id="m", prompt_token_ids=PROMPT, sampling=greedy(), remote=remote
-            )
-            tokens, final = await _decode(decode, request)
-    assert tokens == want.token_ids and final.usage.cached_tokens == 3 * BS
+    await _split_path_gives_colocated_tokens(write_checkpoint(tmp_path / "moe", "qwen3-moe"), prefill_ep, decode_ep)
