@@ -29,7 +29,7 @@ namespace {
 
 using kvmesh_cpu::with_float_type;
 
-constexpr int kMaxVectors = 16;  // head_dim up to 256, in vectors of 16 floats
+constexpr int kMaxVectors = 36;  // head_dim up to 576 (MLA's latent: 512 + 64 rope), in vectors of 16 floats
 
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const at::BFloat16* p, __mmask16 m) {

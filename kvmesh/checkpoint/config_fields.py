@@ -48,6 +48,21 @@ HONOURED: dict[str, str] = {
     "norm_topk_prob": "whether the chosen experts' weights are renormalised",
     "decoder_sparse_step": "Qwen3-MoE: every n-th layer is sparse",
     "mlp_only_layers": "Qwen3-MoE: layers with a dense MLP",
+    "n_routed_experts": "DeepSeek-V3's routed experts",
+    "n_shared_experts": "DeepSeek-V3's shared experts, every token through them",
+    "n_group": "DeepSeek-V3: expert groups a token's choice is limited by",
+    "topk_group": "DeepSeek-V3: the groups a token picks its experts from",
+    "routed_scaling_factor": "DeepSeek-V3: the chosen experts' weights' factor",
+    "first_k_dense_replace": "DeepSeek-V3: the first layers' dense MLPs",
+    "moe_layer_freq": "DeepSeek-V3: every n-th layer from first_k_dense_replace is sparse",
+    "scoring_func": "DeepSeek's router scores: sigmoid served, others refused (moe_config)",
+    "topk_method": "DeepSeek's expert choice: noaux_tc served, others refused (moe_config)",
+    "q_lora_rank": "MLA: the query's low-rank bottleneck (kvmesh.checkpoint.mla_config)",
+    "kv_lora_rank": "MLA: the latent's width, what the KV pool holds",
+    "qk_nope_head_dim": "MLA: each head's key width without rotary position",
+    "qk_rope_head_dim": "MLA: the rotated key part shared by every head",
+    "v_head_dim": "MLA: each head's value width",
+    "rope_interleave": "MLA: rotary dimensions in interleaved pairs",
 }
 
 NO_EFFECT: dict[str, str] = {
@@ -73,6 +88,11 @@ NO_EFFECT: dict[str, str] = {
     "router_aux_loss_coef": "the load-balancing loss (training)",
     "output_router_logits": "transformers' output switch (router logits feed the training loss)",
     "router_jitter_noise": "multiplicative noise on the router's input while training only",
+    "num_mtp_layers": "multi-token prediction layers: the main model is served, their weights skipped",
+    "num_nextn_predict_layers": "the same, as DeepSeek's own configs name it",
+    "ep_size": "the expert-parallel degree DeepSeek trained at (--enable-expert-parallel chooses ours)",
+    "aux_loss_alpha": "the load-balancing loss (training)",
+    "seq_aux": "the load-balancing loss (training)",
 }
 
 # field -> (the values served, why others are not)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.checkpoint.config_fields import check_fields
+from kvmesh.checkpoint.mla_config import MLAConfig, mla_config, mla_softmax_scale
 from kvmesh.checkpoint.moe_config import MoEConfig, moe_config
 from kvmesh.errors import ModelLoadError
 
@@ -24,6 +25,8 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",  # fused projections in the checkpoint (kvmesh.engine.phi3)
     "Qwen3MoeForCausalLM": "qwen3_moe",  # Mixtures of Experts (kvmesh.engine.moe)
     "MixtralForCausalLM": "mixtral",
+    # Multi-head Latent Attention over a latent KV pool (kvmesh.engine.mla) and DeepSeek-V3's experts; Kimi K2
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 # transformers' own config classes write model_type even when "architectures" is absent.
 _MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()} | {"gemma3_text": "Gemma3ForCausalLM"}
@@ -65,6 +68,14 @@ class ModelConfig:
     local_rope: dict[str, Any] | None = None
     # The routed experts of a Mixture-of-Experts family (which layers, how tokens choose); None: dense.
     moe: MoEConfig | None = None
+    # Multi-head Latent Attention's shapes; None: per-head K/V. With it the pool's "KV heads" are one latent
+    # row per token (``num_kv_heads`` 1, ``head_dim`` the latent's width) and it holds no separate V.
+    mla: MLAConfig | None = None
+
+    @property
+    def kv_components(self) -> int:
+        """What the KV pool holds per token, head and layer: K and V (2), or MLA's one latent (1)."""
+        return 1 if self.mla is not None else 2
 
     @property
     def sliding_window(self) -> int:
@@ -104,6 +115,11 @@ class ModelConfig:
             for params in (rope, local_rope):
                 if params is not None:
                     _check_rope(params, source)
+            mla = mla_config(raw, source) if family == "deepseek_v3" else None
+            attn_scale = float(raw.get("query_pre_attn_scalar") or head_dim) ** -0.5
+            kv_heads = int(raw.get("num_key_value_heads") or heads)
+            if mla is not None:  # the pool's view: one latent row a token (kvmesh.engine.mla)
+                head_dim, kv_heads, attn_scale = mla.latent_width, 1, mla_softmax_scale(mla, rope)
             return cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -111,7 +127,7 @@ class ModelConfig:
                 intermediate_size=int(raw["intermediate_size"]),
                 num_layers=num_layers,
                 num_heads=heads,
-                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+                num_kv_heads=kv_heads,
                 head_dim=head_dim,
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
@@ -121,7 +137,7 @@ class ModelConfig:
                 rope=rope,
                 dtype=_dtype_name(raw.get("dtype") or raw.get("torch_dtype") or "float32", source),
                 eos_token_ids=eos_ids,
-                attn_scale=float(raw.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+                attn_scale=attn_scale,
                 # Gemma's field is hidden_activation; the others' hidden_act (each ignores the other's).
                 hidden_act=raw.get("hidden_activation" if family == "gemma3" else "hidden_act") or _DEFAULT_ACT[family],
                 final_logit_softcap=raw.get("final_logit_softcapping"),
@@ -129,6 +145,7 @@ class ModelConfig:
                 layer_windows=_layer_windows(raw, family, num_layers, source),
                 local_rope=local_rope,
                 moe=moe_config(raw, family, num_layers, source),
+                mla=mla,
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: missing field {e.args[0]!r}") from None

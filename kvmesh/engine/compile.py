@@ -63,7 +63,8 @@ def _traced_write(
     block, offset = slot_mapping // block_size, slot_mapping % block_size
     which = torch.full_like(slot_mapping, layer)
     kv_cache.index_put_((which, torch.zeros_like(slot_mapping), block, offset), k.to(kv_cache.dtype))
-    kv_cache.index_put_((which, torch.ones_like(slot_mapping), block, offset), v.to(kv_cache.dtype))
+    if kv_cache.shape[1] > 1:  # MLA's latent pool holds no V
+        kv_cache.index_put_((which, torch.ones_like(slot_mapping), block, offset), v.to(kv_cache.dtype))
 
 
 class CompiledDecode:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from kvmesh.checkpoint.model_config import ModelConfig
 from kvmesh.engine.gemma import Gemma3CausalLM
+from kvmesh.engine.mla import DeepseekV3CausalLM
 from kvmesh.engine.model import CausalLM
 from kvmesh.engine.moe import MoECausalLM
 from kvmesh.engine.phi3 import Phi3CausalLM
@@ -15,6 +16,7 @@ _FAMILY_MODELS: dict[str, type[CausalLM]] = {
     "Phi3ForCausalLM": Phi3CausalLM,
     "Qwen3MoeForCausalLM": MoECausalLM,
     "MixtralForCausalLM": MoECausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3CausalLM,
 }
 
 

@@ -1,7 +1,8 @@
 """The paged KV pool of one device, and the export/import of single blocks as bytes.
 
 One tensor holds every layer's K and V:
-``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (for Multi-head Latent Attention,
+one latent row a token: ``[num_layers, 1, num_blocks, block_size, 1, latent width]``).
 A block exported to the wire is the slice ``[:, :, block_id]`` — shape
 ``[num_layers, 2, block_size, num_kv_heads, head_dim]`` (``KV_LAYOUT``) — as
 raw little-endian bytes of the pool's dtype. This is the one tensor wire
@@ -21,6 +22,15 @@ from kvmesh.engine.config import dtype_name, parse_dtype
 from kvmesh.errors import InvalidArgument
 
 KV_LAYOUT = "layers,kv,block_tokens,kv_heads,head_dim"
+# Multi-head Latent Attention's blocks: one latent row a token and layer (``[layers, 1, block_tokens, 1,
+# latent width]``). Workers compare layouts before moving blocks, so a latent block never reaches a
+# per-head pool, nor the reverse, and the refusal names both.
+LATENT_KV_LAYOUT = "layers,latent,block_tokens,1,latent_width"
+
+
+def layout_name(components: int) -> str:
+    """The layout of a pool holding ``components`` rows a token (``ModelConfig.kv_components``)."""
+    return LATENT_KV_LAYOUT if components == 1 else KV_LAYOUT
 
 
 _MADV_HUGEPAGE = 14  # linux/mman.h
@@ -60,9 +70,10 @@ class BlockPayload:
 def check_payload(payload: BlockPayload, block_shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> None:
     """InvalidArgument unless ``payload`` is a block of this layout: its shape, dtype and size."""
     if tuple(payload.shape) != block_shape or parse_dtype(payload.dtype) != dtype:
+        theirs = layout_name(payload.shape[1]) if len(payload.shape) == 5 else "unknown"
         raise InvalidArgument(
-            f"KV block layout mismatch: got {tuple(payload.shape)} {payload.dtype}, "
-            f"this cache holds {block_shape} {dtype_name(dtype)}"
+            f"KV block layout mismatch: got {tuple(payload.shape)} {payload.dtype} ({theirs}), "
+            f"this cache holds {block_shape} {dtype_name(dtype)} ({layout_name(block_shape[1])})"
         )
     if len(payload.data) != nbytes:
         raise InvalidArgument(f"KV block has {len(payload.data)} bytes, expected {nbytes}")
@@ -78,16 +89,18 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        components: int = 2,
     ) -> None:
+        """``components``: K and V (2), or MLA's latent alone (1; ``ModelConfig.kv_components``)."""
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.dtype = dtype
-        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, components, num_blocks, block_size, num_kv_heads, head_dim)
         if torch.device(device).type == "cpu":
             self.tensor = host_zeros_on_huge_pages(shape, dtype)
         else:
             self.tensor = torch.zeros(shape, dtype=dtype, device=device)
-        self.block_shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
+        self.block_shape = (num_layers, components, block_size, num_kv_heads, head_dim)
         self._pieces: numpy.ndarray | None = None  # [layers * 2, blocks, piece bytes] view, made on first use
 
     @property

@@ -14,7 +14,7 @@ from kvmesh.blocks import BlockHash, block_hashes
 from kvmesh.checkpoint.model_config import ModelConfig
 from kvmesh.engine.block_manager import BlockManager, OutOfBlocks
 from kvmesh.engine.config import EngineConfig, dtype_name
-from kvmesh.engine.kv_cache import KV_LAYOUT, BlockPayload, KVCache
+from kvmesh.engine.kv_cache import BlockPayload, KVCache, layout_name
 from kvmesh.engine.lora import LoraAdapters
 from kvmesh.errors import NotFound, ResourceExhausted
 
@@ -41,7 +41,7 @@ class KVHandoff:
         return {
             "block_size": self.config.block_size,
             "dtype": dtype_name(self.kv.dtype),
-            "layout": KV_LAYOUT,
+            "layout": layout_name(mc.kv_components),
             "num_layers": mc.num_layers,
             "num_kv_heads": mc.num_kv_heads,
             "head_dim": mc.head_dim,

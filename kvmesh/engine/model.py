@@ -41,8 +41,9 @@ class AttentionMetadata:
 def write_layer_kv(
     ops: Ops, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor
 ) -> None:
-    """This step's K/V into layer ``layer`` of the pool ``[layers, 2, blocks, block_size, Hk, D]``."""
-    ops.write_kv_cache(k, v, kv_cache[layer, 0], kv_cache[layer, 1], slot_mapping)
+    """This step's K/V into layer ``layer`` of the pool ``[layers, 2, blocks, block_size, Hk, D]`` (MLA's
+    latent pool ``[layers, 1, ...]`` holds no V: its attention passes the latent as both)."""
+    ops.write_kv_cache(k, v, kv_cache[layer, 0], kv_cache[layer, -1], slot_mapping)
 
 
 # The config's activation (``ModelConfig.hidden_act``) -> the op of ``kernels.Ops`` that gates the MLP with it.
@@ -57,24 +58,29 @@ class DecoderLayer(nn.Module):
         self.act = GATED_ACTIVATIONS[cfg.hidden_act]
         # Sliding-window attention: the last ``window`` tokens only, this token included (0: all of them).
         self.window = cfg.layer_windows[index] if cfg.layer_windows else 0
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_size, self.kv_size = q_size, kv_size
         h = cfg.hidden_size
-        self.qkv_proj = nn.Linear(h, q_size + 2 * kv_size, bias=cfg.qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(q_size, h, bias=False, dtype=dtype)
+        self.init_attention(cfg, dtype)
         if self.has_dense_mlp(cfg, index):
             self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False, dtype=dtype)
             self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False, dtype=dtype)
         self.input_norm = nn.Parameter(torch.ones(h, dtype=dtype))
         self.post_attn_norm = nn.Parameter(torch.ones(h, dtype=dtype))
-        if cfg.qk_norm:
-            self.q_norm = nn.Parameter(torch.ones(cfg.head_dim, dtype=dtype))
-            self.k_norm = nn.Parameter(torch.ones(cfg.head_dim, dtype=dtype))
         # The engine's LoRA adapters (kvmesh.engine.lora), shared by every layer; None: LoRA off.
         self.lora: LoraSlots | None = None
         # Tensor parallelism (kvmesh.engine.tensor_parallel): sums the ranks' partial o_proj and
         # down_proj products in place; None: one rank holds the whole layer.
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
+
+    def init_attention(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        """The attention's weights: fused q/k/v, the output projection, the QK norms where the family has them."""
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_size, self.kv_size = q_size, kv_size
+        h = cfg.hidden_size
+        self.qkv_proj = nn.Linear(h, q_size + 2 * kv_size, bias=cfg.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(q_size, h, bias=False, dtype=dtype)
+        if cfg.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(cfg.head_dim, dtype=dtype))
+            self.k_norm = nn.Parameter(torch.ones(cfg.head_dim, dtype=dtype))
 
     def has_dense_mlp(self, cfg: ModelConfig, index: int) -> bool:
         """Whether layer ``index``'s MLP is the dense gated one (a Mixture-of-Experts layer's is not)."""
@@ -205,7 +211,7 @@ class CausalLM(nn.Module):
         # What reads the whole vocabulary's embedding and head on a rank that holds a part (an EAGLE
         # head, its fingerprint): the checkpoint's HF-named tensors, read again (``load_weights`` sets it).
         self._checkpoint: Callable[..., Iterable[tuple[str, torch.Tensor]]] | None = None
-        cos_sin = rope_cos_sin_cache(cfg.rope, cfg.head_dim, max_positions, cfg.max_position_embeddings)
+        cos_sin = rope_cos_sin_cache(cfg.rope, self.rope_dim(cfg), max_positions, cfg.max_position_embeddings)
         self.register_buffer("cos_sin", cos_sin, persistent=False)
         # ``run`` compiled for decode steps, and the KV write it traces (kvmesh.engine.compile);
         # None / the plain op: eager everywhere.
@@ -219,6 +225,10 @@ class CausalLM(nn.Module):
         # it traced.
         self.feature_layers: tuple[int, ...] = ()
         self.lora: LoraSlots | None = None
+
+    def rope_dim(self, cfg: ModelConfig) -> int:
+        """The width the rotary embedding turns: every head dimension here (MLA's decoupled part there)."""
+        return cfg.head_dim
 
     def use_lora(self, lora: LoraSlots) -> None:
         """Add each token's adapter product after every projection (steps that bind no adapter run as before)."""
@@ -396,14 +406,7 @@ class CausalLM(nn.Module):
         cfg = self.layer_cfg  # a tensor-parallel rank's fused projections hold its slices (``TPLayout.shard``)
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        qs, ks = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        fused = {  # HF suffix -> (our suffix, row offset, rows)
-            "self_attn.q_proj": ("qkv_proj", 0, qs),
-            "self_attn.k_proj": ("qkv_proj", qs, ks),
-            "self_attn.v_proj": ("qkv_proj", qs + ks, ks),
-            "mlp.gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
-            "mlp.up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
-        }
+        fused = self.fused_names(cfg)
         renamed = self.RENAMED
         for name, tensor in checkpoint():
             target, rows = self._map_name(name, fused, renamed)
@@ -422,6 +425,17 @@ class CausalLM(nn.Module):
         missing = self._expected_names(fused, renamed) - loaded
         if missing:
             raise ModelLoadError(f"checkpoint is missing weights: {', '.join(sorted(missing)[:5])}")
+
+    def fused_names(self, cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
+        """HF module suffix -> (our fused projection, row offset, rows): q/k/v and gate/up."""
+        qs, ks = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return {
+            "self_attn.q_proj": ("qkv_proj", 0, qs),
+            "self_attn.k_proj": ("qkv_proj", qs, ks),
+            "self_attn.v_proj": ("qkv_proj", qs + ks, ks),
+            "mlp.gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
+            "mlp.up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
+        }
 
     def _map_name(self, name: str, fused: dict, renamed: dict) -> tuple[str | None, tuple[int, int] | None]:
         if name == "model.embed_tokens.weight":

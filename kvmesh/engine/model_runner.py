@@ -114,7 +114,14 @@ class ModelRunner:
             self.model.feature_layers = drafter.feature_layers
         kv_heads = layout.local_kv_heads if layout is not None else mc.num_kv_heads
         self.kv: KVCache | ShardedKVCache = KVCache(
-            mc.num_layers, cfg.num_blocks, cfg.block_size, kv_heads, mc.head_dim, self.dtype, self.device
+            mc.num_layers,
+            cfg.num_blocks,
+            cfg.block_size,
+            kv_heads,
+            mc.head_dim,
+            self.dtype,
+            self.device,
+            mc.kv_components,
         )
         if self.tp is not None:
             self.kv = ShardedKVCache(self.kv, self.tp, layouts, mc.num_kv_heads)  # blocks move whole

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kvmesh.checkpoint.mla_config import yarn_mscale
 from kvmesh.checkpoint.model_config import ROPE_TYPES
 from kvmesh.errors import ModelLoadError
 
@@ -40,8 +41,11 @@ def _yarn(theta: float, dim: int, p: dict[str, Any], max_pos: int) -> tuple[torc
     orig = p.get("original_max_position_embeddings") or max_pos
     beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
     attn_factor = p.get("attention_factor")
+    if attn_factor is None:  # DeepSeek's configs give mscale and mscale_all_dim: their ratio, as transformers
+        mscale, all_dim = p.get("mscale"), p.get("mscale_all_dim")
+        attn_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim) if mscale and all_dim else None
     if attn_factor is None:
-        attn_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        attn_factor = yarn_mscale(factor, 1.0)
 
     def correction_dim(num_rot: float) -> float:
         return (dim * math.log(orig / (num_rot * 2 * math.pi))) / (2 * math.log(theta))

@@ -511,5 +511,14 @@ def build_rank_model(
         model.use_small_rows_linears()
     if cfg.max_loras > 0:  # rank 0 fills the slots
         model.use_lora(LoraSlots(dtype, device, cfg.max_loras))
-    kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, layout.local_kv_heads, mc.head_dim, dtype, device)
+    kv = KVCache(
+        mc.num_layers,
+        cfg.num_blocks,
+        cfg.block_size,
+        layout.local_kv_heads,
+        mc.head_dim,
+        dtype,
+        device,
+        mc.kv_components,
+    )
     return model, kv

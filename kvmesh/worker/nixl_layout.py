@@ -95,15 +95,21 @@ class PoolRegion:
         return kv_pb2.NixlPoolRegion(**self.__dict__)
 
     @property
+    def planes(self) -> int:
+        """A layer's planes: K and V (2), or MLA's latent (1). A pool is one contiguous tensor, so a layer is
+        that many plane strides (derived, not sent: the wire's region predates latent pools)."""
+        return self.layer_stride // self.kv_stride
+
+    @property
     def pieces_per_block(self) -> int:
-        return 2 * self.num_layers
+        return self.planes * self.num_layers
 
     def run_descs(self, first_blocks: numpy.ndarray, run_lengths: numpy.ndarray) -> numpy.ndarray:
-        """(address, length, device) per (run, layer, k/v), run-major: run ``i`` is blocks
+        """(address, length, device) per (run, layer, plane), run-major: run ``i`` is blocks
         ``first_blocks[i] .. + run_lengths[i]``, contiguous within each plane."""
         planes = (
             numpy.arange(self.num_layers, dtype=numpy.uint64)[:, None] * self.layer_stride
-            + numpy.arange(2, dtype=numpy.uint64)[None, :] * self.kv_stride
+            + numpy.arange(self.planes, dtype=numpy.uint64)[None, :] * self.kv_stride
         ).ravel()
         starts = self.base_address + first_blocks.astype(numpy.uint64) * self.block_stride
         out = numpy.empty((len(starts) * len(planes), 3), dtype=numpy.uint64)

@@ -1,7 +1,7 @@
 """The kvstore's NIXL data plane: blocks move between a worker's pool and the store without crossing gRPC.
 
 An arena of block slots is registered with NIXL and shaped like a worker's
-pool (``[layers, 2, slots, block tokens, kv heads, head dim]``), so the same
+pool (``[layers, 2, slots, block tokens, kv heads, head dim]``; 1 plane for MLA's latent), so the same
 descriptor code (``kvmesh.worker.kv_nixl``) addresses its slots and a worker's
 blocks. It takes the KV layout of the first worker that handshakes; a worker
 with another layout is refused there, before any byte moves. The kvstore drives
@@ -35,7 +35,7 @@ from kvmesh.api.common.v1 import kv_pb2
 from kvmesh.blocks import BlockHash
 from kvmesh.checksum import checksum
 from kvmesh.engine.config import parse_dtype
-from kvmesh.engine.kv_cache import host_zeros_on_huge_pages
+from kvmesh.engine.kv_cache import LATENT_KV_LAYOUT, host_zeros_on_huge_pages
 from kvmesh.errors import FailedPrecondition, InvalidArgument
 from kvmesh.worker.kv_nixl import BlockRead, NixlEndpoint, NixlRead
 from kvmesh.worker.nixl_layout import PoolRegion, layout_mismatch
@@ -110,12 +110,13 @@ class NixlArena:
 
     def _open(self, layout: kv_pb2.KVLayout) -> None:
         dtype = parse_dtype(layout.dtype)
-        self._shape = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        planes = 1 if layout.layout == LATENT_KV_LAYOUT else 2  # MLA's latent, or K and V
+        self._shape = (layout.num_layers, planes, layout.block_size, layout.num_kv_heads, layout.head_dim)
         block_nbytes = int(numpy.prod(self._shape)) * torch.empty(0, dtype=dtype).element_size()
         slots = max(1, self._budget_bytes // block_nbytes)
-        tensor = host_zeros_on_huge_pages((layout.num_layers, 2, slots, *self._shape[2:]), dtype)
+        tensor = host_zeros_on_huge_pages((layout.num_layers, planes, slots, *self._shape[2:]), dtype)
         self.endpoint = NixlEndpoint(self._nixl, tensor, "kvstore")
-        self._pieces = tensor.view(torch.uint8).numpy().reshape(2 * layout.num_layers, slots, -1)
+        self._pieces = tensor.view(torch.uint8).numpy().reshape(planes * layout.num_layers, slots, -1)
         self._dtype = layout.dtype
         self._free = list(range(slots))
         self.layout = layout

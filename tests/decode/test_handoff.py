@@ -193,20 +193,22 @@ async def test_bad_sampling_is_invalid_argument(services):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err.value.details()
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "phi3", "mistral", "qwen3-moe"])
+@pytest.mark.parametrize("arch", ["gemma3", "phi3", "mistral", "qwen3-moe", "deepseek-v3"])
 async def test_each_family_hands_off_what_it_computes_colocated(tmp_path, arch):
-    """The families with layers of their own (Gemma 3, Qwen3-MoE's experts), fused checkpoint tensors (Phi-3)
-    and sliding windows shorter than the prompt (the first three) through the split path: prefill's blocks,
-    pulled over gRPC, decode on as the colocated engine does."""
+    """The families with layers of their own (Gemma 3, Qwen3-MoE's experts, DeepSeek-V3's latent attention and
+    its latent blocks), fused checkpoint tensors (Phi-3) and sliding windows shorter than the prompt (the first
+    three) through the split path: prefill's blocks, pulled over gRPC, decode on as the colocated engine does."""
     await _split_path_gives_colocated_tokens(write_checkpoint(tmp_path / arch, arch), [], [])
 
 
-async def _split_path_gives_colocated_tokens(model, prefill_flags: list[str], decode_flags: list[str]) -> None:
-    """PROMPT prefilled by a prefill worker (``prefill_flags``), its blocks pulled over gRPC by a decode worker
-    (``decode_flags``): the tokens the colocated engine gives."""
+async def _split_path_gives_colocated_tokens(
+    model, prefill_flags: list[str], decode_flags: list[str], transport: str = "grpc"
+) -> None:
+    """PROMPT prefilled by a prefill worker (``prefill_flags``), its blocks moved over ``transport`` to a decode
+    worker (``decode_flags``): the tokens the colocated engine gives."""
     colocated = LLMEngine(model, EngineConfig(num_blocks=64))
     want = colocated.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True))[0]
-    args = ["--model", str(model), "--num-blocks", "64", "--kv-transport", "grpc"]
+    args = ["--model", str(model), "--num-blocks", "64", "--kv-transport", transport]
     async with (
         serve_main("prefill", prefill_main, args + prefill_flags) as p,
         serve_main("decode", decode_main, args + decode_flags) as d,
@@ -217,12 +219,19 @@ async def _split_path_gives_colocated_tokens(model, prefill_flags: list[str], de
         ):
             prefill, decode = prefill_pb2_grpc.PrefillServiceStub(pc), decode_pb2_grpc.DecodeServiceStub(dc)
             pre = await prefill.Prefill(prefill_pb2.PrefillRequest(request_id="f", token_ids=PROMPT, sampling=greedy()))
+            assert pre.handoff.HasField("nixl") == (transport == "nixl")
             remote = decode_pb2.RemotePrefill(first_token_id=pre.first_token_id, handoff=pre.handoff)
             request = decode_pb2.DecodeRequest(
                 request_id="f", prompt_token_ids=PROMPT, sampling=greedy(), remote=remote
             )
             tokens, final = await _decode(decode, request)
     assert tokens == want.token_ids and final.usage.cached_tokens == 3 * BS
+
+
+@pytest.mark.skipif(load_nixl() is None, reason="NIXL is not installed (scripts/install.sh installs it)")
+async def test_latent_blocks_move_over_nixl(tmp_path):
+    """DeepSeek-V3's one-plane latent pool, READ over NIXL block by block: the planes a block has are the pool's."""
+    await _split_path_gives_colocated_tokens(write_checkpoint(tmp_path / "mla", "deepseek-v3"), [], [], "nixl")
 
 
 EP2 = ["--tensor-parallel-size", "2", "--enable-expert-parallel"]

@@ -76,6 +76,59 @@ ARCHS = {
         {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "norm_topk_prob": False},
     ),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # Multi-head Latent Attention (a 32-wide latent + 16 rotary: a 48-wide pool row) over DeepSeek-V3's layers:
+    # a dense first layer, then 8 experts in 2 groups (a token picks 2 from its best group), a shared expert,
+    # sigmoid scores with a correction bias (random below: transformers starts it at 0).
+    "deepseek-v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {
+            "num_key_value_heads": 4,
+            "kv_lora_rank": 32,
+            "qk_rope_head_dim": 16,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 24,
+            "q_lora_rank": 24,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_group": 2,
+            "topk_group": 1,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "routed_scaling_factor": 2.5,
+        },
+    ),
+    # Without the query's bottleneck (q_proj), with DeepSeek's YaRN: mscale and mscale_all_dim set the
+    # rope table's and the softmax's scale.
+    "deepseek-v3-yarn": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {
+            "num_key_value_heads": 4,
+            "kv_lora_rank": 32,
+            "qk_rope_head_dim": 16,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "q_lora_rank": None,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_group": 1,
+            "topk_group": 1,
+            "n_shared_experts": 2,
+            "first_k_dense_replace": 0,
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "mscale": 0.707,
+                "mscale_all_dim": 1.0,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+        },
+    ),
     # A sliding layer (16-token window, its own rope base) and a global one (linear-scaled rope), Gemma's
     # attention scale, soft-capped logits; its norms get random weights below (transformers starts them at 0).
     "gemma3": (
@@ -107,6 +160,9 @@ def write_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") and arch.startswith("gemma"):
                 param.normal_(0.0, 0.3)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's, 0 in a fresh model: random here
+                buffer.normal_(0.0, 0.3)
     model.save_pretrained(path)
     return path
 

@@ -1,0 +1,70 @@
+"""Multi-head Latent Attention beyond the per-family fidelity test (tests/engine/test_fidelity.py runs DeepSeek-V3
+with and without the query's bottleneck, with DeepSeek's YaRN, against transformers): the pool holds the latent
+and nothing else, a latent block and a per-head one never mix, the multi-token prediction layers a DeepSeek
+checkpoint carries are skipped, and what is not built yet is refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvmesh.checkpoint.model_config import ModelConfig
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.errors import FailedPrecondition, InvalidArgument
+from kvmesh.sampling import SamplingParams
+
+from .conftest import PROMPTS
+from .hf_reference import hf_greedy
+
+
+def test_the_pool_holds_one_latent_row_a_token_and_layer(checkpoints) -> None:
+    path = checkpoints["deepseek-v3"]
+    mc = ModelConfig.from_dir(path)
+    engine = LLMEngine(path, EngineConfig(num_blocks=32, dtype="float32"))
+    per_token = engine.kv.block_nbytes // engine.config.block_size
+    assert per_token == mc.num_layers * (mc.mla.kv_lora_rank + mc.mla.qk_rope_head_dim) * 4
+    assert engine.kv.tensor.numel() * 4 == per_token * 32 * engine.config.block_size  # no hidden copy
+    assert engine.kv_layout()["layout"] == "layers,latent,block_tokens,1,latent_width"
+
+
+def test_a_latent_block_and_a_per_head_block_never_mix(checkpoints) -> None:
+    latent = LLMEngine(checkpoints["deepseek-v3"], EngineConfig(num_blocks=32))
+    per_head = LLMEngine(checkpoints["llama-gqa"], EngineConfig(num_blocks=32))
+    block = latent.kv.export_block(1)
+    with pytest.raises(InvalidArgument, match=r"\(layers,latent,.*this cache holds .*\(layers,kv,"):
+        per_head.kv.import_block(1, block)
+    with pytest.raises(InvalidArgument, match=r"\(layers,kv,.*this cache holds .*\(layers,latent,"):
+        latent.kv.import_block(1, per_head.kv.export_block(1))
+
+
+def test_multi_token_prediction_layers_are_skipped(checkpoints, tmp_path) -> None:
+    """DeepSeek-V3's checkpoints carry its MTP layer after the last (``model.layers.61`` of 61): not run."""
+    path = tmp_path / "mtp"
+    shutil.copytree(checkpoints["deepseek-v3"], path)
+    tensors = load_file(path / "model.safetensors")
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    extra = {k.replace("layers.1.", f"layers.{layers}.", 1): v.clone() for k, v in tensors.items() if ".layers.1." in k}
+    save_file(
+        {**tensors, **extra, f"model.layers.{layers}.eh_proj.weight": torch.zeros(4, 4)}, path / "model.safetensors"
+    )
+    got = LLMEngine(path, EngineConfig(num_blocks=64)).generate(
+        [PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    )
+    assert got[0].token_ids == hf_greedy(checkpoints["deepseek-v3"], PROMPTS[0], 16)[0]
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"tensor_parallel_size": 2}, "tensor parallelism of Multi-head Latent Attention"),
+        ({"deterministic": True}, "deterministic serving of Multi-head Latent Attention"),
+    ],
+)
+def test_what_is_not_built_is_refused_by_name(checkpoints, settings, named) -> None:
+    with pytest.raises(FailedPrecondition, match=named):
+        LLMEngine(checkpoints["deepseek-v3"], EngineConfig(num_blocks=16, **settings))
