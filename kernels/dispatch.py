@@ -141,6 +141,9 @@ class Ops:
     ``batch_invariant``, KernelUnavailable (saying why) where they cannot run."""
 
     def __init__(self, device: torch.device, batch_invariant: bool = False) -> None:
+        # Whether every op is in its batch-invariant form: a model's own products outside the ops (MLA's
+        # per-head absorptions) then go through ``invariant_mm`` too.
+        self.batch_invariant = batch_invariant
         if batch_invariant:
             if device.type == "cpu" and not use_triton(device):
                 from kernels import cpu

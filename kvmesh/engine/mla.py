@@ -17,7 +17,7 @@ two agree to float32 rounding (tests/engine/test_mla.py holds it to transformers
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -26,8 +26,6 @@ from kernels import Ops
 from kvmesh.checkpoint.model_config import ModelConfig
 from kvmesh.engine.model import AttentionMetadata, write_layer_kv
 from kvmesh.engine.moe import Checkpoint, MoECausalLM, MoEDecoderLayer
-from kvmesh.engine.tp_layout import TPLayout
-from kvmesh.errors import FailedPrecondition
 
 
 class MLADecoderLayer(MoEDecoderLayer):
@@ -79,7 +77,7 @@ class MLADecoderLayer(MoEDecoderLayer):
         rows = torch.cat([c, k_pe.reshape(t, -1)], dim=-1).unsqueeze(1)  # [T, 1, latent width]
         write_kv(ops, rows, rows, kv_cache, self.index, meta.slot_mapping)
         w_uk, w_uv = self._absorbed()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, heads, rank]
+        q_latent = _per_head(ops, q_nope.transpose(0, 1), w_uk.transpose(1, 2)).transpose(0, 1)  # [T, heads, rank]
         query = torch.cat([q_latent, q_pe], dim=-1)
         pool = kv_cache[self.index, 0]  # keys and values alike: the latent rows
         if meta.is_decode:
@@ -88,11 +86,19 @@ class MLADecoderLayer(MoEDecoderLayer):
             out = ops.paged_extend_attention(
                 query, pool, pool, meta.block_tables, meta.query_start_loc, meta.seq_lens, cfg.attn_scale, 0
             )
-        values = torch.bmm(out[..., : mla.kv_lora_rank].transpose(0, 1), w_uv.transpose(1, 2))  # [heads, T, v]
+        values = _per_head(ops, out[..., : mla.kv_lora_rank].transpose(0, 1), w_uv)  # [heads, T, v]
         hidden = self.o_proj(values.transpose(0, 1).reshape(t, heads * mla.v_head_dim))
         if self.all_reduce is not None:
             self.all_reduce(hidden)
         return hidden
+
+
+def _per_head(ops: Ops, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [heads, T, in] @ weight [heads, out, in]ᵀ per head: one batched product, or under deterministic
+    serving one ``invariant_mm`` a head (a batched GEMM's blocking, and so its rounding, follows T)."""
+    if ops.batch_invariant:
+        return torch.stack([ops.invariant_mm(x[h].contiguous(), weight[h].contiguous()) for h in range(x.shape[0])])
+    return torch.bmm(x, weight.transpose(1, 2))
 
 
 def _halves(x: torch.Tensor) -> torch.Tensor:
@@ -117,22 +123,6 @@ class DeepseekV3CausalLM(MoECausalLM):
         "post_attention_layernorm": "post_attn_norm",
     }
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        dtype: torch.dtype,
-        device: torch.device,
-        max_positions: int,
-        tp: TPLayout | None = None,
-        all_reduce: Callable[[torch.Tensor], None] | None = None,
-    ) -> None:
-        if tp is not None and tp.size > 1:
-            raise FailedPrecondition(
-                f"{cfg.architecture}: tensor parallelism of Multi-head Latent Attention is not built; "
-                "serve it on one rank (--tensor-parallel-size 1)"
-            )
-        super().__init__(cfg, dtype, device, max_positions, tp, all_reduce)
-
     def load_weights(self, checkpoint: Checkpoint) -> None:
         """As any MoE model's, without the multi-token prediction layers DeepSeek-V3 checkpoints carry after
         the last layer (``model.layers.{num_hidden_layers}...``): the main model does not run them."""
@@ -147,12 +137,6 @@ class DeepseekV3CausalLM(MoECausalLM):
 
     def rope_dim(self, cfg: ModelConfig) -> int:
         return cfg.mla.qk_rope_head_dim
-
-    def make_batch_invariant(self) -> None:
-        raise FailedPrecondition(
-            f"{self.cfg.architecture}: deterministic serving of Multi-head Latent Attention is not built "
-            "(its absorbed products are batched per head)"
-        )
 
     def fused_names(self, cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
         """Only the dense MLP's gate/up are fused: the attention's projections load as they are."""

@@ -10,6 +10,10 @@ head are vocab-parallel: rank r holds vocabulary rows [r*ceil(V/N), ...) of both
 fall in them (zeros for the rest) and computes their logits, and an all-reduce adds the ranks' parts up.
 Norms stay whole on every rank. A config that cannot be split so is refused, saying why.
 
+Multi-head Latent Attention splits by heads too (q_proj or q_b_proj and kv_b_proj by output rows, o_proj
+by input columns, each head's own widths); what every head reads stays whole on every rank: the query's
+bottleneck (q_a_proj), the latent's projection (kv_a_proj_with_mqa) and the latent pool (one "KV head").
+
 A Mixture-of-Experts layer's routed experts are split one of two ways: by each expert's columns, as a
 dense MLP is (every rank holds every expert, 1/N of each), or with ``expert_parallel`` whole, rank r
 holding experts [r*E/N, (r+1)*E/N). Either way each rank's output is a partial sum the MLP's all-reduce
@@ -23,6 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvmesh.checkpoint.mla_config import MLAConfig
 from kvmesh.checkpoint.model_config import ModelConfig
 from kvmesh.checkpoint.moe_config import MoEConfig
 from kvmesh.errors import InvalidArgument
@@ -57,6 +62,7 @@ class TPLayout:
     # A Mixture-of-Experts model's experts: each whole on one rank (True) or split by columns.
     expert_parallel: bool = False
     moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
 
     @classmethod
     def of(cls, cfg: ModelConfig, rank: int, size: int, expert_parallel: bool = False) -> TPLayout:
@@ -83,7 +89,15 @@ class TPLayout:
                 f"do not divide by {size}"
             )
         return cls(
-            rank, size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, expert_parallel, moe
+            rank,
+            size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            expert_parallel,
+            moe,
+            cfg.mla,
         )
 
     @property
@@ -173,9 +187,27 @@ class TPLayout:
 
     def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of the HF-named checkpoint tensor ``name`` (whole where it is not split)."""
+        if self.mla is not None and ".self_attn." in name:
+            return self._shard_mla(name, tensor)
         how = next((v for k, v in _SPLITS.items() if name.endswith(k)), None)
         if how is None or self.size == 1:
             return tensor
         axis, kind = how.split("-")
         first, count = self.vocab_range(tensor.shape[0]) if kind == "vocab" else self._range(kind)
         return tensor.narrow(0 if axis == "rows" else 1, first, count)
+
+    def _shard_mla(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's heads of an MLA projection: rows of q_proj / q_b_proj (qk_head_dim a head) and kv_b_proj
+        (nope + v a head), columns of o_proj (v a head); the rest whole."""
+        mla, per_rank = self.mla, self.local_heads
+        widths = {
+            "self_attn.q_proj.weight": (0, mla.qk_head_dim),
+            "self_attn.q_b_proj.weight": (0, mla.qk_head_dim),
+            "self_attn.kv_b_proj.weight": (0, mla.qk_nope_head_dim + mla.v_head_dim),
+            "self_attn.o_proj.weight": (1, mla.v_head_dim),
+        }
+        how = next((v for k, v in widths.items() if name.endswith(k)), None)
+        if how is None or self.size == 1:
+            return tensor
+        axis, width = how
+        return tensor.narrow(axis, self.rank * per_rank * width, per_rank * width)

@@ -228,18 +228,28 @@ async def _split_path_gives_colocated_tokens(
     assert tokens == want.token_ids and final.usage.cached_tokens == 3 * BS
 
 
-@pytest.mark.skipif(load_nixl() is None, reason="NIXL is not installed (scripts/install.sh installs it)")
-async def test_latent_blocks_move_over_nixl(tmp_path):
-    """DeepSeek-V3's one-plane latent pool, READ over NIXL block by block: the planes a block has are the pool's."""
-    await _split_path_gives_colocated_tokens(write_checkpoint(tmp_path / "mla", "deepseek-v3"), [], [], "nixl")
-
-
 EP2 = ["--tensor-parallel-size", "2", "--enable-expert-parallel"]
+TP2 = ["--tensor-parallel-size", "2"]
+
+
+@pytest.mark.skipif(load_nixl() is None, reason="NIXL is not installed (scripts/install.sh installs it)")
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp"),
+    [([], []), pytest.param([], TP2, marks=pytest.mark.slow), pytest.param(TP2, [], marks=pytest.mark.slow)],
+    ids=["tp1-to-tp1", "tp1-to-tp2", "tp2-to-tp1"],
+)
+async def test_latent_blocks_move_over_nixl(tmp_path, prefill_tp, decode_tp):
+    """DeepSeek-V3's one-plane latent pool, READ over NIXL block by block (the planes a block has are the
+    pool's); at TP2 every rank holds the whole latent, so any degree reads from any."""
+    model = write_checkpoint(tmp_path / "mla", "deepseek-v3")
+    await _split_path_gives_colocated_tokens(model, prefill_tp, decode_tp, "nixl")
 
 
 @pytest.mark.slow  # starts a rank process
+@pytest.mark.parametrize("arch", ["qwen3-moe", "deepseek-v3"])
 @pytest.mark.parametrize(("prefill_ep", "decode_ep"), [([], EP2), (EP2, [])], ids=["ep1-to-ep2", "ep2-to-ep1"])
-async def test_a_moe_model_hands_off_between_expert_parallel_degrees(tmp_path, prefill_ep, decode_ep):
+async def test_a_moe_model_hands_off_between_expert_parallel_degrees(tmp_path, arch, prefill_ep, decode_ep):
     """Prefill and decode with their experts split differently (one rank holding all, two holding half each):
-    the KV is a dense model's, so it crosses unchanged and decode goes on as the colocated engine does."""
-    await _split_path_gives_colocated_tokens(write_checkpoint(tmp_path / "moe", "qwen3-moe"), prefill_ep, decode_ep)
+    the KV (a dense model's, or DeepSeek-V3's latent, whole on every rank) crosses unchanged over gRPC and
+    decode goes on as the colocated engine does."""
+    await _split_path_gives_colocated_tokens(write_checkpoint(tmp_path / arch, arch), prefill_ep, decode_ep)

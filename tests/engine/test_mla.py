@@ -1,7 +1,7 @@
 """Multi-head Latent Attention beyond the per-family fidelity test (tests/engine/test_fidelity.py runs DeepSeek-V3
 with and without the query's bottleneck, with DeepSeek's YaRN, against transformers): the pool holds the latent
 and nothing else, a latent block and a per-head one never mix, the multi-token prediction layers a DeepSeek
-checkpoint carries are skipped, and what is not built yet is refused by name."""
+checkpoint carries are skipped, and a request's bits under --deterministic do not depend on its batch."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ from safetensors.torch import load_file, save_file
 from kvmesh.checkpoint.model_config import ModelConfig
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.errors import FailedPrecondition, InvalidArgument
+from kvmesh.errors import InvalidArgument
 from kvmesh.sampling import SamplingParams
 
-from .conftest import PROMPTS
+from .conftest import PROMPTS, write_checkpoint
 from .hf_reference import hf_greedy
+from .test_moe import _target_alone_and_in_a_batch
 
 
 def test_the_pool_holds_one_latent_row_a_token_and_layer(checkpoints) -> None:
@@ -58,13 +59,15 @@ def test_multi_token_prediction_layers_are_skipped(checkpoints, tmp_path) -> Non
     assert got[0].token_ids == hf_greedy(checkpoints["deepseek-v3"], PROMPTS[0], 16)[0]
 
 
-@pytest.mark.parametrize(
-    ("settings", "named"),
-    [
-        ({"tensor_parallel_size": 2}, "tensor parallelism of Multi-head Latent Attention"),
-        ({"deterministic": True}, "deterministic serving of Multi-head Latent Attention"),
-    ],
-)
-def test_what_is_not_built_is_refused_by_name(checkpoints, settings, named) -> None:
-    with pytest.raises(FailedPrecondition, match=named):
-        LLMEngine(checkpoints["deepseek-v3"], EngineConfig(num_blocks=16, **settings))
+# Wide enough that the products take different paths by row count (as tests/engine/test_determinism.py's).
+WIDE = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, kv_lora_rank=64, q_lora_rank=96)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_deterministic_a_request_alone_and_in_a_batch_of_16_are_the_same_bits(tmp_path, dtype) -> None:
+    """The absorbed products run per head through invariant_mm, the experts and the attention in their
+    batch-invariant forms (without --deterministic the same comparison differs: tests/engine/test_moe.py)."""
+    path = write_checkpoint(tmp_path / "wide", "deepseek-v3", **WIDE)
+    engine = LLMEngine(path, EngineConfig(num_blocks=256, dtype=dtype, deterministic=True))
+    alone, batched = _target_alone_and_in_a_batch(engine)
+    assert alone == batched and len(alone[0]) == 16

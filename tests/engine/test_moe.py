@@ -218,10 +218,11 @@ def test_deterministic_a_request_alone_and_in_a_batch_of_16_are_the_same_bits(tm
 
 
 @pytest.mark.slow  # starts a rank process per case
-@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral", "deepseek-v3"])
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["experts-by-columns", "expert-parallel"])
 def test_two_ranks_give_transformers_tokens(checkpoints, arch, expert_parallel) -> None:
-    """TP2 with every expert's columns split, and TP2 + EP2 with each rank holding half the experts whole."""
+    """TP2 with every expert's columns split, and TP2 + EP2 with each rank holding half the experts whole
+    (DeepSeek-V3: its latent attention's heads split, the latent whole on both ranks)."""
     path = checkpoints[arch]
     cfg = EngineConfig(num_blocks=64, tensor_parallel_size=2, expert_parallel=expert_parallel)
     engine = LLMEngine(path, cfg)
