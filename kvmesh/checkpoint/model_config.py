@@ -77,6 +77,10 @@ class ModelConfig:
         """What the KV pool holds per token, head and layer: K and V (2), or MLA's one latent (1)."""
         return 1 if self.mla is not None else 2
 
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """The KV cache one token costs over every layer at ``dtype_bytes`` a value (what MLA's latent saves)."""
+        return self.num_layers * self.kv_components * self.num_kv_heads * self.head_dim * dtype_bytes
+
     @property
     def sliding_window(self) -> int:
         """The widest window any layer slides (0: no layer does)."""

@@ -43,6 +43,8 @@ class EngineCollector(Collector):
             "kv_blocks_cached": e.blocks.num_cached,
             # Blocks referenced by a live sequence or a hand-off: back to 0 when idle.
             "kv_blocks_in_use": e.blocks.num_blocks - e.blocks.num_free,
+            # What one token's KV costs in this pool (MLA's latent, or per-head K and V) over every layer.
+            "kv_bytes_per_token": e.kv.block_nbytes // e.config.block_size,
         }
         for name, value in gauges.items():
             yield GaugeMetricFamily(f"kvmesh_engine_{name}", f"Engine {name.replace('_', ' ')}.", value=value)

@@ -45,7 +45,8 @@ def check_model(path: Path, new_tokens: int = 16, max_kl: float = 1e-3) -> list[
         cfg = ModelConfig.from_dir(path)
     except KvmeshError as e:
         return [Check("architecture and config", "refused", False, str(e))]
-    checks = [Check("architecture", cfg.architecture, True)]
+    kv = f"{cfg.kv_bytes_per_token(2):,} B a token in 16 bits" + (" (MLA latent)" if cfg.mla is not None else "")
+    checks = [Check("architecture", cfg.architecture, True), Check("KV cache", kv, True)]
     unknown = sorted(k for k in cfg.raw if not decided(k))
     checks.append(
         Check(

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from kvmesh.checkpoint.model_config import ModelConfig
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.metrics import EngineCollector
 from kvmesh.errors import InvalidArgument
 from kvmesh.sampling import SamplingParams
 
@@ -31,6 +32,9 @@ def test_the_pool_holds_one_latent_row_a_token_and_layer(checkpoints) -> None:
     assert per_token == mc.num_layers * (mc.mla.kv_lora_rank + mc.mla.qk_rope_head_dim) * 4
     assert engine.kv.tensor.numel() * 4 == per_token * 32 * engine.config.block_size  # no hidden copy
     assert engine.kv_layout()["layout"] == "layers,latent,block_tokens,1,latent_width"
+    assert mc.kv_bytes_per_token(4) == per_token  # what `kvmesh models check` reports
+    gauges = {f.name: f.samples[0].value for f in EngineCollector(engine).collect() if f.samples}
+    assert gauges["kvmesh_engine_kv_bytes_per_token"] == per_token
 
 
 def test_a_latent_block_and_a_per_head_block_never_mix(checkpoints) -> None:

@@ -30,7 +30,14 @@ def test_a_served_model_passes_every_check(model, capsys) -> None:
     rc = main(["models", "check", str(model)])
     out = capsys.readouterr().out
     assert rc == 0, out
-    for check in ("architecture", "config fields", "chat template", "tokenizer round-trip", "greedy vs transformers"):
+    for check in (
+        "architecture",
+        "KV cache",
+        "config fields",
+        "chat template",
+        "tokenizer round-trip",
+        "greedy vs transformers",
+    ):
         row = next(line for line in out.splitlines() if line.startswith(check))
         assert " PASS " in row, row
     assert "4/4 x 16" in out and out.rstrip().endswith("PASS")
