@@ -18,10 +18,12 @@ from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.metrics import EngineCollector
 from kvmesh.errors import InvalidArgument
 from kvmesh.sampling import SamplingParams
+from kvmesh.speculation.drafter import Drafter
 
 from .conftest import PROMPTS, write_checkpoint
 from .hf_reference import hf_greedy
 from .test_moe import _target_alone_and_in_a_batch
+from .test_speculative import ScriptedProposer
 
 
 def test_the_pool_holds_one_latent_row_a_token_and_layer(checkpoints) -> None:
@@ -75,3 +77,13 @@ def test_deterministic_a_request_alone_and_in_a_batch_of_16_are_the_same_bits(tm
     engine = LLMEngine(path, EngineConfig(num_blocks=256, dtype=dtype, deterministic=True))
     alone, batched = _target_alone_and_in_a_batch(engine)
     assert alone == batched and len(alone[0]) == 16
+
+
+def test_speculative_verify_rows_keep_transformers_tokens(checkpoints) -> None:
+    """Drafts (wrong ones) verified as extra rows through the latent attention and the experts."""
+    path = checkpoints["deepseek-v3"]
+    drafts = ScriptedProposer({"req-0": [7, 8, 9] * 4})
+    engine = LLMEngine(path, EngineConfig(num_blocks=128), drafter=Drafter(drafts, 3, ()))
+    got = engine.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    assert [g.token_ids for g in got] == [hf_greedy(path, p, 32)[0] for p in PROMPTS[:2]]
+    assert engine.stats.draft_tokens_proposed > 0
