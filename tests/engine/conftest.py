@@ -167,10 +167,24 @@ def write_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
     return path
 
 
+class _Checkpoints(dict):
+    """ARCHS' checkpoints, each written the first time a test asks for it (a runner of a few files writes
+    only the few it uses)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name: str) -> Path:
+        if name not in ARCHS:
+            raise KeyError(name)
+        self[name] = write_checkpoint(self.root / name, name)
+        return self[name]
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("ckpt")
-    return {name: write_checkpoint(root / name, name) for name in ARCHS}
+    return _Checkpoints(tmp_path_factory.mktemp("ckpt"))
 
 
 @pytest.fixture(scope="session")

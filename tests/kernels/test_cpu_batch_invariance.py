@@ -49,6 +49,25 @@ def test_the_invariant_product_of_a_row_is_the_same_in_any_batch(ops, dtype) -> 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_a_token_s_experts_give_it_the_same_bits_in_any_batch(ops, dtype) -> None:
+    """The batch-invariant moe_experts: a token alone, and among tokens that share its experts (an expert's
+    rows are one product, so the library's would round them by how many there are)."""
+    torch.manual_seed(0)
+    experts, hidden, inter = 6, 96, 80
+    w_gate_up = (torch.randn(experts, 2 * inter, hidden) / hidden**0.5).to(dtype)
+    w_down = (torch.randn(experts, hidden, inter) / inter**0.5).to(dtype)
+    x = torch.randn(49, hidden, dtype=dtype)
+    ids = torch.stack([torch.randperm(experts)[:2] for _ in range(49)])
+    weights = torch.rand(49, 2)
+    together = ops.moe_experts(x, ids, weights, w_gate_up, w_down, "silu")
+    for i in range(49):
+        alone = ops.moe_experts(x[i : i + 1].clone(), ids[i : i + 1], weights[i : i + 1], w_gate_up, w_down, "silu")
+        assert torch.equal(alone, together[i : i + 1]), i
+    ref = reference.moe_experts(x.float(), ids, weights, w_gate_up.float(), w_down.float(), "silu")
+    assert torch.allclose(together.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_the_row_wise_ops_deterministic_serving_keeps_from_the_references_are_row_invariant(ops, dtype) -> None:
     torch.manual_seed(1)
     norm = torch.randn(576, dtype=dtype)
