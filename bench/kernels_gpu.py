@@ -14,7 +14,9 @@ against ceilings measured in the same run.
    prefill (8k) and extend (7k prefix + 1k new) attention as TFLOP/s and % of the
    matmul ceiling; both against SDPA on the same unpaged shapes; fp8 × bf16 matmul
    against the bf16 matmul; the elementwise kernels as GB/s; the fused MoE experts (Qwen3-30B-A3B's
-   128 experts, 8 per token) as GB/s of expert weights at 16 tokens and TFLOP/s at 4096.
+   128 experts, 8 per token) as GB/s of expert weights at 16 tokens and TFLOP/s at 4096; MLA decode
+   (DeepSeek-V3: 128 heads over one 512 + 64 latent row a token) as GB/s of the latent rows read,
+   against the torch reference (the generic decode kernel does not launch at that width).
 4. A small sweep of attention tile configurations, to inform the block-size heuristics.
 
 Run ``bench/kernels_gpu.sh`` on a CUDA machine (no installs). JSON goes to
@@ -63,6 +65,9 @@ FP8_CASES = [
 # Qwen3-30B-A3B's routed experts: hidden, per-expert intermediate, experts, experts per token.
 MOE_HIDDEN, MOE_INTER, MOE_EXPERTS, MOE_TOPK = 2048, 768, 128, 8
 MOE_CASES = [(16, True), (4096, False)]  # (tokens, bound by the expert weights' bytes rather than FLOPs)
+# DeepSeek-V3's Multi-head Latent Attention: query heads, latent values (the value columns), rotary values.
+MLA_HEADS, MLA_RANK, MLA_ROPE = 128, 512, 64
+MLA_DECODE_CASES = [(64, 4096), (8, 32768)]  # (batch, context)
 # The 16-bit dtype every "bf16" check runs in: float16 on a dry run, whose interpreter computes
 # bfloat16 wrongly (numpy has none).
 LOWP = torch.bfloat16
@@ -78,9 +83,10 @@ def n(count: int) -> int:
 def dry_run_sizes() -> None:
     """Tiny shapes on the CPU: every section runs, in minutes, in Triton's interpreter."""
     global DEVICE, SCALE, LOWP, HIDDEN, INTERMEDIATE, DECODE_CASES, PREFILL_CASES, FP8_CASES
-    global MOE_HIDDEN, MOE_INTER, MOE_EXPERTS
+    global MOE_HIDDEN, MOE_INTER, MOE_EXPERTS, MLA_HEADS, MLA_DECODE_CASES
     DEVICE, SCALE, LOWP, HIDDEN, INTERMEDIATE = "cpu", 64, torch.float16, 256, 512
     MOE_HIDDEN, MOE_INTER, MOE_EXPERTS = 128, 96, 16
+    MLA_HEADS, MLA_DECODE_CASES = 24, [(2, 64)]  # the latent keeps its width: its two dots are what runs
     DECODE_CASES, PREFILL_CASES = [(2, 64)], [(1, 0, 64), (1, 48, 16)]
     FP8_CASES = [(1, 2 * INTERMEDIATE, HIDDEN), (64, HIDDEN, INTERMEDIATE)]
 
@@ -95,6 +101,20 @@ def decode_bytes(batch: int, context: int, q_heads: int, kv_heads: int, head_dim
     q_and_out = 2 * batch * q_heads * head_dim * elem_bytes
     tables = batch * math.ceil(context / BLOCK_SIZE) * 4
     return kv + q_and_out + tables
+
+
+def mla_decode_bytes(batch: int, context: int, heads: int, dim: int, v_dim: int, elem_bytes: int = 2) -> int:
+    """The fewest bytes an MLA decode step moves: every latent row once (keys and values alike), q in,
+    out back, and the block tables (int32)."""
+    latent = batch * context * dim * elem_bytes
+    q_and_out = batch * heads * (dim + v_dim) * elem_bytes
+    tables = batch * math.ceil(context / BLOCK_SIZE) * 4
+    return latent + q_and_out + tables
+
+
+def mla_decode_flops(batch: int, context: int, heads: int, dim: int, v_dim: int) -> float:
+    """q·K over the latent's whole width and P @ V over its value columns, for every head and row."""
+    return 2.0 * batch * heads * context * (dim + v_dim)
 
 
 def attention_flops(batch: int, prefix: int, new: int, q_heads: int, head_dim: int) -> float:
@@ -562,6 +582,36 @@ def check_moe(report: Report, k: Any) -> None:
     report.check_true("moe_experts makes no host sync", not synced, synced)
 
 
+def check_mla(report: Report, k: Any) -> None:
+    """MLA decode at DeepSeek-V3's width against the reference in float32 on the upcast inputs: 16-bit at
+    its 128 heads and per rank at TP4 and TP8 (each head count has its own head block), and float32
+    (tf32 dots); then a sequence's bits alone vs in a batch."""
+    from kernels import reference
+    from kernels.triton.testing import poisoned_allocations, relative_error
+
+    dev, dim, scale = DEVICE, MLA_RANK + MLA_ROPE, 192**-0.5  # DeepSeek-V3's q·k head width is 128 + 64
+    for heads, dtype in ((MLA_HEADS, LOWP), (32, LOWP), (16, LOWP), (MLA_HEADS, torch.float32)):
+        lens = [1, 16, n(257), n(1000), n(4097), n(20000)] + torch.randint(2, n(3000) + 2, (2,)).tolist()
+        kv = paged_kv(lens, 1, dim, dtype, dev)
+        q = torch.randn(len(lens), heads, dim, device=dev).to(dtype)
+        with poisoned_allocations():
+            out = k.mla_decode_attention(q, kv.k_cache, kv.block_tables, kv.seq_lens, scale, MLA_RANK)
+        ref = reference.mla_decode_attention(q.float(), kv.k_cache.float(), kv.block_tables, kv.seq_lens, scale,
+                                             MLA_RANK)  # fmt: skip
+        name = f"mla_decode H={heads} D={dim} v={MLA_RANK} {str(dtype).removeprefix('torch.')}"
+        report.check(name, relative_error(out, ref), TOLERANCE[dtype])
+
+    batch, at = 9, 5  # few: the interpreter of a dry run takes seconds a sequence
+    lens = torch.randint(1, n(12000) + 1, (batch,)).tolist()
+    lens[at] = n(20000)
+    kv = paged_kv(lens, 1, dim, LOWP, dev)
+    q = torch.randn(batch, MLA_HEADS, dim, device=dev).to(LOWP)
+    batched = k.mla_decode_attention(q, kv.k_cache, kv.block_tables, kv.seq_lens, scale, MLA_RANK)
+    alone = k.mla_decode_attention(q[at : at + 1], kv.k_cache, kv.block_tables[at : at + 1],
+                                   kv.seq_lens[at : at + 1], scale, MLA_RANK)  # fmt: skip
+    report.check_true(f"mla_decode bitwise alone vs batch of {batch}", torch.equal(alone[0], batched[at]))
+
+
 def time_decode(report: Report, k: Any) -> None:
     import torch.nn.functional as F
 
@@ -588,6 +638,35 @@ def time_decode(report: Report, k: Any) -> None:
             "speedup_vs_sdpa": sdpa_ms / ms, "sdpa": sdpa_how,
         })  # fmt: skip
         del kv
+
+
+def time_mla(report: Report, k: Any) -> None:
+    """MLA decode at DeepSeek-V3's shapes (128 heads, 512 + 64 latent, block 16): GB/s of the latent
+    rows (each read once at best) against the copy ceiling, and TFLOP/s against the matmul: 128 heads
+    make it about as much arithmetic as bytes (64x4k: 0.3 GB, 73 GFLOP). The anchor is the torch
+    reference on the same bf16 inputs (the generic decode kernel does not launch at this width)."""
+    from kernels import reference
+    from kernels.triton.testing import relative_error
+
+    dim, scale = MLA_RANK + MLA_ROPE, 192**-0.5
+    for batch, context in MLA_DECODE_CASES:
+        latent = paged_kv([context] * batch, 1, dim, LOWP, DEVICE)
+        q = torch.randn(batch, MLA_HEADS, dim, device=DEVICE).to(LOWP)
+        args = (q, latent.k_cache, latent.block_tables, latent.seq_lens, scale, MLA_RANK)
+        out, ref = k.mla_decode_attention(*args), reference.mla_decode_attention(*args)
+        report.check(f"mla_decode {batch}x{context} (timed shape)", relative_error(out, ref.float()), 1e-2)
+        del out, ref
+        ms = bench_ms(lambda: k.mla_decode_attention(*args))
+        ref_ms = bench_ms(lambda: reference.mla_decode_attention(*args))
+        gbps = mla_decode_bytes(batch, context, MLA_HEADS, dim, MLA_RANK) / ms / 1e6
+        tflops = mla_decode_flops(batch, context, MLA_HEADS, dim, MLA_RANK) / ms / 1e9
+        report.timings.append({
+            "kernel": "mla_decode_attention", "shape": f"{batch}x{context} H={MLA_HEADS}", "ms": ms, "GBps": gbps,
+            "pct_of_copy": 100 * gbps / report.ceilings["copy_GBps"], "TFLOPs": tflops,
+            "pct_of_matmul": 100 * tflops / report.ceilings["matmul_bf16_TFLOPs"], "torch_reference_ms": ref_ms,
+            "speedup_vs_torch_reference": ref_ms / ms,
+        })  # fmt: skip
+        del latent
 
 
 def _sdpa_decode_ms(F: Any, batch: int, context: int) -> tuple[float, str]:
@@ -732,6 +811,33 @@ def time_moe(report: Report, k: Any) -> None:
         report.timings.append(row)
 
 
+def sweep_mla(report: Report, k: Any, deadline: float) -> None:
+    """Time other MLA decode tiles and shortest splits on the timed shapes (every tile here compiles for
+    sm_90 without spills; the first is what ``_mla_config`` picks at 128 heads in bf16)."""
+    from kernels.triton import mla_decode
+
+    # (BLOCK_H, BLOCK_N, warps, stages, shortest split)
+    variants = [(64, 16, 8, 3, 2048), (64, 16, 8, 2, 2048), (32, 32, 8, 3, 2048), (32, 16, 4, 3, 2048),
+                (16, 32, 4, 3, 2048), (16, 32, 4, 2, 2048), (64, 16, 8, 3, 256), (64, 16, 8, 3, 1024),
+                (64, 16, 8, 3, 4096)]  # fmt: skip
+    dim = MLA_RANK + MLA_ROPE
+    for batch, context in MLA_DECODE_CASES:
+        latent = paged_kv([context] * batch, 1, dim, LOWP, DEVICE)
+        q = torch.randn(batch, MLA_HEADS, dim, device=DEVICE).to(LOWP)
+        for block_h, block_n, warps, stages, min_split in variants:
+            if time.monotonic() > deadline:
+                return
+            cfg = {"BLOCK_H": block_h, "BLOCK_N": block_n, "MIN_SPLIT_TOKENS": min_split, "num_warps": warps,
+                   "num_stages": stages}  # fmt: skip
+            with mock.patch.object(mla_decode, "_mla_config", lambda h, e, cfg=cfg: dict(cfg)):
+                ms = bench_ms(lambda: k.mla_decode_attention(q, latent.k_cache, latent.block_tables,
+                                                             latent.seq_lens, 0.072, MLA_RANK))  # fmt: skip
+            gbps = mla_decode_bytes(batch, context, MLA_HEADS, dim, MLA_RANK) / ms / 1e6
+            report.sweeps.append({"kernel": "mla_decode", "shape": f"{batch}x{context}", **cfg, "ms": ms,
+                                  "GBps": gbps})  # fmt: skip
+        del latent
+
+
 def sweep_attention(report: Report, k: Any, deadline: float) -> None:
     """Time other tile configurations on the timed shapes, to tune the heuristics next time."""
     from kernels.triton import decode_attention, extend_attention, fp8
@@ -811,6 +917,9 @@ _ANCHORS = (("speedup_vs_sdpa", "x SDPA"), ("speedup_vs_bf16_matmul", "x bf16 mm
 def _timing_row(t: dict[str, Any]) -> list[str]:
     if "GBps" in t:
         rate, of_ceiling = f"{_fmt(t['GBps'], 0)} GB/s", f"{_fmt(t['pct_of_copy'], 0)}% copy"
+        if "TFLOPs" in t:  # bound by both (MLA decode): show the two
+            rate += f", {_fmt(t['TFLOPs'], 0)} TFLOP/s"
+            of_ceiling += f", {_fmt(t['pct_of_matmul'], 0)}% matmul"
     else:
         rate = f"{_fmt(t['TFLOPs'], 0)} TFLOP/s"
         of_ceiling = f"{_fmt(t['pct_of_matmul'], 0)}% matmul" if "pct_of_matmul" in t else ""
@@ -829,7 +938,8 @@ def print_summary(report: Report) -> None:
     if report.sweeps:
         print("\nTile sweep. The heuristics pick, at these shapes: decode BLOCK_N=64 warps=4 stages=2 "
               "min_split=256; extend 128/64 warps=8 stages=3; fp8 M=16: 16/64/128 (N=28672), 16/32/256 "
-              "(N=4096); M=4096: 128/128/64 warps=8 stages=4")  # fmt: skip
+              "(N=4096); M=4096: 128/128/64 warps=8 stages=4; mla_decode (128 heads): 64/16 warps=8 stages=3 "
+              "min_split=2048")  # fmt: skip
         print_table(["kernel", "shape", "config", "ms", "GB/s or TFLOP/s"], [_sweep_row(s) for s in report.sweeps])
     failed = [c for c in report.checks if not c["ok"]]
     print(f"\nChecks: {len(report.checks) - len(failed)}/{len(report.checks)} passed")
@@ -904,13 +1014,16 @@ def main(argv: list[str] | None = None) -> int:
     guarded(report, "correctness: fp8 and int8 weights", lambda: check_8bit_weights(report, k))
     guarded(report, "correctness: LoRA", lambda: check_lora(report, k))
     guarded(report, "correctness: MoE experts", lambda: check_moe(report, k))
+    guarded(report, "correctness: MLA decode", lambda: check_mla(report, k))
     if not args.checks_only and report.ceilings:
         guarded(report, "timing: decode attention", lambda: time_decode(report, k))
+        guarded(report, "timing: MLA decode", lambda: time_mla(report, k))
         guarded(report, "timing: prefill/extend attention", lambda: time_extend(report, k))
         guarded(report, "timing: fp8 and invariant matmul", lambda: time_fp8(report, k))
         guarded(report, "timing: elementwise kernels", lambda: time_elementwise(report, k))
         guarded(report, "timing: MoE experts", lambda: time_moe(report, k))
-        if not args.no_sweep and not args.dry_run:
+        if not args.no_sweep and not args.dry_run:  # MLA's first: its tiles were never timed yet
+            guarded(report, "sweep: MLA decode", lambda: sweep_mla(report, k, started + args.budget_s))
             guarded(report, "sweep", lambda: sweep_attention(report, k, started + args.budget_s))
     write_json(report, args.json or default_json_path(os.environ))
     print_summary(report)

@@ -42,6 +42,7 @@ OPS = (
     "write_kv_cache",
     "paged_decode_attention",
     "paged_extend_attention",
+    "mla_decode_attention",
     "quantize_fp8_weight",
     "fp8_scaled_mm",
     "int8_scaled_mm",

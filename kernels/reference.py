@@ -121,6 +121,22 @@ def paged_decode_attention(
     return out[:, :, 0, :].to(q.dtype)
 
 
+def mla_decode_attention(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    v_dim: int,
+) -> torch.Tensor:
+    """Multi-head Latent Attention's decode in the absorbed form: q [B, H, D] (every head over the one
+    latent row a token, [num_blocks, block_size, 1, D]), the rows serving as keys and, through their
+    first ``v_dim`` values, as values. Returns [B, H, v_dim]. Its own op so a kernel can read each latent
+    row once for many heads and accumulate only ``v_dim`` outputs; this is its definition."""
+    out = paged_decode_attention(q, latent_cache, latent_cache, block_tables, seq_lens, scale)
+    return out[..., :v_dim].contiguous()
+
+
 def paged_extend_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

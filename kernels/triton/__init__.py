@@ -16,6 +16,7 @@ from kernels.triton.fused_moe import moe_experts
 from kernels.triton.invariant_mm import invariant_mm
 from kernels.triton.kv_write import write_kv_cache
 from kernels.triton.lora import lora_add
+from kernels.triton.mla_decode import mla_decode_attention
 from kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.triton.rotary import rotary_embedding
 from kernels.triton.silu_mul import gelu_tanh_and_mul, silu_and_mul
@@ -29,6 +30,7 @@ KERNELS = {
     "write_kv_cache": write_kv_cache,
     "paged_decode_attention": paged_decode_attention,
     "paged_extend_attention": paged_extend_attention,
+    "mla_decode_attention": mla_decode_attention,
     "quantize_fp8_weight": quantize_fp8_weight,
     "fp8_scaled_mm": fp8_scaled_mm,
     "int8_scaled_mm": int8_scaled_mm,

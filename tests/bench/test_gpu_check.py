@@ -45,10 +45,10 @@ def test_every_kernel_is_checked_and_timed(dry_run) -> None:
     checked = " ".join(c["name"] for c in report["checks"])
     for kernel in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary", "write_kv_cache", "decode ",
                    "extend ", "fp8 quantize", "fp8_scaled_mm", "int8_scaled_mm", "lora_add", "bitwise",
-                   "gelu_tanh_and_mul", "window=", "moe_experts"):  # fmt: skip
+                   "gelu_tanh_and_mul", "window=", "moe_experts", "mla_decode"):  # fmt: skip
         assert kernel in checked, kernel
     timed = {t["kernel"] for t in report["timings"]}
-    assert {"paged_decode_attention", "fp8_scaled_mm", "rms_norm", "write_kv_cache"} <= timed
+    assert {"paged_decode_attention", "mla_decode_attention", "fp8_scaled_mm", "rms_norm", "write_kv_cache"} <= timed
     assert report["ceilings"]["copy_GBps"] > 0 and report["ceilings"]["matmul_bf16_TFLOPs"] > 0
 
 

@@ -93,6 +93,10 @@ def _engine_like_calls() -> list[tuple[str, Callable[[], object]]]:
     moe_ids, moe_weights = torch.randint(0, 4, (t, 8)), torch.rand(t, 8)
     moe_gate_up, moe_down = torch.zeros(4, 2 * 768, 2048, dtype=bf16), torch.zeros(4, 2048, 768, dtype=bf16)
     moe_x = torch.randn(t, 2048, dtype=bf16)
+    # DeepSeek-V3's latent rows (512 + 64); its 128 heads whole, and per rank at TP4 and TP8 (each head
+    # count picks its own head block), and float32.
+    latent = torch.zeros(64, 16, 1, 576, dtype=bf16)
+    mla_q = torch.randn(2, 128, 576, dtype=bf16)
     return [
         ("rms_norm", lambda: K["rms_norm"](x, ones, 1e-6)),
         ("fused_add_rms_norm", lambda: K["fused_add_rms_norm"](x, x, ones, 1e-6)),
@@ -114,6 +118,11 @@ def _engine_like_calls() -> list[tuple[str, Callable[[], object]]]:
          lambda: K["paged_decode_attention"](q[:2], cache, cache, tables, lens, 0.1, 4096)),
         ("paged_extend_attention window",
          lambda: K["paged_extend_attention"](q, cache, cache, tables, torch.tensor([0, 100, t]), lens, 0.1, 4096)),
+        ("mla_decode_attention", lambda: K["mla_decode_attention"](mla_q, latent, tables, lens, 0.1, 512)),
+        ("mla_decode_attention H=32", lambda: K["mla_decode_attention"](mla_q[:, :32], latent, tables, lens, 0.1, 512)),
+        ("mla_decode_attention H=16", lambda: K["mla_decode_attention"](mla_q[:, :16], latent, tables, lens, 0.1, 512)),
+        ("mla_decode_attention float32",
+         lambda: K["mla_decode_attention"](mla_q.float(), latent.float(), tables, lens, 0.1, 512)),
         ("quantize_fp8_weight", lambda: K["quantize_fp8_weight"](torch.randn(512, 4096, dtype=bf16))),
         ("fp8_scaled_mm", lambda: K["fp8_scaled_mm"](torch.randn(16, 4096, dtype=bf16), qweight, scale)),  # decode
         ("fp8_scaled_mm", lambda: K["fp8_scaled_mm"](torch.randn(4096, 4096, dtype=bf16), qweight, scale)),  # prefill
