@@ -15,7 +15,8 @@ the ops where a CPU engine is bound by something torch's own kernels do badly.
 - ``invariant_mm`` (``streamed_mm.cpp``): that loop for any number of rows, so a row's product
   does not depend on its batch (``kernels.invariant_linear``, deterministic serving); and through it
   the batch-invariant ``moe_experts`` (each expert's rows, grouped as the reference groups them); and
-  ``moe_experts`` itself, an expert's few rows (decode) through ``streamed_mm``.
+  ``moe_experts`` itself, an expert's few rows (decode) through ``streamed_mm``; ``mla_decode_attention``
+  through it, the latent rows as keys and values.
 - ``paged_decode_attention`` (``paged_decode_attention.cpp``): one query row per sequence over
   the paged cache, read in place; and ``paged_extend_attention`` (``extend_attention.py``),
   whose rows that attend as decodes go through it, so they round as decode steps do
@@ -86,6 +87,7 @@ def _build() -> str | None:
     register_cpu_invariant("paged_extend_attention", invariant_extend_attention)
     register_cpu_invariant("invariant_mm", torch.ops.kvmesh_cpu.invariant_mm)
     register_cpu_native("moe_experts", cpu_moe_experts)
+    register_cpu_native("mla_decode_attention", _mla_decode_attention)
     register_cpu_invariant("moe_experts", invariant_moe_experts)
     return None
 
@@ -100,6 +102,20 @@ def _expert_mm(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if rows.shape[0] <= EXPERT_STREAMED_ROWS:
         return torch.ops.kvmesh_cpu.streamed_mm(rows.contiguous(), weight)
     return torch.nn.functional.linear(rows, weight)
+
+
+def _mla_decode_attention(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    v_dim: int,
+) -> torch.Tensor:
+    """The decode kernel over the latent rows as keys and values (one row read once a head: on CPU the
+    rows stay in cache across a sequence's heads), the values' first ``v_dim``."""
+    out = torch.ops.kvmesh_cpu.paged_decode_attention(q, latent_cache, latent_cache, block_tables, seq_lens, scale, 0)
+    return out[..., :v_dim].contiguous()
 
 
 # Custom ops, as ``kernels.reference.moe_experts`` is: torch.compile keeps them whole. ``cpu_moe_experts``

@@ -80,13 +80,15 @@ class MLADecoderLayer(MoEDecoderLayer):
         q_latent = _per_head(ops, q_nope.transpose(0, 1), w_uk.transpose(1, 2)).transpose(0, 1)  # [T, heads, rank]
         query = torch.cat([q_latent, q_pe], dim=-1)
         pool = kv_cache[self.index, 0]  # keys and values alike: the latent rows
-        if meta.is_decode:
-            out = ops.paged_decode_attention(query, pool, pool, meta.block_tables, meta.seq_lens, cfg.attn_scale, 0)
+        if meta.is_decode:  # every head block reads a latent row once (kernels/triton/mla_decode.py)
+            out = ops.mla_decode_attention(
+                query, pool, meta.block_tables, meta.seq_lens, cfg.attn_scale, mla.kv_lora_rank
+            )
         else:
             out = ops.paged_extend_attention(
                 query, pool, pool, meta.block_tables, meta.query_start_loc, meta.seq_lens, cfg.attn_scale, 0
-            )
-        values = _per_head(ops, out[..., : mla.kv_lora_rank].transpose(0, 1), w_uv)  # [heads, T, v]
+            )[..., : mla.kv_lora_rank]
+        values = _per_head(ops, out.transpose(0, 1), w_uv)  # [heads, T, v]
         hidden = self.o_proj(values.transpose(0, 1).reshape(t, heads * mla.v_head_dim))
         if self.all_reduce is not None:
             self.all_reduce(hidden)
