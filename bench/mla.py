@@ -54,6 +54,8 @@ MLA = dict(
     n_routed_experts=8,
     num_experts_per_tok=2,
     moe_intermediate_size=64,
+    n_group=1,
+    topk_group=1,
 )
 GQA = dict(num_key_value_heads=4, head_dim=64)
 POOL_BYTES = 256 << 20
