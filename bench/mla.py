@@ -26,6 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import write_json  # noqa: E402
+from _decode_speed import tokens_per_s  # noqa: E402
 from _table import print_table  # noqa: E402
 
 from kvmesh.engine.config import EngineConfig  # noqa: E402
@@ -121,15 +122,6 @@ class Expanded:
             return self.engine.generate(*args, **kwargs)
         finally:
             MLADecoderLayer.attention = absorbed
-
-
-def tokens_per_s(engine, streams: int, round_no: int) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    prompts = [[(37 * i + 11 * s + round_no) % 8000 + 3 for i in range(64)] for s in range(streams)]
-    engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2))  # warm: first step's costs
-    t0 = time.perf_counter()
-    out = engine.generate(prompts, params)
-    return sum(len(o.token_ids) for o in out) / (time.perf_counter() - t0)
 
 
 def handoff(path: Path) -> tuple[int, float]:

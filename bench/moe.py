@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -35,12 +34,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import write_json  # noqa: E402
+from _decode_speed import tokens_per_s  # noqa: E402
 from _table import print_table  # noqa: E402
 
 from kernels import reference  # noqa: E402
 from kvmesh.engine.config import EngineConfig  # noqa: E402
 from kvmesh.engine.engine import LLMEngine  # noqa: E402
-from kvmesh.sampling import SamplingParams  # noqa: E402
 
 SHAPE = dict(
     vocab_size=8192,
@@ -89,15 +88,6 @@ def write(path: Path, moe: bool) -> Path:
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SHAPE, **DENSE))
     model.eval().save_pretrained(path)
     return path
-
-
-def tokens_per_s(engine: LLMEngine, streams: int, round_no: int) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    prompts = [[(37 * i + 11 * s + round_no) % 8000 + 3 for i in range(64)] for s in range(streams)]
-    engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2))  # warm: first step's costs
-    t0 = time.perf_counter()
-    out = engine.generate(prompts, params)
-    return sum(len(o.token_ids) for o in out) / (time.perf_counter() - t0)
 
 
 class LoopEngine:
