@@ -68,7 +68,7 @@ def per_expert_loop(
 ) -> torch.Tensor:
     """``moe_experts`` as transformers' eager experts compute it: a loop over the experts hit, each finding
     its tokens with ``where`` on a one-hot mask."""
-    gated = getattr(reference, reference.MOE_ACTIVATIONS[activation])
+    gated = reference.MOE_ACTIVATIONS[activation]
     out = torch.zeros_like(x)
     mask = F.one_hot(topk_ids, num_classes=w_gate_up.shape[0]).permute(2, 1, 0)
     for expert in (mask.sum(dim=(-1, -2)) > 0).nonzero():

@@ -133,7 +133,21 @@ def mla_decode_attention(
     latent row a token, [num_blocks, block_size, 1, D]), the rows serving as keys and, through their
     first ``v_dim`` values, as values. Returns [B, H, v_dim]. Its own op so a kernel can read each latent
     row once for many heads and accumulate only ``v_dim`` outputs; this is its definition."""
-    out = paged_decode_attention(q, latent_cache, latent_cache, block_tables, seq_lens, scale)
+    return latent_decode(paged_decode_attention, q, latent_cache, block_tables, seq_lens, scale, v_dim)
+
+
+def latent_decode(
+    decode: Callable[..., torch.Tensor],
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    v_dim: int,
+) -> torch.Tensor:
+    """``mla_decode_attention`` through a ``paged_decode_attention`` ``decode``: the latent rows as keys and
+    values, the first ``v_dim`` of its output (the CPU's native decode kernel serves so)."""
+    out = decode(q, latent_cache, latent_cache, block_tables, seq_lens, scale, 0)
     return out[..., :v_dim].contiguous()
 
 
@@ -300,7 +314,7 @@ def invariant_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 # ``moe_experts``'s activation names -> the gated op of this module that applies it.
-MOE_ACTIVATIONS = {"silu": "silu_and_mul", "gelu_tanh": "gelu_tanh_and_mul"}
+MOE_ACTIVATIONS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
 
 
 def grouped_experts(
@@ -329,7 +343,7 @@ def grouped_experts(
     batch-invariant one for deterministic serving, a token's rows then rounding the same whatever shares
     its expert).
     """
-    gated = globals()[MOE_ACTIVATIONS[activation]]
+    gated = MOE_ACTIVATIONS[activation]
     t, k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, in token order within one

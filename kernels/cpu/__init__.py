@@ -25,6 +25,7 @@ the ops where a CPU engine is bound by something torch's own kernels do badly.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from pathlib import Path
@@ -33,7 +34,7 @@ import torch
 
 from kernels.dispatch import register_cpu_invariant, register_cpu_native
 from kernels.errors import KernelUnavailable
-from kernels.reference import grouped_experts_op
+from kernels.reference import grouped_experts_op, latent_decode
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("streamed_mm.cpp", "paged_decode_attention.cpp")]
 # -fopenmp: at::parallel_for is inlined from ATen's headers as an OpenMP loop; without it the
@@ -87,7 +88,9 @@ def _build() -> str | None:
     register_cpu_invariant("paged_extend_attention", invariant_extend_attention)
     register_cpu_invariant("invariant_mm", torch.ops.kvmesh_cpu.invariant_mm)
     register_cpu_native("moe_experts", cpu_moe_experts)
-    register_cpu_native("mla_decode_attention", _mla_decode_attention)
+    register_cpu_native(
+        "mla_decode_attention", functools.partial(latent_decode, torch.ops.kvmesh_cpu.paged_decode_attention)
+    )
     register_cpu_invariant("moe_experts", invariant_moe_experts)
     return None
 
@@ -102,20 +105,6 @@ def _expert_mm(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if rows.shape[0] <= EXPERT_STREAMED_ROWS:
         return torch.ops.kvmesh_cpu.streamed_mm(rows.contiguous(), weight)
     return torch.nn.functional.linear(rows, weight)
-
-
-def _mla_decode_attention(
-    q: torch.Tensor,
-    latent_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    v_dim: int,
-) -> torch.Tensor:
-    """The decode kernel over the latent rows as keys and values (one row read once a head: on CPU the
-    rows stay in cache across a sequence's heads), the values' first ``v_dim``."""
-    out = torch.ops.kvmesh_cpu.paged_decode_attention(q, latent_cache, latent_cache, block_tables, seq_lens, scale, 0)
-    return out[..., :v_dim].contiguous()
 
 
 # Custom ops, as ``kernels.reference.moe_experts`` is: torch.compile keeps them whole. ``cpu_moe_experts``

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvmesh.errors import ModelLoadError
 
-# family (kvmesh.checkpoint.model_config.SUPPORTED_ARCHITECTURES' values) -> how its routing is read
+# The families (kvmesh.checkpoint.model_config.SUPPORTED_ARCHITECTURES' values) whose routing is read here.
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
 
 

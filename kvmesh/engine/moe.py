@@ -81,11 +81,8 @@ class SparseMoE(nn.Module):
 class MoEDecoderLayer(DecoderLayer):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int) -> None:
         super().__init__(cfg, dtype, index)
-        self.moe = SparseMoE(cfg.moe, cfg.hidden_size, cfg.hidden_act, dtype) if self.is_sparse else None
-
-    @property
-    def is_sparse(self) -> bool:
-        return self.cfg.moe.sparse_layers[self.index]
+        sparse = not self.has_dense_mlp(cfg, index)
+        self.moe = SparseMoE(cfg.moe, cfg.hidden_size, cfg.hidden_act, dtype) if sparse else None
 
     def has_dense_mlp(self, cfg: ModelConfig, index: int) -> bool:
         return not cfg.moe.sparse_layers[index]
@@ -150,7 +147,7 @@ class MoECausalLM(CausalLM):
         """The dense layers' names (a sparse layer's MLP is checked by ``_expected_expert_parts``)."""
         names = super()._expected_names(fused, renamed)
         sparse = {f"model.layers.{layer.index}.mlp." for layer in self.layers if layer.moe is not None}
-        return {n for n in names if n[: n.rfind("mlp.") + 4] not in sparse}
+        return {n for n in names if not any(n.startswith(prefix) for prefix in sparse)}
 
 
 _PARTS = ("gate", "up", "down")
