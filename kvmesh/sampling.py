@@ -97,6 +97,10 @@ class SamplingParams:
     repetition_penalty: float | None = None
     # Added to a token's logit (OpenAI's logit_bias: -100 bans, +100 forces in practice).
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Until this many tokens are out, EOS and stop_token_ids are masked and stop strings do not end it.
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -105,7 +109,8 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         return bool(
-            self.presence_penalty
+            self.min_tokens
+            or self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty not in (None, 1.0)
             or self.logit_bias
@@ -127,6 +132,8 @@ class SamplingParams:
         _check_range("repetition_penalty", self.repetition_penalty, 0.0, REPETITION_PENALTY_MAX, low_open=True)
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise _invalid("max_tokens", f"must be > 0, got {self.max_tokens}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise _invalid("min_tokens", f"must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}")
         if self.top_k is not None and self.top_k < 0:
             raise _invalid("top_k", f"must be >= 0, got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
@@ -203,6 +210,9 @@ class SamplingParams:
             frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else None,
             logit_bias=dict(p.logit_bias),
+            min_tokens=p.min_tokens,
+            include_stop_str_in_output=p.include_stop_str_in_output,
+            skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
         )
 
     def to_pb(self) -> sampling_pb2.SamplingParams:
@@ -219,7 +229,11 @@ class SamplingParams:
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "logit_bias": self.logit_bias,
+            "min_tokens": self.min_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
         }
+        if not self.skip_special_tokens:
+            out["skip_special_tokens"] = False
         for name in ("temperature", "top_p", "seed", "repetition_penalty"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)

@@ -20,8 +20,9 @@ class _Decoder(Protocol):
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: _Decoder, prompt_ids: list[int]) -> None:
+    def __init__(self, tokenizer: _Decoder, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
+        self._skip_special = skip_special_tokens
         self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix = 0  # window start
         self._read = len(self._ids)  # tokens already turned into text
@@ -30,8 +31,8 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one token; return the newly decodable text (possibly empty)."""
         self._ids.append(token_id)
-        before = self._tok.decode(self._ids[self._prefix : self._read])
-        after = self._tok.decode(self._ids[self._prefix :])
+        before = self._tok.decode(self._ids[self._prefix : self._read], self._skip_special)
+        after = self._tok.decode(self._ids[self._prefix :], self._skip_special)
         if after.endswith("\ufffd") or len(after) <= len(before):
             return ""
         delta = after[len(before) :]

@@ -50,7 +50,11 @@ class LLMEngine(KVHandoff):
             raise InvalidArgument(f"model path {path} is not a directory")
         self.model_config = mc = ModelConfig.from_dir(path)
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
-        self.runner = ModelRunner(path, cfg, mc, drafter)
+        eos = set(mc.eos_token_ids)
+        if self.tokenizer and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.runner = ModelRunner(path, cfg, mc, drafter, self.eos_token_ids)
         self.model, self.kv, self.fingerprint = self.runner.model, self.runner.kv, self.runner.fingerprint
         self.system_fingerprint = self.runner.system_fingerprint  # OpenAI's, for every response
         self.device, self.dtype, self.max_model_len = self.runner.device, self.runner.dtype, self.runner.max_model_len
@@ -61,10 +65,6 @@ class LLMEngine(KVHandoff):
         self.scheduler = Scheduler(
             self.blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.lora, window
         )
-        eos = set(mc.eos_token_ids)
-        if self.tokenizer and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
         self.stats = EngineStats()
         self.drafter = drafter
         # Outputs produced outside a step (a handed-off first token), delivered with the next one.
@@ -147,7 +147,7 @@ class LLMEngine(KVHandoff):
         if params.seed is not None:
             seq.draft_generator = position_generator(params.seed, 0, DRAFTS)
         if self.tokenizer is not None:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids)
+            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, params.skip_special_tokens)
         if first_token is not None and not 0 <= first_token < self.model_config.vocab_size:
             raise InvalidArgument(f"first token {first_token} is outside the vocabulary")
         if params.grammar is not None:

@@ -42,8 +42,17 @@ if TYPE_CHECKING:
 
 
 class ModelRunner:
-    def __init__(self, path: Path, cfg: EngineConfig, mc: ModelConfig, drafter: DraftSource | None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        cfg: EngineConfig,
+        mc: ModelConfig,
+        drafter: DraftSource | None,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        """``eos_token_ids``: the tokens that end a sequence, which a request's min_tokens masks early."""
         self.config = cfg
+        self.eos_token_ids = eos_token_ids
         self.vocab_size = mc.vocab_size
         self.device = torch.device(cfg.device)
         self.dtype = cfg.resolve_dtype(mc.dtype)
@@ -255,7 +264,9 @@ class ModelRunner:
             if seq.params.adjusts_logits:
                 try:
                     if seq.penalties is None:
-                        seq.penalties = PenaltyState.new(seq.prompt_ids, seq.params, logits.shape[1], logits.device)
+                        seq.penalties = PenaltyState.new(
+                            seq.prompt_ids, seq.params, logits.shape[1], logits.device, self.eos_token_ids
+                        )
                     seq.penalties.catch_up(seq.output_ids)
                     for i in range(k + 1):
                         adjust_row(logits[row + i], seq.params, seq.penalties, seq.draft_ids[:i])

@@ -22,6 +22,7 @@ from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.api.prefill.v1 import prefill_pb2
 from kvmesh.api.router.v1 import router_pb2
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.engine.stop_strings import stop_cut
 from kvmesh.errors import KvmeshError, Unavailable
 from services.gateway.backends import Backends, RouterUnreachable
 from services.gateway.metrics import GatewayMetrics
@@ -227,9 +228,12 @@ class WorkerCalls:
         self, job: Job, plan: router_pb2.RouteResponse, prefill: prefill_pb2.PrefillResponse, stream: ResponseStream
     ) -> gateway_pb2.GenerateResponse:
         token = prefill.first_token_id
-        text = IncrementalDetokenizer(self.model.tokenizer, job.prompt_ids).add(token)
+        sampling = job.sampling
+        skip_special = sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True
+        text = IncrementalDetokenizer(self.model.tokenizer, job.prompt_ids, skip_special).add(token)
         if prefill.finish_reason == sampling_pb2.FINISH_REASON_STOP:
-            text = _cut_at_stop(text, job.sampling.stop)
+            cut = stop_cut(text, sampling.stop, include=sampling.include_stop_str_in_output)
+            text = text if cut is None else text[:cut]
         logprobs = [prefill.first_token_logprob] if prefill.HasField("first_token_logprob") else []
         finish = Finish(prefill.finish_reason, prefill.reused_tokens, plan.timings, prefill.timings)
         return stream.chunk([token], text, logprobs, finish)
@@ -280,9 +284,3 @@ def _plan_attributes(plan: router_pb2.RouteResponse) -> dict[str, object]:
         "kvmesh.route.index_available": plan.index_available,
         "kvmesh.route.predicted_cached_tokens": plan.predicted_cached_tokens,
     }
-
-
-def _cut_at_stop(text: str, stops: Sequence[str]) -> str:
-    """The text before the earliest stop string (stop strings are not part of the output)."""
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    return text if cut < 0 else text[:cut]

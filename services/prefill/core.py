@@ -117,7 +117,8 @@ class PrefillWorker:
             span.set_attribute("kvmesh.kv.blocks", fetched)
         self.counters.kvstore_fetched_blocks += fetched
         fetched_ns = time.perf_counter_ns()
-        one_token = dataclasses.replace(params, max_tokens=1)
+        # min_tokens as far as the one token goes: it must not be an end token when more were asked for.
+        one_token = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         out = None
         stream = self.engine.generate(
             token_ids, one_token, request_id, cache_salt, hold_prompt_blocks=True, adapter=adapter

@@ -8,8 +8,8 @@ import pytest
 
 from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.engine.stop_strings import stop_cut
 from kvmesh.errors import InvalidArgument, NotFound
-from services.gateway.worker_calls import _cut_at_stop
 from tests.gateway.conftest import CONTEXT, LABEL
 from tests.gateway.fakes import FakeMesh
 from tests.gateway.helpers import collect, make_gateway, request
@@ -115,5 +115,10 @@ async def test_list_models_reports_the_label_of_a_kvmesh_made_model(model) -> No
 
 
 def test_stop_strings_cut_at_the_earliest() -> None:
-    assert _cut_at_stop("abc</s>def", ["def", "</s>"]) == "abc"
-    assert _cut_at_stop("abc", ["x"]) == "abc"
+    assert stop_cut("abc</s>def", ["def", "</s>"]) == 3
+    assert stop_cut("abc", ["x"]) is None
+    # Included: the text ends after the stop; of two stops beginning at one place, the longer.
+    assert stop_cut("abc</s>def", ["def", "</s>"], include=True) == 7
+    assert stop_cut("ab##c", ["#", "##"], include=True) == 4
+    # Only stops that begin at or after start count.
+    assert stop_cut("x.y.", ["."], start=2) == 3

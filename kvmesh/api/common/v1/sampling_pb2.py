@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#kvmesh/api/common/v1/sampling.proto\x12\x14kvmesh.api.common.v1\"\xf4\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12?\n\x10repetition_guard\x18\x0b \x01(\x0b\x32%.kvmesh.api.common.v1.RepetitionGuard\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x41\n\x11structured_output\x18\r \x01(\x0b\x32&.kvmesh.api.common.v1.StructuredOutput\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x10 \x01(\x02H\x03\x88\x01\x01\x12G\n\nlogit_bias\x18\x11 \x03(\x0b\x32\x33.kvmesh.api.common.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\x80\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x61ny_json\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x04 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"A\n\x0fRepetitionGuard\x12\x13\n\x0bmax_repeats\x18\x01 \x01(\r\x12\x19\n\x11\x61llowed_token_ids\x18\x02 \x03(\r\"x\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12\x36\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32 .kvmesh.api.common.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t*\xcd\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_REPETITION\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x06\x42GZEgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/common/v1;commonv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#kvmesh/api/common/v1/sampling.proto\x12\x14kvmesh.api.common.v1\"\xe6\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12?\n\x10repetition_guard\x18\x0b \x01(\x0b\x32%.kvmesh.api.common.v1.RepetitionGuard\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x41\n\x11structured_output\x18\r \x01(\x0b\x32&.kvmesh.api.common.v1.StructuredOutput\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x10 \x01(\x02H\x03\x88\x01\x01\x12G\n\nlogit_bias\x18\x11 \x03(\x0b\x32\x33.kvmesh.api.common.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x12 \x01(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x14 \x01(\x08H\x04\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokens\"\x80\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x61ny_json\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x04 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"A\n\x0fRepetitionGuard\x12\x13\n\x0bmax_repeats\x18\x01 \x01(\r\x12\x19\n\x11\x61llowed_token_ids\x18\x02 \x03(\r\"x\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12\x36\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32 .kvmesh.api.common.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t*\xcd\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_REPETITION\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x06\x42GZEgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/common/v1;commonv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,18 +34,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'ZEgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/common/v1;commonv1'
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1077
-  _globals['_FINISHREASON']._serialized_end=1282
+  _globals['_FINISHREASON']._serialized_start=1191
+  _globals['_FINISHREASON']._serialized_end=1396
   _globals['_SAMPLINGPARAMS']._serialized_start=62
-  _globals['_SAMPLINGPARAMS']._serialized_end=690
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=584
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=632
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=693
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=821
-  _globals['_REPETITIONGUARD']._serialized_start=823
-  _globals['_REPETITIONGUARD']._serialized_end=888
-  _globals['_TOKENLOGPROB']._serialized_start=890
-  _globals['_TOKENLOGPROB']._serialized_end=1010
-  _globals['_TOPLOGPROB']._serialized_start=1012
-  _globals['_TOPLOGPROB']._serialized_end=1074
+  _globals['_SAMPLINGPARAMS']._serialized_end=804
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=674
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=722
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=807
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=935
+  _globals['_REPETITIONGUARD']._serialized_start=937
+  _globals['_REPETITIONGUARD']._serialized_end=1002
+  _globals['_TOKENLOGPROB']._serialized_start=1004
+  _globals['_TOKENLOGPROB']._serialized_end=1124
+  _globals['_TOPLOGPROB']._serialized_start=1126
+  _globals['_TOPLOGPROB']._serialized_end=1188
 # @@protoc_insertion_point(module_scope)

@@ -105,7 +105,8 @@ type SamplingParams struct {
 	Seed *uint64 `protobuf:"varint,5,opt,name=seed,proto3,oneof" json:"seed,omitempty"`
 	// Most tokens to generate. 0: up to the model's context length.
 	MaxTokens uint32 `protobuf:"varint,6,opt,name=max_tokens,json=maxTokens,proto3" json:"max_tokens,omitempty"`
-	// Stop when the output text contains one of these (excluded from the output).
+	// Stop when the output text contains one of these (excluded from the output
+	// unless include_stop_str_in_output).
 	Stop []string `protobuf:"bytes,7,rep,name=stop,proto3" json:"stop,omitempty"`
 	// Stop after generating one of these token ids (in addition to EOS).
 	StopTokenIds []uint32 `protobuf:"varint,8,rep,packed,name=stop_token_ids,json=stopTokenIds,proto3" json:"stop_token_ids,omitempty"`
@@ -130,9 +131,16 @@ type SamplingParams struct {
 	// Unset: the server's default for the model (usually 1.0, off).
 	RepetitionPenalty *float32 `protobuf:"fixed32,16,opt,name=repetition_penalty,json=repetitionPenalty,proto3,oneof" json:"repetition_penalty,omitempty"`
 	// Added to these tokens' logits before sampling, each in [-100, 100].
-	LogitBias     map[uint32]float32 `protobuf:"bytes,17,rep,name=logit_bias,json=logitBias,proto3" json:"logit_bias,omitempty" protobuf_key:"varint,1,opt,name=key" protobuf_val:"fixed32,2,opt,name=value"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	LogitBias map[uint32]float32 `protobuf:"bytes,17,rep,name=logit_bias,json=logitBias,proto3" json:"logit_bias,omitempty" protobuf_key:"varint,1,opt,name=key" protobuf_val:"fixed32,2,opt,name=value"`
+	// Generate at least this many tokens: until then EOS and stop_token_ids
+	// cannot be sampled and stop strings do not end the sequence. 0: off.
+	MinTokens uint32 `protobuf:"varint,18,opt,name=min_tokens,json=minTokens,proto3" json:"min_tokens,omitempty"`
+	// Keep the stop string that ended the sequence at the end of its text.
+	IncludeStopStrInOutput bool `protobuf:"varint,19,opt,name=include_stop_str_in_output,json=includeStopStrInOutput,proto3" json:"include_stop_str_in_output,omitempty"`
+	// Unset: true. False: special tokens (e.g. <|im_end|>) appear in the text.
+	SkipSpecialTokens *bool `protobuf:"varint,20,opt,name=skip_special_tokens,json=skipSpecialTokens,proto3,oneof" json:"skip_special_tokens,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *SamplingParams) Reset() {
@@ -282,6 +290,27 @@ func (x *SamplingParams) GetLogitBias() map[uint32]float32 {
 		return x.LogitBias
 	}
 	return nil
+}
+
+func (x *SamplingParams) GetMinTokens() uint32 {
+	if x != nil {
+		return x.MinTokens
+	}
+	return 0
+}
+
+func (x *SamplingParams) GetIncludeStopStrInOutput() bool {
+	if x != nil {
+		return x.IncludeStopStrInOutput
+	}
+	return false
+}
+
+func (x *SamplingParams) GetSkipSpecialTokens() bool {
+	if x != nil && x.SkipSpecialTokens != nil {
+		return *x.SkipSpecialTokens
+	}
+	return false
 }
 
 // A grammar the output must follow, enforced token by token: only tokens the
@@ -616,7 +645,7 @@ var File_kvmesh_api_common_v1_sampling_proto protoreflect.FileDescriptor
 
 const file_kvmesh_api_common_v1_sampling_proto_rawDesc = "" +
 	"\n" +
-	"#kvmesh/api/common/v1/sampling.proto\x12\x14kvmesh.api.common.v1\"\xca\x06\n" +
+	"#kvmesh/api/common/v1/sampling.proto\x12\x14kvmesh.api.common.v1\"\xf2\a\n" +
 	"\x0eSamplingParams\x12%\n" +
 	"\vtemperature\x18\x01 \x01(\x02H\x00R\vtemperature\x88\x01\x01\x12\x13\n" +
 	"\x05top_k\x18\x02 \x01(\rR\x04topK\x12\x18\n" +
@@ -638,14 +667,19 @@ const file_kvmesh_api_common_v1_sampling_proto_rawDesc = "" +
 	"\x11frequency_penalty\x18\x0f \x01(\x02R\x10frequencyPenalty\x122\n" +
 	"\x12repetition_penalty\x18\x10 \x01(\x02H\x03R\x11repetitionPenalty\x88\x01\x01\x12R\n" +
 	"\n" +
-	"logit_bias\x18\x11 \x03(\v23.kvmesh.api.common.v1.SamplingParams.LogitBiasEntryR\tlogitBias\x1a<\n" +
+	"logit_bias\x18\x11 \x03(\v23.kvmesh.api.common.v1.SamplingParams.LogitBiasEntryR\tlogitBias\x12\x1d\n" +
+	"\n" +
+	"min_tokens\x18\x12 \x01(\rR\tminTokens\x12:\n" +
+	"\x1ainclude_stop_str_in_output\x18\x13 \x01(\bR\x16includeStopStrInOutput\x123\n" +
+	"\x13skip_special_tokens\x18\x14 \x01(\bH\x04R\x11skipSpecialTokens\x88\x01\x01\x1a<\n" +
 	"\x0eLogitBiasEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\rR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x02R\x05value:\x028\x01B\x0e\n" +
 	"\f_temperatureB\b\n" +
 	"\x06_top_pB\a\n" +
 	"\x05_seedB\x15\n" +
-	"\x13_repetition_penalty\"\xb1\x01\n" +
+	"\x13_repetition_penaltyB\x16\n" +
+	"\x14_skip_special_tokens\"\xb1\x01\n" +
 	"\x10StructuredOutput\x12!\n" +
 	"\vjson_schema\x18\x01 \x01(\tH\x00R\n" +
 	"jsonSchema\x12\x1b\n" +

@@ -10,7 +10,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvmesh/api/common/v1/sampling.proto.
  */
 export const file_kvmesh_api_common_v1_sampling: GenFile = /*@__PURE__*/
-  fileDesc("CiNrdm1lc2gvYXBpL2NvbW1vbi92MS9zYW1wbGluZy5wcm90bxIUa3ZtZXNoLmFwaS5jb21tb24udjEi9AQKDlNhbXBsaW5nUGFyYW1zEhgKC3RlbXBlcmF0dXJlGAEgASgCSACIAQESDQoFdG9wX2sYAiABKA0SEgoFdG9wX3AYAyABKAJIAYgBARINCgVtaW5fcBgEIAEoAhIRCgRzZWVkGAUgASgESAKIAQESEgoKbWF4X3Rva2VucxgGIAEoDRIMCgRzdG9wGAcgAygJEhYKDnN0b3BfdG9rZW5faWRzGAggAygNEhAKCGxvZ3Byb2JzGAkgASgIEhQKDHRvcF9sb2dwcm9icxgKIAEoDRI/ChByZXBldGl0aW9uX2d1YXJkGAsgASgLMiUua3ZtZXNoLmFwaS5jb21tb24udjEuUmVwZXRpdGlvbkd1YXJkEhIKCmlnbm9yZV9lb3MYDCABKAgSQQoRc3RydWN0dXJlZF9vdXRwdXQYDSABKAsyJi5rdm1lc2guYXBpLmNvbW1vbi52MS5TdHJ1Y3R1cmVkT3V0cHV0EhgKEHByZXNlbmNlX3BlbmFsdHkYDiABKAISGQoRZnJlcXVlbmN5X3BlbmFsdHkYDyABKAISHwoScmVwZXRpdGlvbl9wZW5hbHR5GBAgASgCSAOIAQESRwoKbG9naXRfYmlhcxgRIAMoCzIzLmt2bWVzaC5hcGkuY29tbW9uLnYxLlNhbXBsaW5nUGFyYW1zLkxvZ2l0Qmlhc0VudHJ5GjAKDkxvZ2l0Qmlhc0VudHJ5EgsKA2tleRgBIAEoDRINCgV2YWx1ZRgCIAEoAjoCOAFCDgoMX3RlbXBlcmF0dXJlQggKBl90b3BfcEIHCgVfc2VlZEIVChNfcmVwZXRpdGlvbl9wZW5hbHR5IoABChBTdHJ1Y3R1cmVkT3V0cHV0EhUKC2pzb25fc2NoZW1hGAEgASgJSAASEgoIYW55X2pzb24YAiABKAhIABIPCgVyZWdleBgDIAEoCUgAEg4KBGVibmYYBCABKAlIABIYCg5zdHJ1Y3R1cmFsX3RhZxgFIAEoCUgAQgYKBGtpbmQiQQoPUmVwZXRpdGlvbkd1YXJkEhMKC21heF9yZXBlYXRzGAEgASgNEhkKEWFsbG93ZWRfdG9rZW5faWRzGAIgAygNIngKDFRva2VuTG9ncHJvYhIQCgh0b2tlbl9pZBgBIAEoDRIPCgdsb2dwcm9iGAIgASgCEg0KBXRva2VuGAMgASgJEjYKDHRvcF9sb2dwcm9icxgEIAMoCzIgLmt2bWVzaC5hcGkuY29tbW9uLnYxLlRvcExvZ3Byb2IiPgoKVG9wTG9ncHJvYhIQCgh0b2tlbl9pZBgBIAEoDRIPCgdsb2dwcm9iGAIgASgCEg0KBXRva2VuGAMgASgJKs0BCgxGaW5pc2hSZWFzb24SHQoZRklOSVNIX1JFQVNPTl9VTlNQRUNJRklFRBAAEhYKEkZJTklTSF9SRUFTT05fU1RPUBABEhgKFEZJTklTSF9SRUFTT05fTEVOR1RIEAISHAoYRklOSVNIX1JFQVNPTl9SRVBFVElUSU9OEAMSFwoTRklOSVNIX1JFQVNPTl9BQk9SVBAEEhcKE0ZJTklTSF9SRUFTT05fRVJST1IQBRIcChhGSU5JU0hfUkVBU09OX1RPT0xfQ0FMTFMQBkJHWkVnaXRodWIuY29tL2t2bWVzaC9rdm1lc2gvY2xpZW50cy9nby9nZW4va3ZtZXNoL2FwaS9jb21tb24vdjE7Y29tbW9udjFiBnByb3RvMw");
+  fileDesc("CiNrdm1lc2gvYXBpL2NvbW1vbi92MS9zYW1wbGluZy5wcm90bxIUa3ZtZXNoLmFwaS5jb21tb24udjEi5gUKDlNhbXBsaW5nUGFyYW1zEhgKC3RlbXBlcmF0dXJlGAEgASgCSACIAQESDQoFdG9wX2sYAiABKA0SEgoFdG9wX3AYAyABKAJIAYgBARINCgVtaW5fcBgEIAEoAhIRCgRzZWVkGAUgASgESAKIAQESEgoKbWF4X3Rva2VucxgGIAEoDRIMCgRzdG9wGAcgAygJEhYKDnN0b3BfdG9rZW5faWRzGAggAygNEhAKCGxvZ3Byb2JzGAkgASgIEhQKDHRvcF9sb2dwcm9icxgKIAEoDRI/ChByZXBldGl0aW9uX2d1YXJkGAsgASgLMiUua3ZtZXNoLmFwaS5jb21tb24udjEuUmVwZXRpdGlvbkd1YXJkEhIKCmlnbm9yZV9lb3MYDCABKAgSQQoRc3RydWN0dXJlZF9vdXRwdXQYDSABKAsyJi5rdm1lc2guYXBpLmNvbW1vbi52MS5TdHJ1Y3R1cmVkT3V0cHV0EhgKEHByZXNlbmNlX3BlbmFsdHkYDiABKAISGQoRZnJlcXVlbmN5X3BlbmFsdHkYDyABKAISHwoScmVwZXRpdGlvbl9wZW5hbHR5GBAgASgCSAOIAQESRwoKbG9naXRfYmlhcxgRIAMoCzIzLmt2bWVzaC5hcGkuY29tbW9uLnYxLlNhbXBsaW5nUGFyYW1zLkxvZ2l0Qmlhc0VudHJ5EhIKCm1pbl90b2tlbnMYEiABKA0SIgoaaW5jbHVkZV9zdG9wX3N0cl9pbl9vdXRwdXQYEyABKAgSIAoTc2tpcF9zcGVjaWFsX3Rva2VucxgUIAEoCEgEiAEBGjAKDkxvZ2l0Qmlhc0VudHJ5EgsKA2tleRgBIAEoDRINCgV2YWx1ZRgCIAEoAjoCOAFCDgoMX3RlbXBlcmF0dXJlQggKBl90b3BfcEIHCgVfc2VlZEIVChNfcmVwZXRpdGlvbl9wZW5hbHR5QhYKFF9za2lwX3NwZWNpYWxfdG9rZW5zIoABChBTdHJ1Y3R1cmVkT3V0cHV0EhUKC2pzb25fc2NoZW1hGAEgASgJSAASEgoIYW55X2pzb24YAiABKAhIABIPCgVyZWdleBgDIAEoCUgAEg4KBGVibmYYBCABKAlIABIYCg5zdHJ1Y3R1cmFsX3RhZxgFIAEoCUgAQgYKBGtpbmQiQQoPUmVwZXRpdGlvbkd1YXJkEhMKC21heF9yZXBlYXRzGAEgASgNEhkKEWFsbG93ZWRfdG9rZW5faWRzGAIgAygNIngKDFRva2VuTG9ncHJvYhIQCgh0b2tlbl9pZBgBIAEoDRIPCgdsb2dwcm9iGAIgASgCEg0KBXRva2VuGAMgASgJEjYKDHRvcF9sb2dwcm9icxgEIAMoCzIgLmt2bWVzaC5hcGkuY29tbW9uLnYxLlRvcExvZ3Byb2IiPgoKVG9wTG9ncHJvYhIQCgh0b2tlbl9pZBgBIAEoDRIPCgdsb2dwcm9iGAIgASgCEg0KBXRva2VuGAMgASgJKs0BCgxGaW5pc2hSZWFzb24SHQoZRklOSVNIX1JFQVNPTl9VTlNQRUNJRklFRBAAEhYKEkZJTklTSF9SRUFTT05fU1RPUBABEhgKFEZJTklTSF9SRUFTT05fTEVOR1RIEAISHAoYRklOSVNIX1JFQVNPTl9SRVBFVElUSU9OEAMSFwoTRklOSVNIX1JFQVNPTl9BQk9SVBAEEhcKE0ZJTklTSF9SRUFTT05fRVJST1IQBRIcChhGSU5JU0hfUkVBU09OX1RPT0xfQ0FMTFMQBkJHWkVnaXRodWIuY29tL2t2bWVzaC9rdm1lc2gvY2xpZW50cy9nby9nZW4va3ZtZXNoL2FwaS9jb21tb24vdjE7Y29tbW9udjFiBnByb3RvMw");
 
 /**
  * How to pick each next token. Zero values mean "off" unless a field says
@@ -62,7 +62,8 @@ export type SamplingParams = Message<"kvmesh.api.common.v1.SamplingParams"> & {
   maxTokens: number;
 
   /**
-   * Stop when the output text contains one of these (excluded from the output).
+   * Stop when the output text contains one of these (excluded from the output
+   * unless include_stop_str_in_output).
    *
    * @generated from field: repeated string stop = 7;
    */
@@ -140,6 +141,28 @@ export type SamplingParams = Message<"kvmesh.api.common.v1.SamplingParams"> & {
    * @generated from field: map<uint32, float> logit_bias = 17;
    */
   logitBias: { [key: number]: number };
+
+  /**
+   * Generate at least this many tokens: until then EOS and stop_token_ids
+   * cannot be sampled and stop strings do not end the sequence. 0: off.
+   *
+   * @generated from field: uint32 min_tokens = 18;
+   */
+  minTokens: number;
+
+  /**
+   * Keep the stop string that ended the sequence at the end of its text.
+   *
+   * @generated from field: bool include_stop_str_in_output = 19;
+   */
+  includeStopStrInOutput: boolean;
+
+  /**
+   * Unset: true. False: special tokens (e.g. <|im_end|>) appear in the text.
+   *
+   * @generated from field: optional bool skip_special_tokens = 20;
+   */
+  skipSpecialTokens?: boolean | undefined;
 };
 
 /**
