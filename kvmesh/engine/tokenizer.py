@@ -9,6 +9,7 @@ environment with ``trim_blocks``/``lstrip_blocks``, ``raise_exception``,
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -18,7 +19,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from kvmesh.errors import InvalidArgument, ModelLoadError
+from kvmesh.errors import InvalidArgument, InvalidField, ModelLoadError
 
 
 def _token_text(value: Any) -> str | None:
@@ -92,17 +93,24 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> str:
+        """``extra``: more variables for the template (a request's chat_template_kwargs); they may not
+        replace the ones set here."""
         if not self.chat_template:
             raise InvalidArgument("this model has no chat template; use the completions API")
+        variables = {
+            "messages": messages,
+            "tools": tools,
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+        }
+        taken = sorted(set(extra or ()) & set(variables))
+        if taken:
+            raise InvalidField("chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(taken)}")
         try:
-            return _compiled(self.chat_template).render(
-                messages=messages,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
+            return _compiled(self.chat_template).render({**(extra or {}), **variables})
         except jinja2.TemplateError as e:
             raise InvalidArgument(f"chat template failed: {e}") from None
 

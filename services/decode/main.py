@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from kvmesh.api.adapter.v1 import adapter_pb2, adapter_pb2_grpc
 from kvmesh.api.common.v1 import kv_pb2, worker_pb2
@@ -11,6 +12,7 @@ from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.flags import COMPILE_FLAG, ENGINE_FLAGS, engine_config, model_path
 from kvmesh.engine.metrics import EngineCollector
+from kvmesh.engine.vllm_metrics import VllmEngineCollector
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
 from kvmesh.runtime.advertise import advertised_address
 from kvmesh.runtime.counters import CountersCollector
@@ -101,6 +103,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
         worker = DecodeWorker(aengine, kv_source, kvstore)
         servicer.attach(worker, engine.max_model_len, engine.model_config.vocab_size, engine.system_fingerprint)
         ctx.registry.register(EngineCollector(engine))
+        ctx.registry.register(VllmEngineCollector(engine, Path(model_path(args)).name))
         ctx.registry.register(
             CountersCollector(
                 "kvmesh_decode",

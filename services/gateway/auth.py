@@ -24,6 +24,8 @@ from kvmesh.errors import PermissionDenied, Unauthenticated
 
 # The gRPC metadata key (lowercase, as gRPC requires) and the HTTP header.
 AUTHORIZATION = "authorization"
+# The HTTP paths (prefixes) that need an API key when keys are configured: the API, not health or metrics.
+GUARDED_PATHS = ("/v1/", "/tokenize", "/detokenize")
 ANONYMOUS = ""
 
 

@@ -29,6 +29,7 @@ cancels the downstream call.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
@@ -42,7 +43,7 @@ from kvmesh import tracing
 from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.api.router.v1 import router_pb2
-from kvmesh.errors import InvalidArgument, KvmeshError, ResourceExhausted, Unavailable
+from kvmesh.errors import InvalidArgument, InvalidField, KvmeshError, ResourceExhausted, Unavailable
 from kvmesh.sampling import SamplingParams, admitted
 from services.gateway.adapters import Adapters
 from services.gateway.auth import ANONYMOUS, tenant_cache_salt, tenant_digest
@@ -165,8 +166,17 @@ class Gateway:
         if which == "text":
             return self.model.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
         if which == "chat":
-            return self._chat_prompt(request.chat.messages, None)
+            return self._chat_prompt(request.chat.messages, None, request.chat_template_kwargs_json)
         raise InvalidArgument("nothing to tokenize: set text or chat")
+
+    async def detokenize(self, request: gateway_pb2.DetokenizeRequest) -> str:
+        """The ids' text with special tokens shown (as a prompt holds them)."""
+        await self.adapters.resolve(request.model)
+        vocab = self.model.vocab_size
+        bad = next((t for t in request.token_ids if t >= vocab), None)
+        if bad is not None:
+            raise InvalidField("token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        return self.model.tokenizer.decode(list(request.token_ids), skip_special_tokens=False)
 
     # -- the streaming API ---------------------------------------------------
 
@@ -186,11 +196,12 @@ class Gateway:
             validate_structured_output(request.sampling)
             tools = tool_use(request, self._tool_format)
             if tools is None:
-                return _Prepared(self._chat_prompt(request.messages, None), request.sampling, ChatReply(None))
+                prompt = self._chat_prompt(request.messages, None, request.chat_template_kwargs_json)
+                return _Prepared(prompt, request.sampling, ChatReply(None))
             sampling = sampling_pb2.SamplingParams()
             sampling.CopyFrom(request.sampling)
             sampling.structured_output.CopyFrom(tools.grammar.to_pb())
-            prompt = self._chat_prompt(request.messages, tools.template_tools())
+            prompt = self._chat_prompt(request.messages, tools.template_tools(), request.chat_template_kwargs_json)
             return _Prepared(prompt, sampling, ChatReply(self._tool_format.parser()))
 
         return self._serve("chat", request_id, tenant, request, prepare)
@@ -344,10 +355,23 @@ class Gateway:
         raise InvalidArgument("prompt is empty: set text or token_ids")
 
     def _chat_prompt(
-        self, messages: Sequence[gateway_pb2.ChatMessage], tools: list[dict[str, Any]] | None
+        self, messages: Sequence[gateway_pb2.ChatMessage], tools: list[dict[str, Any]] | None, kwargs_json: str = ""
     ) -> list[int]:
         text = self.model.tokenizer.apply_chat_template(
-            template_messages(messages), add_generation_prompt=True, tools=tools
+            template_messages(messages), add_generation_prompt=True, tools=tools, extra=_template_kwargs(kwargs_json)
         )
         # The template writes any special tokens (BOS) itself.
         return self.model.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _template_kwargs(kwargs_json: str) -> dict[str, Any] | None:
+    """A request's chat_template_kwargs_json as the variables it names (None: empty)."""
+    if not kwargs_json:
+        return None
+    try:
+        kwargs = json.loads(kwargs_json)
+    except json.JSONDecodeError as e:
+        raise InvalidField("chat_template_kwargs_json", f"chat_template_kwargs_json is not JSON: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise InvalidField("chat_template_kwargs_json", "chat_template_kwargs_json must be a JSON object")
+    return kwargs

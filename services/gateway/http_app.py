@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API as an aiohttp application, on the gateway core the gRPC API uses.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models(/{model}),
-POST /v1/load_lora_adapter and /v1/unload_lora_adapter (admin), GET /health, GET /metrics,
-GET /openapi.json.
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter (admin), POST /tokenize and /detokenize
+(vLLM's), GET /health, GET /metrics, GET /openapi.json.
 
 Middlewares, outermost first:
 - observe: binds the request id (``x-request-id`` header, or a new one) for
@@ -10,7 +10,7 @@ Middlewares, outermost first:
   caller's trace (``traceparent``) on the ``/v1`` routes and names it in the
   ``traceresponse`` header, records the HTTP metrics and logs one line per request;
 - errors: turns every exception into OpenAI's error body (``openai_errors``);
-- auth: the ``/v1`` routes need a valid API key when keys are configured.
+- auth: the ``/v1`` routes and the tokenizer's need a valid API key when keys are configured.
 """
 
 from __future__ import annotations
@@ -27,14 +27,20 @@ from kvmesh import tracing
 from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.errors import KvmeshError, Unavailable
 from kvmesh.runtime import METADATA_KEY, new_request_id, request_id_scope
-from services.gateway.auth import AUTHORIZATION, ApiKeys
+from services.gateway.auth import AUTHORIZATION, GUARDED_PATHS, ApiKeys
 from services.gateway.core import Gateway
 from services.gateway.http_context import RECEIVED_NS, REQUEST_ID, TENANT, TRACEPARENT
 from services.gateway.metrics import HttpMetrics
 from services.gateway.openai_errors import error_body
-from services.gateway.openai_requests import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
-from services.gateway.openai_responses import Health, Model, ModelList, Unloaded
+from services.gateway.openai_requests import (
+    DetokenizeRequest,
+    LoadLoraAdapterRequest,
+    TokenizeRequest,
+    UnloadLoraAdapterRequest,
+)
+from services.gateway.openai_responses import Detokenized, Health, Model, ModelList, Tokenized, Unloaded
 from services.gateway.openai_serving import OpenAIServing, json_response, parse
+from services.gateway.openai_translate import tokenize_request
 from services.gateway.openapi import Served, openapi_document
 
 log = structlog.get_logger("kvmesh.gateway.http")
@@ -46,12 +52,21 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class HttpApi:
-    def __init__(self, gateway: Gateway, keys: ApiKeys, registry: CollectorRegistry, metrics: HttpMetrics) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        keys: ApiKeys,
+        registry: CollectorRegistry,
+        metrics: HttpMetrics,
+        lenient_fields: bool = False,
+    ) -> None:
+        """``lenient_fields``: unknown request fields are ignored instead of refused (``openai_serving.parse``)."""
         self._gateway = gateway
         self._keys = keys
         self._registry = registry
         self._metrics = metrics
-        self._serving = OpenAIServing(gateway)
+        self._lenient = lenient_fields
+        self._serving = OpenAIServing(gateway, lenient_fields)
         served = Served(gateway.model.name, gateway.model.vocab_size, gateway.model.max_model_len, gateway.max_inflight)
         self._openapi = openapi_document(served, keys.enabled)
         self.draining = False  # set when shutdown begins: /health says so, new generations are refused
@@ -64,6 +79,8 @@ class HttpApi:
         app.router.add_get("/v1/models/{model}", self._model)
         app.router.add_post("/v1/load_lora_adapter", self._load_lora_adapter)
         app.router.add_post("/v1/unload_lora_adapter", self._unload_lora_adapter)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._prometheus)
         app.router.add_get("/openapi.json", self._openapi_json)
@@ -124,7 +141,7 @@ class HttpApi:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path.startswith("/v1/"):
+        if request.path.startswith(GUARDED_PATHS):
             request[TENANT] = self._keys.tenant(request.headers.get(AUTHORIZATION))
         return await handler(request)
 
@@ -157,6 +174,16 @@ class HttpApi:
         req = await parse(request, UnloadLoraAdapterRequest)
         await self._gateway.unload_adapter(req.lora_name)
         return json_response(Unloaded(id=req.lora_name))
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        req = (await parse(request, TokenizeRequest, self._lenient)).root
+        ids = await self._gateway.tokenize(tokenize_request(req))
+        return json_response(Tokenized(count=len(ids), max_model_len=self._gateway.model.max_model_len, tokens=ids))
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        req = await parse(request, DetokenizeRequest, self._lenient)
+        text = await self._gateway.detokenize(gateway_pb2.DetokenizeRequest(model=req.model, token_ids=req.tokens))
+        return json_response(Detokenized(prompt=text))
 
     async def _health(self, request: web.Request) -> web.Response:
         if self.draining:

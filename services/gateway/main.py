@@ -111,6 +111,13 @@ FLAGS = [
         default=DEFAULT_FORMAT,
         choices=tuple(FORMATS),
     ),
+    Flag(
+        "--lenient-fields",
+        "ignore (and log) request fields the HTTP API does not know instead of answering 400 naming them, "
+        "for clients that send fields no server serves",
+        default=False,
+        type=bool,
+    ),
 ]
 
 # Where the runtime's common flags are absent (tests building the gateway with its own
@@ -157,7 +164,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
         max_inflight=args.max_inflight_requests,
         stream_idle_timeout_s=args.stream_idle_timeout_seconds,
         token_stall_timeout_s=args.token_stall_timeout_seconds,
-        metrics=GatewayMetrics(ctx.registry),
+        metrics=GatewayMetrics(ctx.registry, model.name),
         tool_call_format=FORMATS[args.tool_call_format],
         migration=MigrationPolicy(args.max_migrations),
         known_workers=LastKnownWorkers(args.router_fallback_seconds),
@@ -165,7 +172,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
 
     keys = _api_keys(args.api_keys_file, args.api_keys, args.admin_tenants)
     log.info("api keys", auth="on" if keys.enabled else "off")
-    api = HttpApi(gateway, keys, ctx.registry, HttpMetrics(ctx.registry))
+    api = HttpApi(gateway, keys, ctx.registry, HttpMetrics(ctx.registry), lenient_fields=args.lenient_fields)
     http = HttpServer(
         api,
         args.http_host or getattr(args, "host", _DEFAULT_HOST),

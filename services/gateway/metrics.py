@@ -4,15 +4,19 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.gateway.vllm_metrics import VllmRequestMetrics
+
 # From a cached one-block prompt on a GPU to a long prompt prefilled on CPU.
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class GatewayMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "") -> None:
+        """``model_name``: the served model's id, the label of the vLLM-named metrics (``vllm``)."""
         reg = registry if registry is not None else CollectorRegistry()
         self.registry = reg
+        self.vllm = VllmRequestMetrics(reg, model_name)
         self.requests = Counter(
             "kvmesh_gateway_requests",
             "Generation requests finished, by API method and outcome (ok, cancelled, or a status code name).",

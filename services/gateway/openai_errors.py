@@ -29,6 +29,9 @@ _KINDS: dict[int, tuple[str, str | None]] = {
     503: ("server_error", "service_unavailable"),
     504: ("server_error", "timeout"),
 }
+# Pydantic's error type for a field the body does not define, and what the client reads instead.
+EXTRA_FIELD = "extra_forbidden"
+UNKNOWN_FIELD = "unknown field, not served (the gateway's --lenient-fields ignores unknown fields instead)"
 # How many problems one validation error lists.
 _MAX_LISTED = 4
 _TYPE_LABELS = {"str", "int", "float", "bool", "none"}
@@ -48,7 +51,8 @@ class ParamError(InvalidArgument):
         for problem in _closest_members(error.errors(include_url=False, include_input=False)):
             param = _param(problem["loc"])
             first_param = first_param if first_param is not None else param
-            text = f"{param}: {problem['msg']}" if param else problem["msg"]
+            why = UNKNOWN_FIELD if problem["type"] == EXTRA_FIELD else problem["msg"]
+            text = f"{param}: {why}" if param else why
             if text not in listed:
                 listed.append(text)
         more = len(listed) - _MAX_LISTED
@@ -101,6 +105,7 @@ _RENAMED = (
     (re.compile(r"sampling\.logit_bias\..+"), "logit_bias"),
     (re.compile(r"sampling\.(\w+)"), r"\1"),
     (re.compile(r"tool_choice\..+"), "tool_choice"),
+    (re.compile(r"chat_template_kwargs_json"), "chat_template_kwargs"),
     (re.compile(r"tools\.(\d+)\.parameters_json"), r"tools.\1.function.parameters"),
     (re.compile(r"tools\.(\d+)\.(\w+)"), r"tools.\1.function.\2"),
     (re.compile(r"messages\.(\d+)\.tool_calls\.(\d+)\.(\w+)"), r"messages.\1.tool_calls.\2.function.\3"),

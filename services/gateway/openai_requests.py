@@ -7,7 +7,13 @@ Parsing is strict (JSON types as the schema says: no "5" for 5, no true for 1;
 - known but only accepted where harmless (``echo`` false, ...): the schema
   allows exactly those values, and any other gets a 400 saying the feature is
   not supported;
-- unknown: ignored, because clients send fields a server may not know.
+- unknown: a 400 naming it, because a 200 for a request we did not serve as
+  written is worse than an error (``--lenient-fields`` ignores them instead,
+  for clients that send junk: ``openai_serving.parse``).
+
+vLLM's extensions are served under vLLM's names (``stop_token_ids``,
+``min_tokens``, ``guided_json``, ``chat_template_kwargs``, ...), so a client
+written for vLLM gets what it asked for or a 400, never a silent default.
 
 What the schema cannot say (a JSON Schema the grammar cannot enforce, a
 ``tool_choice`` naming an undeclared tool, ...) the gateway core checks, for
@@ -19,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, RootModel, Tag
 from pydantic_core import PydanticCustomError
 
 from kvmesh.sampling import (
@@ -75,10 +81,11 @@ Seed = _integer(SEED_MIN, SEED_MAX)
 TopK = _integer(0, UINT32_MAX)
 TopLogprobs = _integer(0, MAX_TOP_LOGPROBS)
 TokenId = _integer(0, UINT32_MAX)
+MinTokens = _integer(0, UINT32_MAX)
 
 
 class Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 # -- shared pieces -------------------------------------------------------------
@@ -141,6 +148,33 @@ class SamplingFields(Body):
     cache_salt: str | None = Field(
         None,
         description="kvmesh extension: share cached prefixes only with requests of the same salt (within a tenant).",
+    )
+    # vLLM's extensions, under vLLM's names.
+    stop_token_ids: list[TokenId] | None = Field(None, description="vLLM extension: also stop after these tokens.")
+    min_tokens: MinTokens | None = Field(
+        None, description="vLLM extension: no EOS, stop token or stop string ends the output before this many tokens."
+    )
+    include_stop_str_in_output: bool | None = Field(
+        None, description="vLLM extension: keep the stop string that ended the output at its end."
+    )
+    skip_special_tokens: bool | None = Field(
+        None, description="vLLM extension: false shows special tokens in the text. Default: true."
+    )
+    spaces_between_special_tokens: Annotated[
+        bool | None, _refused(lambda v: v is True, "not supported: only true is accepted")
+    ] = None
+    priority: Annotated[
+        int | None, _refused(lambda v: v == 0, "not supported yet: requests are served first come, first served")
+    ] = None
+    guided_json: dict[str, Any] | bool | None = Field(
+        None, description="vLLM extension: the output is JSON that follows this JSON Schema."
+    )
+    guided_regex: Text | None = Field(None, description="vLLM extension: the output matches this regular expression.")
+    guided_choice: Annotated[list[Text], Field(min_length=1)] | None = Field(
+        None, description="vLLM extension: the output is exactly one of these strings."
+    )
+    guided_grammar: Text | None = Field(
+        None, description="vLLM extension: the output follows this EBNF grammar (GBNF, start rule `root`)."
     )
 
 
@@ -362,6 +396,13 @@ class ChatCompletionRequest(SamplingFields):
     modalities: list[Literal["text"]] | None = None
     prediction: Annotated[None, _NOT_YET] = None
     web_search_options: Annotated[None, _NOT_YET] = None
+    store: Annotated[bool | None, _refused(lambda v: v is False, "not supported: completions are not stored")] = None
+    metadata: Annotated[
+        dict[str, str] | None, _refused(lambda v: v == {}, "not supported: completions are not stored to tag")
+    ] = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='vLLM extension: extra variables for the chat template, e.g. {"enable_thinking": false}.'
+    )
 
 
 # -- the admin API (vLLM's names for the same calls) ------------------------------
@@ -374,3 +415,42 @@ class LoadLoraAdapterRequest(Body):
 
 class UnloadLoraAdapterRequest(Body):
     lora_name: Text
+
+
+# -- tokenizing (vLLM's /tokenize and /detokenize) --------------------------------
+
+
+class TokenizePromptRequest(Body):
+    model: str = Field(min_length=1)
+    prompt: str = Field(description="Text, tokenized as the completions API tokenizes a text prompt.")
+    add_special_tokens: bool | None = Field(
+        None, description="Add the tokenizer's special tokens (BOS). Default: true."
+    )
+
+
+class TokenizeChatRequest(Body):
+    model: str = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, description="Rendered by the chat template as a chat request is.")
+    add_generation_prompt: Annotated[
+        bool | None, _refused(lambda v: v is True, "not supported: the prompt always ends with the generation prompt")
+    ] = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def _shape(value: Any) -> str:
+    chat = isinstance(value, TokenizeChatRequest) or (isinstance(value, dict) and "messages" in value)
+    return "shape=chat" if chat else "shape=prompt"
+
+
+class TokenizeRequest(RootModel):
+    """A body with ``messages`` is a chat; any other is a prompt (vLLM's two shapes of one route)."""
+
+    root: Annotated[
+        Annotated[TokenizeChatRequest, Tag("shape=chat")] | Annotated[TokenizePromptRequest, Tag("shape=prompt")],
+        Discriminator(_shape),
+    ]
+
+
+class DetokenizeRequest(Body):
+    model: str = Field(min_length=1)
+    tokens: list[TokenId] = Field(description="Token ids; their text is returned with special tokens shown.")

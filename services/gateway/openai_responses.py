@@ -187,3 +187,17 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+class Tokenized(BaseModel):
+    """vLLM's /tokenize answer."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class Detokenized(BaseModel):
+    """vLLM's /detokenize answer."""
+
+    prompt: str

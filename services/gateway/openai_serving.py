@@ -14,9 +14,10 @@ in the mesh.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import structlog
 from aiohttp import web
@@ -27,7 +28,7 @@ from kvmesh.errors import KvmeshError
 from services.gateway.core import Gateway
 from services.gateway.fan_in import FanIn, Stream
 from services.gateway.http_context import RECEIVED_NS, REQUEST_ID, TENANT
-from services.gateway.openai_errors import ParamError, error_body
+from services.gateway.openai_errors import EXTRA_FIELD, ParamError, error_body
 from services.gateway.openai_render import ChatRenderer, CompletionRenderer, TokenTexts
 from services.gateway.openai_requests import ChatCompletionRequest, CompletionRequest
 from services.gateway.openai_translate import chat_requests, completion_requests
@@ -44,13 +45,35 @@ _DONE = b"data: [DONE]\n\n"
 SERVER_TIMING = "Server-Timing"
 
 
-async def parse(request: web.Request, model: type[Body]) -> Body:
-    """The request body as ``model``; any problem is a 400 naming the field."""
+async def parse(request: web.Request, model: type[Body], lenient: bool = False) -> Body:
+    """The request body as ``model``; any problem is a 400 naming the field.
+
+    ``lenient``: fields the body does not define are dropped (and logged) instead of refused.
+    """
     raw = await request.read()
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:
+        unknown = [p["loc"] for p in e.errors(include_url=False) if p["type"] == EXTRA_FIELD]
+        if not (lenient and unknown):
+            raise ParamError.from_validation(e) from None
+    body = json.loads(raw)
+    for loc in unknown:
+        *path, name = loc
+        _at(body, path).pop(name, None)
+    log.info("unknown request fields ignored", fields=[".".join(map(str, loc)) for loc in unknown])
+    try:
+        return model.model_validate_json(json.dumps(body))
+    except ValidationError as e:
         raise ParamError.from_validation(e) from None
+
+
+def _at(body: Any, path: list[int | str]) -> Any:
+    """The value at a validation error's location, skipping the labels pydantic adds (union members, tags)."""
+    for part in path:
+        if isinstance(part, int) or part in body:
+            body = body[part]
+    return body
 
 
 def json_response(body: BaseModel, status: int = 200) -> web.Response:
@@ -62,12 +85,13 @@ def _sse(body: BaseModel) -> bytes:
 
 
 class OpenAIServing:
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, lenient_fields: bool = False) -> None:
         self._gateway = gateway
+        self._lenient = lenient_fields
         self._texts = TokenTexts(gateway.model.tokenizer)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = await parse(request, CompletionRequest)
+        req = await parse(request, CompletionRequest, self._lenient)
         core_requests = completion_requests(req, self._gateway.max_inflight)
         renderer = self._renderer(
             CompletionRenderer, "cmpl", request, req, core_requests, logprobs=req.logprobs is not None
@@ -75,7 +99,7 @@ class OpenAIServing:
         return await self._answer(request, req, renderer, core_requests, self._gateway.generate)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        req = await parse(request, ChatCompletionRequest)
+        req = await parse(request, ChatCompletionRequest, self._lenient)
         core_requests = chat_requests(req, self._gateway.max_inflight)
         renderer = self._renderer(ChatRenderer, "chatcmpl", request, req, core_requests, logprobs=bool(req.logprobs))
         return await self._answer(request, req, renderer, core_requests, self._gateway.chat)

@@ -7,8 +7,9 @@ come first: the request for prompt ``p``, choice ``i`` is at ``p * n + i``,
 which is the choice index OpenAI reports.
 
 ``response_format`` becomes ``sampling.structured_output`` (json_object: a JSON
-Schema of any object); tools, tool_choice and the messages' calls map onto
-the ChatRequest's fields one to one. Their deeper checks are the core's.
+Schema of any object), and so do vLLM's ``guided_*`` fields (one at most, and
+not with response_format or tools); tools, tool_choice and the messages' calls
+map onto the ChatRequest's fields one to one. Their deeper checks are the core's.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from services.gateway.openai_requests import (
     ResponseFormatJsonObject,
     ResponseFormatJsonSchema,
     SamplingFields,
+    TokenizeChatRequest,
+    TokenizePromptRequest,
     ToolChoice,
     ToolMessage,
 )
@@ -59,7 +62,15 @@ def _sampling(
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
+        stop_token_ids=req.stop_token_ids or (),
+        min_tokens=req.min_tokens or 0,
+        include_stop_str_in_output=bool(req.include_stop_str_in_output),
     )
+    if req.skip_special_tokens is not None:
+        params.skip_special_tokens = req.skip_special_tokens
+    guided = _guided(req)
+    if guided is not None:
+        params.structured_output.CopyFrom(guided)
     if req.repetition_penalty is not None:
         params.repetition_penalty = req.repetition_penalty
     if req.temperature is not None:
@@ -69,6 +80,27 @@ def _sampling(
         # smallest float32 keeps what it means: the most likely token only.
         params.top_p = max(req.top_p, _FLOAT32_TINY)
     return params
+
+
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _guided(req: SamplingFields) -> sampling_pb2.StructuredOutput | None:
+    """vLLM's guided decoding fields as the one constraint they name (None: none is set)."""
+    given = [name for name in _GUIDED if getattr(req, name) is not None]
+    if len(given) > 1:
+        raise ParamError(f"set one of {', '.join(given)}, not several", given[1])
+    if req.guided_json is not None:
+        return GrammarSpec.json_schema(req.guided_json).to_pb()
+    if req.guided_regex is not None:
+        return GrammarSpec("regex", req.guided_regex).to_pb()
+    if req.guided_choice is not None:
+        # An EBNF alternation of string literals (JSON's escapes are GBNF's) needs no regex escaping.
+        literals = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in req.guided_choice)
+        return GrammarSpec("ebnf", f"root ::= {literals}").to_pb()
+    if req.guided_grammar is not None:
+        return GrammarSpec("ebnf", req.guided_grammar).to_pb()
+    return None
 
 
 def _choices(req: SamplingFields, prompts: int, limit: int) -> int:
@@ -134,12 +166,15 @@ def chat_requests(req: ChatCompletionRequest, limit: int) -> list[gateway_pb2.Ch
     params = _sampling(req, max_tokens, bool(req.logprobs), req.top_logprobs or 0)
     structured = _structured_output(req.response_format)
     if structured is not None:
+        if params.HasField("structured_output"):
+            raise ParamError("response_format cannot be combined with guided_* fields", "response_format")
         params.structured_output.CopyFrom(structured)
     template = gateway_pb2.ChatRequest(
         model=req.model,
         messages=[_message(m) for m in req.messages],
         cache_salt=req.cache_salt or "",
         user=req.user or "",
+        chat_template_kwargs_json=json.dumps(req.chat_template_kwargs) if req.chat_template_kwargs else "",
     )
     for tool in req.tools or ():
         f = tool.function
@@ -189,3 +224,15 @@ def _text(content: Content | None) -> str:
     if isinstance(content, str):
         return content
     return "\n".join(part.text for part in content)
+
+
+def tokenize_request(req: TokenizeChatRequest | TokenizePromptRequest) -> gateway_pb2.TokenizeRequest:
+    """/tokenize's body as the core's request: a chat renders as chat_requests' would."""
+    if isinstance(req, TokenizePromptRequest):
+        add_special = req.add_special_tokens is None or req.add_special_tokens
+        return gateway_pb2.TokenizeRequest(model=req.model, text=req.prompt, add_special_tokens=add_special)
+    return gateway_pb2.TokenizeRequest(
+        model=req.model,
+        chat=gateway_pb2.ChatMessages(messages=[_message(m) for m in req.messages]),
+        chat_template_kwargs_json=json.dumps(req.chat_template_kwargs) if req.chat_template_kwargs else "",
+    )

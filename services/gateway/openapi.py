@@ -18,26 +18,48 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from services.gateway.auth import GUARDED_PATHS
 from services.gateway.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LoadLoraAdapterRequest,
+    TokenizeChatRequest,
+    TokenizePromptRequest,
+    TokenizeRequest,
     UnloadLoraAdapterRequest,
 )
 from services.gateway.openai_responses import (
     ChatCompletion,
     ChatCompletionChunk,
     Completion,
+    Detokenized,
     ErrorResponse,
     Health,
     Model,
     ModelList,
+    Tokenized,
     Unloaded,
 )
 
-_REQUESTS = (CompletionRequest, ChatCompletionRequest)
+_REQUESTS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+# The bodies that name the model (and token ids): the document allows only what is served.
+_BOUNDED = (CompletionRequest, ChatCompletionRequest, TokenizePromptRequest, TokenizeChatRequest, DetokenizeRequest)
 _ADMIN_REQUESTS = (LoadLoraAdapterRequest, UnloadLoraAdapterRequest)
-_RESPONSES = (Completion, ChatCompletion, ChatCompletionChunk, Model, ModelList, Unloaded, Health, ErrorResponse)
+_RESPONSES = (
+    Completion,
+    ChatCompletion,
+    ChatCompletionChunk,
+    Model,
+    ModelList,
+    Unloaded,
+    Health,
+    ErrorResponse,
+    Tokenized,
+    Detokenized,
+)
+# What /tokenize and /detokenize can answer besides 200 (401 is added with auth).
+_TOKENIZER_ERRORS = {400: "Invalid request: a parameter, a token id outside the vocabulary.", 404: "Unknown model."}
 
 # What the admin API (LoRA adapters) can answer besides 200 (401 is added with auth).
 _ADMIN_ERRORS = {
@@ -83,7 +105,7 @@ def _integers(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 def _bound(schemas: dict[str, Any], served: Served) -> None:
-    for request in _REQUESTS:
+    for request in _BOUNDED:
         fields = schemas[request.__name__]["properties"]
         fields["model"]["enum"] = [served.model_name]  # any other name is a 404
         maxima = {
@@ -92,6 +114,7 @@ def _bound(schemas: dict[str, Any], served: Served) -> None:
             "n": served.max_generations,
             "best_of": served.max_generations,
             "prompt": served.vocab_size - 1,
+            "tokens": served.vocab_size - 1,
         }
         for name, maximum in maxima.items():
             for integer in _integers(fields.get(name, {})):
@@ -203,6 +226,16 @@ def openapi_document(served: Served, auth: bool) -> dict[str, Any]:
             UnloadLoraAdapterRequest,
             _ok("Unloaded.", _json(Unloaded)) | _errors(admin_errors),
         ),
+        "/tokenize": _post(
+            "Tokenize a prompt, or a conversation as a chat request renders it (vLLM's shapes).",
+            TokenizeRequest,
+            _ok("The token ids.", _json(Tokenized)) | _errors(dict(sorted((_TOKENIZER_ERRORS | auth_errors).items()))),
+        ),
+        "/detokenize": _post(
+            "The text of token ids, special tokens shown (vLLM's shapes).",
+            DetokenizeRequest,
+            _ok("The text.", _json(Detokenized)) | _errors(dict(sorted((_TOKENIZER_ERRORS | auth_errors).items()))),
+        ),
         "/health": _get(
             "Whether the gateway takes requests.",
             _ok("Serving.", _json(Health)) | {"503": {"description": "Shutting down.", "content": _json(Health)}},
@@ -225,7 +258,7 @@ def openapi_document(served: Served, auth: bool) -> dict[str, Any]:
     if auth:
         document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         for path, item in paths.items():
-            if path.startswith("/v1/"):
+            if path.startswith(GUARDED_PATHS):
                 for operation in item.values():
                     operation["security"] = [{"bearer": []}]
     return document

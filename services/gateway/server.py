@@ -49,6 +49,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self._tenant(context)
         return gateway_pb2.TokenizeResponse(token_ids=await self._gateway.tokenize(request))
 
+    async def Detokenize(
+        self, request: gateway_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.DetokenizeResponse:
+        self._tenant(context)
+        return gateway_pb2.DetokenizeResponse(text=await self._gateway.detokenize(request))
+
     async def ListModels(
         self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.ListModelsResponse:

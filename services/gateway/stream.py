@@ -11,6 +11,14 @@ from kvmesh.api.gateway.v1 import gateway_pb2
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.timing import phases
 
+# vLLM's finished_reason words (its engine ends a sequence on stop, length or abort).
+_VLLM_FINISH = {
+    sampling_pb2.FINISH_REASON_STOP: "stop",
+    sampling_pb2.FINISH_REASON_TOOL_CALLS: "stop",
+    sampling_pb2.FINISH_REASON_LENGTH: "length",
+    sampling_pb2.FINISH_REASON_REPETITION: "length",
+}
+
 
 @dataclass(frozen=True)
 class Job:
@@ -82,11 +90,13 @@ class ResponseStream:
         if self._first_ns is None:
             self._first_ns = now
             self._metrics.ttft.observe((now - self._job.received_ns) / 1e9)
+            self._metrics.vllm.ttft.observe((now - self._job.received_ns) / 1e9)
         else:
             # Speculative decoding sends several tokens at once: spread the gap over them.
             per_token = (now - self._last_ns) / 1e9 / n
             for _ in range(n):
                 self._metrics.inter_token.observe(per_token)
+                self._metrics.vllm.inter_token.observe(per_token)
         self._last_ns = now
         self.tokens_sent += n
         self._metrics.tokens.inc(n)
@@ -116,4 +126,7 @@ class ResponseStream:
             self._metrics.phases.labels(phase).observe(ns / 1e9)
         self._metrics.cached_tokens.labels("predicted").inc(self.predicted_cached_tokens)
         self._metrics.cached_tokens.labels("found").inc(finish.cached_tokens)
+        self._metrics.vllm.finished(
+            _VLLM_FINISH.get(finish.reason, "abort"), total / 1e9, len(job.prompt_ids), self.tokens_sent
+        )
         return end

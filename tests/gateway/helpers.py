@@ -13,7 +13,7 @@ PROMPT = list(range(40, 80))  # 40 tokens: two full blocks and a partial one
 
 
 def make_gateway(model: ServedModel, mesh: FakeMesh, **kwargs) -> Gateway:
-    return Gateway(model, mesh, metrics=GatewayMetrics(), **kwargs)
+    return Gateway(model, mesh, **{"metrics": GatewayMetrics(), **kwargs})
 
 
 def request(prompt: list[int] | str = PROMPT, **sampling) -> gateway_pb2.GenerateRequest:

@@ -21,10 +21,11 @@ from services.gateway.auth import ApiKeys
 from services.gateway.core import Gateway
 from services.gateway.http_app import HttpApi
 from services.gateway.http_server import HttpServer
-from services.gateway.metrics import HttpMetrics
+from services.gateway.metrics import GatewayMetrics, HttpMetrics
 from services.gateway.model import ServedModel
+from tests.gateway.conftest import CONTEXT
 from tests.gateway.fakes import FakeMesh
-from tests.gateway.helpers import PROMPT, make_gateway
+from tests.gateway.helpers import PROMPT, make_gateway, sample
 
 TEXT = "<7><11><12><13>"  # what the fake mesh generates: the first token, then DECODE_TOKENS
 
@@ -44,12 +45,12 @@ class Served:
 
 @asynccontextmanager
 async def http_gateway(
-    model: ServedModel, mesh: FakeMesh, keys: ApiKeys | None = None, **gateway_kwargs
+    model: ServedModel, mesh: FakeMesh, keys: ApiKeys | None = None, lenient_fields: bool = False, **gateway_kwargs
 ) -> AsyncIterator[Served]:
     """The HTTP API on a gateway core over ``mesh``, on a free port."""
     gateway = make_gateway(model, mesh, **gateway_kwargs)
     registry = CollectorRegistry()
-    api = HttpApi(gateway, keys or ApiKeys(), registry, HttpMetrics(registry))
+    api = HttpApi(gateway, keys or ApiKeys(), registry, HttpMetrics(registry), lenient_fields)
     server = HttpServer(api, "127.0.0.1", 0, grace_seconds=1.0)
     await server.start()
     served = Served(f"http://127.0.0.1:{server.port}", gateway, api, registry)
@@ -134,8 +135,15 @@ async def test_chat_parameters_reach_the_mesh(model, mesh) -> None:
                 "min_p": 0.1,
                 "ignore_eos": True,
                 "cache_salt": "s1",
-                "some_future_field": 1,
                 "repetition_penalty": 1.2,
+                # vLLM's names.
+                "stop_token_ids": [3, 9],
+                "min_tokens": 2,
+                "include_stop_str_in_output": True,
+                "skip_special_tokens": False,
+                "spaces_between_special_tokens": True,
+                "priority": 0,
+                "guided_regex": "[ab]+",
             },
         )
 
@@ -146,6 +154,51 @@ async def test_chat_parameters_reach_the_mesh(model, mesh) -> None:
     assert (s.presence_penalty, s.frequency_penalty, round(s.repetition_penalty, 6)) == (0.5, -0.25, 1.2)
     assert dict(s.logit_bias) == {7: -100.0, 12: 2.5}
     assert prefill.cache_salt == b"s1"
+    assert (list(s.stop_token_ids), s.min_tokens, s.include_stop_str_in_output) == ([3, 9], 2, True)
+    assert s.HasField("skip_special_tokens") and not s.skip_special_tokens
+    assert s.structured_output.regex == "[ab]+"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "says"),
+    [
+        ({"some_future_field": 1}, "some_future_field", "unknown field"),
+        ({"use_beam_search": True}, "use_beam_search", "unknown field"),
+        ({"messages": [{"role": "user", "content": "hi", "reasoning": "x"}]}, "messages.0.reasoning", "unknown field"),
+        ({"priority": 3}, "priority", "not supported yet"),
+        ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens", "only true"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "set one of"),
+        ({"guided_json": {}, "response_format": {"type": "json_object"}}, "response_format", "guided_"),
+        ({"min_tokens": 9, "max_tokens": 4}, "min_tokens", "max_tokens"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "may not set messages"),
+    ],
+)
+async def test_a_field_not_served_as_written_is_a_400_naming_it(model, mesh, extra, param, says) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **extra}
+    async with http_gateway(model, mesh) as served:
+        with pytest.raises(openai.BadRequestError) as e:
+            await served.client().post("/chat/completions", body=body, cast_to=object)
+
+    assert e.value.body["param"] == param
+    assert says in e.value.body["message"]
+    assert not mesh.prefills
+
+
+async def test_lenient_fields_ignores_unknown_fields_only(model, mesh) -> None:
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi", "reasoning": "x"}],
+        "some_future_field": {"a": 1},
+        "max_tokens": 3,
+    }
+    async with http_gateway(model, mesh, lenient_fields=True) as served:
+        await served.client().post("/chat/completions", body=body, cast_to=object)
+        with pytest.raises(openai.BadRequestError) as e:  # a known field's bad value is still a 400
+            await served.client().post("/chat/completions", body={**body, "priority": 1}, cast_to=object)
+
+    assert e.value.body["param"] == "priority"
+    [(_, prefill)] = mesh.prefills
+    assert prefill.sampling.max_tokens == 3
 
 
 async def test_chat_applies_the_template_to_text_parts(model, mesh) -> None:
@@ -253,3 +306,49 @@ def test_sampling_defaults_leave_the_contracts_unset_fields_unset() -> None:
     assert not req.sampling.HasField("temperature") and not req.sampling.HasField("top_p")
     assert not req.sampling.HasField("seed") and req.sampling.max_tokens == 16
     assert req.sampling.repetition_guard == sampling_pb2.RepetitionGuard()
+
+
+async def _post_json(url: str, body: dict) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
+        return response.status, await response.json()
+
+
+async def test_tokenize_of_a_chat_is_the_prompt_the_mesh_ran(model, mesh) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi " * 20}]
+    kwargs = {"enable_thinking": False}
+    async with http_gateway(model, mesh) as served:
+        await served.client().chat.completions.create(
+            model="tiny", messages=messages, max_tokens=2, extra_body={"chat_template_kwargs": kwargs}
+        )
+        status, tokenized = await _post_json(
+            served.url + "/tokenize", {"model": "tiny", "messages": messages, "chat_template_kwargs": kwargs}
+        )
+        _, prompt = await _post_json(served.url + "/tokenize", {"model": "tiny", "prompt": "x = 1"})
+        _, text = await _post_json(served.url + "/detokenize", {"model": "tiny", "tokens": tokenized["tokens"]})
+        bad, error = await _post_json(served.url + "/detokenize", {"model": "tiny", "tokens": [10**6]})
+
+    [(_, prefill)] = mesh.prefills
+    assert status == 200 and tokenized["tokens"] == list(prefill.token_ids)
+    assert tokenized["count"] == len(prefill.token_ids) and tokenized["max_model_len"] == CONTEXT
+    assert prompt["tokens"] == model.tokenizer.encode("x = 1", add_special_tokens=True)
+    assert text["prompt"] == model.tokenizer.decode(tokenized["tokens"], skip_special_tokens=False)
+    assert "<|im_start|>" in text["prompt"]  # special tokens shown, as the prompt holds them
+    assert bad == 400 and error["error"]["param"] == "token_ids"
+
+
+async def test_tokenize_needs_an_api_key_when_keys_are_set(model, mesh) -> None:
+    async with http_gateway(model, mesh, keys=ApiKeys.load(listed="sk-1 team")) as served:
+        status, _ = await _post_json(served.url + "/tokenize", {"model": "tiny", "prompt": "x"})
+    assert status == 401
+
+
+async def test_vllm_metric_names_count_requests(model, mesh) -> None:
+    async with http_gateway(model, mesh, metrics=GatewayMetrics(model_name="tiny")) as served:
+        done = await served.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
+
+    labels = {"model_name": "tiny"}
+    assert sample(served.gateway, "vllm:request_success_total", finished_reason="length", **labels) == 1
+    assert sample(served.gateway, "vllm:time_to_first_token_seconds_count", **labels) == 1
+    assert sample(served.gateway, "vllm:e2e_request_latency_seconds_count", **labels) == 1
+    assert sample(served.gateway, "vllm:request_generation_tokens_sum", **labels) == done.usage.completion_tokens
+    assert sample(served.gateway, "vllm:request_prompt_tokens_sum", **labels) == len(PROMPT)

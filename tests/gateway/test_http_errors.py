@@ -211,7 +211,7 @@ async def test_bad_requests_are_400_naming_the_parameter(model, path, body, para
     assert mesh.routes == []
 
 
-async def test_neutral_values_and_fields_we_do_not_use_are_accepted(model) -> None:
+async def test_neutral_values_of_fields_we_do_not_serve_are_accepted(model) -> None:
     harmless = {
         "presence_penalty": 0,
         "frequency_penalty": 0.0,

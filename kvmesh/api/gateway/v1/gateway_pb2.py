@@ -26,7 +26,7 @@ from kvmesh.api.common.v1 import accounting_pb2 as kvmesh_dot_api_dot_common_dot
 from kvmesh.api.common.v1 import sampling_pb2 as kvmesh_dot_api_dot_common_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#kvmesh/api/gateway/v1/gateway.proto\x12\x15kvmesh.api.gateway.v1\x1a%kvmesh/api/common/v1/accounting.proto\x1a#kvmesh/api/common/v1/sampling.proto\"\xca\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x34\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1f.kvmesh.api.gateway.v1.TokenIdsH\x00\x12\x36\n\x08sampling\x18\x04 \x01(\x0b\x32$.kvmesh.api.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x0c\n\x04user\x18\x06 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xbe\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x34\n\x08logprobs\x18\x05 \x03(\x0b\x32\".kvmesh.api.common.v1.TokenLogprob\x12/\n\x05\x66inal\x18\x06 \x01(\x0b\x32 .kvmesh.api.gateway.v1.StreamEnd\"\xe3\x02\n\tStreamEnd\x12\x39\n\rfinish_reason\x18\x01 \x01(\x0e\x32\".kvmesh.api.common.v1.FinishReason\x12*\n\x05usage\x18\x02 \x01(\x0b\x32\x1b.kvmesh.api.common.v1.Usage\x12.\n\x07timings\x18\x03 \x01(\x0b\x32\x1d.kvmesh.api.common.v1.Timings\x12\x34\n\rroute_timings\x18\x04 \x01(\x0b\x32\x1d.kvmesh.api.common.v1.Timings\x12\x36\n\x0fprefill_timings\x18\x05 \x01(\x0b\x32\x1d.kvmesh.api.common.v1.Timings\x12\x35\n\x0e\x64\x65\x63ode_timings\x18\x06 \x01(\x0b\x32\x1d.kvmesh.api.common.v1.Timings\x12\x1a\n\x12system_fingerprint\x18\x07 \x01(\t\"\xca\x02\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x34\n\x08messages\x18\x02 \x03(\x0b\x32\".kvmesh.api.gateway.v1.ChatMessage\x12\x36\n\x08sampling\x18\x03 \x01(\x0b\x32$.kvmesh.api.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x0c\n\x04user\x18\x05 \x01(\t\x12*\n\x05tools\x18\x06 \x03(\x0b\x32\x1b.kvmesh.api.gateway.v1.Tool\x12\x36\n\x0btool_choice\x18\x07 \x01(\x0b\x32!.kvmesh.api.gateway.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x08 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"\x85\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x33\n\ntool_calls\x18\x04 \x03(\x0b\x32\x1f.kvmesh.api.gateway.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"f\n\nToolChoice\x12\x35\n\x04mode\x18\x01 \x01(\x0e\x32%.kvmesh.api.gateway.v1.ToolChoiceModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xef\x01\n\x0c\x43hatResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x34\n\x08logprobs\x18\x05 \x03(\x0b\x32\".kvmesh.api.common.v1.TokenLogprob\x12/\n\x05\x66inal\x18\x06 \x01(\x0b\x32 .kvmesh.api.gateway.v1.StreamEnd\x12\x33\n\ntool_calls\x18\x07 \x03(\x0b\x32\x1f.kvmesh.api.gateway.v1.ToolCall\"\x8a\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x33\n\x04\x63hat\x18\x03 \x01(\x0b\x32#.kvmesh.api.gateway.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x42\x07\n\x05input\"D\n\x0c\x43hatMessages\x12\x34\n\x08messages\x18\x01 \x03(\x0b\x32\".kvmesh.api.gateway.v1.ChatMessage\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x13\n\x11ListModelsRequest\"F\n\x12ListModelsResponse\x12\x30\n\x06models\x18\x01 \x03(\x0b\x32 .kvmesh.api.gateway.v1.ModelInfo\"a\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x0f\n\x07\x63reated\x18\x04 \x01(\x04\x12\x0e\n\x06parent\x18\x05 \x01(\t\"0\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"W\n\x13LoadAdapterResponse\x12/\n\x05model\x18\x01 \x01(\x0b\x32 .kvmesh.api.gateway.v1.ModelInfo\x12\x0f\n\x07workers\x18\x02 \x01(\r\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"(\n\x15UnloadAdapterResponse\x12\x0f\n\x07workers\x18\x01 \x01(\r*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03\x32\xd4\x04\n\x0eGatewayService\x12]\n\x08Generate\x12&.kvmesh.api.gateway.v1.GenerateRequest\x1a\'.kvmesh.api.gateway.v1.GenerateResponse0\x01\x12Q\n\x04\x43hat\x12\".kvmesh.api.gateway.v1.ChatRequest\x1a#.kvmesh.api.gateway.v1.ChatResponse0\x01\x12[\n\x08Tokenize\x12&.kvmesh.api.gateway.v1.TokenizeRequest\x1a\'.kvmesh.api.gateway.v1.TokenizeResponse\x12\x61\n\nListModels\x12(.kvmesh.api.gateway.v1.ListModelsRequest\x1a).kvmesh.api.gateway.v1.ListModelsResponse\x12\x64\n\x0bLoadAdapter\x12).kvmesh.api.gateway.v1.LoadAdapterRequest\x1a*.kvmesh.api.gateway.v1.LoadAdapterResponse\x12j\n\rUnloadAdapter\x12+.kvmesh.api.gateway.v1.UnloadAdapterRequest\x1a,.kvmesh.api.gateway.v1.UnloadAdapterResponseBIZGgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/gateway/v1;gatewayv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#kvmesh/api/gateway/v1/gateway.proto\x12\x15kvmesh.api.gateway.v1\x1a%kvmesh/api/common/v1/accounting.proto\x1a#kvmesh/api/common/v1/sampling.proto\"\xca\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x34\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1f.kvmesh.api.gateway.v1.TokenIdsH\x00\x12\x36\n\x08sampling\x18\x04 \x01(\x0b\x32$.kvmesh.api.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x0c\n\x04user\x18\x06 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xbe\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x34\n\x08logprobs\x18\x05 \x03(\x0b\x32\".kvmesh.api.common.v1.TokenLogprob\x12/\n\x05\x66inal\x18\x06 \x01(\x0b\x32 .kvmesh.api.gateway.v1.StreamEnd\"\xe3\x02\n\tStreamEnd\x12\x39\n\rfinish_reason\x18\x01 \x01(\x0e\x32\".kvmesh.api.common.v1.FinishReason\x12*\n\x05usage\x18\x02 \x01(\x0b\x32\x1b.kvmesh.api.common.v1.Usage\x12.\n\x07timings\x18\x03 \x01(\x0b\x32\x1d.kvmesh.api.common.v1.Timings\x12\x34\n\rroute_timings\x18\x04 \x01(\x0b\x32\x1d.kvmesh.api.common.v1.Timings\x12\x36\n\x0fprefill_timings\x18\x05 \x01(\x0b\x32\x1d.kvmesh.api.common.v1.Timings\x12\x35\n\x0e\x64\x65\x63ode_timings\x18\x06 \x01(\x0b\x32\x1d.kvmesh.api.common.v1.Timings\x12\x1a\n\x12system_fingerprint\x18\x07 \x01(\t\"\xed\x02\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x34\n\x08messages\x18\x02 \x03(\x0b\x32\".kvmesh.api.gateway.v1.ChatMessage\x12\x36\n\x08sampling\x18\x03 \x01(\x0b\x32$.kvmesh.api.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x0c\n\x04user\x18\x05 \x01(\t\x12*\n\x05tools\x18\x06 \x03(\x0b\x32\x1b.kvmesh.api.gateway.v1.Tool\x12\x36\n\x0btool_choice\x18\x07 \x01(\x0b\x32!.kvmesh.api.gateway.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x08 \x01(\x08H\x00\x88\x01\x01\x12!\n\x19\x63hat_template_kwargs_json\x18\t \x01(\tB\x16\n\x14_parallel_tool_calls\"\x85\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x33\n\ntool_calls\x18\x04 \x03(\x0b\x32\x1f.kvmesh.api.gateway.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"f\n\nToolChoice\x12\x35\n\x04mode\x18\x01 \x01(\x0e\x32%.kvmesh.api.gateway.v1.ToolChoiceModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xef\x01\n\x0c\x43hatResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x34\n\x08logprobs\x18\x05 \x03(\x0b\x32\".kvmesh.api.common.v1.TokenLogprob\x12/\n\x05\x66inal\x18\x06 \x01(\x0b\x32 .kvmesh.api.gateway.v1.StreamEnd\x12\x33\n\ntool_calls\x18\x07 \x03(\x0b\x32\x1f.kvmesh.api.gateway.v1.ToolCall\"\xad\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x33\n\x04\x63hat\x18\x03 \x01(\x0b\x32#.kvmesh.api.gateway.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\x05 \x01(\tB\x07\n\x05input\"D\n\x0c\x43hatMessages\x12\x34\n\x08messages\x18\x01 \x03(\x0b\x32\".kvmesh.api.gateway.v1.ChatMessage\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"5\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"F\n\x12ListModelsResponse\x12\x30\n\x06models\x18\x01 \x03(\x0b\x32 .kvmesh.api.gateway.v1.ModelInfo\"a\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x0f\n\x07\x63reated\x18\x04 \x01(\x04\x12\x0e\n\x06parent\x18\x05 \x01(\t\"0\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"W\n\x13LoadAdapterResponse\x12/\n\x05model\x18\x01 \x01(\x0b\x32 .kvmesh.api.gateway.v1.ModelInfo\x12\x0f\n\x07workers\x18\x02 \x01(\r\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"(\n\x15UnloadAdapterResponse\x12\x0f\n\x07workers\x18\x01 \x01(\r*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03\x32\xb7\x05\n\x0eGatewayService\x12]\n\x08Generate\x12&.kvmesh.api.gateway.v1.GenerateRequest\x1a\'.kvmesh.api.gateway.v1.GenerateResponse0\x01\x12Q\n\x04\x43hat\x12\".kvmesh.api.gateway.v1.ChatRequest\x1a#.kvmesh.api.gateway.v1.ChatResponse0\x01\x12[\n\x08Tokenize\x12&.kvmesh.api.gateway.v1.TokenizeRequest\x1a\'.kvmesh.api.gateway.v1.TokenizeResponse\x12\x61\n\nDetokenize\x12(.kvmesh.api.gateway.v1.DetokenizeRequest\x1a).kvmesh.api.gateway.v1.DetokenizeResponse\x12\x61\n\nListModels\x12(.kvmesh.api.gateway.v1.ListModelsRequest\x1a).kvmesh.api.gateway.v1.ListModelsResponse\x12\x64\n\x0bLoadAdapter\x12).kvmesh.api.gateway.v1.LoadAdapterRequest\x1a*.kvmesh.api.gateway.v1.LoadAdapterResponse\x12j\n\rUnloadAdapter\x12+.kvmesh.api.gateway.v1.UnloadAdapterRequest\x1a,.kvmesh.api.gateway.v1.UnloadAdapterResponseBIZGgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/gateway/v1;gatewayv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.api.gateway.v1.gatew
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'ZGgithub.com/kvmesh/kvmesh/clients/go/gen/kvmesh/api/gateway/v1;gatewayv1'
-  _globals['_TOOLCHOICEMODE']._serialized_start=2521
-  _globals['_TOOLCHOICEMODE']._serialized_end=2656
+  _globals['_TOOLCHOICEMODE']._serialized_start=2682
+  _globals['_TOOLCHOICEMODE']._serialized_end=2817
   _globals['_GENERATEREQUEST']._serialized_start=139
   _globals['_GENERATEREQUEST']._serialized_end=341
   _globals['_TOKENIDS']._serialized_start=343
@@ -45,37 +45,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAMEND']._serialized_start=562
   _globals['_STREAMEND']._serialized_end=917
   _globals['_CHATREQUEST']._serialized_start=920
-  _globals['_CHATREQUEST']._serialized_end=1250
-  _globals['_CHATMESSAGE']._serialized_start=1253
-  _globals['_CHATMESSAGE']._serialized_end=1386
-  _globals['_TOOL']._serialized_start=1388
-  _globals['_TOOL']._serialized_end=1454
-  _globals['_TOOLCHOICE']._serialized_start=1456
-  _globals['_TOOLCHOICE']._serialized_end=1558
-  _globals['_TOOLCALL']._serialized_start=1560
-  _globals['_TOOLCALL']._serialized_end=1615
-  _globals['_CHATRESPONSE']._serialized_start=1618
-  _globals['_CHATRESPONSE']._serialized_end=1857
-  _globals['_TOKENIZEREQUEST']._serialized_start=1860
-  _globals['_TOKENIZEREQUEST']._serialized_end=1998
-  _globals['_CHATMESSAGES']._serialized_start=2000
-  _globals['_CHATMESSAGES']._serialized_end=2068
-  _globals['_TOKENIZERESPONSE']._serialized_start=2070
-  _globals['_TOKENIZERESPONSE']._serialized_end=2107
-  _globals['_LISTMODELSREQUEST']._serialized_start=2109
-  _globals['_LISTMODELSREQUEST']._serialized_end=2128
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2130
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2200
-  _globals['_MODELINFO']._serialized_start=2202
-  _globals['_MODELINFO']._serialized_end=2299
-  _globals['_LOADADAPTERREQUEST']._serialized_start=2301
-  _globals['_LOADADAPTERREQUEST']._serialized_end=2349
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=2351
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=2438
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=2440
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=2476
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=2478
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=2518
-  _globals['_GATEWAYSERVICE']._serialized_start=2659
-  _globals['_GATEWAYSERVICE']._serialized_end=3255
+  _globals['_CHATREQUEST']._serialized_end=1285
+  _globals['_CHATMESSAGE']._serialized_start=1288
+  _globals['_CHATMESSAGE']._serialized_end=1421
+  _globals['_TOOL']._serialized_start=1423
+  _globals['_TOOL']._serialized_end=1489
+  _globals['_TOOLCHOICE']._serialized_start=1491
+  _globals['_TOOLCHOICE']._serialized_end=1593
+  _globals['_TOOLCALL']._serialized_start=1595
+  _globals['_TOOLCALL']._serialized_end=1650
+  _globals['_CHATRESPONSE']._serialized_start=1653
+  _globals['_CHATRESPONSE']._serialized_end=1892
+  _globals['_TOKENIZEREQUEST']._serialized_start=1895
+  _globals['_TOKENIZEREQUEST']._serialized_end=2068
+  _globals['_CHATMESSAGES']._serialized_start=2070
+  _globals['_CHATMESSAGES']._serialized_end=2138
+  _globals['_TOKENIZERESPONSE']._serialized_start=2140
+  _globals['_TOKENIZERESPONSE']._serialized_end=2177
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2179
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2232
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2234
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2268
+  _globals['_LISTMODELSREQUEST']._serialized_start=2270
+  _globals['_LISTMODELSREQUEST']._serialized_end=2289
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2291
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2361
+  _globals['_MODELINFO']._serialized_start=2363
+  _globals['_MODELINFO']._serialized_end=2460
+  _globals['_LOADADAPTERREQUEST']._serialized_start=2462
+  _globals['_LOADADAPTERREQUEST']._serialized_end=2510
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=2512
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=2599
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=2601
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=2637
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=2639
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=2679
+  _globals['_GATEWAYSERVICE']._serialized_start=2820
+  _globals['_GATEWAYSERVICE']._serialized_end=3515
 # @@protoc_insertion_point(module_scope)

@@ -51,6 +51,11 @@ class GatewayServiceStub:
                 request_serializer=kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/kvmesh.api.gateway.v1.GatewayService/Detokenize',
+                request_serializer=kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/kvmesh.api.gateway.v1.GatewayService/ListModels',
                 request_serializer=kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
@@ -90,6 +95,13 @@ class GatewayServiceServicer:
 
     def Tokenize(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """The text of token ids (what /detokenize answers).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -136,6 +148,11 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.TokenizeRequest.FromString,
                     response_serializer=kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.DetokenizeRequest.FromString,
+                    response_serializer=kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.DetokenizeResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -236,6 +253,33 @@ class GatewayService:
             '/kvmesh.api.gateway.v1.GatewayService/Tokenize',
             kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.TokenizeRequest.SerializeToString,
             kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.api.gateway.v1.GatewayService/Detokenize',
+            kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.DetokenizeRequest.SerializeToString,
+            kvmesh_dot_api_dot_gateway_dot_v1_dot_gateway__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -444,8 +444,11 @@ type ChatRequest struct {
 	ToolChoice *ToolChoice `protobuf:"bytes,7,opt,name=tool_choice,json=toolChoice,proto3" json:"tool_choice,omitempty"`
 	// Allow more than one call in a reply. Unset: true.
 	ParallelToolCalls *bool `protobuf:"varint,8,opt,name=parallel_tool_calls,json=parallelToolCalls,proto3,oneof" json:"parallel_tool_calls,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// A JSON object of extra variables for the chat template (e.g.
+	// {"enable_thinking": false}). Empty: none.
+	ChatTemplateKwargsJson string `protobuf:"bytes,9,opt,name=chat_template_kwargs_json,json=chatTemplateKwargsJson,proto3" json:"chat_template_kwargs_json,omitempty"`
+	unknownFields          protoimpl.UnknownFields
+	sizeCache              protoimpl.SizeCache
 }
 
 func (x *ChatRequest) Reset() {
@@ -532,6 +535,13 @@ func (x *ChatRequest) GetParallelToolCalls() bool {
 		return *x.ParallelToolCalls
 	}
 	return false
+}
+
+func (x *ChatRequest) GetChatTemplateKwargsJson() string {
+	if x != nil {
+		return x.ChatTemplateKwargsJson
+	}
+	return ""
 }
 
 type ChatMessage struct {
@@ -930,8 +940,10 @@ type TokenizeRequest struct {
 	Input isTokenizeRequest_Input `protobuf_oneof:"input"`
 	// For text: add the tokenizer's special tokens (e.g. BOS).
 	AddSpecialTokens bool `protobuf:"varint,4,opt,name=add_special_tokens,json=addSpecialTokens,proto3" json:"add_special_tokens,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// For chat: as ChatRequest.chat_template_kwargs_json.
+	ChatTemplateKwargsJson string `protobuf:"bytes,5,opt,name=chat_template_kwargs_json,json=chatTemplateKwargsJson,proto3" json:"chat_template_kwargs_json,omitempty"`
+	unknownFields          protoimpl.UnknownFields
+	sizeCache              protoimpl.SizeCache
 }
 
 func (x *TokenizeRequest) Reset() {
@@ -1001,6 +1013,13 @@ func (x *TokenizeRequest) GetAddSpecialTokens() bool {
 		return x.AddSpecialTokens
 	}
 	return false
+}
+
+func (x *TokenizeRequest) GetChatTemplateKwargsJson() string {
+	if x != nil {
+		return x.ChatTemplateKwargsJson
+	}
+	return ""
 }
 
 type isTokenizeRequest_Input interface {
@@ -1109,6 +1128,103 @@ func (x *TokenizeResponse) GetTokenIds() []uint32 {
 	return nil
 }
 
+type DetokenizeRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Model         string                 `protobuf:"bytes,1,opt,name=model,proto3" json:"model,omitempty"`
+	TokenIds      []uint32               `protobuf:"varint,2,rep,packed,name=token_ids,json=tokenIds,proto3" json:"token_ids,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DetokenizeRequest) Reset() {
+	*x = DetokenizeRequest{}
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DetokenizeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DetokenizeRequest) ProtoMessage() {}
+
+func (x *DetokenizeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DetokenizeRequest.ProtoReflect.Descriptor instead.
+func (*DetokenizeRequest) Descriptor() ([]byte, []int) {
+	return file_kvmesh_api_gateway_v1_gateway_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *DetokenizeRequest) GetModel() string {
+	if x != nil {
+		return x.Model
+	}
+	return ""
+}
+
+func (x *DetokenizeRequest) GetTokenIds() []uint32 {
+	if x != nil {
+		return x.TokenIds
+	}
+	return nil
+}
+
+type DetokenizeResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The ids' text, special tokens included (as a prompt would hold them).
+	Text          string `protobuf:"bytes,1,opt,name=text,proto3" json:"text,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DetokenizeResponse) Reset() {
+	*x = DetokenizeResponse{}
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DetokenizeResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DetokenizeResponse) ProtoMessage() {}
+
+func (x *DetokenizeResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DetokenizeResponse.ProtoReflect.Descriptor instead.
+func (*DetokenizeResponse) Descriptor() ([]byte, []int) {
+	return file_kvmesh_api_gateway_v1_gateway_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *DetokenizeResponse) GetText() string {
+	if x != nil {
+		return x.Text
+	}
+	return ""
+}
+
 type ListModelsRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -1117,7 +1233,7 @@ type ListModelsRequest struct {
 
 func (x *ListModelsRequest) Reset() {
 	*x = ListModelsRequest{}
-	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[13]
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1129,7 +1245,7 @@ func (x *ListModelsRequest) String() string {
 func (*ListModelsRequest) ProtoMessage() {}
 
 func (x *ListModelsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[13]
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1142,7 +1258,7 @@ func (x *ListModelsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListModelsRequest.ProtoReflect.Descriptor instead.
 func (*ListModelsRequest) Descriptor() ([]byte, []int) {
-	return file_kvmesh_api_gateway_v1_gateway_proto_rawDescGZIP(), []int{13}
+	return file_kvmesh_api_gateway_v1_gateway_proto_rawDescGZIP(), []int{15}
 }
 
 type ListModelsResponse struct {
@@ -1154,7 +1270,7 @@ type ListModelsResponse struct {
 
 func (x *ListModelsResponse) Reset() {
 	*x = ListModelsResponse{}
-	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[14]
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1166,7 +1282,7 @@ func (x *ListModelsResponse) String() string {
 func (*ListModelsResponse) ProtoMessage() {}
 
 func (x *ListModelsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[14]
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1179,7 +1295,7 @@ func (x *ListModelsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListModelsResponse.ProtoReflect.Descriptor instead.
 func (*ListModelsResponse) Descriptor() ([]byte, []int) {
-	return file_kvmesh_api_gateway_v1_gateway_proto_rawDescGZIP(), []int{14}
+	return file_kvmesh_api_gateway_v1_gateway_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *ListModelsResponse) GetModels() []*ModelInfo {
@@ -1205,7 +1321,7 @@ type ModelInfo struct {
 
 func (x *ModelInfo) Reset() {
 	*x = ModelInfo{}
-	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[15]
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1217,7 +1333,7 @@ func (x *ModelInfo) String() string {
 func (*ModelInfo) ProtoMessage() {}
 
 func (x *ModelInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[15]
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1230,7 +1346,7 @@ func (x *ModelInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ModelInfo.ProtoReflect.Descriptor instead.
 func (*ModelInfo) Descriptor() ([]byte, []int) {
-	return file_kvmesh_api_gateway_v1_gateway_proto_rawDescGZIP(), []int{15}
+	return file_kvmesh_api_gateway_v1_gateway_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *ModelInfo) GetId() string {
@@ -1280,7 +1396,7 @@ type LoadAdapterRequest struct {
 
 func (x *LoadAdapterRequest) Reset() {
 	*x = LoadAdapterRequest{}
-	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[16]
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1292,7 +1408,7 @@ func (x *LoadAdapterRequest) String() string {
 func (*LoadAdapterRequest) ProtoMessage() {}
 
 func (x *LoadAdapterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[16]
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1305,7 +1421,7 @@ func (x *LoadAdapterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoadAdapterRequest.ProtoReflect.Descriptor instead.
 func (*LoadAdapterRequest) Descriptor() ([]byte, []int) {
-	return file_kvmesh_api_gateway_v1_gateway_proto_rawDescGZIP(), []int{16}
+	return file_kvmesh_api_gateway_v1_gateway_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *LoadAdapterRequest) GetName() string {
@@ -1333,7 +1449,7 @@ type LoadAdapterResponse struct {
 
 func (x *LoadAdapterResponse) Reset() {
 	*x = LoadAdapterResponse{}
-	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[17]
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1345,7 +1461,7 @@ func (x *LoadAdapterResponse) String() string {
 func (*LoadAdapterResponse) ProtoMessage() {}
 
 func (x *LoadAdapterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[17]
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1358,7 +1474,7 @@ func (x *LoadAdapterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoadAdapterResponse.ProtoReflect.Descriptor instead.
 func (*LoadAdapterResponse) Descriptor() ([]byte, []int) {
-	return file_kvmesh_api_gateway_v1_gateway_proto_rawDescGZIP(), []int{17}
+	return file_kvmesh_api_gateway_v1_gateway_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *LoadAdapterResponse) GetModel() *ModelInfo {
@@ -1384,7 +1500,7 @@ type UnloadAdapterRequest struct {
 
 func (x *UnloadAdapterRequest) Reset() {
 	*x = UnloadAdapterRequest{}
-	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[18]
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1396,7 +1512,7 @@ func (x *UnloadAdapterRequest) String() string {
 func (*UnloadAdapterRequest) ProtoMessage() {}
 
 func (x *UnloadAdapterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[18]
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1409,7 +1525,7 @@ func (x *UnloadAdapterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UnloadAdapterRequest.ProtoReflect.Descriptor instead.
 func (*UnloadAdapterRequest) Descriptor() ([]byte, []int) {
-	return file_kvmesh_api_gateway_v1_gateway_proto_rawDescGZIP(), []int{18}
+	return file_kvmesh_api_gateway_v1_gateway_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *UnloadAdapterRequest) GetName() string {
@@ -1429,7 +1545,7 @@ type UnloadAdapterResponse struct {
 
 func (x *UnloadAdapterResponse) Reset() {
 	*x = UnloadAdapterResponse{}
-	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[19]
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1441,7 +1557,7 @@ func (x *UnloadAdapterResponse) String() string {
 func (*UnloadAdapterResponse) ProtoMessage() {}
 
 func (x *UnloadAdapterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[19]
+	mi := &file_kvmesh_api_gateway_v1_gateway_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1454,7 +1570,7 @@ func (x *UnloadAdapterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UnloadAdapterResponse.ProtoReflect.Descriptor instead.
 func (*UnloadAdapterResponse) Descriptor() ([]byte, []int) {
-	return file_kvmesh_api_gateway_v1_gateway_proto_rawDescGZIP(), []int{19}
+	return file_kvmesh_api_gateway_v1_gateway_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *UnloadAdapterResponse) GetWorkers() uint32 {
@@ -1495,7 +1611,7 @@ const file_kvmesh_api_gateway_v1_gateway_proto_rawDesc = "" +
 	"\rroute_timings\x18\x04 \x01(\v2\x1d.kvmesh.api.common.v1.TimingsR\frouteTimings\x12F\n" +
 	"\x0fprefill_timings\x18\x05 \x01(\v2\x1d.kvmesh.api.common.v1.TimingsR\x0eprefillTimings\x12D\n" +
 	"\x0edecode_timings\x18\x06 \x01(\v2\x1d.kvmesh.api.common.v1.TimingsR\rdecodeTimings\x12-\n" +
-	"\x12system_fingerprint\x18\a \x01(\tR\x11systemFingerprint\"\x9c\x03\n" +
+	"\x12system_fingerprint\x18\a \x01(\tR\x11systemFingerprint\"\xd7\x03\n" +
 	"\vChatRequest\x12\x14\n" +
 	"\x05model\x18\x01 \x01(\tR\x05model\x12>\n" +
 	"\bmessages\x18\x02 \x03(\v2\".kvmesh.api.gateway.v1.ChatMessageR\bmessages\x12@\n" +
@@ -1506,7 +1622,8 @@ const file_kvmesh_api_gateway_v1_gateway_proto_rawDesc = "" +
 	"\x05tools\x18\x06 \x03(\v2\x1b.kvmesh.api.gateway.v1.ToolR\x05tools\x12B\n" +
 	"\vtool_choice\x18\a \x01(\v2!.kvmesh.api.gateway.v1.ToolChoiceR\n" +
 	"toolChoice\x123\n" +
-	"\x13parallel_tool_calls\x18\b \x01(\bH\x00R\x11parallelToolCalls\x88\x01\x01B\x16\n" +
+	"\x13parallel_tool_calls\x18\b \x01(\bH\x00R\x11parallelToolCalls\x88\x01\x01\x129\n" +
+	"\x19chat_template_kwargs_json\x18\t \x01(\tR\x16chatTemplateKwargsJsonB\x16\n" +
 	"\x14_parallel_tool_calls\"\xb1\x01\n" +
 	"\vChatMessage\x12\x12\n" +
 	"\x04role\x18\x01 \x01(\tR\x04role\x12\x18\n" +
@@ -1538,17 +1655,23 @@ const file_kvmesh_api_gateway_v1_gateway_proto_rawDesc = "" +
 	"\blogprobs\x18\x05 \x03(\v2\".kvmesh.api.common.v1.TokenLogprobR\blogprobs\x126\n" +
 	"\x05final\x18\x06 \x01(\v2 .kvmesh.api.gateway.v1.StreamEndR\x05final\x12>\n" +
 	"\n" +
-	"tool_calls\x18\a \x03(\v2\x1f.kvmesh.api.gateway.v1.ToolCallR\ttoolCalls\"\xaf\x01\n" +
+	"tool_calls\x18\a \x03(\v2\x1f.kvmesh.api.gateway.v1.ToolCallR\ttoolCalls\"\xea\x01\n" +
 	"\x0fTokenizeRequest\x12\x14\n" +
 	"\x05model\x18\x01 \x01(\tR\x05model\x12\x14\n" +
 	"\x04text\x18\x02 \x01(\tH\x00R\x04text\x129\n" +
 	"\x04chat\x18\x03 \x01(\v2#.kvmesh.api.gateway.v1.ChatMessagesH\x00R\x04chat\x12,\n" +
-	"\x12add_special_tokens\x18\x04 \x01(\bR\x10addSpecialTokensB\a\n" +
+	"\x12add_special_tokens\x18\x04 \x01(\bR\x10addSpecialTokens\x129\n" +
+	"\x19chat_template_kwargs_json\x18\x05 \x01(\tR\x16chatTemplateKwargsJsonB\a\n" +
 	"\x05input\"N\n" +
 	"\fChatMessages\x12>\n" +
 	"\bmessages\x18\x01 \x03(\v2\".kvmesh.api.gateway.v1.ChatMessageR\bmessages\"/\n" +
 	"\x10TokenizeResponse\x12\x1b\n" +
-	"\ttoken_ids\x18\x01 \x03(\rR\btokenIds\"\x13\n" +
+	"\ttoken_ids\x18\x01 \x03(\rR\btokenIds\"F\n" +
+	"\x11DetokenizeRequest\x12\x14\n" +
+	"\x05model\x18\x01 \x01(\tR\x05model\x12\x1b\n" +
+	"\ttoken_ids\x18\x02 \x03(\rR\btokenIds\"(\n" +
+	"\x12DetokenizeResponse\x12\x12\n" +
+	"\x04text\x18\x01 \x01(\tR\x04text\"\x13\n" +
 	"\x11ListModelsRequest\"N\n" +
 	"\x12ListModelsResponse\x128\n" +
 	"\x06models\x18\x01 \x03(\v2 .kvmesh.api.gateway.v1.ModelInfoR\x06models\"\x8c\x01\n" +
@@ -1572,11 +1695,13 @@ const file_kvmesh_api_gateway_v1_gateway_proto_rawDesc = "" +
 	"\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15TOOL_CHOICE_MODE_AUTO\x10\x01\x12\x19\n" +
 	"\x15TOOL_CHOICE_MODE_NONE\x10\x02\x12\x1d\n" +
-	"\x19TOOL_CHOICE_MODE_REQUIRED\x10\x032\xd4\x04\n" +
+	"\x19TOOL_CHOICE_MODE_REQUIRED\x10\x032\xb7\x05\n" +
 	"\x0eGatewayService\x12]\n" +
 	"\bGenerate\x12&.kvmesh.api.gateway.v1.GenerateRequest\x1a'.kvmesh.api.gateway.v1.GenerateResponse0\x01\x12Q\n" +
 	"\x04Chat\x12\".kvmesh.api.gateway.v1.ChatRequest\x1a#.kvmesh.api.gateway.v1.ChatResponse0\x01\x12[\n" +
 	"\bTokenize\x12&.kvmesh.api.gateway.v1.TokenizeRequest\x1a'.kvmesh.api.gateway.v1.TokenizeResponse\x12a\n" +
+	"\n" +
+	"Detokenize\x12(.kvmesh.api.gateway.v1.DetokenizeRequest\x1a).kvmesh.api.gateway.v1.DetokenizeResponse\x12a\n" +
 	"\n" +
 	"ListModels\x12(.kvmesh.api.gateway.v1.ListModelsRequest\x1a).kvmesh.api.gateway.v1.ListModelsResponse\x12d\n" +
 	"\vLoadAdapter\x12).kvmesh.api.gateway.v1.LoadAdapterRequest\x1a*.kvmesh.api.gateway.v1.LoadAdapterResponse\x12j\n" +
@@ -1595,7 +1720,7 @@ func file_kvmesh_api_gateway_v1_gateway_proto_rawDescGZIP() []byte {
 }
 
 var file_kvmesh_api_gateway_v1_gateway_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_kvmesh_api_gateway_v1_gateway_proto_msgTypes = make([]protoimpl.MessageInfo, 20)
+var file_kvmesh_api_gateway_v1_gateway_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
 var file_kvmesh_api_gateway_v1_gateway_proto_goTypes = []any{
 	(ToolChoiceMode)(0),           // 0: kvmesh.api.gateway.v1.ToolChoiceMode
 	(*GenerateRequest)(nil),       // 1: kvmesh.api.gateway.v1.GenerateRequest
@@ -1611,57 +1736,61 @@ var file_kvmesh_api_gateway_v1_gateway_proto_goTypes = []any{
 	(*TokenizeRequest)(nil),       // 11: kvmesh.api.gateway.v1.TokenizeRequest
 	(*ChatMessages)(nil),          // 12: kvmesh.api.gateway.v1.ChatMessages
 	(*TokenizeResponse)(nil),      // 13: kvmesh.api.gateway.v1.TokenizeResponse
-	(*ListModelsRequest)(nil),     // 14: kvmesh.api.gateway.v1.ListModelsRequest
-	(*ListModelsResponse)(nil),    // 15: kvmesh.api.gateway.v1.ListModelsResponse
-	(*ModelInfo)(nil),             // 16: kvmesh.api.gateway.v1.ModelInfo
-	(*LoadAdapterRequest)(nil),    // 17: kvmesh.api.gateway.v1.LoadAdapterRequest
-	(*LoadAdapterResponse)(nil),   // 18: kvmesh.api.gateway.v1.LoadAdapterResponse
-	(*UnloadAdapterRequest)(nil),  // 19: kvmesh.api.gateway.v1.UnloadAdapterRequest
-	(*UnloadAdapterResponse)(nil), // 20: kvmesh.api.gateway.v1.UnloadAdapterResponse
-	(*v1.SamplingParams)(nil),     // 21: kvmesh.api.common.v1.SamplingParams
-	(*v1.TokenLogprob)(nil),       // 22: kvmesh.api.common.v1.TokenLogprob
-	(v1.FinishReason)(0),          // 23: kvmesh.api.common.v1.FinishReason
-	(*v1.Usage)(nil),              // 24: kvmesh.api.common.v1.Usage
-	(*v1.Timings)(nil),            // 25: kvmesh.api.common.v1.Timings
+	(*DetokenizeRequest)(nil),     // 14: kvmesh.api.gateway.v1.DetokenizeRequest
+	(*DetokenizeResponse)(nil),    // 15: kvmesh.api.gateway.v1.DetokenizeResponse
+	(*ListModelsRequest)(nil),     // 16: kvmesh.api.gateway.v1.ListModelsRequest
+	(*ListModelsResponse)(nil),    // 17: kvmesh.api.gateway.v1.ListModelsResponse
+	(*ModelInfo)(nil),             // 18: kvmesh.api.gateway.v1.ModelInfo
+	(*LoadAdapterRequest)(nil),    // 19: kvmesh.api.gateway.v1.LoadAdapterRequest
+	(*LoadAdapterResponse)(nil),   // 20: kvmesh.api.gateway.v1.LoadAdapterResponse
+	(*UnloadAdapterRequest)(nil),  // 21: kvmesh.api.gateway.v1.UnloadAdapterRequest
+	(*UnloadAdapterResponse)(nil), // 22: kvmesh.api.gateway.v1.UnloadAdapterResponse
+	(*v1.SamplingParams)(nil),     // 23: kvmesh.api.common.v1.SamplingParams
+	(*v1.TokenLogprob)(nil),       // 24: kvmesh.api.common.v1.TokenLogprob
+	(v1.FinishReason)(0),          // 25: kvmesh.api.common.v1.FinishReason
+	(*v1.Usage)(nil),              // 26: kvmesh.api.common.v1.Usage
+	(*v1.Timings)(nil),            // 27: kvmesh.api.common.v1.Timings
 }
 var file_kvmesh_api_gateway_v1_gateway_proto_depIdxs = []int32{
 	2,  // 0: kvmesh.api.gateway.v1.GenerateRequest.token_ids:type_name -> kvmesh.api.gateway.v1.TokenIds
-	21, // 1: kvmesh.api.gateway.v1.GenerateRequest.sampling:type_name -> kvmesh.api.common.v1.SamplingParams
-	22, // 2: kvmesh.api.gateway.v1.GenerateResponse.logprobs:type_name -> kvmesh.api.common.v1.TokenLogprob
+	23, // 1: kvmesh.api.gateway.v1.GenerateRequest.sampling:type_name -> kvmesh.api.common.v1.SamplingParams
+	24, // 2: kvmesh.api.gateway.v1.GenerateResponse.logprobs:type_name -> kvmesh.api.common.v1.TokenLogprob
 	4,  // 3: kvmesh.api.gateway.v1.GenerateResponse.final:type_name -> kvmesh.api.gateway.v1.StreamEnd
-	23, // 4: kvmesh.api.gateway.v1.StreamEnd.finish_reason:type_name -> kvmesh.api.common.v1.FinishReason
-	24, // 5: kvmesh.api.gateway.v1.StreamEnd.usage:type_name -> kvmesh.api.common.v1.Usage
-	25, // 6: kvmesh.api.gateway.v1.StreamEnd.timings:type_name -> kvmesh.api.common.v1.Timings
-	25, // 7: kvmesh.api.gateway.v1.StreamEnd.route_timings:type_name -> kvmesh.api.common.v1.Timings
-	25, // 8: kvmesh.api.gateway.v1.StreamEnd.prefill_timings:type_name -> kvmesh.api.common.v1.Timings
-	25, // 9: kvmesh.api.gateway.v1.StreamEnd.decode_timings:type_name -> kvmesh.api.common.v1.Timings
+	25, // 4: kvmesh.api.gateway.v1.StreamEnd.finish_reason:type_name -> kvmesh.api.common.v1.FinishReason
+	26, // 5: kvmesh.api.gateway.v1.StreamEnd.usage:type_name -> kvmesh.api.common.v1.Usage
+	27, // 6: kvmesh.api.gateway.v1.StreamEnd.timings:type_name -> kvmesh.api.common.v1.Timings
+	27, // 7: kvmesh.api.gateway.v1.StreamEnd.route_timings:type_name -> kvmesh.api.common.v1.Timings
+	27, // 8: kvmesh.api.gateway.v1.StreamEnd.prefill_timings:type_name -> kvmesh.api.common.v1.Timings
+	27, // 9: kvmesh.api.gateway.v1.StreamEnd.decode_timings:type_name -> kvmesh.api.common.v1.Timings
 	6,  // 10: kvmesh.api.gateway.v1.ChatRequest.messages:type_name -> kvmesh.api.gateway.v1.ChatMessage
-	21, // 11: kvmesh.api.gateway.v1.ChatRequest.sampling:type_name -> kvmesh.api.common.v1.SamplingParams
+	23, // 11: kvmesh.api.gateway.v1.ChatRequest.sampling:type_name -> kvmesh.api.common.v1.SamplingParams
 	7,  // 12: kvmesh.api.gateway.v1.ChatRequest.tools:type_name -> kvmesh.api.gateway.v1.Tool
 	8,  // 13: kvmesh.api.gateway.v1.ChatRequest.tool_choice:type_name -> kvmesh.api.gateway.v1.ToolChoice
 	9,  // 14: kvmesh.api.gateway.v1.ChatMessage.tool_calls:type_name -> kvmesh.api.gateway.v1.ToolCall
 	0,  // 15: kvmesh.api.gateway.v1.ToolChoice.mode:type_name -> kvmesh.api.gateway.v1.ToolChoiceMode
-	22, // 16: kvmesh.api.gateway.v1.ChatResponse.logprobs:type_name -> kvmesh.api.common.v1.TokenLogprob
+	24, // 16: kvmesh.api.gateway.v1.ChatResponse.logprobs:type_name -> kvmesh.api.common.v1.TokenLogprob
 	4,  // 17: kvmesh.api.gateway.v1.ChatResponse.final:type_name -> kvmesh.api.gateway.v1.StreamEnd
 	9,  // 18: kvmesh.api.gateway.v1.ChatResponse.tool_calls:type_name -> kvmesh.api.gateway.v1.ToolCall
 	12, // 19: kvmesh.api.gateway.v1.TokenizeRequest.chat:type_name -> kvmesh.api.gateway.v1.ChatMessages
 	6,  // 20: kvmesh.api.gateway.v1.ChatMessages.messages:type_name -> kvmesh.api.gateway.v1.ChatMessage
-	16, // 21: kvmesh.api.gateway.v1.ListModelsResponse.models:type_name -> kvmesh.api.gateway.v1.ModelInfo
-	16, // 22: kvmesh.api.gateway.v1.LoadAdapterResponse.model:type_name -> kvmesh.api.gateway.v1.ModelInfo
+	18, // 21: kvmesh.api.gateway.v1.ListModelsResponse.models:type_name -> kvmesh.api.gateway.v1.ModelInfo
+	18, // 22: kvmesh.api.gateway.v1.LoadAdapterResponse.model:type_name -> kvmesh.api.gateway.v1.ModelInfo
 	1,  // 23: kvmesh.api.gateway.v1.GatewayService.Generate:input_type -> kvmesh.api.gateway.v1.GenerateRequest
 	5,  // 24: kvmesh.api.gateway.v1.GatewayService.Chat:input_type -> kvmesh.api.gateway.v1.ChatRequest
 	11, // 25: kvmesh.api.gateway.v1.GatewayService.Tokenize:input_type -> kvmesh.api.gateway.v1.TokenizeRequest
-	14, // 26: kvmesh.api.gateway.v1.GatewayService.ListModels:input_type -> kvmesh.api.gateway.v1.ListModelsRequest
-	17, // 27: kvmesh.api.gateway.v1.GatewayService.LoadAdapter:input_type -> kvmesh.api.gateway.v1.LoadAdapterRequest
-	19, // 28: kvmesh.api.gateway.v1.GatewayService.UnloadAdapter:input_type -> kvmesh.api.gateway.v1.UnloadAdapterRequest
-	3,  // 29: kvmesh.api.gateway.v1.GatewayService.Generate:output_type -> kvmesh.api.gateway.v1.GenerateResponse
-	10, // 30: kvmesh.api.gateway.v1.GatewayService.Chat:output_type -> kvmesh.api.gateway.v1.ChatResponse
-	13, // 31: kvmesh.api.gateway.v1.GatewayService.Tokenize:output_type -> kvmesh.api.gateway.v1.TokenizeResponse
-	15, // 32: kvmesh.api.gateway.v1.GatewayService.ListModels:output_type -> kvmesh.api.gateway.v1.ListModelsResponse
-	18, // 33: kvmesh.api.gateway.v1.GatewayService.LoadAdapter:output_type -> kvmesh.api.gateway.v1.LoadAdapterResponse
-	20, // 34: kvmesh.api.gateway.v1.GatewayService.UnloadAdapter:output_type -> kvmesh.api.gateway.v1.UnloadAdapterResponse
-	29, // [29:35] is the sub-list for method output_type
-	23, // [23:29] is the sub-list for method input_type
+	14, // 26: kvmesh.api.gateway.v1.GatewayService.Detokenize:input_type -> kvmesh.api.gateway.v1.DetokenizeRequest
+	16, // 27: kvmesh.api.gateway.v1.GatewayService.ListModels:input_type -> kvmesh.api.gateway.v1.ListModelsRequest
+	19, // 28: kvmesh.api.gateway.v1.GatewayService.LoadAdapter:input_type -> kvmesh.api.gateway.v1.LoadAdapterRequest
+	21, // 29: kvmesh.api.gateway.v1.GatewayService.UnloadAdapter:input_type -> kvmesh.api.gateway.v1.UnloadAdapterRequest
+	3,  // 30: kvmesh.api.gateway.v1.GatewayService.Generate:output_type -> kvmesh.api.gateway.v1.GenerateResponse
+	10, // 31: kvmesh.api.gateway.v1.GatewayService.Chat:output_type -> kvmesh.api.gateway.v1.ChatResponse
+	13, // 32: kvmesh.api.gateway.v1.GatewayService.Tokenize:output_type -> kvmesh.api.gateway.v1.TokenizeResponse
+	15, // 33: kvmesh.api.gateway.v1.GatewayService.Detokenize:output_type -> kvmesh.api.gateway.v1.DetokenizeResponse
+	17, // 34: kvmesh.api.gateway.v1.GatewayService.ListModels:output_type -> kvmesh.api.gateway.v1.ListModelsResponse
+	20, // 35: kvmesh.api.gateway.v1.GatewayService.LoadAdapter:output_type -> kvmesh.api.gateway.v1.LoadAdapterResponse
+	22, // 36: kvmesh.api.gateway.v1.GatewayService.UnloadAdapter:output_type -> kvmesh.api.gateway.v1.UnloadAdapterResponse
+	30, // [30:37] is the sub-list for method output_type
+	23, // [23:30] is the sub-list for method input_type
 	23, // [23:23] is the sub-list for extension type_name
 	23, // [23:23] is the sub-list for extension extendee
 	0,  // [0:23] is the sub-list for field type_name
@@ -1691,7 +1820,7 @@ func file_kvmesh_api_gateway_v1_gateway_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvmesh_api_gateway_v1_gateway_proto_rawDesc), len(file_kvmesh_api_gateway_v1_gateway_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   20,
+			NumMessages:   22,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

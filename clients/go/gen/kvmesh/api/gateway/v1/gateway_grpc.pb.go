@@ -22,6 +22,7 @@ const (
 	GatewayService_Generate_FullMethodName      = "/kvmesh.api.gateway.v1.GatewayService/Generate"
 	GatewayService_Chat_FullMethodName          = "/kvmesh.api.gateway.v1.GatewayService/Chat"
 	GatewayService_Tokenize_FullMethodName      = "/kvmesh.api.gateway.v1.GatewayService/Tokenize"
+	GatewayService_Detokenize_FullMethodName    = "/kvmesh.api.gateway.v1.GatewayService/Detokenize"
 	GatewayService_ListModels_FullMethodName    = "/kvmesh.api.gateway.v1.GatewayService/ListModels"
 	GatewayService_LoadAdapter_FullMethodName   = "/kvmesh.api.gateway.v1.GatewayService/LoadAdapter"
 	GatewayService_UnloadAdapter_FullMethodName = "/kvmesh.api.gateway.v1.GatewayService/UnloadAdapter"
@@ -40,6 +41,8 @@ type GatewayServiceClient interface {
 	// Completes a conversation (the model's chat template is applied).
 	Chat(ctx context.Context, in *ChatRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[ChatResponse], error)
 	Tokenize(ctx context.Context, in *TokenizeRequest, opts ...grpc.CallOption) (*TokenizeResponse, error)
+	// The text of token ids (what /detokenize answers).
+	Detokenize(ctx context.Context, in *DetokenizeRequest, opts ...grpc.CallOption) (*DetokenizeResponse, error)
 	// The base model and every LoRA adapter the workers have loaded.
 	ListModels(ctx context.Context, in *ListModelsRequest, opts ...grpc.CallOption) (*ListModelsResponse, error)
 	// Loads a LoRA adapter (a PEFT folder on the workers' disk) on every prefill
@@ -108,6 +111,16 @@ func (c *gatewayServiceClient) Tokenize(ctx context.Context, in *TokenizeRequest
 	return out, nil
 }
 
+func (c *gatewayServiceClient) Detokenize(ctx context.Context, in *DetokenizeRequest, opts ...grpc.CallOption) (*DetokenizeResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(DetokenizeResponse)
+	err := c.cc.Invoke(ctx, GatewayService_Detokenize_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 func (c *gatewayServiceClient) ListModels(ctx context.Context, in *ListModelsRequest, opts ...grpc.CallOption) (*ListModelsResponse, error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(ListModelsResponse)
@@ -151,6 +164,8 @@ type GatewayServiceServer interface {
 	// Completes a conversation (the model's chat template is applied).
 	Chat(*ChatRequest, grpc.ServerStreamingServer[ChatResponse]) error
 	Tokenize(context.Context, *TokenizeRequest) (*TokenizeResponse, error)
+	// The text of token ids (what /detokenize answers).
+	Detokenize(context.Context, *DetokenizeRequest) (*DetokenizeResponse, error)
 	// The base model and every LoRA adapter the workers have loaded.
 	ListModels(context.Context, *ListModelsRequest) (*ListModelsResponse, error)
 	// Loads a LoRA adapter (a PEFT folder on the workers' disk) on every prefill
@@ -179,6 +194,9 @@ func (UnimplementedGatewayServiceServer) Chat(*ChatRequest, grpc.ServerStreaming
 }
 func (UnimplementedGatewayServiceServer) Tokenize(context.Context, *TokenizeRequest) (*TokenizeResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Tokenize not implemented")
+}
+func (UnimplementedGatewayServiceServer) Detokenize(context.Context, *DetokenizeRequest) (*DetokenizeResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Detokenize not implemented")
 }
 func (UnimplementedGatewayServiceServer) ListModels(context.Context, *ListModelsRequest) (*ListModelsResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ListModels not implemented")
@@ -250,6 +268,24 @@ func _GatewayService_Tokenize_Handler(srv interface{}, ctx context.Context, dec 
 	return interceptor(ctx, in, info, handler)
 }
 
+func _GatewayService_Detokenize_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(DetokenizeRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(GatewayServiceServer).Detokenize(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: GatewayService_Detokenize_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(GatewayServiceServer).Detokenize(ctx, req.(*DetokenizeRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 func _GatewayService_ListModels_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(ListModelsRequest)
 	if err := dec(in); err != nil {
@@ -314,6 +350,10 @@ var GatewayService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Tokenize",
 			Handler:    _GatewayService_Tokenize_Handler,
+		},
+		{
+			MethodName: "Detokenize",
+			Handler:    _GatewayService_Detokenize_Handler,
 		},
 		{
 			MethodName: "ListModels",

@@ -14,7 +14,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvmesh/api/gateway/v1/gateway.proto.
  */
 export const file_kvmesh_api_gateway_v1_gateway: GenFile = /*@__PURE__*/
-  fileDesc("CiNrdm1lc2gvYXBpL2dhdGV3YXkvdjEvZ2F0ZXdheS5wcm90bxIVa3ZtZXNoLmFwaS5nYXRld2F5LnYxIsoBCg9HZW5lcmF0ZVJlcXVlc3QSDQoFbW9kZWwYASABKAkSDgoEdGV4dBgCIAEoCUgAEjQKCXRva2VuX2lkcxgDIAEoCzIfLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5Ub2tlbklkc0gAEjYKCHNhbXBsaW5nGAQgASgLMiQua3ZtZXNoLmFwaS5jb21tb24udjEuU2FtcGxpbmdQYXJhbXMSEgoKY2FjaGVfc2FsdBgFIAEoCRIMCgR1c2VyGAYgASgJQggKBnByb21wdCIXCghUb2tlbklkcxILCgNpZHMYASADKA0ivgEKEEdlbmVyYXRlUmVzcG9uc2USEgoKcmVxdWVzdF9pZBgBIAEoCRIOCgZvZmZzZXQYAiABKA0SEQoJdG9rZW5faWRzGAMgAygNEgwKBHRleHQYBCABKAkSNAoIbG9ncHJvYnMYBSADKAsyIi5rdm1lc2guYXBpLmNvbW1vbi52MS5Ub2tlbkxvZ3Byb2ISLwoFZmluYWwYBiABKAsyIC5rdm1lc2guYXBpLmdhdGV3YXkudjEuU3RyZWFtRW5kIuMCCglTdHJlYW1FbmQSOQoNZmluaXNoX3JlYXNvbhgBIAEoDjIiLmt2bWVzaC5hcGkuY29tbW9uLnYxLkZpbmlzaFJlYXNvbhIqCgV1c2FnZRgCIAEoCzIbLmt2bWVzaC5hcGkuY29tbW9uLnYxLlVzYWdlEi4KB3RpbWluZ3MYAyABKAsyHS5rdm1lc2guYXBpLmNvbW1vbi52MS5UaW1pbmdzEjQKDXJvdXRlX3RpbWluZ3MYBCABKAsyHS5rdm1lc2guYXBpLmNvbW1vbi52MS5UaW1pbmdzEjYKD3ByZWZpbGxfdGltaW5ncxgFIAEoCzIdLmt2bWVzaC5hcGkuY29tbW9uLnYxLlRpbWluZ3MSNQoOZGVjb2RlX3RpbWluZ3MYBiABKAsyHS5rdm1lc2guYXBpLmNvbW1vbi52MS5UaW1pbmdzEhoKEnN5c3RlbV9maW5nZXJwcmludBgHIAEoCSLKAgoLQ2hhdFJlcXVlc3QSDQoFbW9kZWwYASABKAkSNAoIbWVzc2FnZXMYAiADKAsyIi5rdm1lc2guYXBpLmdhdGV3YXkudjEuQ2hhdE1lc3NhZ2USNgoIc2FtcGxpbmcYAyABKAsyJC5rdm1lc2guYXBpLmNvbW1vbi52MS5TYW1wbGluZ1BhcmFtcxISCgpjYWNoZV9zYWx0GAQgASgJEgwKBHVzZXIYBSABKAkSKgoFdG9vbHMYBiADKAsyGy5rdm1lc2guYXBpLmdhdGV3YXkudjEuVG9vbBI2Cgt0b29sX2Nob2ljZRgHIAEoCzIhLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5Ub29sQ2hvaWNlEiAKE3BhcmFsbGVsX3Rvb2xfY2FsbHMYCCABKAhIAIgBAUIWChRfcGFyYWxsZWxfdG9vbF9jYWxscyKFAQoLQ2hhdE1lc3NhZ2USDAoEcm9sZRgBIAEoCRIPCgdjb250ZW50GAIgASgJEgwKBG5hbWUYAyABKAkSMwoKdG9vbF9jYWxscxgEIAMoCzIfLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5Ub29sQ2FsbBIUCgx0b29sX2NhbGxfaWQYBSABKAkiQgoEVG9vbBIMCgRuYW1lGAEgASgJEhMKC2Rlc2NyaXB0aW9uGAIgASgJEhcKD3BhcmFtZXRlcnNfanNvbhgDIAEoCSJmCgpUb29sQ2hvaWNlEjUKBG1vZGUYASABKA4yJS5rdm1lc2guYXBpLmdhdGV3YXkudjEuVG9vbENob2ljZU1vZGVIABIXCg1mdW5jdGlvbl9uYW1lGAIgASgJSABCCAoGY2hvaWNlIjcKCFRvb2xDYWxsEgoKAmlkGAEgASgJEgwKBG5hbWUYAiABKAkSEQoJYXJndW1lbnRzGAMgASgJIu8BCgxDaGF0UmVzcG9uc2USEgoKcmVxdWVzdF9pZBgBIAEoCRIOCgZvZmZzZXQYAiABKA0SEQoJdG9rZW5faWRzGAMgAygNEgwKBHRleHQYBCABKAkSNAoIbG9ncHJvYnMYBSADKAsyIi5rdm1lc2guYXBpLmNvbW1vbi52MS5Ub2tlbkxvZ3Byb2ISLwoFZmluYWwYBiABKAsyIC5rdm1lc2guYXBpLmdhdGV3YXkudjEuU3RyZWFtRW5kEjMKCnRvb2xfY2FsbHMYByADKAsyHy5rdm1lc2guYXBpLmdhdGV3YXkudjEuVG9vbENhbGwiigEKD1Rva2VuaXplUmVxdWVzdBINCgVtb2RlbBgBIAEoCRIOCgR0ZXh0GAIgASgJSAASMwoEY2hhdBgDIAEoCzIjLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5DaGF0TWVzc2FnZXNIABIaChJhZGRfc3BlY2lhbF90b2tlbnMYBCABKAhCBwoFaW5wdXQiRAoMQ2hhdE1lc3NhZ2VzEjQKCG1lc3NhZ2VzGAEgAygLMiIua3ZtZXNoLmFwaS5nYXRld2F5LnYxLkNoYXRNZXNzYWdlIiUKEFRva2VuaXplUmVzcG9uc2USEQoJdG9rZW5faWRzGAEgAygNIhMKEUxpc3RNb2RlbHNSZXF1ZXN0IkYKEkxpc3RNb2RlbHNSZXNwb25zZRIwCgZtb2RlbHMYASADKAsyIC5rdm1lc2guYXBpLmdhdGV3YXkudjEuTW9kZWxJbmZvImEKCU1vZGVsSW5mbxIKCgJpZBgBIAEoCRIVCg1tYXhfbW9kZWxfbGVuGAIgASgNEhAKCG93bmVkX2J5GAMgASgJEg8KB2NyZWF0ZWQYBCABKAQSDgoGcGFyZW50GAUgASgJIjAKEkxvYWRBZGFwdGVyUmVxdWVzdBIMCgRuYW1lGAEgASgJEgwKBHBhdGgYAiABKAkiVwoTTG9hZEFkYXB0ZXJSZXNwb25zZRIvCgVtb2RlbBgBIAEoCzIgLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5Nb2RlbEluZm8SDwoHd29ya2VycxgCIAEoDSIkChRVbmxvYWRBZGFwdGVyUmVxdWVzdBIMCgRuYW1lGAEgASgJIigKFVVubG9hZEFkYXB0ZXJSZXNwb25zZRIPCgd3b3JrZXJzGAEgASgNKocBCg5Ub29sQ2hvaWNlTW9kZRIgChxUT09MX0NIT0lDRV9NT0RFX1VOU1BFQ0lGSUVEEAASGQoVVE9PTF9DSE9JQ0VfTU9ERV9BVVRPEAESGQoVVE9PTF9DSE9JQ0VfTU9ERV9OT05FEAISHQoZVE9PTF9DSE9JQ0VfTU9ERV9SRVFVSVJFRBADMtQECg5HYXRld2F5U2VydmljZRJdCghHZW5lcmF0ZRImLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5HZW5lcmF0ZVJlcXVlc3QaJy5rdm1lc2guYXBpLmdhdGV3YXkudjEuR2VuZXJhdGVSZXNwb25zZTABElEKBENoYXQSIi5rdm1lc2guYXBpLmdhdGV3YXkudjEuQ2hhdFJlcXVlc3QaIy5rdm1lc2guYXBpLmdhdGV3YXkudjEuQ2hhdFJlc3BvbnNlMAESWwoIVG9rZW5pemUSJi5rdm1lc2guYXBpLmdhdGV3YXkudjEuVG9rZW5pemVSZXF1ZXN0Gicua3ZtZXNoLmFwaS5nYXRld2F5LnYxLlRva2VuaXplUmVzcG9uc2USYQoKTGlzdE1vZGVscxIoLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5MaXN0TW9kZWxzUmVxdWVzdBopLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5MaXN0TW9kZWxzUmVzcG9uc2USZAoLTG9hZEFkYXB0ZXISKS5rdm1lc2guYXBpLmdhdGV3YXkudjEuTG9hZEFkYXB0ZXJSZXF1ZXN0Gioua3ZtZXNoLmFwaS5nYXRld2F5LnYxLkxvYWRBZGFwdGVyUmVzcG9uc2USagoNVW5sb2FkQWRhcHRlchIrLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5VbmxvYWRBZGFwdGVyUmVxdWVzdBosLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5VbmxvYWRBZGFwdGVyUmVzcG9uc2VCSVpHZ2l0aHViLmNvbS9rdm1lc2gva3ZtZXNoL2NsaWVudHMvZ28vZ2VuL2t2bWVzaC9hcGkvZ2F0ZXdheS92MTtnYXRld2F5djFiBnByb3RvMw", [file_kvmesh_api_common_v1_accounting, file_kvmesh_api_common_v1_sampling]);
+  fileDesc("CiNrdm1lc2gvYXBpL2dhdGV3YXkvdjEvZ2F0ZXdheS5wcm90bxIVa3ZtZXNoLmFwaS5nYXRld2F5LnYxIsoBCg9HZW5lcmF0ZVJlcXVlc3QSDQoFbW9kZWwYASABKAkSDgoEdGV4dBgCIAEoCUgAEjQKCXRva2VuX2lkcxgDIAEoCzIfLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5Ub2tlbklkc0gAEjYKCHNhbXBsaW5nGAQgASgLMiQua3ZtZXNoLmFwaS5jb21tb24udjEuU2FtcGxpbmdQYXJhbXMSEgoKY2FjaGVfc2FsdBgFIAEoCRIMCgR1c2VyGAYgASgJQggKBnByb21wdCIXCghUb2tlbklkcxILCgNpZHMYASADKA0ivgEKEEdlbmVyYXRlUmVzcG9uc2USEgoKcmVxdWVzdF9pZBgBIAEoCRIOCgZvZmZzZXQYAiABKA0SEQoJdG9rZW5faWRzGAMgAygNEgwKBHRleHQYBCABKAkSNAoIbG9ncHJvYnMYBSADKAsyIi5rdm1lc2guYXBpLmNvbW1vbi52MS5Ub2tlbkxvZ3Byb2ISLwoFZmluYWwYBiABKAsyIC5rdm1lc2guYXBpLmdhdGV3YXkudjEuU3RyZWFtRW5kIuMCCglTdHJlYW1FbmQSOQoNZmluaXNoX3JlYXNvbhgBIAEoDjIiLmt2bWVzaC5hcGkuY29tbW9uLnYxLkZpbmlzaFJlYXNvbhIqCgV1c2FnZRgCIAEoCzIbLmt2bWVzaC5hcGkuY29tbW9uLnYxLlVzYWdlEi4KB3RpbWluZ3MYAyABKAsyHS5rdm1lc2guYXBpLmNvbW1vbi52MS5UaW1pbmdzEjQKDXJvdXRlX3RpbWluZ3MYBCABKAsyHS5rdm1lc2guYXBpLmNvbW1vbi52MS5UaW1pbmdzEjYKD3ByZWZpbGxfdGltaW5ncxgFIAEoCzIdLmt2bWVzaC5hcGkuY29tbW9uLnYxLlRpbWluZ3MSNQoOZGVjb2RlX3RpbWluZ3MYBiABKAsyHS5rdm1lc2guYXBpLmNvbW1vbi52MS5UaW1pbmdzEhoKEnN5c3RlbV9maW5nZXJwcmludBgHIAEoCSLtAgoLQ2hhdFJlcXVlc3QSDQoFbW9kZWwYASABKAkSNAoIbWVzc2FnZXMYAiADKAsyIi5rdm1lc2guYXBpLmdhdGV3YXkudjEuQ2hhdE1lc3NhZ2USNgoIc2FtcGxpbmcYAyABKAsyJC5rdm1lc2guYXBpLmNvbW1vbi52MS5TYW1wbGluZ1BhcmFtcxISCgpjYWNoZV9zYWx0GAQgASgJEgwKBHVzZXIYBSABKAkSKgoFdG9vbHMYBiADKAsyGy5rdm1lc2guYXBpLmdhdGV3YXkudjEuVG9vbBI2Cgt0b29sX2Nob2ljZRgHIAEoCzIhLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5Ub29sQ2hvaWNlEiAKE3BhcmFsbGVsX3Rvb2xfY2FsbHMYCCABKAhIAIgBARIhChljaGF0X3RlbXBsYXRlX2t3YXJnc19qc29uGAkgASgJQhYKFF9wYXJhbGxlbF90b29sX2NhbGxzIoUBCgtDaGF0TWVzc2FnZRIMCgRyb2xlGAEgASgJEg8KB2NvbnRlbnQYAiABKAkSDAoEbmFtZRgDIAEoCRIzCgp0b29sX2NhbGxzGAQgAygLMh8ua3ZtZXNoLmFwaS5nYXRld2F5LnYxLlRvb2xDYWxsEhQKDHRvb2xfY2FsbF9pZBgFIAEoCSJCCgRUb29sEgwKBG5hbWUYASABKAkSEwoLZGVzY3JpcHRpb24YAiABKAkSFwoPcGFyYW1ldGVyc19qc29uGAMgASgJImYKClRvb2xDaG9pY2USNQoEbW9kZRgBIAEoDjIlLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5Ub29sQ2hvaWNlTW9kZUgAEhcKDWZ1bmN0aW9uX25hbWUYAiABKAlIAEIICgZjaG9pY2UiNwoIVG9vbENhbGwSCgoCaWQYASABKAkSDAoEbmFtZRgCIAEoCRIRCglhcmd1bWVudHMYAyABKAki7wEKDENoYXRSZXNwb25zZRISCgpyZXF1ZXN0X2lkGAEgASgJEg4KBm9mZnNldBgCIAEoDRIRCgl0b2tlbl9pZHMYAyADKA0SDAoEdGV4dBgEIAEoCRI0Cghsb2dwcm9icxgFIAMoCzIiLmt2bWVzaC5hcGkuY29tbW9uLnYxLlRva2VuTG9ncHJvYhIvCgVmaW5hbBgGIAEoCzIgLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5TdHJlYW1FbmQSMwoKdG9vbF9jYWxscxgHIAMoCzIfLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5Ub29sQ2FsbCKtAQoPVG9rZW5pemVSZXF1ZXN0Eg0KBW1vZGVsGAEgASgJEg4KBHRleHQYAiABKAlIABIzCgRjaGF0GAMgASgLMiMua3ZtZXNoLmFwaS5nYXRld2F5LnYxLkNoYXRNZXNzYWdlc0gAEhoKEmFkZF9zcGVjaWFsX3Rva2VucxgEIAEoCBIhChljaGF0X3RlbXBsYXRlX2t3YXJnc19qc29uGAUgASgJQgcKBWlucHV0IkQKDENoYXRNZXNzYWdlcxI0CghtZXNzYWdlcxgBIAMoCzIiLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5DaGF0TWVzc2FnZSIlChBUb2tlbml6ZVJlc3BvbnNlEhEKCXRva2VuX2lkcxgBIAMoDSI1ChFEZXRva2VuaXplUmVxdWVzdBINCgVtb2RlbBgBIAEoCRIRCgl0b2tlbl9pZHMYAiADKA0iIgoSRGV0b2tlbml6ZVJlc3BvbnNlEgwKBHRleHQYASABKAkiEwoRTGlzdE1vZGVsc1JlcXVlc3QiRgoSTGlzdE1vZGVsc1Jlc3BvbnNlEjAKBm1vZGVscxgBIAMoCzIgLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5Nb2RlbEluZm8iYQoJTW9kZWxJbmZvEgoKAmlkGAEgASgJEhUKDW1heF9tb2RlbF9sZW4YAiABKA0SEAoIb3duZWRfYnkYAyABKAkSDwoHY3JlYXRlZBgEIAEoBBIOCgZwYXJlbnQYBSABKAkiMAoSTG9hZEFkYXB0ZXJSZXF1ZXN0EgwKBG5hbWUYASABKAkSDAoEcGF0aBgCIAEoCSJXChNMb2FkQWRhcHRlclJlc3BvbnNlEi8KBW1vZGVsGAEgASgLMiAua3ZtZXNoLmFwaS5nYXRld2F5LnYxLk1vZGVsSW5mbxIPCgd3b3JrZXJzGAIgASgNIiQKFFVubG9hZEFkYXB0ZXJSZXF1ZXN0EgwKBG5hbWUYASABKAkiKAoVVW5sb2FkQWRhcHRlclJlc3BvbnNlEg8KB3dvcmtlcnMYASABKA0qhwEKDlRvb2xDaG9pY2VNb2RlEiAKHFRPT0xfQ0hPSUNFX01PREVfVU5TUEVDSUZJRUQQABIZChVUT09MX0NIT0lDRV9NT0RFX0FVVE8QARIZChVUT09MX0NIT0lDRV9NT0RFX05PTkUQAhIdChlUT09MX0NIT0lDRV9NT0RFX1JFUVVJUkVEEAMytwUKDkdhdGV3YXlTZXJ2aWNlEl0KCEdlbmVyYXRlEiYua3ZtZXNoLmFwaS5nYXRld2F5LnYxLkdlbmVyYXRlUmVxdWVzdBonLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5HZW5lcmF0ZVJlc3BvbnNlMAESUQoEQ2hhdBIiLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5DaGF0UmVxdWVzdBojLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5DaGF0UmVzcG9uc2UwARJbCghUb2tlbml6ZRImLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5Ub2tlbml6ZVJlcXVlc3QaJy5rdm1lc2guYXBpLmdhdGV3YXkudjEuVG9rZW5pemVSZXNwb25zZRJhCgpEZXRva2VuaXplEigua3ZtZXNoLmFwaS5nYXRld2F5LnYxLkRldG9rZW5pemVSZXF1ZXN0Gikua3ZtZXNoLmFwaS5nYXRld2F5LnYxLkRldG9rZW5pemVSZXNwb25zZRJhCgpMaXN0TW9kZWxzEigua3ZtZXNoLmFwaS5nYXRld2F5LnYxLkxpc3RNb2RlbHNSZXF1ZXN0Gikua3ZtZXNoLmFwaS5nYXRld2F5LnYxLkxpc3RNb2RlbHNSZXNwb25zZRJkCgtMb2FkQWRhcHRlchIpLmt2bWVzaC5hcGkuZ2F0ZXdheS52MS5Mb2FkQWRhcHRlclJlcXVlc3QaKi5rdm1lc2guYXBpLmdhdGV3YXkudjEuTG9hZEFkYXB0ZXJSZXNwb25zZRJqCg1VbmxvYWRBZGFwdGVyEisua3ZtZXNoLmFwaS5nYXRld2F5LnYxLlVubG9hZEFkYXB0ZXJSZXF1ZXN0Giwua3ZtZXNoLmFwaS5nYXRld2F5LnYxLlVubG9hZEFkYXB0ZXJSZXNwb25zZUJJWkdnaXRodWIuY29tL2t2bWVzaC9rdm1lc2gvY2xpZW50cy9nby9nZW4va3ZtZXNoL2FwaS9nYXRld2F5L3YxO2dhdGV3YXl2MWIGcHJvdG8z", [file_kvmesh_api_common_v1_accounting, file_kvmesh_api_common_v1_sampling]);
 
 /**
  * @generated from message kvmesh.api.gateway.v1.GenerateRequest
@@ -252,6 +252,14 @@ export type ChatRequest = Message<"kvmesh.api.gateway.v1.ChatRequest"> & {
    * @generated from field: optional bool parallel_tool_calls = 8;
    */
   parallelToolCalls?: boolean | undefined;
+
+  /**
+   * A JSON object of extra variables for the chat template (e.g.
+   * {"enable_thinking": false}). Empty: none.
+   *
+   * @generated from field: string chat_template_kwargs_json = 9;
+   */
+  chatTemplateKwargsJson: string;
 };
 
 /**
@@ -492,6 +500,13 @@ export type TokenizeRequest = Message<"kvmesh.api.gateway.v1.TokenizeRequest"> &
    * @generated from field: bool add_special_tokens = 4;
    */
   addSpecialTokens: boolean;
+
+  /**
+   * For chat: as ChatRequest.chat_template_kwargs_json.
+   *
+   * @generated from field: string chat_template_kwargs_json = 5;
+   */
+  chatTemplateKwargsJson: string;
 };
 
 /**
@@ -538,6 +553,47 @@ export const TokenizeResponseSchema: GenMessage<TokenizeResponse> = /*@__PURE__*
   messageDesc(file_kvmesh_api_gateway_v1_gateway, 12);
 
 /**
+ * @generated from message kvmesh.api.gateway.v1.DetokenizeRequest
+ */
+export type DetokenizeRequest = Message<"kvmesh.api.gateway.v1.DetokenizeRequest"> & {
+  /**
+   * @generated from field: string model = 1;
+   */
+  model: string;
+
+  /**
+   * @generated from field: repeated uint32 token_ids = 2;
+   */
+  tokenIds: number[];
+};
+
+/**
+ * Describes the message kvmesh.api.gateway.v1.DetokenizeRequest.
+ * Use `create(DetokenizeRequestSchema)` to create a new message.
+ */
+export const DetokenizeRequestSchema: GenMessage<DetokenizeRequest> = /*@__PURE__*/
+  messageDesc(file_kvmesh_api_gateway_v1_gateway, 13);
+
+/**
+ * @generated from message kvmesh.api.gateway.v1.DetokenizeResponse
+ */
+export type DetokenizeResponse = Message<"kvmesh.api.gateway.v1.DetokenizeResponse"> & {
+  /**
+   * The ids' text, special tokens included (as a prompt would hold them).
+   *
+   * @generated from field: string text = 1;
+   */
+  text: string;
+};
+
+/**
+ * Describes the message kvmesh.api.gateway.v1.DetokenizeResponse.
+ * Use `create(DetokenizeResponseSchema)` to create a new message.
+ */
+export const DetokenizeResponseSchema: GenMessage<DetokenizeResponse> = /*@__PURE__*/
+  messageDesc(file_kvmesh_api_gateway_v1_gateway, 14);
+
+/**
  * @generated from message kvmesh.api.gateway.v1.ListModelsRequest
  */
 export type ListModelsRequest = Message<"kvmesh.api.gateway.v1.ListModelsRequest"> & {
@@ -548,7 +604,7 @@ export type ListModelsRequest = Message<"kvmesh.api.gateway.v1.ListModelsRequest
  * Use `create(ListModelsRequestSchema)` to create a new message.
  */
 export const ListModelsRequestSchema: GenMessage<ListModelsRequest> = /*@__PURE__*/
-  messageDesc(file_kvmesh_api_gateway_v1_gateway, 13);
+  messageDesc(file_kvmesh_api_gateway_v1_gateway, 15);
 
 /**
  * @generated from message kvmesh.api.gateway.v1.ListModelsResponse
@@ -565,7 +621,7 @@ export type ListModelsResponse = Message<"kvmesh.api.gateway.v1.ListModelsRespon
  * Use `create(ListModelsResponseSchema)` to create a new message.
  */
 export const ListModelsResponseSchema: GenMessage<ListModelsResponse> = /*@__PURE__*/
-  messageDesc(file_kvmesh_api_gateway_v1_gateway, 14);
+  messageDesc(file_kvmesh_api_gateway_v1_gateway, 16);
 
 /**
  * @generated from message kvmesh.api.gateway.v1.ModelInfo
@@ -608,7 +664,7 @@ export type ModelInfo = Message<"kvmesh.api.gateway.v1.ModelInfo"> & {
  * Use `create(ModelInfoSchema)` to create a new message.
  */
 export const ModelInfoSchema: GenMessage<ModelInfo> = /*@__PURE__*/
-  messageDesc(file_kvmesh_api_gateway_v1_gateway, 15);
+  messageDesc(file_kvmesh_api_gateway_v1_gateway, 17);
 
 /**
  * @generated from message kvmesh.api.gateway.v1.LoadAdapterRequest
@@ -634,7 +690,7 @@ export type LoadAdapterRequest = Message<"kvmesh.api.gateway.v1.LoadAdapterReque
  * Use `create(LoadAdapterRequestSchema)` to create a new message.
  */
 export const LoadAdapterRequestSchema: GenMessage<LoadAdapterRequest> = /*@__PURE__*/
-  messageDesc(file_kvmesh_api_gateway_v1_gateway, 16);
+  messageDesc(file_kvmesh_api_gateway_v1_gateway, 18);
 
 /**
  * @generated from message kvmesh.api.gateway.v1.LoadAdapterResponse
@@ -658,7 +714,7 @@ export type LoadAdapterResponse = Message<"kvmesh.api.gateway.v1.LoadAdapterResp
  * Use `create(LoadAdapterResponseSchema)` to create a new message.
  */
 export const LoadAdapterResponseSchema: GenMessage<LoadAdapterResponse> = /*@__PURE__*/
-  messageDesc(file_kvmesh_api_gateway_v1_gateway, 17);
+  messageDesc(file_kvmesh_api_gateway_v1_gateway, 19);
 
 /**
  * @generated from message kvmesh.api.gateway.v1.UnloadAdapterRequest
@@ -675,7 +731,7 @@ export type UnloadAdapterRequest = Message<"kvmesh.api.gateway.v1.UnloadAdapterR
  * Use `create(UnloadAdapterRequestSchema)` to create a new message.
  */
 export const UnloadAdapterRequestSchema: GenMessage<UnloadAdapterRequest> = /*@__PURE__*/
-  messageDesc(file_kvmesh_api_gateway_v1_gateway, 18);
+  messageDesc(file_kvmesh_api_gateway_v1_gateway, 20);
 
 /**
  * @generated from message kvmesh.api.gateway.v1.UnloadAdapterResponse
@@ -694,7 +750,7 @@ export type UnloadAdapterResponse = Message<"kvmesh.api.gateway.v1.UnloadAdapter
  * Use `create(UnloadAdapterResponseSchema)` to create a new message.
  */
 export const UnloadAdapterResponseSchema: GenMessage<UnloadAdapterResponse> = /*@__PURE__*/
-  messageDesc(file_kvmesh_api_gateway_v1_gateway, 19);
+  messageDesc(file_kvmesh_api_gateway_v1_gateway, 21);
 
 /**
  * @generated from enum kvmesh.api.gateway.v1.ToolChoiceMode
@@ -770,6 +826,16 @@ export const GatewayService: GenService<{
     methodKind: "unary";
     input: typeof TokenizeRequestSchema;
     output: typeof TokenizeResponseSchema;
+  },
+  /**
+   * The text of token ids (what /detokenize answers).
+   *
+   * @generated from rpc kvmesh.api.gateway.v1.GatewayService.Detokenize
+   */
+  detokenize: {
+    methodKind: "unary";
+    input: typeof DetokenizeRequestSchema;
+    output: typeof DetokenizeResponseSchema;
   },
   /**
    * The base model and every LoRA adapter the workers have loaded.
