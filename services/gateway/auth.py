@@ -24,6 +24,8 @@ from kvmesh.errors import PermissionDenied, Unauthenticated
 
 # The gRPC metadata key (lowercase, as gRPC requires) and the HTTP header.
 AUTHORIZATION = "authorization"
+# Anthropic's clients send the same key in this HTTP header instead.
+X_API_KEY = "x-api-key"
 ANONYMOUS = ""
 
 
@@ -90,6 +92,12 @@ class ApiKeys:
 
     def admin_from_metadata(self, metadata: Iterable[tuple[str, str | bytes]] | Mapping[str, str] | None) -> str:
         return self.admin(_authorization(metadata))
+
+
+def http_authorization(headers: Mapping[str, str]) -> str | None:
+    """An HTTP request's credentials as an ``Authorization`` value: that header, or else ``x-api-key``."""
+    key = headers.get(X_API_KEY)
+    return headers.get(AUTHORIZATION) or (f"Bearer {key}" if key is not None else None)
 
 
 def _authorization(metadata: Iterable[tuple[str, str | bytes]] | Mapping[str, str] | None) -> str | None:

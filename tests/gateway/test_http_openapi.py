@@ -28,6 +28,7 @@ def _check(document: dict, path: str, method: str, status: int, body: object) ->
 
 async def test_responses_match_the_document(model) -> None:
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi " * 20}], "max_tokens": 4}
+    message = chat | {"system": "Be brief."}
     async with (
         http_gateway(model, FakeMesh(), keys=ApiKeys(["k"])) as served,
         aiohttp.ClientSession(headers={"Authorization": "Bearer k"}) as http,
@@ -43,6 +44,8 @@ async def test_responses_match_the_document(model) -> None:
             ("post", "/v1/chat/completions", chat),
             ("post", "/v1/chat/completions", chat | {"temperature": 9}),
             ("post", "/v1/chat/completions", chat | {"model": "gpt-9"}),
+            ("post", "/v1/messages", message),
+            ("post", "/v1/messages", message | {"thinking": {"type": "enabled"}}),
             ("get", "/v1/models", None),
             ("get", "/v1/models/{model}", None),
             ("get", "/health", None),
@@ -57,4 +60,4 @@ async def test_responses_match_the_document(model) -> None:
                 _check(document, "/v1/models", "get", r.status, await r.json())
                 seen.append(r.status)
 
-    assert seen == [200, 200, 400, 404, 200, 200, 200, 401]
+    assert seen == [200, 200, 400, 404, 200, 400, 200, 200, 200, 401]
