@@ -65,6 +65,20 @@ def test_a_streamed_message_is_the_message(messages) -> None:
     assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
 
 
+def test_the_stop_sequence_that_ended_the_reply_is_named(messages) -> None:
+    request = {"model": MODEL, "max_tokens": MAX_TOKENS, "messages": ASK, "extra_body": GREEDY}
+    whole = text_of(messages.messages.create(**request))
+    # Two printable characters from the middle of the greedy reply: it will stop where they first occur.
+    stop = next(whole[i : i + 2] for i in range(1, len(whole) - 1) if whole[i : i + 2].isprintable())
+    stopped = messages.messages.create(**request, stop_sequences=["never there", stop])
+    with messages.messages.stream(**request, stop_sequences=[stop]) as stream:
+        streamed = stream.get_final_message()
+
+    assert text_of(stopped) == text_of(streamed) == whole[: whole.index(stop)]
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", stop)
+    assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", stop)
+
+
 def test_a_tool_use_and_its_result(messages, client: openai.OpenAI) -> None:
     call = messages.messages.create(
         model=MODEL, max_tokens=CALL_TOKENS, messages=ASK, tools=[TOOL], tool_choice={"type": "any"}, extra_body=GREEDY
