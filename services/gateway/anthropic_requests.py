@@ -120,12 +120,12 @@ AssistantBlock = Annotated[
 ]
 
 
-class UserMessage(Body):
+class UserTurn(Body):
     role: Literal["user"]
     content: Annotated[list[UserBlock], _blocks(UserBlock)]
 
 
-class AssistantMessage(Body):
+class AssistantTurn(Body):
     role: Literal["assistant"]
     content: Annotated[list[AssistantBlock], _blocks(AssistantBlock)]
 
@@ -139,7 +139,7 @@ def _role(value: Any) -> str | None:
 
 
 Message = Annotated[
-    Annotated[UserMessage, Tag("role=user")] | Annotated[AssistantMessage, Tag("role=assistant")],
+    Annotated[UserTurn, Tag("role=user")] | Annotated[AssistantTurn, Tag("role=assistant")],
     Discriminator(_role, custom_error_type="invalid_role", custom_error_message="role must be user or assistant"),
 ]
 

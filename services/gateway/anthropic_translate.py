@@ -17,7 +17,7 @@ import json
 from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
 from services.gateway.anthropic_requests import (
-    AssistantMessage,
+    AssistantTurn,
     MessagesRequest,
     TextBlock,
     ToolChoice,
@@ -26,7 +26,7 @@ from services.gateway.anthropic_requests import (
     ToolChoiceNone,
     ToolResultBlock,
     ToolUseBlock,
-    UserMessage,
+    UserTurn,
 )
 from services.gateway.openai_errors import ParamError
 from services.gateway.openai_translate import FLOAT32_TINY
@@ -36,7 +36,7 @@ ERROR_PREFIX = "Error: "
 
 
 def chat_request(req: MessagesRequest) -> gateway_pb2.ChatRequest:
-    if isinstance(req.messages[-1], AssistantMessage):
+    if isinstance(req.messages[-1], AssistantTurn):
         # Anthropic continues a final assistant turn; a chat template would close it and start a new one.
         where = f"messages.{len(req.messages) - 1}"
         raise ParamError(f"{where}: a final assistant message (a prefill to continue) is not supported", where)
@@ -45,7 +45,7 @@ def chat_request(req: MessagesRequest) -> gateway_pb2.ChatRequest:
     if req.system is not None:
         chat.messages.add(role="system", content=_text(req.system))
     for message in req.messages:
-        chat.messages.extend(_user(message) if isinstance(message, UserMessage) else [_assistant(message)])
+        chat.messages.extend(_user(message) if isinstance(message, UserTurn) else [_assistant(message)])
     for tool in req.tools or ():
         schema = json.dumps(tool.input_schema)
         chat.tools.add(name=tool.name, description=tool.description or "", parameters_json=schema)
@@ -67,7 +67,7 @@ def _text(blocks: list[TextBlock]) -> str:
     return "\n".join(block.text for block in blocks)
 
 
-def _user(message: UserMessage) -> list[gateway_pb2.ChatMessage]:
+def _user(message: UserTurn) -> list[gateway_pb2.ChatMessage]:
     """Tool messages for the results, user messages for runs of text blocks, in the blocks' order."""
     out: list[gateway_pb2.ChatMessage] = []
     texts: list[TextBlock] = []
@@ -91,7 +91,7 @@ def _tool_result(block: ToolResultBlock) -> gateway_pb2.ChatMessage:
     return gateway_pb2.ChatMessage(role="tool", content=content, tool_call_id=block.tool_use_id)
 
 
-def _assistant(message: AssistantMessage) -> gateway_pb2.ChatMessage:
+def _assistant(message: AssistantTurn) -> gateway_pb2.ChatMessage:
     texts = [b for b in message.content if isinstance(b, TextBlock)]
     out = gateway_pb2.ChatMessage(role="assistant", content=_text(texts))
     for call in message.content:

@@ -19,6 +19,13 @@ def test_the_document_is_valid_openapi(auth) -> None:
     validate(openapi_document(Served("tiny", 300, 256, 8), auth=auth))
 
 
+def test_the_openai_and_anthropic_schemas_keep_their_own_names() -> None:
+    # Two models of one name would both be renamed after their modules ("services__gateway__...").
+    schemas = openapi_document(Served("tiny", 300, 256, 8), auth=False)["components"]["schemas"]
+    assert {"UserMessage", "AssistantMessage", "UserTurn", "AssistantTurn", "MessagesRequest"} <= set(schemas)
+    assert not [name for name in schemas if "__" in name]
+
+
 def _check(document: dict, path: str, method: str, status: int, body: object) -> None:
     schema = document["paths"][path][method]["responses"][str(status)]["content"]["application/json"]["schema"]
     # The schemas refer to #/components/...: validate with the whole document as the root.
