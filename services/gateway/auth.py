@@ -26,6 +26,8 @@ from kvmesh.errors import PermissionDenied, Unauthenticated
 AUTHORIZATION = "authorization"
 # The HTTP paths (prefixes) that need an API key when keys are configured: the API, not health or metrics.
 GUARDED_PATHS = ("/v1/", "/tokenize", "/detokenize")
+# Anthropic's clients send the same key in this HTTP header instead.
+X_API_KEY = "x-api-key"
 ANONYMOUS = ""
 
 
@@ -92,6 +94,12 @@ class ApiKeys:
 
     def admin_from_metadata(self, metadata: Iterable[tuple[str, str | bytes]] | Mapping[str, str] | None) -> str:
         return self.admin(_authorization(metadata))
+
+
+def http_authorization(headers: Mapping[str, str]) -> str | None:
+    """An HTTP request's credentials as an ``Authorization`` value: that header, or else ``x-api-key``."""
+    key = headers.get(X_API_KEY)
+    return headers.get(AUTHORIZATION) or (f"Bearer {key}" if key is not None else None)
 
 
 def _authorization(metadata: Iterable[tuple[str, str | bytes]] | Mapping[str, str] | None) -> str | None:

@@ -1,6 +1,6 @@
-"""The OpenAI-compatible HTTP API as an aiohttp application, on the gateway core the gRPC API uses.
+"""The OpenAI-compatible HTTP API, and Anthropic's Messages, as an aiohttp application on the gateway core.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models(/{model}),
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/messages (Anthropic's), GET /v1/models(/{model}),
 POST /v1/load_lora_adapter and /v1/unload_lora_adapter (admin), POST /tokenize and /detokenize
 (vLLM's), GET /health, GET /metrics, GET /openapi.json.
 
@@ -9,8 +9,10 @@ Middlewares, outermost first:
   logs and every call into the mesh, returns it as a header, continues the
   caller's trace (``traceparent``) on the ``/v1`` routes and names it in the
   ``traceresponse`` header, records the HTTP metrics and logs one line per request;
-- errors: turns every exception into OpenAI's error body (``openai_errors``);
-- auth: the ``/v1`` routes and the tokenizer's need a valid API key when keys are configured.
+- errors: turns every exception into OpenAI's error body (``openai_errors``), or on
+  /v1/messages Anthropic's (``anthropic_errors``);
+- auth: the ``/v1`` routes and the tokenizer's need a valid API key when keys are configured
+  (``Authorization: Bearer``, or Anthropic's ``x-api-key``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from kvmesh import tracing
 from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.errors import KvmeshError, Unavailable
 from kvmesh.runtime import METADATA_KEY, new_request_id, request_id_scope
-from services.gateway.auth import AUTHORIZATION, GUARDED_PATHS, ApiKeys
+from services.gateway.anthropic_errors import anthropic_error_body
+from services.gateway.anthropic_serving import AnthropicServing
+from services.gateway.auth import GUARDED_PATHS, ApiKeys, http_authorization
 from services.gateway.core import Gateway
 from services.gateway.http_context import RECEIVED_NS, REQUEST_ID, TENANT, TRACEPARENT
 from services.gateway.metrics import HttpMetrics
@@ -50,6 +54,9 @@ MAX_BODY_BYTES = 64 << 20
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+# Anthropic's Messages API: its errors are in Anthropic's shape.
+MESSAGES_PATH = "/v1/messages"
+
 
 class HttpApi:
     def __init__(
@@ -67,6 +74,7 @@ class HttpApi:
         self._metrics = metrics
         self._lenient = lenient_fields
         self._serving = OpenAIServing(gateway, lenient_fields)
+        self._anthropic = AnthropicServing(gateway, lenient_fields)
         served = Served(gateway.model.name, gateway.model.vocab_size, gateway.model.max_model_len, gateway.max_inflight)
         self._openapi = openapi_document(served, keys.enabled)
         self.draining = False  # set when shutdown begins: /health says so, new generations are refused
@@ -75,6 +83,7 @@ class HttpApi:
         app.on_response_prepare.append(_add_request_id)
         app.router.add_post("/v1/completions", self._generation(self._serving.completions))
         app.router.add_post("/v1/chat/completions", self._generation(self._serving.chat))
+        app.router.add_post(MESSAGES_PATH, self._generation(self._anthropic.messages))
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model}", self._model)
         app.router.add_post("/v1/load_lora_adapter", self._load_lora_adapter)
@@ -128,8 +137,9 @@ class HttpApi:
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
-        except Exception as e:  # noqa: BLE001 - this is where every error becomes an OpenAI error body
-            status, body = error_body(e, request[REQUEST_ID])
+        except Exception as e:  # noqa: BLE001 - this is where every error becomes an error body
+            shape = anthropic_error_body if request.path == MESSAGES_PATH else error_body
+            status, body = shape(e, request[REQUEST_ID])
             if status >= 500 and not isinstance(e, KvmeshError):
                 log.error("http request crashed", exc_info=e)
             elif status >= 500:
@@ -142,7 +152,7 @@ class HttpApi:
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith(GUARDED_PATHS):
-            request[TENANT] = self._keys.tenant(request.headers.get(AUTHORIZATION))
+            request[TENANT] = self._keys.tenant(http_authorization(request.headers))
         return await handler(request)
 
     # -- routes ----------------------------------------------------------------
@@ -164,13 +174,13 @@ class HttpApi:
         return json_response(_model(info))
 
     async def _load_lora_adapter(self, request: web.Request) -> web.Response:
-        self._keys.admin(request.headers.get(AUTHORIZATION))
+        self._keys.admin(http_authorization(request.headers))
         req = await parse(request, LoadLoraAdapterRequest)
         loaded = await self._gateway.load_adapter(req.lora_name, req.lora_path)
         return json_response(_model(loaded.model))
 
     async def _unload_lora_adapter(self, request: web.Request) -> web.Response:
-        self._keys.admin(request.headers.get(AUTHORIZATION))
+        self._keys.admin(http_authorization(request.headers))
         req = await parse(request, UnloadLoraAdapterRequest)
         await self._gateway.unload_adapter(req.lora_name)
         return json_response(Unloaded(id=req.lora_name))

@@ -49,9 +49,12 @@ class ParamError(InvalidArgument):
         listed: list[str] = []
         first_param = None
         for problem in _closest_members(error.errors(include_url=False, include_input=False)):
-            param = _param(problem["loc"])
+            unknown = problem["type"] == EXTRA_FIELD
+            # An unknown field's name is the client's, whatever its spelling ("anthropic-beta").
+            loc = problem["loc"]
+            param = ".".join(filter(None, [_param(loc[:-1]), str(loc[-1])])) if unknown else _param(loc)
             first_param = first_param if first_param is not None else param
-            why = UNKNOWN_FIELD if problem["type"] == EXTRA_FIELD else problem["msg"]
+            why = UNKNOWN_FIELD if unknown else problem["msg"]
             text = f"{param}: {why}" if param else why
             if text not in listed:
                 listed.append(text)

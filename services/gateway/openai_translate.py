@@ -44,7 +44,7 @@ _TOOL_CHOICE_MODES = {
 }
 
 _SEED_SPACE = 2**64  # the mesh's seeds are uint64; OpenAI's may be negative
-_FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 
 
 def _sampling(
@@ -78,7 +78,7 @@ def _sampling(
     if req.top_p is not None:
         # The contract's float32 rounds a top_p under ~1e-38 to 0, which workers refuse; the
         # smallest float32 keeps what it means: the most likely token only.
-        params.top_p = max(req.top_p, _FLOAT32_TINY)
+        params.top_p = max(req.top_p, FLOAT32_TINY)
     return params
 
 

@@ -5,7 +5,8 @@ responses, and from the statuses the error mapping can produce, so the
 document says what the server does. It depends on what is served: the model's
 name, vocabulary and context, and the gateway's in-flight limit bound the
 request fields (beyond them the server answers 400 or 404), and with API keys
-on, the ``/v1`` operations require a bearer token and may answer 401.
+on, the ``/v1`` operations require a bearer token (or Anthropic's ``x-api-key``) and may answer 401.
+POST /v1/messages is Anthropic's Messages API: its bodies, events and errors are Anthropic's shapes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,17 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from services.gateway.anthropic_requests import MessagesRequest
+from services.gateway.anthropic_responses import (
+    AnthropicErrorResponse,
+    ContentBlockDelta,
+    ContentBlockStart,
+    ContentBlockStop,
+    Message,
+    MessageDelta,
+    MessageStart,
+    MessageStop,
+)
 from services.gateway.auth import GUARDED_PATHS
 from services.gateway.openai_requests import (
     ChatCompletionRequest,
@@ -42,10 +54,18 @@ from services.gateway.openai_responses import (
     Unloaded,
 )
 
-_REQUESTS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+_REQUESTS = (CompletionRequest, ChatCompletionRequest, MessagesRequest, TokenizeRequest, DetokenizeRequest)
 # The bodies that name the model (and token ids): the document allows only what is served.
-_BOUNDED = (CompletionRequest, ChatCompletionRequest, TokenizePromptRequest, TokenizeChatRequest, DetokenizeRequest)
+_BOUNDED = (
+    CompletionRequest,
+    ChatCompletionRequest,
+    MessagesRequest,
+    TokenizePromptRequest,
+    TokenizeChatRequest,
+    DetokenizeRequest,
+)
 _ADMIN_REQUESTS = (LoadLoraAdapterRequest, UnloadLoraAdapterRequest)
+_MESSAGE_EVENTS = (MessageStart, ContentBlockStart, ContentBlockDelta, ContentBlockStop, MessageDelta, MessageStop)
 _RESPONSES = (
     Completion,
     ChatCompletion,
@@ -57,6 +77,9 @@ _RESPONSES = (
     ErrorResponse,
     Tokenized,
     Detokenized,
+    Message,
+    *_MESSAGE_EVENTS,
+    AnthropicErrorResponse,
 )
 # What /tokenize and /detokenize can answer besides 200 (401 is added with auth).
 _TOKENIZER_ERRORS = {400: "Invalid request: a parameter, a token id outside the vocabulary.", 404: "Unknown model."}
@@ -129,8 +152,8 @@ def _json(model: type[BaseModel]) -> dict[str, Any]:
     return {"application/json": {"schema": _ref(model)}}
 
 
-def _errors(statuses: dict[int, str]) -> dict[str, Any]:
-    return {str(s): {"description": d, "content": _json(ErrorResponse)} for s, d in statuses.items()}
+def _errors(statuses: dict[int, str], body: type[BaseModel] = ErrorResponse) -> dict[str, Any]:
+    return {str(s): {"description": d, "content": _json(body)} for s, d in statuses.items()}
 
 
 def _generation(
@@ -165,6 +188,39 @@ def _generation(
                     "content": {**_json(response), "text/event-stream": {"schema": event}},
                 },
                 **_errors(errors),
+            },
+        }
+    }
+
+
+def _messages(errors: dict[int, str]) -> dict[str, Any]:
+    """Anthropic's Messages: each server-sent event names its type (``event:``) and carries it as JSON."""
+    events = [*_MESSAGE_EVENTS, AnthropicErrorResponse]
+    event = {
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {
+            "event": {"enum": [e.model_fields["type"].default for e in events]},
+            "data": {
+                "type": "string",
+                "description": "The event as JSON: message_start, then each content block's start, deltas and "
+                "stop, then message_delta and message_stop; an error after the headers comes as an `error` event "
+                "and ends the stream.",
+                "contentMediaType": "application/json",
+                "contentSchema": {"anyOf": [_ref(e) for e in events]},
+            },
+        },
+    }
+    return {
+        "post": {
+            "summary": "Anthropic's Messages API: complete a conversation (the model's chat template is applied).",
+            "requestBody": {"required": True, "content": _json(MessagesRequest)},
+            "responses": {
+                "200": {
+                    "description": "The message, or with stream: true a stream of events.",
+                    "content": {**_json(Message), "text/event-stream": {"schema": event}},
+                },
+                **_errors(errors, AnthropicErrorResponse),
             },
         }
     }
@@ -210,6 +266,7 @@ def openapi_document(served: Served, auth: bool) -> dict[str, Any]:
             ChatCompletionChunk,
             generation_errors,
         ),
+        "/v1/messages": _messages(generation_errors),
         "/v1/models": _get("The models served.", _ok("The models.", _json(ModelList)) | _errors(auth_errors)),
         "/v1/models/{model}": _get(
             "One model.",
@@ -256,9 +313,12 @@ def openapi_document(served: Served, auth: bool) -> dict[str, Any]:
         "components": {"schemas": schemas},
     }
     if auth:
-        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        document["components"]["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+        }
         for path, item in paths.items():
             if path.startswith(GUARDED_PATHS):
                 for operation in item.values():
-                    operation["security"] = [{"bearer": []}]
+                    operation["security"] = [{"bearer": []}, {"apiKey": []}]  # either
     return document

@@ -92,7 +92,11 @@ async def test_http_needs_a_key_and_scopes_the_cache_to_the_tenant(model) -> Non
     }
     assert [r.cache_salt for r in mesh.routes] == [b"5:alice", b"3:bobx"]
     assert open_routes == [200, 200, 200]
-    assert document["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
+    assert document["components"]["securitySchemes"] == {
+        "bearer": {"type": "http", "scheme": "bearer"},
+        "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+    }
+    assert document["paths"]["/v1/messages"]["post"]["security"] == [{"bearer": []}, {"apiKey": []}]
     assert "401" in document["paths"]["/v1/completions"]["post"]["responses"]
 
 

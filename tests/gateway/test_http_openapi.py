@@ -19,6 +19,13 @@ def test_the_document_is_valid_openapi(auth) -> None:
     validate(openapi_document(Served("tiny", 300, 256, 8), auth=auth))
 
 
+def test_the_openai_and_anthropic_schemas_keep_their_own_names() -> None:
+    # Two models of one name would both be renamed after their modules ("services__gateway__...").
+    schemas = openapi_document(Served("tiny", 300, 256, 8), auth=False)["components"]["schemas"]
+    assert {"UserMessage", "AssistantMessage", "UserTurn", "AssistantTurn", "MessagesRequest"} <= set(schemas)
+    assert not [name for name in schemas if "__" in name]
+
+
 def _check(document: dict, path: str, method: str, status: int, body: object) -> None:
     schema = document["paths"][path][method]["responses"][str(status)]["content"]["application/json"]["schema"]
     # The schemas refer to #/components/...: validate with the whole document as the root.
@@ -28,6 +35,7 @@ def _check(document: dict, path: str, method: str, status: int, body: object) ->
 
 async def test_responses_match_the_document(model) -> None:
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi " * 20}], "max_tokens": 4}
+    message = chat | {"system": "Be brief."}
     async with (
         http_gateway(model, FakeMesh(), keys=ApiKeys(["k"])) as served,
         aiohttp.ClientSession(headers={"Authorization": "Bearer k"}) as http,
@@ -43,6 +51,8 @@ async def test_responses_match_the_document(model) -> None:
             ("post", "/v1/chat/completions", chat),
             ("post", "/v1/chat/completions", chat | {"temperature": 9}),
             ("post", "/v1/chat/completions", chat | {"model": "gpt-9"}),
+            ("post", "/v1/messages", message),
+            ("post", "/v1/messages", message | {"thinking": {"type": "enabled"}}),
             ("get", "/v1/models", None),
             ("get", "/v1/models/{model}", None),
             ("get", "/health", None),
@@ -57,4 +67,4 @@ async def test_responses_match_the_document(model) -> None:
                 _check(document, "/v1/models", "get", r.status, await r.json())
                 seen.append(r.status)
 
-    assert seen == [200, 200, 400, 404, 200, 200, 200, 401]
+    assert seen == [200, 200, 400, 404, 200, 400, 200, 200, 200, 401]
