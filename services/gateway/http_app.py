@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API as an aiohttp application, on the gateway core the gRPC API uses.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models(/{model}),
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses,
+GET and DELETE /v1/responses/{response_id}, GET /v1/models(/{model}),
 POST /v1/load_lora_adapter and /v1/unload_lora_adapter (admin), GET /health, GET /metrics,
 GET /openapi.json.
 
@@ -36,6 +37,8 @@ from services.gateway.openai_requests import LoadLoraAdapterRequest, UnloadLoraA
 from services.gateway.openai_responses import Health, Model, ModelList, Unloaded
 from services.gateway.openai_serving import OpenAIServing, json_response, parse
 from services.gateway.openapi import Served, openapi_document
+from services.gateway.responses_serving import ResponsesServing
+from services.gateway.responses_store import LocalResponseStore, ResponseStore
 
 log = structlog.get_logger("kvmesh.gateway.http")
 
@@ -46,12 +49,21 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class HttpApi:
-    def __init__(self, gateway: Gateway, keys: ApiKeys, registry: CollectorRegistry, metrics: HttpMetrics) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        keys: ApiKeys,
+        registry: CollectorRegistry,
+        metrics: HttpMetrics,
+        responses_store: ResponseStore | None = None,
+    ) -> None:
+        """``responses_store``: where POST /v1/responses keeps responses (default: in this process)."""
         self._gateway = gateway
         self._keys = keys
         self._registry = registry
         self._metrics = metrics
         self._serving = OpenAIServing(gateway)
+        self._responses = ResponsesServing(gateway, responses_store or LocalResponseStore())
         served = Served(gateway.model.name, gateway.model.vocab_size, gateway.model.max_model_len, gateway.max_inflight)
         self._openapi = openapi_document(served, keys.enabled)
         self.draining = False  # set when shutdown begins: /health says so, new generations are refused
@@ -60,6 +72,9 @@ class HttpApi:
         app.on_response_prepare.append(_add_request_id)
         app.router.add_post("/v1/completions", self._generation(self._serving.completions))
         app.router.add_post("/v1/chat/completions", self._generation(self._serving.chat))
+        app.router.add_post("/v1/responses", self._generation(self._responses.create))
+        app.router.add_get("/v1/responses/{response_id}", self._responses.get)
+        app.router.add_delete("/v1/responses/{response_id}", self._responses.delete)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model}", self._model)
         app.router.add_post("/v1/load_lora_adapter", self._load_lora_adapter)

@@ -34,10 +34,45 @@ from services.gateway.openai_responses import (
     ModelList,
     Unloaded,
 )
+from services.gateway.responses_objects import (
+    ArgumentsDeltaEvent,
+    ArgumentsDoneEvent,
+    ContentPartEvent,
+    DeletedResponse,
+    ErrorEvent,
+    OutputItemEvent,
+    Response,
+    ResponseEvent,
+    TextDeltaEvent,
+    TextDoneEvent,
+)
+from services.gateway.responses_requests import ResponseRequest
 
-_REQUESTS = (CompletionRequest, ChatCompletionRequest)
+_REQUESTS = (CompletionRequest, ChatCompletionRequest, ResponseRequest)
 _ADMIN_REQUESTS = (LoadLoraAdapterRequest, UnloadLoraAdapterRequest)
-_RESPONSES = (Completion, ChatCompletion, ChatCompletionChunk, Model, ModelList, Unloaded, Health, ErrorResponse)
+_RESPONSE_EVENTS = (
+    ResponseEvent,
+    OutputItemEvent,
+    ContentPartEvent,
+    TextDeltaEvent,
+    TextDoneEvent,
+    ArgumentsDeltaEvent,
+    ArgumentsDoneEvent,
+    ErrorEvent,
+)
+_RESPONSES = (
+    Completion,
+    ChatCompletion,
+    ChatCompletionChunk,
+    Response,
+    DeletedResponse,
+    *_RESPONSE_EVENTS,
+    Model,
+    ModelList,
+    Unloaded,
+    Health,
+    ErrorResponse,
+)
 
 # What the admin API (LoRA adapters) can answer besides 200 (401 is added with auth).
 _ADMIN_ERRORS = {
@@ -89,6 +124,7 @@ def _bound(schemas: dict[str, Any], served: Served) -> None:
         maxima = {
             "max_tokens": served.max_model_len - 1,
             "max_completion_tokens": served.max_model_len - 1,
+            "max_output_tokens": served.max_model_len - 1,
             "n": served.max_generations,
             "best_of": served.max_generations,
             "prompt": served.vocab_size - 1,
@@ -147,6 +183,38 @@ def _generation(
     }
 
 
+def _responses(errors: dict[int, str]) -> dict[str, Any]:
+    # Each server-sent event names its type (the event line) and carries it as JSON.
+    event = {
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {
+            "event": {"type": "string", "description": "The data's type."},
+            "data": {
+                "type": "string",
+                "description": "One event as JSON: response.created first, then response.completed or "
+                "response.incomplete last; an error after the first event comes as an error event, the last.",
+                "contentMediaType": "application/json",
+                "contentSchema": {"anyOf": [_ref(e) for e in _RESPONSE_EVENTS]},
+            },
+        },
+    }
+    return {
+        "post": {
+            "summary": "Create a response (the OpenAI Responses API, text): continue a stored one with "
+            "previous_response_id.",
+            "requestBody": {"required": True, "content": _json(ResponseRequest)},
+            "responses": {
+                "200": {
+                    "description": "The whole response, or with stream: true a stream of events.",
+                    "content": {**_json(Response), "text/event-stream": {"schema": event}},
+                },
+                **_errors(errors),
+            },
+        }
+    }
+
+
 def _get(summary: str, responses: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {"get": {"summary": summary, "responses": responses, **extra}}
 
@@ -175,6 +243,9 @@ def openapi_document(served: Served, auth: bool) -> dict[str, Any]:
     auth_errors = {401: "Missing or invalid API key."} if auth else {}
     generation_errors = dict(sorted((_GENERATION_ERRORS | auth_errors).items()))
     admin_errors = dict(sorted((_ADMIN_ERRORS | auth_errors).items()))
+    stored = {404: "No stored response by that id (for this API key).", 503: "The store failed."}
+    stored_errors = dict(sorted((stored | auth_errors).items()))
+    response_id = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
     text = {"text/plain": {"schema": {"type": "string"}}}
     paths: dict[str, Any] = {
         "/v1/completions": _generation(
@@ -187,6 +258,21 @@ def openapi_document(served: Served, auth: bool) -> dict[str, Any]:
             ChatCompletionChunk,
             generation_errors,
         ),
+        "/v1/responses": _responses(
+            dict(sorted((generation_errors | {404: "Unknown model, or no stored previous_response_id."}).items()))
+        ),
+        "/v1/responses/{response_id}": {
+            **_get(
+                "A stored response.",
+                _ok("The response.", _json(Response)) | _errors(stored_errors),
+                parameters=response_id,
+            ),
+            "delete": {
+                "summary": "Delete a stored response.",
+                "responses": _ok("Deleted.", _json(DeletedResponse)) | _errors(stored_errors),
+                "parameters": response_id,
+            },
+        },
         "/v1/models": _get("The models served.", _ok("The models.", _json(ModelList)) | _errors(auth_errors)),
         "/v1/models/{model}": _get(
             "One model.",

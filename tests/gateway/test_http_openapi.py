@@ -43,13 +43,18 @@ async def test_responses_match_the_document(model) -> None:
             ("post", "/v1/chat/completions", chat),
             ("post", "/v1/chat/completions", chat | {"temperature": 9}),
             ("post", "/v1/chat/completions", chat | {"model": "gpt-9"}),
+            ("post", "/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 4}),
+            ("post", "/v1/responses", {"model": "tiny", "input": "hi", "previous_response_id": "resp_unknown"}),
+            ("get", "/v1/responses/{response_id}", None),
             ("get", "/v1/models", None),
             ("get", "/v1/models/{model}", None),
             ("get", "/health", None),
         ]
         seen = []
         for method, path, body in cases:
-            status, answer = await call(method.upper(), path.replace("{model}", "tiny"), body)
+            status, answer = await call(
+                method.upper(), path.replace("{model}", "tiny").replace("{response_id}", "resp_unknown"), body
+            )
             _check(document, path, method, status, answer)
             seen.append(status)
         async with aiohttp.ClientSession() as anonymous:
@@ -57,4 +62,4 @@ async def test_responses_match_the_document(model) -> None:
                 _check(document, "/v1/models", "get", r.status, await r.json())
                 seen.append(r.status)
 
-    assert seen == [200, 200, 400, 404, 200, 200, 200, 401]
+    assert seen == [200, 200, 400, 404, 200, 404, 404, 200, 200, 200, 401]
