@@ -119,7 +119,7 @@ class ResponseRenderer:
 
     def _response(self, status: str, output: list[OutputItem], usage: ResponseUsage | None) -> Response:
         req = self._req
-        text_format = req.text.format if req.text is not None and req.text.format is not None else None
+        text_format = req.text.format if req.text is not None else None
         incomplete = IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None
         return Response(
             id=self.id,
