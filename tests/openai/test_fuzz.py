@@ -27,15 +27,20 @@ pytestmark = pytest.mark.timeout(900)
 # 100 cases in all, most of them where the work is.
 BUDGET = {
     GenerationMode.POSITIVE: {
-        "POST /v1/completions": 30,
-        "POST /v1/chat/completions": 30,
+        "POST /v1/completions": 25,
+        "POST /v1/chat/completions": 25,
+        "POST /v1/responses": 10,
         "GET /v1/models": 2,
         "GET /v1/models/{model}": 2,
         "GET /health": 2,
         "GET /metrics": 2,
         "GET /openapi.json": 2,
     },
-    GenerationMode.NEGATIVE: {"POST /v1/completions": 15, "POST /v1/chat/completions": 15},
+    GenerationMode.NEGATIVE: {
+        "POST /v1/completions": 10,
+        "POST /v1/chat/completions": 10,
+        "POST /v1/responses": 10,
+    },
 }
 CHECKS = [
     sc.not_a_server_error,
