@@ -8,9 +8,11 @@ The gateway keeps stored responses in the mesh's Redis (the launcher passes the 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jsonschema
 import pytest
+import redis
 
 from tests.openai.conftest import MODEL
 
@@ -118,3 +120,17 @@ def test_a_follow_up_continues_the_stored_conversation_from_cache(client) -> Non
     # The first prompt's full blocks (16 tokens) at least came from cache.
     assert second.usage.input_tokens_details.cached_tokens >= (first.usage.input_tokens - 1) // 16 * 16 > 0
     assert client.responses.retrieve(first.id).output_text == first.output_text
+
+
+def test_stored_responses_are_in_the_meshs_redis(client, mesh) -> None:
+    env = mesh.topology.get("gateway").env
+    password_file = env.get("KVMESH_REDIS_PASSWORD_FILE")
+    password = Path(password_file).read_text().strip() if password_file else None
+    store = redis.Redis.from_url(env["KVMESH_REDIS_URL"], password=password)
+    response = client.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    try:
+        assert len(store.keys(f"kvmesh:responses:*:{response.id}")) == 1
+        client.responses.delete(response.id)
+        assert store.keys(f"kvmesh:responses:*:{response.id}") == []
+    finally:
+        store.close()
