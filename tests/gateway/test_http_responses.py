@@ -98,3 +98,19 @@ async def test_the_cores_checks_name_the_responses_fields(roomy) -> None:  # noq
                 model="tiny", input="hi", tools=TOOLS, tool_choice={"type": "function", "name": "get_time"}
             )
     assert e.value.body["param"] == "tool_choice" and "get_time" in e.value.body["message"]
+
+
+async def test_a_failure_after_the_first_token_is_the_streams_last_event_an_error(model) -> None:
+    mesh = FakeMesh(decode=("d0",))
+    mesh.fail_decode_at["d0"] = 2
+    async with http_gateway(model, mesh) as served:
+        stream = await served.client().responses.create(model="tiny", input="hi", stream=True)
+        events = [e async for e in stream]
+        with pytest.raises(openai.NotFoundError):  # a failed response is not stored
+            await served.client().responses.retrieve(events[0].response.id)
+
+    assert [e.delta for e in events if e.type == "response.output_text.delta"] == ["<7>", "<11>"]
+    last = events[-1]
+    assert last.type == "error" and last.sequence_number == len(events) - 1
+    assert last.code == "service_unavailable" and "no other worker to resume on" in last.message
+    assert served.gateway.inflight == 0 and mesh.leases == set()
