@@ -15,9 +15,10 @@ line as OpenAI sends them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import structlog
 from aiohttp import web
@@ -73,44 +74,52 @@ class ResponsesServing:
         renderer = ResponseRenderer(
             f"resp_{uuid.uuid4().hex}", int(time.time()), self._gateway.model.name, req, self._texts
         )
+        keep = functools.partial(self._keep, tenant, req, conversation)
         with _responses_params():
             async with FanIn([(rid, self._gateway.chat(core_request, rid, tenant))]) as fan:
-                if not req.stream:
-                    while (event := await fan.next()) is not None:
-                        renderer.add(event[1])
-                    response = renderer.response()
-                    await self._keep(tenant, req, conversation, response)
-                    answer = json_response(response)
-                    answer.headers[SERVER_TIMING] = server_timing(renderer.phases())
-                    return answer
-
-                first = await fan.first_of_each()
-                waited = {"first_token": time.perf_counter_ns() - request[RECEIVED_NS]}
-                answer = web.StreamResponse(headers={**SSE_HEADERS, SERVER_TIMING: server_timing(waited)})
-                await answer.prepare(request)
-                try:
-                    events = renderer.start()
-                    for _, chunk in first:
-                        events += renderer.add(chunk)
-                    await answer.write(b"".join(_sse(e) for e in events))
-                    while (event := await fan.next()) is not None:
-                        events = renderer.add(event[1])
-                        if events:
-                            await answer.write(b"".join(_sse(e) for e in events))
-                    response = renderer.response()
-                    await self._keep(tenant, req, conversation, response)
-                    await answer.write(_sse(renderer.end()))
-                except ConnectionError:
-                    raise  # the client is gone: nobody to tell (leaving the fan-in cancels the request)
-                except Exception as e:  # noqa: BLE001 - the headers are out: report it in the stream
-                    failure = renderer.error(e, rid)
-                    if isinstance(e, KvmeshError):
-                        log.warning("stream ended with an error", error=failure.message)
-                    else:
-                        log.error("stream crashed", exc_info=e)
-                    await answer.write(_sse(failure))
-                await answer.write_eof()
+                if req.stream:
+                    return await self._stream(request, fan, renderer, keep)
+                while (event := await fan.next()) is not None:
+                    renderer.add(event[1])
+                response = renderer.response()
+                await keep(response)
+                answer = json_response(response)
+                answer.headers[SERVER_TIMING] = server_timing(renderer.phases())
                 return answer
+
+    async def _stream(
+        self,
+        request: web.Request,
+        fan: FanIn,
+        renderer: ResponseRenderer,
+        keep: Callable[[Response], Awaitable[None]],
+    ) -> web.StreamResponse:
+        first = await fan.first_of_each()
+        waited = {"first_token": time.perf_counter_ns() - request[RECEIVED_NS]}
+        answer = web.StreamResponse(headers={**SSE_HEADERS, SERVER_TIMING: server_timing(waited)})
+        await answer.prepare(request)
+        try:
+            events = renderer.start()
+            for _, chunk in first:
+                events += renderer.add(chunk)
+            await answer.write(b"".join(_sse(e) for e in events))
+            while (event := await fan.next()) is not None:
+                events = renderer.add(event[1])
+                if events:
+                    await answer.write(b"".join(_sse(e) for e in events))
+            await keep(renderer.response())
+            await answer.write(_sse(renderer.end()))
+        except ConnectionError:
+            raise  # the client is gone: nobody to tell (leaving the fan-in cancels the request)
+        except Exception as e:  # noqa: BLE001 - the headers are out: report it in the stream
+            failure = renderer.error(e, request[REQUEST_ID])
+            if isinstance(e, KvmeshError):
+                log.warning("stream ended with an error", error=failure.message)
+            else:
+                log.error("stream crashed", exc_info=e)
+            await answer.write(_sse(failure))
+        await answer.write_eof()
+        return answer
 
     async def get(self, request: web.Request) -> web.Response:
         stored = await self._store.get(request[TENANT], request.match_info["response_id"])
