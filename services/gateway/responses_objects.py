@@ -13,9 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from services.gateway.responses_requests import Format, FunctionTool, NamedFunction
-
-ItemStatus = Literal["in_progress", "completed", "incomplete"]
+from services.gateway.responses_requests import Format, FunctionTool, ItemStatus, NamedFunction
 
 
 class OutputText(BaseModel):
