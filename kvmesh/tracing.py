@@ -118,10 +118,16 @@ def _carrier(pairs: Iterable[tuple[str, str | bytes]]) -> dict[str, str]:
 
 
 @contextmanager
-def server_span(name: str, incoming: Iterable[tuple[str, str | bytes]], **attributes: Any) -> Iterator[Span]:
-    """One call handled here, continuing the caller's trace context (``incoming``: its metadata or headers)."""
+def server_span(
+    name: str, incoming: Iterable[tuple[str, str | bytes]], starts_trace: bool = True, **attributes: Any
+) -> Iterator[Span]:
+    """One call handled here, continuing the caller's trace context (``incoming``: its metadata or headers).
+
+    ``starts_trace`` False: a call that arrives outside any trace gets no span (the mesh's own background
+    calls: they would each be a trace of one span, crowding out the requests' traces).
+    """
     carrier = _carrier(incoming)
-    if _tracer is None:
+    if _tracer is None or not (starts_trace or TRACEPARENT in carrier):
         token = _passthrough.set(tuple(carrier.items()))
         trace_id = _trace_id_of(carrier.get(TRACEPARENT, ""))
         try:

@@ -5,7 +5,8 @@ For each call to one of the service's own RPCs it:
   it, with the method, into structlog's contextvars for the whole call;
 - continues the caller's trace (``traceparent`` metadata) with a span for the call
   (``kvmesh.tracing``), whose trace id it binds too and names in the
-  initial metadata (``traceresponse``);
+  initial metadata (``traceresponse``); the mesh's background calls
+  (``BACKGROUND_METHODS``) start no trace of their own;
 - with mutual TLS, refuses a caller whose certificate's role may not call the method
   (PERMISSION_DENIED, ``kvmesh.runtime.authz``);
 - refuses calls with UNAVAILABLE until the service is ready;
@@ -41,6 +42,25 @@ from kvmesh.tracing import TRACERESPONSE, current_traceparent, server_span
 
 log = structlog.get_logger("kvmesh.rpc")
 
+# Calls that keep the mesh running rather than serve a request (membership, KV events, handshakes, stats):
+# outside a request's trace they get no span. Each would be a trace of one span, and their steady stream
+# would bury the requests' traces (docs/tracing.md).
+BACKGROUND_METHODS = frozenset(
+    {
+        "/kvmesh.api.router.v1.RouterService/RegisterWorker",
+        "/kvmesh.api.router.v1.RouterService/Heartbeat",
+        "/kvmesh.api.router.v1.RouterService/DeregisterWorker",
+        "/kvmesh.api.router.v1.RouterService/PublishKVEvents",
+        "/kvmesh.api.router.v1.RouterService/ResyncWorker",
+        "/kvmesh.api.router.v1.RouterService/ListWorkers",
+        "/kvmesh.api.prefill.v1.PrefillService/NixlHandshake",
+        "/kvmesh.api.kvstore.v1.KVStoreService/NixlHandshake",
+        "/kvmesh.api.kvstore.v1.KVStoreService/Stats",
+        "/kvmesh.api.speculator.v1.SpeculatorService/Stats",
+        "/kvmesh.api.adapter.v1.AdapterService/ListAdapters",
+    }
+)
+
 FIELD_KEY = "kvmesh-field"
 REASON_KEY = "kvmesh-reason"
 
@@ -64,7 +84,12 @@ class _Call:
         }
         with (
             structlog.contextvars.bound_contextvars(request_id=self.request_id, rpc=self.full_method),
-            server_span(self.full_method.lstrip("/"), self.metadata, **attributes) as span,
+            server_span(
+                self.full_method.lstrip("/"),
+                self.metadata,
+                starts_trace=self.full_method not in BACKGROUND_METHODS,
+                **attributes,
+            ) as span,
         ):
             yield span
 

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API, and Anthropic's Messages, as an aiohttp application on the gateway core.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/messages (Anthropic's), GET /v1/models(/{model}),
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses,
+GET and DELETE /v1/responses/{response_id}, POST /v1/messages (Anthropic's), GET /v1/models(/{model}),
 POST /v1/load_lora_adapter and /v1/unload_lora_adapter (admin), POST /tokenize and /detokenize
 (vLLM's), GET /health, GET /metrics, GET /openapi.json.
 
@@ -46,6 +47,8 @@ from services.gateway.openai_responses import Detokenized, Health, Model, ModelL
 from services.gateway.openai_serving import OpenAIServing, json_response, parse
 from services.gateway.openai_translate import tokenize_request
 from services.gateway.openapi import Served, openapi_document
+from services.gateway.responses_serving import ResponsesServing
+from services.gateway.responses_store import LocalResponseStore, ResponseStore
 
 log = structlog.get_logger("kvmesh.gateway.http")
 
@@ -65,9 +68,11 @@ class HttpApi:
         keys: ApiKeys,
         registry: CollectorRegistry,
         metrics: HttpMetrics,
+        responses_store: ResponseStore | None = None,
         lenient_fields: bool = False,
     ) -> None:
-        """``lenient_fields``: unknown request fields are ignored instead of refused (``openai_serving.parse``)."""
+        """``responses_store``: where POST /v1/responses keeps responses (default: in this process);
+        ``lenient_fields``: unknown request fields are ignored instead of refused (``openai_serving.parse``)."""
         self._gateway = gateway
         self._keys = keys
         self._registry = registry
@@ -75,6 +80,7 @@ class HttpApi:
         self._lenient = lenient_fields
         self._serving = OpenAIServing(gateway, lenient_fields)
         self._anthropic = AnthropicServing(gateway, lenient_fields)
+        self._responses = ResponsesServing(gateway, responses_store or LocalResponseStore(), lenient_fields)
         served = Served(gateway.model.name, gateway.model.vocab_size, gateway.model.max_model_len, gateway.max_inflight)
         self._openapi = openapi_document(served, keys.enabled)
         self.draining = False  # set when shutdown begins: /health says so, new generations are refused
@@ -84,6 +90,9 @@ class HttpApi:
         app.router.add_post("/v1/completions", self._generation(self._serving.completions))
         app.router.add_post("/v1/chat/completions", self._generation(self._serving.chat))
         app.router.add_post(MESSAGES_PATH, self._generation(self._anthropic.messages))
+        app.router.add_post("/v1/responses", self._generation(self._responses.create))
+        app.router.add_get("/v1/responses/{response_id}", self._responses.get)
+        app.router.add_delete("/v1/responses/{response_id}", self._responses.delete)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model}", self._model)
         app.router.add_post("/v1/load_lora_adapter", self._load_lora_adapter)

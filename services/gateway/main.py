@@ -22,6 +22,7 @@ from services.gateway.http_server import HttpServer
 from services.gateway.metrics import GatewayMetrics, HttpMetrics
 from services.gateway.migration import DEFAULT_MAX_MIGRATIONS, MigrationPolicy
 from services.gateway.model import ServedModel
+from services.gateway.responses_store import DEFAULT_TTL_S, LocalResponseStore, RedisResponseStore, ResponseStore
 from services.gateway.route_fallback import DEFAULT_HOLD_S, LastKnownWorkers
 from services.gateway.server import gateway_service
 from services.gateway.tool_calls import DEFAULT_FORMAT, FORMATS
@@ -106,6 +107,18 @@ FLAGS = [
         choices=("model", "none"),
     ),
     Flag(
+        "--redis-url",
+        "Redis keeping stored responses (POST /v1/responses, previous_response_id), shared by every gateway "
+        "replica; unset: kept in this process only, so follow-ups must come back to the same replica",
+    ),
+    Flag("--redis-password-file", "file holding Redis's password (kvmesh certs makes one; unset: none)"),
+    Flag(
+        "--response-ttl-seconds",
+        "how long a stored response can be continued or read back",
+        default=DEFAULT_TTL_S,
+        type=float,
+    ),
+    Flag(
         "--tool-call-format",
         "how the model writes tool calls (its chat template must teach the same format)",
         default=DEFAULT_FORMAT,
@@ -172,7 +185,8 @@ def build(ctx: ServiceContext) -> ServiceDef:
 
     keys = _api_keys(args.api_keys_file, args.api_keys, args.admin_tenants)
     log.info("api keys", auth="on" if keys.enabled else "off")
-    api = HttpApi(gateway, keys, ctx.registry, HttpMetrics(ctx.registry), lenient_fields=args.lenient_fields)
+    store = _response_store(args.redis_url, args.redis_password_file, args.response_ttl_seconds)
+    api = HttpApi(gateway, keys, ctx.registry, HttpMetrics(ctx.registry), store, lenient_fields=args.lenient_fields)
     http = HttpServer(
         api,
         args.http_host or getattr(args, "host", _DEFAULT_HOST),
@@ -184,6 +198,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
         await http.stop()
         await gateway.wait_idle()  # lease aborts still on their way
         await backends.close()
+        await store.close()
 
     return ServiceDef(services=[gateway_service(gateway, keys)], start=http.start, drain=http.drain, stop=stop)
 
@@ -193,6 +208,15 @@ def _api_keys(path: str | None, listed: str | None, admins: str | None) -> ApiKe
         return ApiKeys.load(path, listed, admins)
     except OSError as e:
         raise ValueError(f"--api-keys-file {path}: {e.strerror}") from None
+
+
+def _response_store(url: str | None, password_file: str | None, ttl_s: float) -> ResponseStore:
+    if url is None:
+        log.info("stored responses", store="in-process")
+        return LocalResponseStore(ttl_s)
+    password = Path(password_file).read_text().strip() if password_file else None
+    log.info("stored responses", store="redis")
+    return RedisResponseStore.connect(url, password=password, ttl_s=ttl_s)
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ map onto the ChatRequest's fields one to one. Their deeper checks are the core's
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from kvmesh.api.common.v1 import sampling_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
@@ -47,25 +48,34 @@ _SEED_SPACE = 2**64  # the mesh's seeds are uint64; OpenAI's may be negative
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 
 
+def sampling(max_tokens: int | None, temperature: float | None, top_p: float | None) -> sampling_pb2.SamplingParams:
+    """The sampling settings every OpenAI API has (the Responses API has only these)."""
+    params = sampling_pb2.SamplingParams(max_tokens=max_tokens or 0)  # 0: up to the context
+    if temperature is not None:
+        params.temperature = temperature
+    if top_p is not None:
+        # The contract's float32 rounds a top_p under ~1e-38 to 0, which workers refuse; the
+        # smallest float32 keeps what it means: the most likely token only.
+        params.top_p = max(top_p, FLOAT32_TINY)
+    return params
+
+
 def _sampling(
     req: SamplingFields, max_tokens: int | None, logprobs: bool, top_logprobs: int
 ) -> sampling_pb2.SamplingParams:
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
-    params = sampling_pb2.SamplingParams(
-        max_tokens=max_tokens or 0,  # 0: up to the context
-        stop=stop,
-        logprobs=logprobs,
-        top_logprobs=top_logprobs,
-        top_k=req.top_k or 0,
-        min_p=req.min_p or 0.0,
-        ignore_eos=bool(req.ignore_eos),
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
-        stop_token_ids=req.stop_token_ids or (),
-        min_tokens=req.min_tokens or 0,
-        include_stop_str_in_output=bool(req.include_stop_str_in_output),
-    )
+    params = sampling(max_tokens, req.temperature, req.top_p)
+    params.stop.extend([req.stop] if isinstance(req.stop, str) else list(req.stop or ()))
+    params.logprobs = logprobs
+    params.top_logprobs = top_logprobs
+    params.top_k = req.top_k or 0
+    params.min_p = req.min_p or 0.0
+    params.ignore_eos = bool(req.ignore_eos)
+    params.presence_penalty = req.presence_penalty or 0.0
+    params.frequency_penalty = req.frequency_penalty or 0.0
+    params.logit_bias.update({int(t): b for t, b in (req.logit_bias or {}).items()})
+    params.stop_token_ids.extend(req.stop_token_ids or ())
+    params.min_tokens = req.min_tokens or 0
+    params.include_stop_str_in_output = bool(req.include_stop_str_in_output)
     if req.skip_special_tokens is not None:
         params.skip_special_tokens = req.skip_special_tokens
     guided = _guided(req)
@@ -73,12 +83,6 @@ def _sampling(
         params.structured_output.CopyFrom(guided)
     if req.repetition_penalty is not None:
         params.repetition_penalty = req.repetition_penalty
-    if req.temperature is not None:
-        params.temperature = req.temperature
-    if req.top_p is not None:
-        # The contract's float32 rounds a top_p under ~1e-38 to 0, which workers refuse; the
-        # smallest float32 keeps what it means: the most likely token only.
-        params.top_p = max(req.top_p, FLOAT32_TINY)
     return params
 
 
@@ -178,8 +182,7 @@ def chat_requests(req: ChatCompletionRequest, limit: int) -> list[gateway_pb2.Ch
     )
     for tool in req.tools or ():
         f = tool.function
-        parameters = json.dumps(f.parameters) if f.parameters is not None else ""
-        template.tools.add(name=f.name, description=f.description or "", parameters_json=parameters)
+        add_function(template, f.name, f.description, f.parameters)
     if req.tool_choice is not None:
         template.tool_choice.CopyFrom(_tool_choice(req.tool_choice))
     if req.parallel_tool_calls is not None:
@@ -203,19 +206,36 @@ def _message(m: Message) -> gateway_pb2.ChatMessage:
     return message
 
 
+def add_function(
+    request: gateway_pb2.ChatRequest, name: str, description: str | None, parameters: dict[str, Any] | None
+) -> None:
+    """Declare a function tool on ``request`` (no parameters: any object)."""
+    parameters_json = json.dumps(parameters) if parameters is not None else ""
+    request.tools.add(name=name, description=description or "", parameters_json=parameters_json)
+
+
+def json_output(schema: dict[str, Any] | None) -> sampling_pb2.StructuredOutput:
+    """Replies that follow the JSON Schema ``schema`` (None: any JSON object)."""
+    return GrammarSpec.json_schema(ANY_OBJECT if schema is None else schema).to_pb()
+
+
 def _structured_output(response_format: ResponseFormat | None) -> sampling_pb2.StructuredOutput | None:
     if isinstance(response_format, ResponseFormatJsonObject):
-        return GrammarSpec.json_schema(ANY_OBJECT).to_pb()
+        return json_output(None)
     if isinstance(response_format, ResponseFormatJsonSchema):
-        schema = response_format.json_schema.json_schema
-        return GrammarSpec.json_schema(ANY_OBJECT if schema is None else schema).to_pb()
+        return json_output(response_format.json_schema.json_schema)
     return None  # text
 
 
 def _tool_choice(choice: ToolChoice) -> gateway_pb2.ToolChoice:
-    if isinstance(choice, str):
-        return gateway_pb2.ToolChoice(mode=_TOOL_CHOICE_MODES[choice])
-    return gateway_pb2.ToolChoice(function_name=choice.function.name)
+    return tool_choice(choice) if isinstance(choice, str) else tool_choice(None, choice.function.name)
+
+
+def tool_choice(mode: str | None, function: str | None = None) -> gateway_pb2.ToolChoice:
+    """A mode ("none", "auto", "required"), or else the one ``function`` the reply must call."""
+    if mode is not None:
+        return gateway_pb2.ToolChoice(mode=_TOOL_CHOICE_MODES[mode])
+    return gateway_pb2.ToolChoice(function_name=function)
 
 
 def _text(content: Content | None) -> str:

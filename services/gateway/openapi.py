@@ -53,12 +53,33 @@ from services.gateway.openai_responses import (
     Tokenized,
     Unloaded,
 )
+from services.gateway.responses_objects import (
+    ArgumentsDeltaEvent,
+    ArgumentsDoneEvent,
+    ContentPartEvent,
+    DeletedResponse,
+    ErrorEvent,
+    OutputItemEvent,
+    Response,
+    ResponseEvent,
+    TextDeltaEvent,
+    TextDoneEvent,
+)
+from services.gateway.responses_requests import ResponseRequest
 
-_REQUESTS = (CompletionRequest, ChatCompletionRequest, MessagesRequest, TokenizeRequest, DetokenizeRequest)
+_REQUESTS = (
+    CompletionRequest,
+    ChatCompletionRequest,
+    ResponseRequest,
+    MessagesRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+)
 # The bodies that name the model (and token ids): the document allows only what is served.
 _BOUNDED = (
     CompletionRequest,
     ChatCompletionRequest,
+    ResponseRequest,
     MessagesRequest,
     TokenizePromptRequest,
     TokenizeChatRequest,
@@ -66,6 +87,16 @@ _BOUNDED = (
 )
 _ADMIN_REQUESTS = (LoadLoraAdapterRequest, UnloadLoraAdapterRequest)
 _MESSAGE_EVENTS = (MessageStart, ContentBlockStart, ContentBlockDelta, ContentBlockStop, MessageDelta, MessageStop)
+_RESPONSE_EVENTS = (
+    ResponseEvent,
+    OutputItemEvent,
+    ContentPartEvent,
+    TextDeltaEvent,
+    TextDoneEvent,
+    ArgumentsDeltaEvent,
+    ArgumentsDoneEvent,
+    ErrorEvent,
+)
 _RESPONSES = (
     Completion,
     ChatCompletion,
@@ -77,6 +108,9 @@ _RESPONSES = (
     ErrorResponse,
     Tokenized,
     Detokenized,
+    Response,
+    DeletedResponse,
+    *_RESPONSE_EVENTS,
     Message,
     *_MESSAGE_EVENTS,
     AnthropicErrorResponse,
@@ -134,6 +168,7 @@ def _bound(schemas: dict[str, Any], served: Served) -> None:
         maxima = {
             "max_tokens": served.max_model_len - 1,
             "max_completion_tokens": served.max_model_len - 1,
+            "max_output_tokens": served.max_model_len - 1,
             "n": served.max_generations,
             "best_of": served.max_generations,
             "prompt": served.vocab_size - 1,
@@ -186,6 +221,38 @@ def _generation(
                 "200": {
                     "description": "The whole response, or with stream: true a stream of chunks.",
                     "content": {**_json(response), "text/event-stream": {"schema": event}},
+                },
+                **_errors(errors),
+            },
+        }
+    }
+
+
+def _responses(errors: dict[int, str]) -> dict[str, Any]:
+    # Each server-sent event names its type (the event line) and carries it as JSON.
+    event = {
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {
+            "event": {"type": "string", "description": "The data's type."},
+            "data": {
+                "type": "string",
+                "description": "One event as JSON: response.created first, then response.completed or "
+                "response.incomplete last; an error after the first event comes as an error event, the last.",
+                "contentMediaType": "application/json",
+                "contentSchema": {"anyOf": [_ref(e) for e in _RESPONSE_EVENTS]},
+            },
+        },
+    }
+    return {
+        "post": {
+            "summary": "Create a response (the OpenAI Responses API, text): continue a stored one with "
+            "previous_response_id.",
+            "requestBody": {"required": True, "content": _json(ResponseRequest)},
+            "responses": {
+                "200": {
+                    "description": "The whole response, or with stream: true a stream of events.",
+                    "content": {**_json(Response), "text/event-stream": {"schema": event}},
                 },
                 **_errors(errors),
             },
@@ -254,6 +321,9 @@ def openapi_document(served: Served, auth: bool) -> dict[str, Any]:
     auth_errors = {401: "Missing or invalid API key."} if auth else {}
     generation_errors = dict(sorted((_GENERATION_ERRORS | auth_errors).items()))
     admin_errors = dict(sorted((_ADMIN_ERRORS | auth_errors).items()))
+    stored = {404: "No stored response by that id (for this API key).", 503: "The store failed."}
+    stored_errors = dict(sorted((stored | auth_errors).items()))
+    response_id = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
     text = {"text/plain": {"schema": {"type": "string"}}}
     paths: dict[str, Any] = {
         "/v1/completions": _generation(
@@ -266,6 +336,21 @@ def openapi_document(served: Served, auth: bool) -> dict[str, Any]:
             ChatCompletionChunk,
             generation_errors,
         ),
+        "/v1/responses": _responses(
+            dict(sorted((generation_errors | {404: "Unknown model, or no stored previous_response_id."}).items()))
+        ),
+        "/v1/responses/{response_id}": {
+            **_get(
+                "A stored response.",
+                _ok("The response.", _json(Response)) | _errors(stored_errors),
+                parameters=response_id,
+            ),
+            "delete": {
+                "summary": "Delete a stored response.",
+                "responses": _ok("Deleted.", _json(DeletedResponse)) | _errors(stored_errors),
+                "parameters": response_id,
+            },
+        },
         "/v1/messages": _messages(generation_errors),
         "/v1/models": _get("The models served.", _ok("The models.", _json(ModelList)) | _errors(auth_errors)),
         "/v1/models/{model}": _get(

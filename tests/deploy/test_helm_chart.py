@@ -367,6 +367,24 @@ def test_external_redis_replaces_the_subchart() -> None:
     assert env_of(default_router)["KVMESH_REDIS_URL"]["value"] == f"redis://{RELEASE}-redis:6379/0"
 
 
+def test_the_gateway_keeps_stored_responses_in_the_routers_redis() -> None:
+    for case in ("default", "external-redis"):
+        deployments = by_kind(case, "Deployment")
+        router, gateway = (deployments[f"{RELEASE}-kvmesh-{role}"] for role in ("router", "gateway"))
+        assert env_of(gateway)["KVMESH_REDIS_URL"] == env_of(router)["KVMESH_REDIS_URL"]
+    gateway = by_kind("default", "Deployment")[f"{RELEASE}-kvmesh-gateway"]
+    mounts = gateway["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+    assert env_of(gateway)["KVMESH_REDIS_PASSWORD_FILE"]["value"].startswith(
+        next(m["mountPath"] for m in mounts if m["name"] == "redis-auth")
+    )
+    [redis_policy] = [p for name, p in by_kind("default", "NetworkPolicy").items() if name.endswith("-redis")]
+    admitted = [
+        f["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+        for f in redis_policy["spec"]["ingress"][0]["from"]
+    ]
+    assert admitted == ["router", "gateway"]
+
+
 def test_autoscaling_scales_prefill_and_decode_on_their_own_signals() -> None:
     hpas = by_kind("autoscaling", "HorizontalPodAutoscaler")
     metric = {name.rsplit("-", 1)[1]: h["spec"]["metrics"][0]["pods"]["metric"]["name"] for name, h in hpas.items()}

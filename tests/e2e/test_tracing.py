@@ -8,8 +8,9 @@ import random
 import secrets
 import urllib.request
 
+from kvmesh.runtime.interceptor import BACKGROUND_METHODS
 from kvmesh.runtime.otlp_receiver import ReceivedSpan
-from tests.e2e.mesh_helpers import http_url, metrics
+from tests.e2e.mesh_helpers import http_url, metrics, poll
 
 BLOCK = 16
 
@@ -128,3 +129,23 @@ async def test_one_request_is_one_trace_through_every_hop(mesh, otlp) -> None:
     counted = metrics(mesh, "gateway")
     assert counted["kvmesh_gateway_prompt_cached_tokens_total{kind=found}"] >= found
     assert counted["kvmesh_gateway_prompt_cached_tokens_total{kind=predicted}"] >= predicted
+
+
+def _heartbeats(mesh) -> float:
+    return sum(
+        value
+        for sample, value in metrics(mesh, "router").items()
+        if sample.startswith("kvmesh_rpc_requests_total{") and "method=Heartbeat" in sample
+    )
+
+
+async def test_background_calls_start_no_trace(mesh, otlp) -> None:
+    # Two heartbeats answered since now, each exported within 0.1 s had it made a span.
+    seen = _heartbeats(mesh)
+    beats = await asyncio.to_thread(poll, lambda: _heartbeats(mesh), lambda n: n >= seen + 2, 300)
+    assert beats >= seen + 2
+    await asyncio.sleep(0.5)
+    background = {m.lstrip("/") for m in BACKGROUND_METHODS}
+    assert "kvmesh.api.router.v1.RouterService/Heartbeat" in background
+    spans = otlp.spans()
+    assert spans and not [s for s in spans if s.name in background], "background calls made spans"

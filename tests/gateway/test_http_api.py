@@ -50,7 +50,7 @@ async def http_gateway(
     """The HTTP API on a gateway core over ``mesh``, on a free port."""
     gateway = make_gateway(model, mesh, **gateway_kwargs)
     registry = CollectorRegistry()
-    api = HttpApi(gateway, keys or ApiKeys(), registry, HttpMetrics(registry), lenient_fields)
+    api = HttpApi(gateway, keys or ApiKeys(), registry, HttpMetrics(registry), lenient_fields=lenient_fields)
     server = HttpServer(api, "127.0.0.1", 0, grace_seconds=1.0)
     await server.start()
     served = Served(f"http://127.0.0.1:{server.port}", gateway, api, registry)

@@ -53,13 +53,20 @@ async def test_responses_match_the_document(model) -> None:
             ("post", "/v1/chat/completions", chat | {"model": "gpt-9"}),
             ("post", "/v1/messages", message),
             ("post", "/v1/messages", message | {"thinking": {"type": "enabled"}}),
+            ("post", "/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 4}),
+            ("post", "/v1/responses", {"model": "tiny", "input": "hi", "previous_response_id": "resp_unknown"}),
+            ("get", "/v1/responses/{response_id}", None),
+            ("post", "/tokenize", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}),
+            ("post", "/detokenize", {"model": "tiny", "tokens": [10**9]}),
             ("get", "/v1/models", None),
             ("get", "/v1/models/{model}", None),
             ("get", "/health", None),
         ]
         seen = []
         for method, path, body in cases:
-            status, answer = await call(method.upper(), path.replace("{model}", "tiny"), body)
+            status, answer = await call(
+                method.upper(), path.replace("{model}", "tiny").replace("{response_id}", "resp_unknown"), body
+            )
             _check(document, path, method, status, answer)
             seen.append(status)
         async with aiohttp.ClientSession() as anonymous:
@@ -67,4 +74,4 @@ async def test_responses_match_the_document(model) -> None:
                 _check(document, "/v1/models", "get", r.status, await r.json())
                 seen.append(r.status)
 
-    assert seen == [200, 200, 400, 404, 200, 400, 200, 200, 200, 401]
+    assert seen == [200, 200, 400, 404, 200, 400, 200, 404, 404, 200, 400, 200, 200, 200, 401]

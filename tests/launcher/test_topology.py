@@ -83,7 +83,8 @@ def test_the_default_mesh_is_the_compose_files_services_in_its_order() -> None:
             assert p.env["KVMESH_TLS_CA"] == str(certs / "ca.pem")
     assert gateway.health_identity is None  # the public API serves in plaintext
     assert topo.get("router").health_identity.cert == certs / "operator.pem"
-    assert topo.get("router").env["KVMESH_REDIS_PASSWORD_FILE"] == str(certs / "redis-password")
+    for name in ("router", "gateway"):  # the gateway keeps stored responses in the router's Redis
+        assert topo.get(name).env["KVMESH_REDIS_PASSWORD_FILE"] == str(certs / "redis-password")
     assert topo.get("redis").argv[topo.get("redis").argv.index("--aclfile") + 1] == str(certs / "redis-users.acl")
     assert all(p.stop_grace_s == 30.0 for p in topo.processes if p.name != "redis")  # stop_grace_period: 30s
 
@@ -97,6 +98,7 @@ def test_services_are_wired_to_each_other_through_local_addresses() -> None:
     assert settings["save"] == [""] and settings["appendonly"] == ["no"]  # a local mesh persists nothing
     assert redis.workdir == RUN / "redis" and redis.health == "redis"
     assert router.env["KVMESH_REDIS_URL"] == f"redis://127.0.0.1:{redis.port}/0"  # was redis://redis:6379/0
+    assert topo.get("gateway").env["KVMESH_REDIS_URL"] == router.env["KVMESH_REDIS_URL"]
     assert kvstore.env["KVMESH_ROUTER_ADDRESS"] == router.address
     for name in ("prefill-0", "decode-0"):
         env = topo.get(name).env

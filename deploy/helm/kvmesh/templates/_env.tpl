@@ -121,6 +121,11 @@ GPUs and too few fail the worker at start.
 {{- end -}}
 
 {{- define "kvmesh.env.router" -}}
+{{ include "kvmesh.env.redis" . }}
+{{- end -}}
+
+{{/* The router's prefix index and the gateway's stored responses (/v1/responses): one Redis. */}}
+{{- define "kvmesh.env.redis" -}}
 - name: KVMESH_REDIS_URL
   value: {{ include "kvmesh.redisUrl" . | quote }}
 {{- if .Values.redis.enabled }}
@@ -171,6 +176,7 @@ GPUs and too few fail the worker at start.
   value: {{ .Values.model.name | quote }}
 - name: KVMESH_HTTP_PORT
   value: {{ .Values.gateway.httpPort | quote }}
+{{ include "kvmesh.env.redis" . }}
 {{- if .Values.gateway.apiKeys.enabled }}
 - name: KVMESH_API_KEYS
   valueFrom:

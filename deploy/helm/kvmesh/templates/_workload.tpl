@@ -14,7 +14,8 @@ model loads (the startupProbe waits up to startupSeconds) and while draining
 {{- /* NCCL between a pod's GPU ranks goes through /dev/shm, 64Mi by default in a container. */ -}}
 {{- $ncclShm := gt $gpus 1 -}}
 {{- $stateful := eq $c "kvstore" -}}
-{{- $redisAuth := and (eq $c "router") $root.Values.redis.enabled -}}
+{{- /* The router's index and the gateway's stored responses are in the subchart's Redis. */ -}}
+{{- $redisAuth := and (has $c (list "router" "gateway")) $root.Values.redis.enabled -}}
 {{- $autoscaled := and $v.autoscaling $v.autoscaling.enabled -}}
 {{- $grace := int (include "kvmesh.graceSeconds" .) -}}
 {{- $preStop := int $root.Values.common.preStopSeconds -}}
