@@ -148,4 +148,6 @@ async def test_background_calls_start_no_trace(mesh, otlp) -> None:
     background = {m.lstrip("/") for m in BACKGROUND_METHODS}
     assert "kvmesh.api.router.v1.RouterService/Heartbeat" in background
     spans = otlp.spans()
-    assert spans and not [s for s in spans if s.name in background], "background calls made spans"
+    # Inside a request's trace a background call keeps its span (a NIXL handshake made for the request).
+    roots = [s for s in spans if s.name in background and not s.parent_span_id]
+    assert spans and not roots, f"background calls started traces: {sorted({s.name for s in roots})}"
