@@ -46,6 +46,9 @@ GPU_CASES = sorted(case for case, values in CASES.items() if _gpu_workers(values
 # The CRD kubectl-validate checks the ServiceMonitor against: prometheus-operator's, the release
 # whose Go types (pkg/apis/monitoring, pinned in deploy/helm/validate/go.mod) the Go test decodes into.
 MONITORING_TYPES = "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring"
+# The KEDA release whose ScaledObject CRD kubectl-validate checks keda.yaml's objects against
+# (scripts/install_deploy_tools.sh fetches it; the newest one Go 1.26 accepts).
+KEDA = "github.com/kedacore/keda/v2@v2.20.2"
 # kubectl-validate v0.0.4 embeds schemas up to this Kubernetes version.
 KUBE_VERSION = "1.30"
 RELEASE = "ci"
@@ -178,12 +181,22 @@ def service_monitor_crds() -> Path:
     return crds
 
 
+@cache
+def scaled_object_crd() -> Path:
+    result = run(["go", "mod", "download", "-json", KEDA], timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    crd = Path(json.loads(result.stdout)["Dir"]) / "config" / "crd" / "bases" / "keda.sh_scaledobjects.yaml"
+    assert crd.is_file(), crd
+    return crd
+
+
 def test_kubectl_validate_accepts_every_manifest(tmp_path: Path) -> None:
     crds = tmp_path / "crds"
     crds.mkdir()
     (crds / "servicemonitors.yaml").write_text(
         (service_monitor_crds() / "monitoring.coreos.com_servicemonitors.yaml").read_text()
     )
+    (crds / "scaledobjects.yaml").write_text(scaled_object_crd().read_text())
     for case in CASES:
         (tmp_path / f"{case}.yaml").write_text(rendered(case))
     files = sorted(str(p) for p in tmp_path.glob("*.yaml"))
@@ -390,6 +403,22 @@ def test_autoscaling_scales_prefill_and_decode_on_their_own_signals() -> None:
     metric = {name.rsplit("-", 1)[1]: h["spec"]["metrics"][0]["pods"]["metric"]["name"] for name, h in hpas.items()}
     assert metric == {"prefill": "kvmesh_engine_waiting_sequences", "decode": "kvmesh_engine_running_sequences"}
     assert not by_kind("default", "HorizontalPodAutoscaler")
+
+
+def test_keda_scales_prefill_and_decode_on_vllm_metric_names_instead_of_the_hpa() -> None:
+    scaled = by_kind("keda", "ScaledObject")
+    assert set(scaled) == {f"{RELEASE}-kvmesh-prefill", f"{RELEASE}-kvmesh-decode"}
+    assert not by_kind("keda", "HorizontalPodAutoscaler")  # KEDA makes its own
+    prefill, decode = scaled[f"{RELEASE}-kvmesh-prefill"]["spec"], scaled[f"{RELEASE}-kvmesh-decode"]["spec"]
+    assert prefill["scaleTargetRef"]["name"] == f"{RELEASE}-kvmesh-prefill"
+    (trigger,) = prefill["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+    assert trigger["metadata"]["query"] == (
+        f'sum(vllm:num_requests_waiting{{namespace="kvmesh",service="{RELEASE}-kvmesh-prefill"}})'
+    )
+    assert decode["triggers"][0]["metadata"]["query"] == 'avg(vllm:num_requests_running{job="decode"}) / 48'
+    assert (decode["minReplicaCount"], decode["maxReplicaCount"]) == (2, 8)
+    assert not by_kind("default", "ScaledObject") and not by_kind("autoscaling", "ScaledObject")
 
 
 def test_decode_drains_longer_than_the_others() -> None:

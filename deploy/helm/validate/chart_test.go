@@ -88,6 +88,7 @@ func TestRenderedChart(t *testing.T) {
 			c.serviceSelectors()
 			c.pdbs()
 			c.hpas()
+			c.scaledObjects()
 			c.serviceMonitors()
 			c.modelCache()
 			c.networkPolicies(loadCallers(t))

@@ -40,6 +40,7 @@ var newObject = map[string]func() any{
 	},
 	"monitoring.coreos.com/v1/ServiceMonitor": func() any { return &monitoringv1.ServiceMonitor{} },
 	"networking.k8s.io/v1/NetworkPolicy":      func() any { return &networkingv1.NetworkPolicy{} },
+	"keda.sh/v1alpha1/ScaledObject":           func() any { return &ScaledObject{} },
 }
 
 // Object is one rendered manifest, decoded.
@@ -62,6 +63,8 @@ type Render struct {
 	HPAs       []*autoscalingv2.HorizontalPodAutoscaler
 	Monitors   []*monitoringv1.ServiceMonitor
 	Policies   []*networkingv1.NetworkPolicy
+	// KEDA's, instead of an HPA (keda_test.go).
+	ScaledObjects []*ScaledObject
 }
 
 // Workload is a Deployment or a StatefulSet: what owns long-running pods.
@@ -143,6 +146,8 @@ func (r *Render) add(source string, obj any) {
 		r.Monitors, kind, name = append(r.Monitors, o), "ServiceMonitor", o.Name
 	case *networkingv1.NetworkPolicy:
 		r.Policies, kind, name = append(r.Policies, o), "NetworkPolicy", o.Name
+	case *ScaledObject:
+		r.ScaledObjects, kind, name = append(r.ScaledObjects, o), "ScaledObject", o.Name
 	}
 	r.Objects = append(r.Objects, Object{Key: kind + "/" + name, Source: source, Value: obj})
 }
