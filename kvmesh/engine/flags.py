@@ -6,10 +6,16 @@ import argparse
 
 from kernels.quantized_linear import SCHEMES as QUANTIZATION_SCHEMES
 from kvmesh.engine.config import TP_ALL_REDUCES, EngineConfig
+from kvmesh.models.sources import ModelSource, resolve_source
 from kvmesh.runtime import Flag
 
 ENGINE_FLAGS = [
-    Flag("--model", "local Hugging Face model folder (default: the installed default model, SmolLM2-135M-Instruct)"),
+    Flag(
+        "--model",
+        "a local Hugging Face model folder, or a hub id (org/name) found in the Hugging Face cache, offline "
+        "(default: the installed default model, SmolLM2-135M-Instruct)",
+    ),
+    Flag("--revision", "with a hub id --model: a branch or tag in the cache's refs/, or a commit hash (default: main)"),
     Flag("--device", "torch device, e.g. cuda:0 or cpu", default="cpu"),
     Flag("--dtype", "float32 | bfloat16 | float16 (default: checkpoint's on CUDA, float32 on CPU)"),
     Flag("--block-size", "tokens per KV block", default=16, type=int),
@@ -142,9 +148,21 @@ def parse_lora_specs(text: str) -> tuple[tuple[str, str], ...]:
     return tuple(specs)
 
 
-def model_path(args: argparse.Namespace) -> str:
+def model_source(args: argparse.Namespace) -> ModelSource:
+    """``--model`` (+ ``--revision``) as a local folder: a folder, a hub id's snapshot in the HF cache, or the
+    installed default model."""
     if args.model:
-        return args.model
+        return resolve_source(args.model, getattr(args, "revision", None))
     from kvmesh.engine.default_model import default_model_path
 
-    return str(default_model_path())
+    return ModelSource(default_model_path())
+
+
+def model_path(args: argparse.Namespace) -> str:
+    """The folder the engine loads (``model_source``)."""
+    return str(model_source(args).path)
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    """The name the model is served and labelled under: a hub id as given, else the folder's name."""
+    return model_source(args).name

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 from kvmesh.api.adapter.v1 import adapter_pb2, adapter_pb2_grpc
 from kvmesh.api.common.v1 import kv_pb2, worker_pb2
 from kvmesh.api.decode.v1 import decode_pb2, decode_pb2_grpc
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.flags import COMPILE_FLAG, ENGINE_FLAGS, engine_config, model_path
+from kvmesh.engine.flags import COMPILE_FLAG, ENGINE_FLAGS, engine_config, model_path, served_model_name
 from kvmesh.engine.metrics import EngineCollector
 from kvmesh.engine.vllm_metrics import VllmEngineCollector
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
@@ -103,7 +102,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
         worker = DecodeWorker(aengine, kv_source, kvstore)
         servicer.attach(worker, engine.max_model_len, engine.model_config.vocab_size, engine.system_fingerprint)
         ctx.registry.register(EngineCollector(engine))
-        ctx.registry.register(VllmEngineCollector(engine, Path(model_path(args)).name))
+        ctx.registry.register(VllmEngineCollector(engine, served_model_name(args)))
         ctx.registry.register(
             CountersCollector(
                 "kvmesh_decode",

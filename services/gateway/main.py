@@ -8,10 +8,12 @@ gateway core, with one set of API keys.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import structlog
 
+from kvmesh.models.sources import ModelSource, resolve_source
 from kvmesh.runtime import Flag, ServiceContext, ServiceDef, run
 from services.gateway.auth import ApiKeys
 from services.gateway.core import Gateway
@@ -31,8 +33,13 @@ log = structlog.get_logger("kvmesh.gateway")
 
 FLAGS = [
     Flag("--router-address", "router host:port", required=True),
-    Flag("--model", "local Hugging Face model folder (default: the installed default model, SmolLM2-135M-Instruct)"),
-    Flag("--model-name", "the model id clients use (default: the folder's name)"),
+    Flag(
+        "--model",
+        "a local Hugging Face model folder, or a hub id (org/name) found in the Hugging Face cache, offline "
+        "(default: the installed default model, SmolLM2-135M-Instruct)",
+    ),
+    Flag("--revision", "with a hub id --model: a branch or tag in the cache's refs/, or a commit hash (default: main)"),
+    Flag("--model-name", "the model id clients use (default: a hub id as given, else the folder's name)"),
     Flag("--max-model-len", "context limit (default: the model's; set it like the workers')", type=int),
     Flag(
         "--max-inflight-requests",
@@ -139,27 +146,35 @@ _DEFAULT_HOST = "127.0.0.1"
 _DEFAULT_GRACE_SECONDS = 30.0
 
 
-def _model_path(flag: str | None) -> Path:
+def _model_source(flag: str | None, revision: str | None = None) -> ModelSource:
+    """``--model`` as a folder: itself, a hub id's snapshot in the HF cache, or the installed default model."""
     if flag:
-        return Path(flag)
+        return resolve_source(flag, revision)
     from kvmesh.engine.default_model import default_model_path, model_label
 
     path = default_model_path()
     log.info("no --model: serving the installed default model", label=model_label(path))
-    return path
+    return ModelSource(path)
 
 
-def build(ctx: ServiceContext) -> ServiceDef:
-    args = ctx.args
-    model = ServedModel.load(
-        _model_path(args.model),
-        args.model_name,
+def served_model(args: argparse.Namespace) -> ServedModel:
+    """The model the flags name (a folder or a hub id in the HF cache), served under ``--model-name``, else
+    the hub id as given, else the folder's name."""
+    source = _model_source(args.model, args.revision)
+    return ServedModel.load(
+        source.path,
+        args.model_name or source.name,
         args.max_model_len,
         use_generation_config=args.generation_config == "model",
         max_tokens=args.default_max_tokens,
         repetition_limit=args.repetition_guard,
         repetition_allow_chars=args.repetition_guard_allow,
     )
+
+
+def build(ctx: ServiceContext) -> ServiceDef:
+    args = ctx.args
+    model = served_model(args)
     log.info(
         "model",
         model=model.name,

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from pathlib import Path
 
 from kvmesh.api.adapter.v1 import adapter_pb2, adapter_pb2_grpc
 from kvmesh.api.common.v1 import kv_pb2, worker_pb2
 from kvmesh.api.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.flags import ENGINE_FLAGS, engine_config, model_path
+from kvmesh.engine.flags import ENGINE_FLAGS, engine_config, model_path, served_model_name
 from kvmesh.engine.metrics import EngineCollector
 from kvmesh.engine.vllm_metrics import VllmEngineCollector
 from kvmesh.runtime import Flag, GrpcService, ServiceContext, ServiceDef, run
@@ -58,7 +57,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
         worker = PrefillWorker(aengine, args.lease_ttl_ms, args.max_lease_ttl_ms, kvstore, nixl)
         servicer.attach(worker, engine.max_model_len, engine.model_config.vocab_size)
         ctx.registry.register(EngineCollector(engine))
-        ctx.registry.register(VllmEngineCollector(engine, Path(model_path(args)).name))
+        ctx.registry.register(VllmEngineCollector(engine, served_model_name(args)))
         ctx.registry.register(
             CountersCollector(
                 "kvmesh_prefill",
