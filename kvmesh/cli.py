@@ -12,6 +12,7 @@ from kvmesh.launcher.certs_cli import add_certs_parser
 from kvmesh.launcher.cli import add_up_parser
 from kvmesh.launcher.health_cli import add_health_parser
 from kvmesh.models.cli import add_models_parser
+from kvmesh.models.sources import REVISION_HELP
 from kvmesh.quant.cli import add_quantize_parser
 from kvmesh.sampling import SamplingDefaults
 from kvmesh.verify.cli import add_model_check_parser, add_verify_parser
@@ -22,7 +23,12 @@ GENERATE_DEFAULTS = SamplingDefaults(temperature=0.0, max_tokens=64)
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="run the engine in-process on one prompt and stream the text")
-    p.add_argument("--model", help="local Hugging Face folder (default: the embedded default model)")
+    p.add_argument(
+        "--model",
+        help="a local Hugging Face folder, or a hub id (org/name) in the Hugging Face cache, offline "
+        "(default: the embedded default model)",
+    )
+    p.add_argument("--revision", help=REVISION_HELP)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     # Unset flags take generate's defaults (GENERATE_DEFAULTS: greedy, 64 tokens), else the API's.
@@ -76,9 +82,11 @@ def _generate(args: argparse.Namespace) -> int:
     from kvmesh.engine.config import EngineConfig
     from kvmesh.engine.default_model import default_model_path, model_label
     from kvmesh.engine.engine import LLMEngine
+    from kvmesh.models.sources import resolve_model
 
-    model = args.model
-    if model is None:
+    if args.model is not None:
+        model = resolve_model(args.model, args.revision)
+    else:
         model = default_model_path()
         print(f"[kvmesh] serving the embedded default model: {model_label(model)}", file=sys.stderr)
     engine = LLMEngine(

@@ -6,7 +6,7 @@ import argparse
 
 from kernels.quantized_linear import SCHEMES as QUANTIZATION_SCHEMES
 from kvmesh.engine.config import TP_ALL_REDUCES, EngineConfig
-from kvmesh.models.sources import ModelSource, resolve_source
+from kvmesh.models.sources import REVISION_HELP, ModelSource, resolve_source
 from kvmesh.runtime import Flag
 
 ENGINE_FLAGS = [
@@ -15,7 +15,7 @@ ENGINE_FLAGS = [
         "a local Hugging Face model folder, or a hub id (org/name) found in the Hugging Face cache, offline "
         "(default: the installed default model, SmolLM2-135M-Instruct)",
     ),
-    Flag("--revision", "with a hub id --model: a branch or tag in the cache's refs/, or a commit hash (default: main)"),
+    Flag("--revision", REVISION_HELP),
     Flag("--device", "torch device, e.g. cuda:0 or cpu", default="cpu"),
     Flag("--dtype", "float32 | bfloat16 | float16 (default: checkpoint's on CUDA, float32 on CPU)"),
     Flag("--block-size", "tokens per KV block", default=16, type=int),

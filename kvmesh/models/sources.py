@@ -25,6 +25,7 @@ from pathlib import Path
 from kvmesh.errors import ModelLoadError
 
 DEFAULT_REVISION = "main"
+REVISION_HELP = "with a hub id --model: a branch or tag in the cache's refs/, or a commit hash (default: main)"
 # huggingface_hub's repo id: an optional namespace and a name, each of letters, digits, '-', '_', '.'.
 _HUB_ID = re.compile(r"^(?!\.)[A-Za-z0-9_.-]{1,96}/(?!\.)[A-Za-z0-9_.-]{1,96}$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")

@@ -7,13 +7,19 @@ import sys
 from pathlib import Path
 
 from kvmesh.checkpoint.format_names import FORMAT_NAMES
+from kvmesh.models.sources import REVISION_HELP
 
 SEARCH_FORMATS = "fp8-channel,nvfp4"
 
 
 def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quantize", help="quantize a model's weights; write the checkpoint and a fidelity report")
-    p.add_argument("--model", help="unquantized Hugging Face folder (default: the default model)")
+    p.add_argument(
+        "--model",
+        help="the unquantized model: a folder, or a hub id (org/name) in the Hugging Face cache (default: the "
+        "default model)",
+    )
+    p.add_argument("--revision", help=REVISION_HELP)
     p.add_argument("--out", required=True, help="folder to write the quantized checkpoint and fidelity.json to")
     p.add_argument("--format", choices=sorted(FORMAT_NAMES), help="one format for every decoder projection")
     p.add_argument("--plan", choices=("auto",), help="auto: search a per-layer-group plan under --budget-bits")
@@ -39,13 +45,14 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
 def _quantize(args: argparse.Namespace) -> int:
     from kvmesh.engine.default_model import default_model_path
     from kvmesh.errors import InvalidArgument
+    from kvmesh.models.sources import resolve_model
     from kvmesh.quant.pipeline import one_thread
 
     if (args.plan is None) == (args.format is None):
         raise InvalidArgument("give either --format F or --plan auto --budget-bits B")
     if args.plan == "auto" and args.budget_bits is None:
         raise InvalidArgument("--plan auto needs --budget-bits")
-    model = Path(args.model) if args.model else default_model_path()
+    model = resolve_model(args.model, args.revision) if args.model else default_model_path()
     with one_thread():
         return _run(args, model)
 

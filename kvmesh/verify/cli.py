@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from kvmesh.models.sources import REVISION_HELP
+
 
 def add_verify_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="check a served OpenAI-compatible endpoint against transformers on the weights")
@@ -14,7 +16,12 @@ def add_verify_parser(sub: argparse._SubParsersAction) -> None:
         required=True,
         help="the server: the base URL OpenAI clients take (http://127.0.0.1:8000/v1) or its root",
     )
-    p.add_argument("--model", help="the golden weights' folder (default: the default model)")
+    p.add_argument(
+        "--model",
+        help="the golden weights: a folder, or a hub id (org/name) in the Hugging Face cache "
+        "(default: the default model)",
+    )
+    p.add_argument("--revision", help=REVISION_HELP)
     p.add_argument("--served-model", help="model name to request (default: the first of GET /v1/models)")
     p.add_argument(
         "--lora",
@@ -42,12 +49,13 @@ def add_verify_parser(sub: argparse._SubParsersAction) -> None:
 
 def _verify(args: argparse.Namespace) -> int:
     from kvmesh.engine.default_model import default_model_path
+    from kvmesh.models.sources import resolve_model
     from kvmesh.verify.checks import Endpoint, greedy_checks, preflight, render, tool_check
     from kvmesh.verify.golden import Golden
 
     ep = Endpoint(args.endpoint, args.api_key)
     model = args.served_model or ep.model()
-    golden = Golden(Path(args.model) if args.model else default_model_path(), args.lora)
+    golden = Golden(resolve_model(args.model, args.revision) if args.model else default_model_path(), args.lora)
     checks = preflight(ep, model)
     greedy, rows = greedy_checks(ep, model, golden, args.max_tokens, args.min_agreement, args.max_kl)
     checks += [*greedy, tool_check(ep, model)]
@@ -72,18 +80,23 @@ def add_model_check_parser(verbs: argparse._SubParsersAction) -> None:
     check = verbs.add_parser(
         "check", help="before serving a model folder: config, chat template, tokenizer, greedy and KL vs transformers"
     )
-    check.add_argument("path", type=Path, help="the model folder (config.json, weights, tokenizer)")
+    check.add_argument(
+        "path", help="the model folder (config.json, weights, tokenizer), or a hub id (org/name) in the HF cache"
+    )
+    check.add_argument("--revision", help=REVISION_HELP)
     check.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")
     check.add_argument("--max-kl", type=float, default=1e-3, help="most mean top-k KL to pass (default 1e-3)")
     check.set_defaults(func=_check)
 
 
 def _check(args: argparse.Namespace) -> int:
+    from kvmesh.models.sources import resolve_model
     from kvmesh.verify.checks import render
     from kvmesh.verify.model_check import check_model
 
-    checks = check_model(args.path, args.max_tokens, args.max_kl)
-    print(f"kvmesh models check: {args.path}")
+    path = resolve_model(args.path, args.revision)
+    checks = check_model(path, args.max_tokens, args.max_kl)
+    print(f"kvmesh models check: {args.path}" + (f" ({path})" if str(path) != args.path else ""))
     print(render(checks))
     failed = [c.name for c in checks if not c.ok]
     print("PASS" if not failed else f"FAIL: {'; '.join(failed)}")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import structlog
 
-from kvmesh.models.sources import ModelSource, resolve_source
+from kvmesh.models.sources import REVISION_HELP, ModelSource, resolve_source
 from kvmesh.runtime import Flag, ServiceContext, ServiceDef, run
 from services.gateway.auth import ApiKeys
 from services.gateway.core import Gateway
@@ -38,7 +38,7 @@ FLAGS = [
         "a local Hugging Face model folder, or a hub id (org/name) found in the Hugging Face cache, offline "
         "(default: the installed default model, SmolLM2-135M-Instruct)",
     ),
-    Flag("--revision", "with a hub id --model: a branch or tag in the cache's refs/, or a commit hash (default: main)"),
+    Flag("--revision", REVISION_HELP),
     Flag("--model-name", "the model id clients use (default: a hub id as given, else the folder's name)"),
     Flag("--max-model-len", "context limit (default: the model's; set it like the workers')", type=int),
     Flag(
