@@ -25,6 +25,7 @@ from kvmesh.launcher.restart import RestartPolicy
 from kvmesh.launcher.spec import MeshOptions, Topology, describe, worker_role_env
 from kvmesh.launcher.supervisor import Mesh, MeshError, StartInterrupted
 from kvmesh.launcher.topology import build_topology, compose_model_path
+from kvmesh.models.sources import REVISION_HELP, ModelSource, resolve_source
 
 
 def add_up_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -41,10 +42,14 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     )
     p.add_argument(
         "--model",
-        help="local Hugging Face model folder (default: the compose file's model folder, "
-        "KVMESH_MODEL_DIR; the embedded default model when that is the shipped one and missing)",
+        help="a local Hugging Face model folder, or a hub id (org/name) in the Hugging Face cache, offline "
+        "(default: the compose file's model folder, KVMESH_MODEL_DIR; the embedded default model when that "
+        "is the shipped one and missing)",
     )
-    p.add_argument("--model-name", help="model id the gateway serves (default: the folder's name)")
+    p.add_argument("--revision", help=REVISION_HELP)
+    p.add_argument(
+        "--model-name", help="model id the gateway serves (default: a hub id as given, else the folder's name)"
+    )
     p.add_argument(
         "--prefill-replicas",
         "--prefill",
@@ -201,10 +206,11 @@ def run_up(args: argparse.Namespace) -> int:
             compose_vars=variables,
             role_env=worker_role_env(args.deterministic, args.prefill_tp, args.decode_tp),
         )
-        model, label = _resolve_model(args.model, options)
-        if model is None:
+        source, label = _resolve_model(args.model, args.revision, options)
+        if source is None:
             return 2
-        options = replace(options, model=model)
+        model = source.path
+        options = replace(options, model=model, hub_id=source.hub_id, commit=source.commit)
         run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="kvmesh-run-"))
         network, topology = _plan(args, options, run_dir)
         policy = (
@@ -229,7 +235,7 @@ def run_up(args: argparse.Namespace) -> int:
         on_progress=_say,
         restart=policy,
     )
-    banner = [f"kvmesh is up: model {args.model_name or model.name} ({model})" + (f" -- {label}" if label else "")]
+    banner = [f"kvmesh is up: model {args.model_name or source.name} ({model})" + (f" -- {label}" if label else "")]
     banner = [*banner, *describe(topology, run_dir), "Ctrl-C stops the mesh."]
     if network is None:
         return serve_mesh(mesh, banner)
@@ -294,17 +300,26 @@ def serve_mesh(mesh: Mesh, banner: Sequence[str]) -> int:
         _say("stopped")
 
 
-def _resolve_model(flag: str | None, options: MeshOptions) -> tuple[Path | None, str | None]:
-    """The model folder every service gets, and its kvmesh label if it has one; None: reported."""
+def _resolve_model(
+    flag: str | None, revision: str | None, options: MeshOptions
+) -> tuple[ModelSource | None, str | None]:
+    """The model every service gets (a folder, or a hub id's snapshot in the HF cache), and its kvmesh label
+    if it has one; None: reported."""
     if flag is not None:
-        path = Path(flag).expanduser().resolve()
-        if not path.is_dir():
-            _say(f"--model {flag}: not a directory")
+        try:
+            source = resolve_source(flag, revision)
+        except ModelLoadError as e:
+            _say(e.message)
             return None, None
-        return path, _label(path)
+        if source.hub_id is None:
+            source = ModelSource(source.path.resolve())
+        return source, _label(source.path)
+    if revision is not None:
+        _say(f"--revision {revision} needs a hub id --model")
+        return None, None
     path = compose_model_path(options)
     if path is not None and path.is_dir():
-        return path, _label(path)
+        return ModelSource(path), _label(path)
     if path is not None and path != compose_model_path(replace(options, compose_vars={})):
         _say(f"the compose file's model folder {path} (KVMESH_MODEL_DIR) is not a directory; fix it or give --model")
         return None, None
@@ -318,7 +333,7 @@ def _resolve_model(flag: str | None, options: MeshOptions) -> tuple[Path | None,
         _say(e.message)
         return None, None
     _say(f"no --model and no {path}: serving the installed default model {default}")
-    return default, _label(default)
+    return ModelSource(default), _label(default)
 
 
 def _label(path: Path) -> str | None:

@@ -82,6 +82,10 @@ class MeshOptions:
     """Overrides on top of the compose file; None everywhere means "as the compose file says"."""
 
     model: Path | None = None  # None: the compose file's model mount (its host folder)
+    # A hub id's model (kvmesh.models.sources): the processes get the id and the snapshot's commit as their
+    # --model and --revision, so each serves and labels it by its id and all serve one snapshot.
+    hub_id: str | None = None
+    commit: str | None = None
     model_name: str | None = None
     prefill: int | None = None  # workers; None: the compose file's replicas (0: decode prefills)
     decode: int | None = None

@@ -384,6 +384,9 @@ class _Plan:
             env["KVMESH_DEVICE"] = device
         if o.model is not None and "KVMESH_MODEL" in env:
             env["KVMESH_MODEL"] = str(o.model)
+            if o.hub_id is not None:
+                env["KVMESH_MODEL"] = o.hub_id
+                env["KVMESH_REVISION"] = o.commit or "main"
         if o.model_name and inst.role == "gateway":
             env["KVMESH_MODEL_NAME"] = o.model_name
         if o.log_level is not None:

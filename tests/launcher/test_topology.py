@@ -446,3 +446,44 @@ def test_a_command_s_arguments_are_mapped_too(tmp_path) -> None:
 def test_compose_files_kvmesh_up_cannot_run_are_refused_clearly(tmp_path, services, error) -> None:
     with pytest.raises(ComposeError, match=error):
         build_topology(_compose(tmp_path, "services:" + services), RUN, _ports(), gpu_count=0)
+
+
+def test_a_hub_id_reaches_every_process_that_loads_the_model_with_the_snapshot_s_commit() -> None:
+    commit = "f" * 40
+    topo = _plan(
+        _options(model=Path("/hf/hub/models--acme--tiny/snapshots") / commit, hub_id="acme/tiny", commit=commit)
+    )
+    loads = {p.role for p in topo.processes if "KVMESH_MODEL" in p.env}
+    assert loads == {"gateway", "prefill", "decode"}
+    for p in topo.processes:
+        if p.role in loads:
+            assert (p.env["KVMESH_MODEL"], p.env["KVMESH_REVISION"]) == ("acme/tiny", commit), p.name
+        else:
+            assert "KVMESH_REVISION" not in p.env, p.name
+    # a folder: no revision
+    assert all("KVMESH_REVISION" not in p.env for p in _plan().processes)
+
+
+def test_kvmesh_up_resolves_a_hub_id_in_the_hf_cache_or_names_where_it_looked(tmp_path, monkeypatch, capsys) -> None:
+    from kvmesh.launcher.cli import _resolve_model
+    from tests.models.hf_cache import add_snapshot
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text('{"kvmesh_label": "tiny-label"}')
+    commit = "e" * 40
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    snapshot = add_snapshot(tmp_path / "hub", "acme/tiny", src, commit, refs=("main", "v1"))
+    source, label = _resolve_model("acme/tiny", "v1", _options())
+    assert (source.path, source.hub_id, source.commit, source.name, label) == (
+        snapshot,
+        "acme/tiny",
+        commit,
+        "acme/tiny",
+        "tiny-label",
+    )
+    assert _resolve_model("acme/other", None, _options()) == (None, None)
+    err = capsys.readouterr().err
+    assert f"the Hugging Face cache {tmp_path / 'hub'} (from $HF_HUB_CACHE): no models--acme--other" in err
+    assert _resolve_model(None, "v1", _options()) == (None, None)
+    assert "--revision v1 needs a hub id --model" in capsys.readouterr().err
