@@ -8,6 +8,7 @@ import sys
 
 from kvmesh.models.catalog import CATALOG, DEFAULT_MODEL, model_dir, models_dir
 from kvmesh.models.install import install, installed, is_installed, packaged
+from kvmesh.models.sources import HubModel, hub_cache_dir, hub_models
 
 
 def add_models_parser(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
@@ -18,7 +19,9 @@ def add_models_parser(sub: argparse._SubParsersAction) -> argparse._SubParsersAc
     i.add_argument("name", nargs="?", default=DEFAULT_MODEL.name, choices=sorted(CATALOG))
     i.add_argument("--force", action="store_true", help="convert again even if an identical install exists")
     i.set_defaults(func=_install)
-    ls = verbs.add_parser("list", help="installed models, their folders and provenance")
+    ls = verbs.add_parser(
+        "list", help="installed models (folders, provenance) and hub models in the Hugging Face cache (revisions)"
+    )
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=_list)
     path = verbs.add_parser("path", help="print an installed model's folder")
@@ -34,8 +37,13 @@ def _install(args: argparse.Namespace) -> int:
 
 def _list(args: argparse.Namespace) -> int:
     models = installed()
+    hub = hub_models()
     if args.json:
-        print(json.dumps([{"name": m.name, "path": str(m.path), "provenance": m.provenance} for m in models], indent=2))
+        rows = [
+            {"name": m.name, "source": "installed", "path": str(m.path), "provenance": m.provenance} for m in models
+        ]
+        rows += [_hub_row(m) for m in hub]
+        print(json.dumps(rows, indent=2))
         return 0
     print(f"models in {models_dir()}:" if models else f"no models installed in {models_dir()}")
     for m in models:
@@ -46,7 +54,32 @@ def _list(args: argparse.Namespace) -> int:
             f"{src.get('file')} sha256 {str(src.get('gguf_sha256'))[:16]}..., "
             f"converter v{m.provenance.get('converter', {}).get('version')}"
         )
+    cache = hub_cache_dir()
+    print(
+        f"hub models in the Hugging Face cache {cache} (--model ORG/NAME [--revision R]):"
+        if hub
+        else f"no hub models in the Hugging Face cache {cache}"
+    )
+    for m in hub:
+        names = {commit: [ref for ref, c in m.refs.items() if c == commit] for commit in m.snapshots}
+        print(f"  {m.hub_id}")
+        for commit, path in m.snapshots.items():
+            refs = ", ".join(names[commit]) or "no ref: --revision <commit>"
+            print(f"    {commit[:12]} ({refs})  {path}")
     return 0
+
+
+def _hub_row(m: HubModel) -> dict:
+    """A hub model as ``list --json`` shows it: its path is main's snapshot (else the only one)."""
+    main = m.snapshots.get(m.refs.get("main", ""))
+    path = main or (next(iter(m.snapshots.values())) if len(m.snapshots) == 1 else None)
+    return {
+        "name": m.hub_id,
+        "source": "hf-cache",
+        "path": str(path) if path else None,
+        "refs": m.refs,
+        "snapshots": {commit: str(p) for commit, p in m.snapshots.items()},
+    }
 
 
 def _path(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@ a miss names every place looked."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -132,3 +133,24 @@ def test_hub_models_lists_each_repo_its_refs_and_snapshots(hf_home):
     assert model.hub_id == ID
     assert model.refs == {"main": MAIN, "v2": V2}
     assert set(model.snapshots) == {MAIN, V2, PINNED}
+
+
+def test_models_list_shows_the_hub_models_beside_the_installed_ones(hf_home, tmp_path, monkeypatch, capsys):
+    from kvmesh.cli import main
+
+    monkeypatch.setenv("KVMESH_MODELS_DIR", str(tmp_path / "no-installs"))
+    repo = hf_home / "models--acme--tiny-chat"
+    assert main(["models", "list", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["name"] == ID and row["source"] == "hf-cache"
+    assert row["path"] == str(repo / "snapshots" / MAIN)
+    assert row["refs"] == {"main": MAIN, "v2": V2}
+    assert row["snapshots"] == {c: str(repo / "snapshots" / c) for c in (MAIN, V2, PINNED)}
+    assert main(["models", "list"]) == 0
+    out = capsys.readouterr().out
+    assert f"no models installed in {tmp_path / 'no-installs'}" in out
+    assert f"hub models in the Hugging Face cache {hf_home}" in out
+    assert f"  {ID}\n" in out
+    assert f"    {MAIN[:12]} (main)  {repo / 'snapshots' / MAIN}" in out
+    assert f"    {V2[:12]} (v2)  {repo / 'snapshots' / V2}" in out
+    assert f"    {PINNED[:12]} (no ref: --revision <commit>)" in out
