@@ -6,7 +6,7 @@ import argparse
 
 from kernels.quantized_linear import SCHEMES as QUANTIZATION_SCHEMES
 from kvmesh.engine.config import TP_ALL_REDUCES, EngineConfig
-from kvmesh.models.sources import REVISION_HELP, ModelSource, resolve_source
+from kvmesh.models.sources import REVISION_HELP, ModelSource, resolve_source, served_name
 from kvmesh.runtime import Flag
 
 ENGINE_FLAGS = [
@@ -164,5 +164,6 @@ def model_path(args: argparse.Namespace) -> str:
 
 
 def served_model_name(args: argparse.Namespace) -> str:
-    """The name the model is served and labelled under: a hub id as given, else the folder's name."""
-    return model_source(args).name
+    """The name the model is served and labelled under: a hub id as given, else the folder's name (the
+    gateway's default --model-name; ``served_name``, which never raises)."""
+    return served_name(args.model) if args.model else model_source(args).name

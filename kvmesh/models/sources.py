@@ -73,6 +73,14 @@ class ModelSource:
         return self.hub_id or self.path.resolve().name
 
 
+def served_name(value: str | os.PathLike) -> str:
+    """The name a ``--model`` value is served under, without resolving it (no cache read, never raises):
+    ``resolve_source(value).name`` wherever that resolves."""
+    text = os.fspath(value)
+    folder = Path(text).expanduser()
+    return text if is_hub_id(text) and not folder.is_dir() else folder.resolve().name
+
+
 def resolve_source(
     value: str | os.PathLike, revision: str | None = None, env: Mapping[str, str] | None = None
 ) -> ModelSource:

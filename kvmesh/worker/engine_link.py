@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from kvmesh.api.common.v1 import kv_pb2, worker_pb2
 from kvmesh.api.router.v1 import router_pb2
 from kvmesh.blocks import BlockHash
-from kvmesh.engine.flags import served_model_name
+from kvmesh.models.sources import served_name
 from kvmesh.runtime import gpu_stats
 from kvmesh.worker.adapters import adapter_states
 from kvmesh.worker.link_metrics import register_link_metrics
@@ -75,7 +75,7 @@ async def attach_router(
             max_num_seqs=engine.config.max_num_seqs,
             max_model_len=engine.max_model_len,
         ),
-        model=served_model_name(args) if args.model else "default",
+        model=served_name(args.model) if args.model else "default",
         load_fn=lambda: engine_load(engine),
         snapshot_fn=lambda: engine_snapshot(engine),
     )

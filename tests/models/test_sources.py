@@ -154,3 +154,13 @@ def test_models_list_shows_the_hub_models_beside_the_installed_ones(hf_home, tmp
     assert f"    {MAIN[:12]} (main)  {repo / 'snapshots' / MAIN}" in out
     assert f"    {V2[:12]} (v2)  {repo / 'snapshots' / V2}" in out
     assert f"    {PINNED[:12]} (no ref: --revision <commit>)" in out
+
+
+def test_served_name_is_the_resolved_sources_name_without_reading_the_cache(hf_home, tmp_path):
+    from kvmesh.models.sources import served_name
+
+    assert served_name(ID) == resolve_source(ID).name == ID
+    assert served_name("acme/absent") == "acme/absent"  # never raises
+    assert served_name("/models/tiny-llama") == "tiny-llama"
+    folder = _files(tmp_path / "acme" / "tiny-chat", "{}")
+    assert served_name(ID) == resolve_source(ID).name == "tiny-chat" == served_name(folder)
