@@ -141,7 +141,23 @@ def _up(*args: str) -> subprocess.CompletedProcess:
 def test_up_refuses_a_missing_model_folder(tmp_path: Path) -> None:
     result = _up("--model", str(tmp_path / "nope"))
     assert result.returncode == 2
-    assert f"--model {tmp_path / 'nope'}: not a directory" in result.stderr
+    assert f"--model {tmp_path / 'nope'}: no model found; looked at the folder {tmp_path / 'nope'}: no such folder" in (
+        result.stderr
+    )
+
+
+def test_up_refuses_a_hub_id_missing_from_the_hf_cache_naming_where_it_looked(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvmesh.cli", "up", "--model", "acme/absent", "--revision", "v1"],
+        cwd=tmp_path,
+        env={**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert f"the Hugging Face cache {tmp_path / 'hub'} (from $HF_HUB_CACHE): no models--acme--absent" in result.stderr
+    assert "huggingface-cli download acme/absent --revision v1" in result.stderr
 
 
 @pytest.mark.skipif(bool(can_make_hosts()), reason=can_make_hosts() or "")
