@@ -163,15 +163,18 @@ def hub_models(env: Mapping[str, str] | None = None) -> list[HubModel]:
         return []
     found = []
     for repo in sorted(cache.glob("models--*")):
-        snaps_dir = repo / "snapshots"
-        snapshots = {p.name: p for p in sorted(snaps_dir.iterdir()) if p.is_dir()} if snaps_dir.is_dir() else {}
+        snaps_dir, refs_dir = repo / "snapshots", repo / "refs"
+        try:
+            snapshots = {p.name: p for p in sorted(snaps_dir.iterdir()) if p.is_dir()} if snaps_dir.is_dir() else {}
+            refs = {
+                str(ref.relative_to(refs_dir)): ref.read_text().strip()
+                for ref in sorted(refs_dir.rglob("*") if refs_dir.is_dir() else ())
+                if ref.is_file()
+            }
+        except OSError:
+            continue  # a repo this user cannot read: not listed
         if not snapshots:
             continue
-        refs_dir = repo / "refs"
-        refs = {}
-        if refs_dir.is_dir():
-            for ref in sorted(p for p in refs_dir.rglob("*") if p.is_file()):
-                refs[str(ref.relative_to(refs_dir))] = ref.read_text().strip()
         hub_id = repo.name.removeprefix("models--").replace("--", "/", 1)
         found.append(HubModel(hub_id, repo, refs, snapshots))
     return found
