@@ -293,3 +293,16 @@ def test_the_format_is_the_one_the_chat_template_writes(template, fmt) -> None:
 def test_a_format_named_by_the_flag_wins_over_the_template() -> None:
     assert chosen_format("hermes", MISTRAL_V03).name == "hermes"
     assert chosen_format("mistral", LLAMA_3_1).name == "mistral"
+
+
+def test_the_gateway_flag_is_auto_unless_a_format_is_named() -> None:
+    from kvmesh.runtime import parse_flags
+    from services.gateway.main import FLAGS
+
+    def flag(*argv: str) -> str:
+        return parse_flags("kvmesh-gateway", FLAGS, ["--router-address", "x:1", *argv], environ={}).tool_call_format
+
+    assert flag() == "auto"
+    assert [flag("--tool-call-format", f) for f in FORMATS] == list(FORMATS)
+    with pytest.raises(SystemExit):
+        flag("--tool-call-format", "pythonic")
