@@ -96,6 +96,7 @@ CET = llama("get_time", CET_ARGS)
         ('{"name": "f", "arguments": {}}', ("", [ParsedCall("f", "{}")])),  # vLLM reads "arguments" too
         ("Plain text, no calls.\n", ("Plain text, no calls.\n", [])),
         ('a {"name": "Bob", "age": 3} b', ('a {"name": "Bob", "age": 3} b', [])),  # JSON that is no call
+        ('{"name":"f","parameters":{}}', ('{"name":"f","parameters":{}}', [])),  # not the grammar's: free text
         ('{"name": "f", "parameters": "x"}', ('{"name": "f", "parameters": "x"}', [])),
         ('{"name": "f", "parameters": {}, "x": 1}', ('{"name": "f", "parameters": {}, "x": 1}', [])),
         ("<|python_tag|>brave_search.call(query='x')", ("<|python_tag|>brave_search.call(query='x')", [])),

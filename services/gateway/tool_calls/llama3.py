@@ -15,7 +15,8 @@ model may write text, and once it writes ``{"name": `` (or ``<|python_tag|>``)
 a valid call follows. With ``required`` or a named function the reply is the
 calls only, optionally after ``<|python_tag|>``, separated by ``; ``.
 
-The parser reads a call wherever ``{"name":`` or ``<|python_tag|>`` begins a
+The parser reads a call wherever ``{"name": `` (spelled as the grammar's trigger,
+so that what it reads went through the grammar) or ``<|python_tag|>`` begins a
 JSON object ``{"name": <string>, "parameters" | "arguments": <object>}``
 (vLLM accepts both keys; so does this); ``<|python_tag|>`` is markup, whether
 the text keeps it or it was skipped as a special token. Anything else stays
@@ -71,7 +72,7 @@ class Llama3JsonFormat:
         return {"type": "structural_tag", "format": fmt}
 
     def parser(self) -> JsonCallParser:
-        return JsonCallParser(markers=(PYTHON_TAG,), starts=('{"name":',), read=read_calls, separator=SEPARATOR)
+        return JsonCallParser(markers=(PYTHON_TAG,), starts=(CALL_START,), read=read_calls, separator=SEPARATOR)
 
     def new_call_id(self) -> str:
         return openai_call_id()
