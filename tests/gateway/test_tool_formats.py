@@ -307,3 +307,27 @@ def test_the_gateway_flag_is_auto_unless_a_format_is_named() -> None:
     assert [flag("--tool-call-format", f) for f in FORMATS] == list(FORMATS)
     with pytest.raises(SystemExit):
         flag("--tool-call-format", "pythonic")
+
+
+@pytest.mark.parametrize(
+    ("fmt", "reply", "bad"),
+    [
+        ("llama3_json", "Sure. " + PARIS + "; " + CET, llama("get_stock", {})),
+        ("mistral", "Sure. " + TWO, mistral(("get_stock", {}))),
+    ],
+)
+def test_a_workers_compiled_grammar_takes_the_calls_token_by_token(model_dir, fmt, reply, bad) -> None:
+    """As the workers compile it, against a tokenizer's vocabulary, and feed it sampled tokens."""
+    from kvmesh.engine.grammar import GrammarCache
+    from kvmesh.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(model_dir)
+    cache = GrammarCache(tokenizer, tokenizer.vocab_size, [tokenizer.eos_token_id])
+
+    def takes(text: str) -> bool:
+        matcher = xgr.GrammarMatcher(cache.compiled(grammar(fmt, AUTO)))
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        return all(matcher.accept_token(t) for t in tokens) and matcher.accept_token(tokenizer.eos_token_id)
+
+    assert takes(reply)
+    assert not takes(bad)
