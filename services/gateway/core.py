@@ -202,7 +202,7 @@ class Gateway:
             sampling.CopyFrom(request.sampling)
             sampling.structured_output.CopyFrom(tools.grammar.to_pb())
             prompt = self._chat_prompt(request.messages, tools.template_tools(), request.chat_template_kwargs_json)
-            return _Prepared(prompt, sampling, ChatReply(self._tool_format.parser()))
+            return _Prepared(prompt, sampling, ChatReply(self._tool_format.parser(), self._tool_format.new_call_id))
 
         return self._serve("chat", request_id, tenant, request, prepare)
 

@@ -27,7 +27,7 @@ from services.gateway.model import ServedModel
 from services.gateway.responses_store import DEFAULT_TTL_S, LocalResponseStore, RedisResponseStore, ResponseStore
 from services.gateway.route_fallback import DEFAULT_HOLD_S, LastKnownWorkers
 from services.gateway.server import gateway_service
-from services.gateway.tool_calls import DEFAULT_FORMAT, FORMATS
+from services.gateway.tool_calls import AUTO, FORMATS, chosen_format
 
 log = structlog.get_logger("kvmesh.gateway")
 
@@ -127,9 +127,11 @@ FLAGS = [
     ),
     Flag(
         "--tool-call-format",
-        "how the model writes tool calls (its chat template must teach the same format)",
-        default=DEFAULT_FORMAT,
-        choices=tuple(FORMATS),
+        "how the model writes tool calls (its chat template must teach the same format); 'auto': the one "
+        "the chat template writes (<tool_call>: hermes, [TOOL_CALLS]: mistral, <|python_tag|> or a "
+        '"parameters" call: llama3_json; else hermes)',
+        default=AUTO,
+        choices=(AUTO, *FORMATS),
     ),
     Flag(
         "--lenient-fields",
@@ -183,6 +185,8 @@ def build(ctx: ServiceContext) -> ServiceDef:
         label=model.label,
         defaults=model.defaults.describe(),
     )
+    tool_format = chosen_format(args.tool_call_format, model.tokenizer.chat_template)
+    log.info("tool calls", format=tool_format.name, chosen_by="template" if args.tool_call_format == AUTO else "flag")
     backends = GrpcBackends(
         args.router_address, rpc_timeout_s=args.rpc_timeout_seconds, prefill_timeout_s=args.prefill_timeout_seconds
     )
@@ -193,7 +197,7 @@ def build(ctx: ServiceContext) -> ServiceDef:
         stream_idle_timeout_s=args.stream_idle_timeout_seconds,
         token_stall_timeout_s=args.token_stall_timeout_seconds,
         metrics=GatewayMetrics(ctx.registry, model.name),
-        tool_call_format=FORMATS[args.tool_call_format],
+        tool_call_format=tool_format,
         migration=MigrationPolicy(args.max_migrations),
         known_workers=LastKnownWorkers(args.router_fallback_seconds),
     )

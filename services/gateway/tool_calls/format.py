@@ -16,6 +16,7 @@ and parses; ``--tool-call-format`` picks it (``FORMATS``).
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -77,3 +78,12 @@ class ToolCallFormat(Protocol):
         ...
 
     def parser(self) -> ToolCallParser: ...
+
+    def new_call_id(self) -> str:
+        """A fresh id for a call the reply makes (clients send it back with the call and its result)."""
+        ...
+
+
+def openai_call_id() -> str:
+    """``call_`` and 24 hex digits, as OpenAI's ids look."""
+    return "call_" + secrets.token_hex(12)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from services.gateway.tool_calls.format import CallPolicy, ParsedCall, Piece
+from services.gateway.tool_calls.format import CallPolicy, ParsedCall, Piece, openai_call_id
 
 BEGIN = "<tool_call>"
 END = "</tool_call>"
@@ -71,6 +71,9 @@ class HermesFormat:
 
     def parser(self) -> HermesParser:
         return HermesParser()
+
+    def new_call_id(self) -> str:
+        return openai_call_id()
 
 
 class HermesParser:
