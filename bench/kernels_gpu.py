@@ -48,6 +48,8 @@ import torch  # noqa: E402
 from _table import print_table  # noqa: E402
 
 DEVICE = "cuda"
+# A dry run checks each code path once: of variants that run the same lines it keeps a few (``on_gpu_all``).
+DRY = False
 # --dry-run divides the token and row counts by this (and runs on the CPU in Triton's interpreter),
 # so the script's every line runs in tests without a GPU.
 SCALE = 1
@@ -83,8 +85,8 @@ def n(count: int) -> int:
 def dry_run_sizes() -> None:
     """Tiny shapes on the CPU: every section runs, in minutes, in Triton's interpreter."""
     global DEVICE, SCALE, LOWP, HIDDEN, INTERMEDIATE, DECODE_CASES, PREFILL_CASES, FP8_CASES
-    global MOE_HIDDEN, MOE_INTER, MOE_EXPERTS, MLA_HEADS, MLA_DECODE_CASES
-    DEVICE, SCALE, LOWP, HIDDEN, INTERMEDIATE = "cpu", 64, torch.float16, 256, 512
+    global MOE_HIDDEN, MOE_INTER, MOE_EXPERTS, MLA_HEADS, MLA_DECODE_CASES, DRY
+    DRY, DEVICE, SCALE, LOWP, HIDDEN, INTERMEDIATE = True, "cpu", 64, torch.float16, 256, 512
     MOE_HIDDEN, MOE_INTER, MOE_EXPERTS = 128, 96, 16
     MLA_HEADS, MLA_DECODE_CASES = 24, [(2, 64)]  # the latent keeps its width: its two dots are what runs
     DECODE_CASES, PREFILL_CASES = [(2, 64)], [(1, 0, 64), (1, 48, 16)]
@@ -92,6 +94,12 @@ def dry_run_sizes() -> None:
 
 
 # ----------------------------------------------------------------------------- pure helpers
+
+
+def on_gpu_all(variants: list, dry: list[int]) -> list:
+    """Every variant on a GPU; on a dry run only those at the ``dry`` indices (the interpreter takes seconds
+    a sequence, and the other variants run the same lines of code with other numbers)."""
+    return [variants[i] for i in dry] if DRY else variants
 
 
 def decode_bytes(batch: int, context: int, q_heads: int, kv_heads: int, head_dim: int, elem_bytes: int = 2) -> int:
@@ -226,6 +234,7 @@ class Report:
 def guarded(report: Report, section: str, run: Callable[[], None]) -> None:
     """Run one section; an exception is recorded (in ``report.errors``) and the next section still runs."""
     print(f"\n== {section}", flush=True)
+    t0 = time.perf_counter()
     try:
         run()
         if torch.cuda.is_initialized():
@@ -233,6 +242,7 @@ def guarded(report: Report, section: str, run: Callable[[], None]) -> None:
     except Exception:
         report.errors.append(f"{section}: {traceback.format_exc(limit=6)}")
         print(f"  ERROR in {section}:\n{traceback.format_exc(limit=6)}")
+    print(f"  ({section}: {time.perf_counter() - t0:.1f} s)", flush=True)
 
 
 def bench_ms(fn: Callable[[], object]) -> float:
@@ -326,7 +336,7 @@ def check_attention(report: Report, k: Any) -> None:
     # (kv heads, group, head_dim, dtype): MHA, GQA 4 and 8, a smaller and a larger head, fp32 (tf32 dots).
     variants = [(8, 1, 128, LOWP), (8, 4, 128, LOWP), (4, 8, 128, LOWP),
                 (8, 4, 64, LOWP), (2, 4, 256, LOWP), (8, 4, 128, torch.float32)]  # fmt: skip
-    for hk, group, d, dtype in variants:
+    for hk, group, d, dtype in on_gpu_all(variants, [1, 5]):
         name = f"Hk={hk} G={group} D={d} {str(dtype).removeprefix('torch.')}"
         lens = [1, 16, n(257), n(1000), n(4097), n(20000)] + torch.randint(2, n(3000) + 2, (2,)).tolist()
         kv = paged_kv(lens, hk, d, dtype, dev)
@@ -358,8 +368,8 @@ def check_sliding_window(report: Report, k: Any) -> None:
     from kernels.triton.testing import poisoned_allocations, relative_error
 
     dev = DEVICE
-    for (hk, group, d, dtype), window in itertools.product([(8, 4, 128, LOWP), (8, 4, 128, torch.float32)],
-                                                           (n(4096), 17)):  # fmt: skip
+    variants = list(itertools.product([(8, 4, 128, LOWP), (8, 4, 128, torch.float32)], (n(4096), 17)))
+    for (hk, group, d, dtype), window in on_gpu_all(variants, [0, 3]):
         name = f"window={window} Hk={hk} G={group} D={d} {str(dtype).removeprefix('torch.')}"
         lens = [1, 16, n(257), n(1000), n(4097), n(20000)] + torch.randint(2, n(3000) + 2, (2,)).tolist()
         kv = paged_kv(lens, hk, d, dtype, dev)
@@ -395,7 +405,7 @@ def check_sliding_window(report: Report, k: Any) -> None:
 
 
 def check_batch_invariance(report: Report, k: Any) -> None:
-    dev, batch, at = DEVICE, 37, 17
+    dev, (batch, at) = DEVICE, ((9, 5) if DRY else (37, 17))
     lens = torch.randint(1, n(3000) + 1, (batch,)).tolist()
     lens[at] = n(5000)
     kv = paged_kv(lens, HK, HEAD_DIM, LOWP, dev)
