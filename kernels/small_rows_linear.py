@@ -48,6 +48,7 @@ row runs faster reordered (``one_row_runs_reordered``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -74,6 +75,22 @@ _REORDER_ROWS_HINT = 5
 STREAMED_ROWS_TRIED = 6
 
 
+@functools.cache
+def reorder_unavailable(dtype: torch.dtype) -> str | None:
+    """Why oneDNN cannot reorder a ``dtype`` weight on this CPU (None: it can). bfloat16 needs AVX-512
+    (BW, VL, DQ) or AVX-NE-CONVERT: on a plain AVX2 machine those linears stay ``nn.Linear``."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), _REORDER_ROWS_HINT)
+    except RuntimeError as e:
+        return str(e).splitlines()[0]
+    return None
+
+
+def small_rows_dtypes() -> frozenset[torch.dtype]:
+    """The weight dtypes whose linears this CPU can run on a reordered weight."""
+    return frozenset(d for d in MIN_ROWS if reorder_unavailable(d) is None)
+
+
 def _reordered_product(rows: torch.Tensor, reordered: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """oneDNN's product of 2-D ``rows`` with a ``_reorder_linear_weight`` weight, no fused activation."""
     return torch.ops.mkldnn._linear_pointwise(rows, reordered, bias, "none", [], "")
@@ -89,6 +106,8 @@ class SmallRowsLinear(nn.Linear):
         nn.Module.__init__(self)  # nn.Linear's own __init__ would allocate fresh weights
         if weight.device.type != "cpu" or weight.dtype not in MIN_ROWS:
             raise KernelUnavailable("small-row oneDNN linears are for float32 or bfloat16 weights on CPU")
+        if (why := reorder_unavailable(weight.dtype)) is not None:
+            raise KernelUnavailable(f"small-row oneDNN linears cannot run {weight.dtype} here: {why}")
         self.out_features, self.in_features = weight.shape
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = bias
@@ -141,7 +160,9 @@ def use_small_rows_linears(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS, c
     and each dtype's the rows it streams (``calibrate_streamed_rows``)."""
     swapped = swap_modules(
         model,
-        lambda name, m: type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype in MIN_ROWS,
+        lambda name, m: (
+            type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype in small_rows_dtypes()
+        ),
         lambda linear: SmallRowsLinear.of(linear, max_rows),
     )
     fp32 = [m for m in model.modules() if isinstance(m, SmallRowsLinear) and m.weight.dtype == torch.float32]

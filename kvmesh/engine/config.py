@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.small_rows_linear import MIN_ROWS as SMALL_ROWS_DTYPES
+from kernels.small_rows_linear import small_rows_dtypes
 from kvmesh.blocks import DEFAULT_BLOCK_SIZE
 from kvmesh.errors import InvalidArgument
 
@@ -90,7 +90,7 @@ class EngineConfig:
 
     def wants_small_rows_linears(self, dtype: torch.dtype) -> bool:
         return (
-            self.small_rows_linears and self.device == "cpu" and dtype in SMALL_ROWS_DTYPES and not self.deterministic
+            self.small_rows_linears and self.device == "cpu" and dtype in small_rows_dtypes() and not self.deterministic
         )
 
     def compiles(self) -> bool:

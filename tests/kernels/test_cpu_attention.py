@@ -15,6 +15,7 @@ from kernels import Ops, cpu, dispatch, reference
 from kernels.cpu.extend_attention import paged_extend_attention as native_extend
 from kernels.errors import KernelUnavailable
 from kernels.triton.testing import relative_error
+from tests.kernels.native import native_cpu_kernels
 from tests.kernels.paged import random_paged_kv
 
 CPU = torch.device("cpu")
@@ -26,7 +27,7 @@ EDGE_LENS = [1, 16, 17, 31, 200, 1100]
 def native(monkeypatch: pytest.MonkeyPatch):
     """The native op, as CPU ops pick it (outside the interpreter)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    cpu.load()
+    native_cpu_kernels()
     op = Ops(CPU).paged_decode_attention
     assert op is torch.ops.kvmesh_cpu.paged_decode_attention
     return op

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import Ops, cpu, reference
+from kernels import Ops, reference
+from tests.kernels.native import native_cpu_kernels
 from tests.kernels.paged import random_paged_kv
 
 CPU = torch.device("cpu")
@@ -19,7 +20,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 @pytest.fixture(scope="module")
 def ops() -> Ops:
-    cpu.load()
+    native_cpu_kernels()
     return Ops(CPU, batch_invariant=True)
 
 

@@ -13,6 +13,7 @@ from kernels.errors import KernelUnavailable, UnknownScheme
 from kernels.quantized_linear import SCHEMES, QuantizedLinear, quantize_int8_weight, quantize_model
 from kernels.triton.fp8 import int8_scaled_mm as triton_int8_scaled_mm
 from kernels.triton.testing import poisoned_allocations, relative_error
+from tests.kernels.native import native_cpu_kernels
 
 CPU = torch.device("cpu")
 
@@ -21,7 +22,7 @@ CPU = torch.device("cpu")
 def native(monkeypatch: pytest.MonkeyPatch):
     """The native CPU op, picked by the dispatcher (outside the interpreter)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    cpu.load()
+    native_cpu_kernels()
     op = get_op("int8_scaled_mm", CPU)
     assert op is torch.ops.kvmesh_cpu.int8_scaled_mm
     return op
@@ -158,6 +159,7 @@ def test_a_failed_build_gets_the_reason(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(cpu, "_failure", None)
     monkeypatch.setattr(dispatch, "_CPU_NATIVE", {})
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")  # the build is tried anywhere
     with pytest.raises(KernelUnavailable, match="unavailable: RuntimeError: c\\+\\+: not found"):
         cpu.load()
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

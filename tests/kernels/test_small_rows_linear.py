@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu
+from kernels import small_rows_linear
 from kernels.errors import KernelUnavailable
 from kernels.small_rows_linear import (
     DEFAULT_MAX_ROWS,
@@ -20,14 +20,35 @@ from kernels.small_rows_linear import (
     fewest_rows_that_pay,
     most_rows_that_stream,
     one_row_runs_reordered,
+    reorder_unavailable,
     use_small_rows_linears,
 )
+from tests.kernels.native import native_cpu_kernels
+
+
+def reorders_here(dtype: torch.dtype) -> None:
+    """Skip, saying why, where oneDNN cannot reorder a ``dtype`` weight (bfloat16 on a plain AVX2 CPU)."""
+    if (why := reorder_unavailable(dtype)) is not None:
+        pytest.skip(f"oneDNN cannot reorder {dtype} weights on this CPU: {why}")
+
+
+def test_a_dtype_this_cpu_cannot_reorder_stays_a_plain_linear(monkeypatch):
+    monkeypatch.setattr(
+        small_rows_linear, "reorder_unavailable", lambda dtype: "needs avx512" if dtype == torch.bfloat16 else None
+    )
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, dtype=torch.bfloat16))
+    assert use_small_rows_linears(model, calibrate=False) == 1
+    assert type(model[0]) is SmallRowsLinear and type(model[1]) is nn.Linear
+    with pytest.raises(KernelUnavailable, match="cannot run torch.bfloat16 here: needs avx512"):
+        SmallRowsLinear.of(model[1])
+    assert torch.bfloat16 not in small_rows_linear.small_rows_dtypes()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 40, DEFAULT_MAX_ROWS, DEFAULT_MAX_ROWS + 1])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_row_count_gives_the_plain_product(rows, bias, dtype):
+    reorders_here(dtype)
     torch.manual_seed(rows)
     linear = nn.Linear(96, 160, bias=bias, dtype=dtype)
     x = torch.randn(rows, 96, dtype=dtype)
@@ -40,6 +61,7 @@ def test_every_row_count_gives_the_plain_product(rows, bias, dtype):
 
 
 def test_the_row_range_on_the_reordered_weight_depends_on_the_dtype():
+    reorders_here(torch.bfloat16)
     assert MIN_ROWS == {torch.float32: 4, torch.bfloat16: 1}
     assert SmallRowsLinear.of(nn.Linear(8, 8, dtype=torch.bfloat16)).min_rows == 1
     assert SmallRowsLinear.of(nn.Linear(8, 8)).min_rows == 4  # until calibrated
@@ -156,7 +178,7 @@ def _graph_targets(module: nn.Module, x: torch.Tensor, dynamic: bool) -> set[obj
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_calibration_gives_every_module_one_streamed_row_count_and_the_same_products(dtype):
-    cpu.load()
+    native_cpu_kernels()
     torch.manual_seed(0)
     modules = [SmallRowsLinear.of(nn.Linear(64, 96, dtype=dtype)) for _ in range(3)]
     most = calibrate_streamed_rows(modules, repeats=1)
@@ -171,7 +193,8 @@ def test_calibration_gives_every_module_one_streamed_row_count_and_the_same_prod
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_up_to_the_streamed_count_run_the_native_product(dtype):
-    cpu.load()
+    native_cpu_kernels()
+    reorders_here(dtype)
     torch.manual_seed(0)
     plain = nn.Linear(64, 96, dtype=dtype)
     linear = SmallRowsLinear.of(plain)

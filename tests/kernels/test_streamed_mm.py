@@ -8,15 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu
 from kernels.triton.testing import relative_error
+from tests.kernels.native import native_cpu_kernels
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(scope="module")
 def streamed_mm():
-    cpu.load()
+    native_cpu_kernels()
     return torch.ops.kvmesh_cpu.streamed_mm
 
 
