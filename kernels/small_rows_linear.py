@@ -128,7 +128,8 @@ class SmallRowsLinear(nn.Linear):
         # A static row count (eager, or a graph traced for one row) can stream. A symbolic one
         # (a graph for any batch) does not: testing it would add a guard, and a graph per side
         # of it (an unbacked one cannot be tested at all).
-        if statically_known_true(n <= self.streamed_rows) and not torch.is_grad_enabled():
+        # streamed_rows 0 streams nothing, not even a product of no rows (a prefill chunk that samples none).
+        if self.streamed_rows and statically_known_true(n <= self.streamed_rows) and not torch.is_grad_enabled():
             return torch.ops.kvmesh_cpu.streamed_mm(rows.contiguous(), self.weight, self.bias).view(
                 *x.shape[:-1], self.out_features
             )

@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from kvmesh.launcher.supervisor import MeshError
 from kvmesh.runtime.ports import PORT_RANGE_ENV, free_port, port_slice
@@ -50,9 +51,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # kvmesh's native CPU kernels (kernels/cpu) need AVX-512, as kernels.cpu checks it: without them the
+    # paths that only exist on them (--deterministic on CPU, int8 weights on CPU, streamed rows) are refused.
+    capability = torch.backends.cpu.get_cpu_capability()
+    no_native = pytest.mark.skip(reason=f"needs kvmesh's native CPU kernels (AVX-512); this CPU reports {capability}")
     for item in items:
         if item.nodeid.startswith(PROCESS_FOLDERS):
             item.add_marker(pytest.mark.processes)
+        if capability != "AVX512" and item.get_closest_marker("native_cpu") is not None:
+            item.add_marker(no_native)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -15,6 +15,7 @@ from kvmesh.engine.engine import LLMEngine  # noqa: E402
 from tests.engine.conftest import write_checkpoint  # noqa: E402
 
 
+@pytest.mark.native_cpu
 @pytest.mark.parametrize("head", [False, True])
 def test_int8_weights_count_one_byte_and_the_head_once(tmp_path, head):
     path = write_checkpoint(tmp_path / "m", "qwen3-qknorm-tied")  # tied: the embedding is the head

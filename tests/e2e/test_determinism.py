@@ -103,6 +103,7 @@ async def _complete(gateway, request) -> list[gateway_pb2.GenerateResponse]:
     return await read_into(gateway.Generate(request), [])
 
 
+@pytest.mark.native_cpu
 @pytest.mark.parametrize("kind", sorted(SAMPLING))
 async def test_the_mesh_gives_the_bits_one_engine_gives_alone_batched_or_cached(
     gateway, alone_in_process, kind
@@ -121,6 +122,7 @@ async def test_the_mesh_gives_the_bits_one_engine_gives_alone_batched_or_cached(
     assert again == expected, "after its prefix was cached the request's bits moved"
 
 
+@pytest.mark.native_cpu
 async def test_every_response_names_the_configuration_that_produced_it(deterministic_mesh, gateway, engine_here):
     """system_fingerprint: the decode worker's, over gRPC and HTTP, equal to what the same configuration here says
     (model fingerprint with batch-invariant execution, dtype, kernels, torch, device type)."""
@@ -134,6 +136,7 @@ async def test_every_response_names_the_configuration_that_produced_it(determini
         assert json.load(reply)["system_fingerprint"] == engine_here.system_fingerprint
 
 
+@pytest.mark.native_cpu
 async def test_a_stream_moved_after_its_worker_was_killed_keeps_its_bits(
     deterministic_mesh, gateway, alone_in_process
 ) -> None:
@@ -153,6 +156,7 @@ async def test_a_stream_moved_after_its_worker_was_killed_keeps_its_bits(
     assert len(got) > 3 and _bits(got) == alone_in_process["seeded"], f"the stream moved off {victim} changed"
 
 
+@pytest.mark.native_cpu
 async def test_a_tensor_parallel_float32_mesh_over_grpc_gives_its_degree_s_bits(e2e_model, tmp_path) -> None:
     """The other half of the promise's matrix: float32, prefill and decode each over 2 ranks (the same
     degree on both sides), KV over gRPC (a tensor-parallel worker keeps NIXL off). The mesh gives a request

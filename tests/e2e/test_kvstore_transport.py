@@ -229,6 +229,7 @@ async def test_a_worker_with_another_layout_is_refused_at_the_handshake(start_me
     assert "layout mismatch" in log_of(mesh, "prefill-2")
 
 
+@pytest.mark.native_cpu
 @pytest.mark.parametrize("tier", ["ram", "disk"])
 async def test_deterministic_workers_give_the_same_bits_from_the_kvstore_as_computed_here(
     start_mesh, e2e_model, tmp_path, tier

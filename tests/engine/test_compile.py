@@ -103,6 +103,7 @@ def test_a_compiled_bfloat16_engine_alone_decodes_as_eager(checkpoints):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.native_cpu
 @pytest.mark.parametrize(("floor", "streamed"), [(1, 0), (4, 0), (1, 1), (4, 6)])
 def test_float32_one_sequence_graph_runs_the_one_row_product_calibration_chose(
     checkpoints, monkeypatch, floor, streamed
@@ -135,6 +136,7 @@ def test_float32_one_sequence_graph_runs_the_one_row_product_calibration_chose(
     assert counters["stats"]["unique_graphs"] == graphs  # serving's unmarked rows run the warm-up's graph
 
 
+@pytest.mark.native_cpu
 def test_verify_steps_run_a_graph_of_few_rows_on_streamed_products(checkpoints, monkeypatch):
     """Where the small-row linears stream up to 6 rows, the warm-up builds a graph for 2 to 6
     rows whose products call streamed_mm, between the one-row graph and the batched one (which

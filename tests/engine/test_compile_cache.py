@@ -75,6 +75,7 @@ def filled(model, tmp_path_factory) -> tuple[Path, dict]:
     return root, _result(_start(model, root))
 
 
+@pytest.mark.native_cpu
 def test_a_second_start_loads_the_graphs_the_first_compiled(model, expected, filled) -> None:
     root, cold = filled
     warm = _result(_start(model, root))
@@ -91,6 +92,7 @@ def test_a_second_start_loads_the_graphs_the_first_compiled(model, expected, fil
     assert key["max_lora_rank"] == 16 and key["kv_pool"][2] == 64 and "torch" in key and "kernels" in key
 
 
+@pytest.mark.native_cpu
 def test_another_configuration_never_uses_those_graphs(model, expected, filled, tmp_path) -> None:
     root = shutil.copytree(filled[0], tmp_path / "cache")  # holds the first configuration's graphs
     assert len(_folders(root)) == 1
@@ -101,6 +103,7 @@ def test_another_configuration_never_uses_those_graphs(model, expected, filled, 
     assert len(_folders(root)) == 2
 
 
+@pytest.mark.native_cpu
 def test_workers_starting_at_once_compile_once_and_serve_the_same_tokens(model, expected, tmp_path) -> None:
     first, second = _start(model, tmp_path), _start(model, tmp_path)
     results = [_result(first), _result(second)]

@@ -16,6 +16,7 @@ from kvmesh.engine.engine import LLMEngine
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.native_cpu
 def test_a_start_that_streams_other_rows_compiles_its_own_graphs(checkpoints, monkeypatch, tmp_path):
     from kernels import small_rows_linear
 

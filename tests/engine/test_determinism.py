@@ -69,6 +69,7 @@ def _bits(run: Run) -> tuple:
     return tokens, [(lp.token_id, lp.logprob.hex(), [(t, v.hex()) for t, v in lp.top]) for lp in logprobs]
 
 
+@pytest.mark.native_cpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", sorted(PARAMS))
 def test_a_request_gives_the_same_bits_whatever_its_batch_cache_chunks_or_migration(wide_llama, dtype, kind):
@@ -97,6 +98,7 @@ def test_a_request_gives_the_same_bits_whatever_its_batch_cache_chunks_or_migrat
         assert _bits(run) == _bits(alone), f"{dtype} {kind}: {name} differs from the request alone"
 
 
+@pytest.mark.native_cpu
 def test_without_the_flag_a_batch_moves_the_logprobs(wide_llama):
     """The same comparison with deterministic off: the library GEMMs round a row by its batch."""
     params = PARAMS["greedy"]
@@ -105,6 +107,7 @@ def test_without_the_flag_a_batch_moves_the_logprobs(wide_llama):
     assert _bits(batched) != _bits(alone)
 
 
+@pytest.mark.native_cpu
 def test_deterministic_refuses_what_it_cannot_keep(wide_llama):
     from kvmesh.errors import InvalidArgument
 
@@ -115,6 +118,7 @@ def test_deterministic_refuses_what_it_cannot_keep(wide_llama):
     assert torch.equal(engine.runner.model.head_weight, engine.runner.model.head_proj.weight)
 
 
+@pytest.mark.native_cpu
 def test_system_fingerprint_names_what_decides_the_bits(wide_llama):
     fingerprint = _engine(wide_llama, "float32").system_fingerprint
     assert fingerprint.startswith("fp_")
@@ -124,6 +128,7 @@ def test_system_fingerprint_names_what_decides_the_bits(wide_llama):
     assert _engine(wide_llama, "bfloat16").system_fingerprint != fingerprint
 
 
+@pytest.mark.native_cpu
 @pytest.mark.parametrize("kind", sorted(PARAMS))
 def test_across_two_ranks_a_request_gives_the_same_bits_whatever_its_batch_cache_or_chunks(wide_llama, kind):
     """The same promise at tensor-parallel degree 2 (each rank's products invariant, the all-reduces summed

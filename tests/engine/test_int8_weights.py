@@ -36,6 +36,7 @@ def _greedy(engine: LLMEngine, prompts) -> list[list[int]]:
     ]
 
 
+@pytest.mark.native_cpu
 @pytest.mark.parametrize("arch", ["llama-gqa", "qwen2-bias", "qwen3-qknorm-tied"])
 def test_int8_serves_what_the_int8_channel_checkpoint_does(checkpoints, tmp_path, arch):
     src = checkpoints[arch]
@@ -46,6 +47,7 @@ def test_int8_serves_what_the_int8_channel_checkpoint_does(checkpoints, tmp_path
     assert int8.fingerprint != LLMEngine(src, EngineConfig(num_blocks=64)).fingerprint
 
 
+@pytest.mark.native_cpu
 def test_compiled_int8_decodes_as_eager_and_never_recompiles(checkpoints):
     from torch._dynamo.utils import counters
 
@@ -58,6 +60,7 @@ def test_compiled_int8_decodes_as_eager_and_never_recompiles(checkpoints):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.native_cpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_int8_verify_steps_keep_greedy_output(checkpoints, dtype):
     """A verify multiplies k + 1 rows a sequence; the int8 kernel gives each row what it gets
@@ -78,6 +81,7 @@ def test_int8_verify_steps_keep_greedy_output(checkpoints, dtype):
     assert garbage.stats.draft_tokens_proposed > garbage.stats.draft_tokens_accepted
 
 
+@pytest.mark.native_cpu
 def test_an_int8_lm_head_serves_what_the_checkpoint_with_an_int8_head_does(checkpoints, tmp_path):
     src = checkpoints["llama-gqa"]  # untied: the plan's lm_head is the head alone
     names = [n.rsplit(".", 1)[0] for n, _ in iter_tensors(weight_files(src)) if n.endswith(".weight")]
@@ -89,6 +93,7 @@ def test_an_int8_lm_head_serves_what_the_checkpoint_with_an_int8_head_does(check
     assert int8.fingerprint != without_head.fingerprint
 
 
+@pytest.mark.native_cpu
 def test_a_tied_int8_head_keeps_the_embedding_lookup_and_the_speculation_path(checkpoints):
     from kernels.quantized_linear import QuantizedLinear
     from kvmesh.checkpoint.formats import fake_quantize, get_format

@@ -69,6 +69,7 @@ def test_multi_token_prediction_layers_are_skipped(checkpoints, tmp_path) -> Non
 WIDE = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, kv_lora_rank=64, q_lora_rank=96)
 
 
+@pytest.mark.native_cpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_deterministic_a_request_alone_and_in_a_batch_of_16_are_the_same_bits(tmp_path, dtype) -> None:
     """The absorbed products run per head through invariant_mm, the experts and the attention in their

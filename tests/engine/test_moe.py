@@ -208,6 +208,7 @@ def _target_alone_and_in_a_batch(engine: LLMEngine) -> tuple[tuple, tuple]:
     return run([]), run(OTHERS)
 
 
+@pytest.mark.native_cpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_deterministic_a_request_alone_and_in_a_batch_of_16_are_the_same_bits(tmp_path, dtype) -> None:
     path = write_checkpoint(tmp_path / "wide", "qwen3-moe", **WIDE)

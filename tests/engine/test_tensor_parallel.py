@@ -235,6 +235,7 @@ def _int8_per_rank_reference(src, out, ranks: int, head: bool = False):
     return out
 
 
+@pytest.mark.native_cpu
 def test_quantized_checkpoints_and_int8_weights_across_ranks(checkpoints, tmp_path) -> None:
     """A compressed-tensors checkpoint (every rank dequantizes its slice) gives one rank's tokens and
     logprobs. ``--quantization int8``: each rank quantizes its own slice, so a row-parallel slice's rows
@@ -280,6 +281,7 @@ def test_a_rank_killed_fails_the_step_instead_of_hanging_it(checkpoints, all_red
         engine.close()
 
 
+@pytest.mark.native_cpu
 def test_ranks_in_a_gloo_process_group_give_the_shared_memory_ranks_bits(checkpoints) -> None:
     """``--tp-all-reduce gloo``: the torch.distributed path CUDA ranks take with NCCL, here between CPU processes.
     Two float32 partial sums add up to the same bits in either all-reduce; under ``--deterministic`` the group

@@ -5,6 +5,8 @@ kernel call is interpreted."""
 
 from __future__ import annotations
 
+import pytest
+
 import kernels.triton
 from kernels.invariant_linear import InvariantLinear
 from kvmesh.engine.config import EngineConfig
@@ -30,6 +32,7 @@ def _bits(engine: LLMEngine, others: list[list[int]]) -> tuple:
     return tokens, logprobs
 
 
+@pytest.mark.native_cpu
 def test_a_request_gives_the_same_bits_alone_and_batched_with_chunks(tmp_path) -> None:
     path = write_checkpoint(tmp_path / "llama", "llama-gqa", num_hidden_layers=1)
 

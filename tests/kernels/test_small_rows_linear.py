@@ -219,3 +219,12 @@ def test_a_float32_row_that_streams_keeps_the_one_row_graph_static():
     assert one_row_runs_reordered(model)
     model[0].streamed_rows = 1  # ... but the streamed product wins it over both
     assert not one_row_runs_reordered(model)
+
+
+def test_no_rows_take_the_plain_product_when_nothing_streams():
+    # A prefill chunk that samples no row hands the head zero rows; with no streamed rows (no native
+    # kernels on this CPU, or a calibration that chose none) that must not call streamed_mm.
+    linear = SmallRowsLinear.of(nn.Linear(8, 4))
+    assert linear.streamed_rows == 0
+    with torch.inference_mode():
+        assert linear(torch.randn(0, 8)).shape == (0, 4)

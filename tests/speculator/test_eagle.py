@@ -162,6 +162,7 @@ def test_a_head_drafts_from_a_target_split_over_two_ranks(target, layered_head):
         two.close()
 
 
+@pytest.mark.native_cpu
 def test_under_deterministic_serving_every_source_keeps_the_bits_of_no_speculation(target, layered_head):
     """--deterministic: the same token ids and logprobs, bit for bit, with EAGLE, n-gram or merged drafts as
     without speculation, greedy and seeded (a sampled verify row keeps plain decoding's draw)."""
