@@ -28,6 +28,9 @@ import json
 from typing import Any
 
 from services.gateway.tool_calls.format import CallPolicy, ParsedCall, Piece, openai_call_id
+from services.gateway.tool_calls.json_calls import call_of, load, partial_mark
+from services.gateway.tool_calls.layout import Layout
+from services.gateway.tool_calls.tags import call_tags, separated
 
 BEGIN = "<tool_call>"
 END = "</tool_call>"
@@ -46,24 +49,10 @@ class HermesFormat:
     name = "hermes"
 
     def structural_tag(self, policy: CallPolicy) -> dict[str, Any]:
-        tags = [
-            {
-                "type": "tag",
-                "begin": call_prefix(tool.name),
-                "content": {"type": "json_schema", "json_schema": tool.parameters},
-                "end": CALL_SUFFIX,
-            }
-            for tool in policy.tools
-        ]
+        tags = call_tags(policy.tools, call_prefix, CALL_SUFFIX)
         if policy.required:
             # Calls only, one after another.
-            fmt = {
-                "type": "tags_with_separator",
-                "tags": tags,
-                "separator": SEPARATOR,
-                "at_least_one": True,
-                "stop_after_first": policy.single,
-            }
+            fmt = separated(tags, SEPARATOR, policy.single)
         else:
             # Free text until the model writes <tool_call>; from there on, a valid call.
             fmt = {"type": "triggered_tags", "triggers": [BEGIN], "tags": tags, "stop_after_first": policy.single}
@@ -80,7 +69,7 @@ class HermesParser:
     def __init__(self) -> None:
         self._pending = ""  # output not yet read: a possible start of BEGIN, or an open call's body so far
         self._in_call = False
-        self._layout = _Layout()
+        self._layout = Layout()
 
     def feed(self, text: str) -> list[Piece]:
         self._pending += text
@@ -97,7 +86,7 @@ class HermesParser:
             else:
                 start = self._pending.find(BEGIN)
                 if start < 0:
-                    held = _partial_marker(self._pending)
+                    held = partial_mark(self._pending, (BEGIN,))
                     cut = len(self._pending) - held
                     pieces += self._layout.text(self._pending[:cut])
                     self._pending = self._pending[cut:]
@@ -114,56 +103,4 @@ class HermesParser:
 
 def parse_call(body: str) -> ParsedCall | None:
     """A call block's body as a call; None unless it is ``{"name": <string>, "arguments": <object>}``."""
-    try:
-        # strict=False: a raw control character inside a string (which xgrammar's length-bounded strings
-        # let a model write) is read as itself; the arguments are re-serialized with it escaped.
-        value = json.loads(body, strict=False)
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or set(value) != {"name", "arguments"}:
-        return None
-    name, arguments = value["name"], value["arguments"]
-    if not isinstance(name, str) or not name or not isinstance(arguments, dict):
-        return None
-    return ParsedCall(name, json.dumps(arguments, ensure_ascii=False))
-
-
-def _partial_marker(text: str) -> int:
-    """The length of the longest end of ``text`` that BEGIN starts with (0: none)."""
-    for n in range(min(len(text), len(BEGIN) - 1), 0, -1):
-        if BEGIN.startswith(text[-n:]):
-            return n
-    return 0
-
-
-class _Layout:
-    """Drops the whitespace around calls, which lays them out rather than says anything.
-
-    Trailing whitespace of content is held until more content follows (then it
-    is sent) or a call does (then it is dropped); whitespace right after a call
-    is dropped. A reply without calls comes out unchanged.
-    """
-
-    def __init__(self) -> None:
-        self._held = ""
-        self._after_call = False
-
-    def text(self, text: str) -> list[Piece]:
-        if self._after_call:
-            text = text.lstrip()
-            if not text:
-                return []
-            self._after_call = False
-        text = self._held + text
-        body = text.rstrip()
-        self._held = text[len(body) :]
-        return [body] if body else []
-
-    def call(self, call: ParsedCall) -> list[Piece]:
-        self._held = ""
-        self._after_call = True
-        return [call]
-
-    def flush(self) -> list[Piece]:
-        held, self._held = self._held, ""
-        return [held] if held else []
+    return call_of(load(body), ("arguments",))

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from services.gateway.tool_calls.format import ParsedCall, Piece
+from services.gateway.tool_calls.layout import Layout
 
 # What a complete JSON value says as calls; None: not calls (the text stays content).
 Reader = Callable[[Any], list[ParsedCall] | None]
@@ -31,7 +32,7 @@ class JsonCallParser:
         self._markers = markers
         self._starts = starts
         self._read = read
-        self._layout = _Layout(separator)
+        self._layout = Layout(separator)
         self._state = _TEXT
         self._pending = ""  # text not yet decided (in _VALUE: the value so far, from its first bracket)
         self._markup = ""  # the marker (and whitespace) before the value being read
@@ -85,7 +86,7 @@ class JsonCallParser:
         found = [(i, m, True) for m in self._markers if (i := self._pending.find(m)) >= 0]
         found += [(i, s, False) for s in self._starts if (i := self._pending.find(s)) >= 0]
         if not found:
-            held = self._partial()
+            held = partial_mark(self._pending, self._markers + self._starts)
             cut = len(self._pending) - held
             pieces += self._layout.text(self._pending[:cut])
             self._pending = self._pending[cut:]
@@ -99,16 +100,6 @@ class JsonCallParser:
         else:
             self._start_value()
         return True
-
-    def _partial(self) -> int:
-        """The length of the longest end of the pending text that a marker or start begins with."""
-        longest = 0
-        for s in self._markers + self._starts:
-            for n in range(min(len(self._pending), len(s) - 1), longest, -1):
-                if s.startswith(self._pending[-n:]):
-                    longest = n
-                    break
-        return longest
 
     def _start_value(self) -> None:
         self._state = _VALUE
@@ -138,12 +129,30 @@ class JsonCallParser:
         return -1
 
     def _calls(self, value_text: str) -> list[ParsedCall] | None:
-        try:
-            # strict=False: a raw control character inside a string is read as itself (see hermes).
-            value = json.loads(value_text, strict=False)
-        except ValueError:
-            return None
-        return self._read(value)
+        value = load(value_text)
+        return None if value is None else self._read(value)
+
+
+def partial_mark(text: str, marks: tuple[str, ...]) -> int:
+    """The length of the longest end of ``text`` that one of ``marks`` begins with (0: none): held back,
+    since the next chunk may complete the mark."""
+    longest = 0
+    for mark in marks:
+        for n in range(min(len(text), len(mark) - 1), longest, -1):
+            if mark.startswith(text[-n:]):
+                longest = n
+                break
+    return longest
+
+
+def load(text: str) -> Any:
+    """The JSON value ``text`` spells; None if it spells none (or null, which is no call either)."""
+    try:
+        # strict=False: a raw control character inside a string (which xgrammar's length-bounded strings
+        # let a model write) is read as itself; the arguments are re-serialized with it escaped.
+        return json.loads(text, strict=False)
+    except ValueError:
+        return None
 
 
 def call_of(value: Any, arguments_keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> ParsedCall | None:
@@ -156,36 +165,3 @@ def call_of(value: Any, arguments_keys: tuple[str, ...], optional: tuple[str, ..
     if set(value) - {"name", keys[0], *optional} or any(not isinstance(value[k], str) for k in optional if k in value):
         return None
     return ParsedCall(value["name"], json.dumps(value[keys[0]], ensure_ascii=False))
-
-
-class _Layout:
-    """Drops whitespace around calls, and one separator (with its whitespace) right after a call."""
-
-    def __init__(self, separator: str) -> None:
-        self._separator = separator.strip()
-        self._held = ""  # trailing whitespace of content: sent when content follows, dropped when a call does
-        self._after_call = False
-        self._separated = False  # the separator after the last call was dropped
-
-    def text(self, text: str) -> list[Piece]:
-        if self._after_call:
-            text = text.lstrip()
-            if self._separator and not self._separated and text.startswith(self._separator):
-                self._separated = True
-                text = text[len(self._separator) :].lstrip()
-            if not text:
-                return []
-            self._after_call = False
-        text = self._held + text
-        body = text.rstrip()
-        self._held = text[len(body) :]
-        return [body] if body else []
-
-    def call(self, call: ParsedCall) -> list[Piece]:
-        self._held = ""
-        self._after_call, self._separated = True, False
-        return [call]
-
-    def flush(self) -> list[Piece]:
-        held, self._held = self._held, ""
-        return [held] if held else []

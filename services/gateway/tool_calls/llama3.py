@@ -30,6 +30,7 @@ from typing import Any
 
 from services.gateway.tool_calls.format import CallPolicy, ParsedCall, openai_call_id
 from services.gateway.tool_calls.json_calls import JsonCallParser, call_of
+from services.gateway.tool_calls.tags import call_tags, separated
 
 PYTHON_TAG = "<|python_tag|>"
 CALL_START = '{"name": '
@@ -48,21 +49,15 @@ class Llama3JsonFormat:
     name = "llama3_json"
 
     def structural_tag(self, policy: CallPolicy) -> dict[str, Any]:
-        tags = [_tag(call_prefix(tool.name), tool.parameters) for tool in policy.tools]
+        tags = call_tags(policy.tools, call_prefix, CALL_SUFFIX)
         if policy.required:
-            calls = {
-                "type": "tags_with_separator",
-                "tags": tags,
-                "separator": SEPARATOR,
-                "at_least_one": True,
-                "stop_after_first": policy.single,
-            }
+            calls = separated(tags, SEPARATOR, policy.single)
             optional_tag = {"type": "optional", "content": {"type": "const_string", "value": PYTHON_TAG}}
             fmt: dict[str, Any] = {"type": "sequence", "elements": [optional_tag, calls]}
         else:
             # Free text until the model starts a call; from there on, a valid call. A call may follow
             # <|python_tag|>: the same tags once more, with it in front.
-            tagged = [_tag(PYTHON_TAG + call_prefix(tool.name), tool.parameters) for tool in policy.tools]
+            tagged = call_tags(policy.tools, lambda name: PYTHON_TAG + call_prefix(name), CALL_SUFFIX)
             fmt = {
                 "type": "triggered_tags",
                 "triggers": [CALL_START, PYTHON_TAG],
@@ -76,11 +71,6 @@ class Llama3JsonFormat:
 
     def new_call_id(self) -> str:
         return openai_call_id()
-
-
-def _tag(begin: str, schema: dict[str, Any]) -> dict[str, Any]:
-    content = {"type": "json_schema", "json_schema": schema}
-    return {"type": "tag", "begin": begin, "content": content, "end": CALL_SUFFIX}
 
 
 def read_calls(value: Any) -> list[ParsedCall] | None:

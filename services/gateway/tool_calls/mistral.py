@@ -33,6 +33,7 @@ from typing import Any
 
 from services.gateway.tool_calls.format import CallPolicy, ParsedCall
 from services.gateway.tool_calls.json_calls import JsonCallParser, call_of
+from services.gateway.tool_calls.tags import call_tags, separated
 
 MARKER = "[TOOL_CALLS]"
 LIST_START = '[{"name":'
@@ -53,22 +54,8 @@ class MistralFormat:
     name = "mistral"
 
     def structural_tag(self, policy: CallPolicy) -> dict[str, Any]:
-        tags = [
-            {
-                "type": "tag",
-                "begin": call_prefix(tool.name),
-                "content": {"type": "json_schema", "json_schema": tool.parameters},
-                "end": CALL_SUFFIX,
-            }
-            for tool in policy.tools
-        ]
-        calls = {
-            "type": "tags_with_separator",
-            "tags": tags,
-            "separator": SEPARATOR,
-            "at_least_one": True,
-            "stop_after_first": policy.single,
-        }
+        tags = call_tags(policy.tools, call_prefix, CALL_SUFFIX)
+        calls = separated(tags, SEPARATOR, policy.single)
         lists = [{"type": "tag", "begin": MARKER + gap + "[", "content": calls, "end": "]"} for gap in (" ", "")]
         if policy.required:
             fmt: dict[str, Any] = {"type": "or", "elements": lists}
