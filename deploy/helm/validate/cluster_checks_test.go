@@ -181,26 +181,37 @@ func (c *checker) pdbs() {
 	}
 }
 
+// scaledTarget is the rendered workload kind/name that an autoscaler (where) scales, checked
+// to be a prefill or decode one that leaves replicas to the autoscaler (counter: whose count a helm
+// upgrade would reset); nil, reported, when no such workload is rendered.
+func (c *checker) scaledTarget(where, kind, name, counter string) *Workload {
+	var target *Workload
+	for i, w := range c.r.Workloads {
+		if w.Kind == kind && w.Name == name {
+			target = &c.r.Workloads[i]
+		}
+	}
+	if target == nil {
+		c.errorf("%s: scales %s/%s, which is not rendered", where, kind, name)
+		return nil
+	}
+	if k := component(target.Template); k != "prefill" && k != "decode" {
+		c.errorf("%s: scales %s; only prefill and decode autoscale", where, k)
+	}
+	if target.Replicas != nil {
+		c.errorf("%s: %s also sets replicas, so every helm upgrade resets %s count", where, target.Name, counter)
+	}
+	return target
+}
+
 // An HPA scales a rendered workload that leaves replicas to it, on per-pod
 // metrics, scaling down slowly (a new pod spends minutes loading the model).
 func (c *checker) hpas() {
 	for _, h := range c.r.HPAs {
 		where := "HorizontalPodAutoscaler/" + h.Name
-		var target *Workload
-		for i, w := range c.r.Workloads {
-			if w.Kind == h.Spec.ScaleTargetRef.Kind && w.Name == h.Spec.ScaleTargetRef.Name {
-				target = &c.r.Workloads[i]
-			}
-		}
-		if target == nil {
-			c.errorf("%s: scales %s/%s, which is not rendered", where, h.Spec.ScaleTargetRef.Kind, h.Spec.ScaleTargetRef.Name)
+		ref := h.Spec.ScaleTargetRef
+		if c.scaledTarget(where, ref.Kind, ref.Name, "the HPA's") == nil {
 			continue
-		}
-		if s := component(target.Template); s != "prefill" && s != "decode" {
-			c.errorf("%s: scales %s; only prefill and decode autoscale", where, s)
-		}
-		if target.Replicas != nil {
-			c.errorf("%s: %s also sets replicas, so every helm upgrade resets the HPA's count", where, target.Name)
 		}
 		if len(h.Spec.Metrics) == 0 {
 			c.errorf("%s: no metrics", where)

@@ -49,21 +49,10 @@ func (c *checker) scaledObjects() {
 	}
 	for _, s := range c.r.ScaledObjects {
 		where := "ScaledObject/" + s.Name
-		var target *Workload
-		for i, w := range c.r.Workloads {
-			if w.Kind == s.Spec.ScaleTargetRef.Kind && w.Name == s.Spec.ScaleTargetRef.Name {
-				target = &c.r.Workloads[i]
-			}
-		}
+		ref := s.Spec.ScaleTargetRef
+		target := c.scaledTarget(where, ref.Kind, ref.Name, "KEDA's")
 		if target == nil {
-			c.errorf("%s: scales %s/%s, which is not rendered", where, s.Spec.ScaleTargetRef.Kind, s.Spec.ScaleTargetRef.Name)
 			continue
-		}
-		if k := component(target.Template); k != "prefill" && k != "decode" {
-			c.errorf("%s: scales %s; only prefill and decode autoscale", where, k)
-		}
-		if target.Replicas != nil {
-			c.errorf("%s: %s also sets replicas, so every helm upgrade resets KEDA's count", where, target.Name)
 		}
 		if hpa[target.Name] {
 			c.errorf("%s: an HPA of the chart's also scales %s", where, target.Name)
