@@ -70,33 +70,6 @@ async def test_a_text_response_format_sets_no_grammar(model) -> None:
     assert sent_grammar(mesh) is None
 
 
-async def test_calls_in_the_reply_are_the_messages_tool_calls_and_stream_as_deltas(roomy) -> None:
-    mesh = scripted(CALLS_REPLY)
-    async with http_gateway(roomy, mesh) as served:
-        client = served.client()
-        whole = await client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS)
-        stream = await client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, stream=True)
-        chunks = [c async for c in stream]
-
-    [choice] = whole.choices
-    assert choice.finish_reason == "tool_calls" and choice.message.content == "On it."
-    calls = choice.message.tool_calls
-    assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
-        ("function", "get_weather", {"city": "Paris"}),
-        ("function", "get_weather", {"city": "Rome"}),
-    ]
-    assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
-
-    deltas = [c.choices[0].delta for c in chunks]
-    assert "".join(d.content or "" for d in deltas) == choice.message.content
-    streamed = [t for d in deltas for t in d.tool_calls or ()]
-    assert [t.index for t in streamed] == [0, 1]
-    assert [(t.function.name, t.function.arguments) for t in streamed] == [
-        (c.function.name, c.function.arguments) for c in calls
-    ]
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
-
-
 async def test_a_reply_of_calls_only_has_null_content(roomy) -> None:
     mesh = scripted(["", CALLS_REPLY[1].removesuffix("\n<tool"), "", ""])
     async with http_gateway(roomy, mesh) as served:
@@ -144,8 +117,9 @@ async def test_tools_tool_choice_and_earlier_calls_reach_the_core(roomy) -> None
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
 
 
-# The same two calls as CALLS_REPLY, in the other formats, cut across the fake decode stream's messages.
+# Two calls after some content, in each format, cut across the fake decode stream's messages.
 FORMAT_REPLIES = {
+    "hermes": CALLS_REPLY,
     "llama3_json": [
         "On it.\n",
         '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"na',
@@ -159,6 +133,8 @@ FORMAT_REPLIES = {
         '{"city": "Rome"}}]',
     ],
 }
+# The text that starts a call under tool_choice auto, first of each format's triggers.
+TRIGGERS = {"hermes": "<tool_call>", "llama3_json": '{"name": ', "mistral": "[TOOL_CALLS]"}
 # Mistral-7B-Instruct-v0.3's template, the part that renders earlier calls and results (it refuses other ids).
 MISTRAL_TEMPLATE = """{%- for message in messages %}
 {%- if message.role == "user" %}{{- "[INST] " + message.content + "[/INST]" }}
@@ -183,7 +159,7 @@ MISTRAL_TEMPLATE = """{%- for message in messages %}
 {%- endfor %}"""
 
 
-@pytest.mark.parametrize("fmt", ["llama3_json", "mistral"])
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "mistral"])
 async def test_calls_in_each_format_are_the_messages_tool_calls_and_stream_as_deltas(roomy, fmt) -> None:
     mesh = scripted(FORMAT_REPLIES[fmt])
     async with http_gateway(roomy, mesh, tool_call_format=FORMATS[fmt]) as served:
@@ -210,9 +186,7 @@ async def test_calls_in_each_format_are_the_messages_tool_calls_and_stream_as_de
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     # The format's grammar went to the workers.
     tag = json.loads(sent_grammar(mesh).source)["format"]
-    assert tag["type"] == "triggered_tags" and tag["triggers"][0] == (
-        '{"name": ' if fmt == "llama3_json" else "[TOOL_CALLS]"
-    )
+    assert tag["type"] == "triggered_tags" and tag["triggers"][0] == TRIGGERS[fmt]
 
 
 async def test_mistral_call_ids_go_back_through_mistrals_template(roomy) -> None:

@@ -12,11 +12,10 @@ import xgrammar as xgr
 
 from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.models.chatml import CHAT_TEMPLATE
-from kvmesh.structured.grammar import build as build_grammar
 from kvmesh.structured.spec import GrammarSpec
 from services.gateway.tool_calls import FORMATS, chosen_format, format_for
-from services.gateway.tool_calls.format import ParsedCall, Piece
-from services.gateway.tool_calls.request import tool_use
+from services.gateway.tool_calls.format import ParsedCall
+from tests.gateway.tool_helpers import AUTO, NAMED, REQUIRED, accepts, read_reply, splits, tool_grammar
 
 WEATHER = {
     "type": "object",
@@ -29,10 +28,6 @@ TOOLS = [
     gateway_pb2.Tool(name="get_weather", description="Weather forecast", parameters_json=json.dumps(WEATHER)),
     gateway_pb2.Tool(name="get_time", parameters_json=json.dumps(TIME)),
 ]
-AUTO = gateway_pb2.ToolChoice(mode=gateway_pb2.TOOL_CHOICE_MODE_AUTO)
-REQUIRED = gateway_pb2.ToolChoice(mode=gateway_pb2.TOOL_CHOICE_MODE_REQUIRED)
-NAMED = gateway_pb2.ToolChoice(function_name="get_time")
-
 PARIS_ARGS = {"city": "Paris", "days": 3}
 CET_ARGS = {"zone": "CET"}
 PARIS_CALL = ParsedCall("get_weather", '{"city": "Paris", "days": 3}')
@@ -50,33 +45,11 @@ def mistral(*calls: tuple[str, dict], marker: str = "[TOOL_CALLS] ") -> str:
 
 
 def grammar(fmt: str, choice: gateway_pb2.ToolChoice | None = None, parallel: bool | None = None) -> GrammarSpec:
-    request = gateway_pb2.ChatRequest(tools=TOOLS, tool_choice=choice)
-    if parallel is not None:
-        request.parallel_tool_calls = parallel
-    use = tool_use(request, FORMATS[fmt])
-    assert use is not None
-    return use.grammar
-
-
-def accepts(spec: GrammarSpec, text: str) -> bool:
-    """Whether the whole of ``text`` is a complete output under ``spec`` (no tokenizer: strings only)."""
-    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([]), cache_enabled=False).compile_grammar(build_grammar(spec))
-    matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
-    return matcher.accept_string(text) and matcher.is_terminated()
+    return tool_grammar(fmt, TOOLS, choice, parallel)
 
 
 def parse(fmt: str, chunks: list[str]) -> tuple[str, list[ParsedCall]]:
-    parser = FORMATS[fmt].parser()
-    pieces: list[Piece] = []
-    for c in chunks:
-        pieces += parser.feed(c)
-    pieces += parser.finish()
-    return "".join(p for p in pieces if isinstance(p, str)), [p for p in pieces if isinstance(p, ParsedCall)]
-
-
-def splits(text: str, rng: random.Random) -> list[str]:
-    cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 12))))
-    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    return read_reply(FORMATS[fmt].parser(), chunks)
 
 
 # -- Llama 3.x JSON -------------------------------------------------------------

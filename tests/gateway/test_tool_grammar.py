@@ -9,11 +9,11 @@ import pytest
 import xgrammar as xgr
 
 from kvmesh.api.gateway.v1 import gateway_pb2
-from kvmesh.structured.grammar import build as build_grammar
 from kvmesh.structured.spec import GrammarSpec
 from services.gateway.tool_calls import FORMATS
 from services.gateway.tool_calls.hermes import CALL_SUFFIX, HermesParser, call_prefix
 from services.gateway.tool_calls.request import tool_use
+from tests.gateway.tool_helpers import AUTO, NAMED, REQUIRED, accepts, tool_grammar
 
 WEATHER = {
     "type": "object",
@@ -40,24 +40,9 @@ CET = call("get_time", {"zone": "CET"})
 
 
 def grammar(choice: gateway_pb2.ToolChoice | None = None, parallel: bool | None = None) -> GrammarSpec:
-    request = gateway_pb2.ChatRequest(tools=TOOLS, tool_choice=choice)
-    if parallel is not None:
-        request.parallel_tool_calls = parallel
-    use = tool_use(request, FORMATS["hermes"])
-    assert use is not None
-    return use.grammar
+    return tool_grammar("hermes", TOOLS, choice, parallel)
 
 
-def accepts(spec: GrammarSpec, text: str) -> bool:
-    """Whether the whole of ``text`` is a complete output under ``spec`` (no tokenizer: strings only)."""
-    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([]), cache_enabled=False).compile_grammar(build_grammar(spec))
-    matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
-    return matcher.accept_string(text) and matcher.is_terminated()
-
-
-AUTO = gateway_pb2.ToolChoice(mode=gateway_pb2.TOOL_CHOICE_MODE_AUTO)
-REQUIRED = gateway_pb2.ToolChoice(mode=gateway_pb2.TOOL_CHOICE_MODE_REQUIRED)
-NAMED = gateway_pb2.ToolChoice(function_name="get_time")
 BAD_CALLS = [
     call("get_stock", {"ticker": "X"}),  # an undeclared tool
     call("get_weather", {"city": "Paris"}),  # a required argument missing

@@ -7,8 +7,9 @@ import random
 
 import pytest
 
-from services.gateway.tool_calls.format import ParsedCall, Piece
+from services.gateway.tool_calls.format import ParsedCall
 from services.gateway.tool_calls.hermes import CALL_SUFFIX, HermesParser, call_prefix
+from tests.gateway.tool_helpers import read_reply, splits
 
 
 def call(name: str, arguments: dict) -> str:
@@ -17,18 +18,7 @@ def call(name: str, arguments: dict) -> str:
 
 
 def parse(chunks: list[str]) -> tuple[str, list[ParsedCall]]:
-    """The content and calls of a reply fed in ``chunks``."""
-    parser = HermesParser()
-    pieces: list[Piece] = []
-    for c in chunks:
-        pieces += parser.feed(c)
-    pieces += parser.finish()
-    return "".join(p for p in pieces if isinstance(p, str)), [p for p in pieces if isinstance(p, ParsedCall)]
-
-
-def splits(text: str, rng: random.Random) -> list[str]:
-    cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 12))))
-    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    return read_reply(HermesParser(), chunks)
 
 
 WEATHER = call("get_weather", {"city": "Paris", "days": 3})

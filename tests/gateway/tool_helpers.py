@@ -1,0 +1,57 @@
+"""What the tool-call format tests share: the grammar a request's tools compile to, whether it takes a
+text, and a reply read back by a parser chunk by chunk."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import xgrammar as xgr
+
+from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.structured.grammar import build as build_grammar
+from kvmesh.structured.spec import GrammarSpec
+from services.gateway.tool_calls import FORMATS
+from services.gateway.tool_calls.format import ParsedCall, Piece, ToolCallParser
+from services.gateway.tool_calls.request import tool_use
+
+AUTO = gateway_pb2.ToolChoice(mode=gateway_pb2.TOOL_CHOICE_MODE_AUTO)
+REQUIRED = gateway_pb2.ToolChoice(mode=gateway_pb2.TOOL_CHOICE_MODE_REQUIRED)
+NAMED = gateway_pb2.ToolChoice(function_name="get_time")
+
+
+def tool_grammar(
+    fmt: str,
+    tools: Sequence[gateway_pb2.Tool],
+    choice: gateway_pb2.ToolChoice | None = None,
+    parallel: bool | None = None,
+) -> GrammarSpec:
+    """The grammar a chat request with ``tools`` gets in format ``fmt``."""
+    request = gateway_pb2.ChatRequest(tools=tools, tool_choice=choice)
+    if parallel is not None:
+        request.parallel_tool_calls = parallel
+    use = tool_use(request, FORMATS[fmt])
+    assert use is not None
+    return use.grammar
+
+
+def accepts(spec: GrammarSpec, text: str) -> bool:
+    """Whether the whole of ``text`` is a complete output under ``spec`` (no tokenizer: strings only)."""
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([]), cache_enabled=False).compile_grammar(build_grammar(spec))
+    matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+    return matcher.accept_string(text) and matcher.is_terminated()
+
+
+def read_reply(parser: ToolCallParser, chunks: list[str]) -> tuple[str, list[ParsedCall]]:
+    """The content and calls of a reply fed to ``parser`` in ``chunks``."""
+    pieces: list[Piece] = []
+    for c in chunks:
+        pieces += parser.feed(c)
+    pieces += parser.finish()
+    return "".join(p for p in pieces if isinstance(p, str)), [p for p in pieces if isinstance(p, ParsedCall)]
+
+
+def splits(text: str, rng: random.Random) -> list[str]:
+    """``text`` cut at up to 12 random places."""
+    cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 12))))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
