@@ -10,24 +10,11 @@ import re
 import pytest
 import xgrammar as xgr
 
-from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.models.chatml import CHAT_TEMPLATE
-from kvmesh.structured.spec import GrammarSpec
 from services.gateway.tool_calls import FORMATS, chosen_format, format_for
 from services.gateway.tool_calls.format import ParsedCall
-from tests.gateway.tool_helpers import AUTO, NAMED, REQUIRED, accepts, read_reply, splits, tool_grammar
+from tests.gateway.tool_helpers import AUTO, NAMED, REQUIRED, accepts, grammar, read_reply, splits
 
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 20}, "days": {"type": "integer", "minimum": 1}},
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}
-TOOLS = [
-    gateway_pb2.Tool(name="get_weather", description="Weather forecast", parameters_json=json.dumps(WEATHER)),
-    gateway_pb2.Tool(name="get_time", parameters_json=json.dumps(TIME)),
-]
 PARIS_ARGS = {"city": "Paris", "days": 3}
 CET_ARGS = {"zone": "CET"}
 PARIS_CALL = ParsedCall("get_weather", '{"city": "Paris", "days": 3}')
@@ -42,10 +29,6 @@ def llama(name: str, arguments: dict) -> str:
 def mistral(*calls: tuple[str, dict], marker: str = "[TOOL_CALLS] ") -> str:
     """Calls as Mistral-7B-Instruct-v0.3's template renders them (without the ids it appends)."""
     return marker + json.dumps([{"name": n, "arguments": a} for n, a in calls], ensure_ascii=False)
-
-
-def grammar(fmt: str, choice: gateway_pb2.ToolChoice | None = None, parallel: bool | None = None) -> GrammarSpec:
-    return tool_grammar(fmt, TOOLS, choice, parallel)
 
 
 def parse(fmt: str, chunks: list[str]) -> tuple[str, list[ParsedCall]]:

@@ -13,22 +13,8 @@ from kvmesh.structured.spec import GrammarSpec
 from services.gateway.tool_calls import FORMATS
 from services.gateway.tool_calls.hermes import CALL_SUFFIX, HermesParser, call_prefix
 from services.gateway.tool_calls.request import tool_use
-from tests.gateway.tool_helpers import AUTO, NAMED, REQUIRED, accepts, tool_grammar
-
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 20},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}
-TOOLS = [
-    gateway_pb2.Tool(name="get_weather", description="Weather forecast", parameters_json=json.dumps(WEATHER)),
-    gateway_pb2.Tool(name="get_time", parameters_json=json.dumps(TIME)),
-]
+from tests.gateway.tool_helpers import AUTO, NAMED, REQUIRED, TOOLS, WEATHER, accepts
+from tests.gateway.tool_helpers import grammar as tool_grammar
 
 
 def call(name: str, arguments: dict) -> str:
@@ -40,7 +26,7 @@ CET = call("get_time", {"zone": "CET"})
 
 
 def grammar(choice: gateway_pb2.ToolChoice | None = None, parallel: bool | None = None) -> GrammarSpec:
-    return tool_grammar("hermes", TOOLS, choice, parallel)
+    return tool_grammar("hermes", choice, parallel)
 
 
 BAD_CALLS = [

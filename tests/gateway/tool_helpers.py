@@ -3,8 +3,8 @@ text, and a reply read back by a parser chunk by chunk."""
 
 from __future__ import annotations
 
+import json
 import random
-from collections.abc import Sequence
 
 import xgrammar as xgr
 
@@ -15,19 +15,29 @@ from services.gateway.tool_calls import FORMATS
 from services.gateway.tool_calls.format import ParsedCall, Piece, ToolCallParser
 from services.gateway.tool_calls.request import tool_use
 
+# Two tools: one whose arguments have required fields, bounds and no extras; one with an enum.
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}
+TOOLS = [
+    gateway_pb2.Tool(name="get_weather", description="Weather forecast", parameters_json=json.dumps(WEATHER)),
+    gateway_pb2.Tool(name="get_time", parameters_json=json.dumps(TIME)),
+]
 AUTO = gateway_pb2.ToolChoice(mode=gateway_pb2.TOOL_CHOICE_MODE_AUTO)
 REQUIRED = gateway_pb2.ToolChoice(mode=gateway_pb2.TOOL_CHOICE_MODE_REQUIRED)
 NAMED = gateway_pb2.ToolChoice(function_name="get_time")
 
 
-def tool_grammar(
-    fmt: str,
-    tools: Sequence[gateway_pb2.Tool],
-    choice: gateway_pb2.ToolChoice | None = None,
-    parallel: bool | None = None,
-) -> GrammarSpec:
-    """The grammar a chat request with ``tools`` gets in format ``fmt``."""
-    request = gateway_pb2.ChatRequest(tools=tools, tool_choice=choice)
+def grammar(fmt: str, choice: gateway_pb2.ToolChoice | None = None, parallel: bool | None = None) -> GrammarSpec:
+    """The grammar a chat request with TOOLS gets in format ``fmt``."""
+    request = gateway_pb2.ChatRequest(tools=TOOLS, tool_choice=choice)
     if parallel is not None:
         request.parallel_tool_calls = parallel
     use = tool_use(request, FORMATS[fmt])
